@@ -1,0 +1,134 @@
+"""ContextParallelConfig: the CP settings of a run, with Megatron-LM's field names.
+
+Every rule is checked in ``__post_init__`` (or in :func:`check_seq_len`, which the data path
+calls), so a bad configuration raises before any process group or collective exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""The ``cp_comm_type`` values of Transformer Engine and Megatron-LM."""
+
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+"""Tensor layouts: s = sequence, b = batch, h = heads, d = head dim, t = packed tokens."""
+
+
+def comm_types_per_layer(cp_comm_type: str | list[str], num_layers: int | None) -> list[str] | None:
+    """Expand ``cp_comm_type`` to one entry per layer (``None`` when the layer count is unknown).
+
+    Raises:
+        ValueError: a per-layer list whose length is not ``num_layers``.
+    """
+    if isinstance(cp_comm_type, str):
+        return None if num_layers is None else [cp_comm_type] * num_layers
+    if num_layers is not None and len(cp_comm_type) != num_layers:
+        raise ValueError(
+            f"cp_comm_type has {len(cp_comm_type)} entries but the model has num_layers={num_layers}; "
+            "a per-layer cp_comm_type list needs exactly one entry per layer"
+        )
+    return list(cp_comm_type)
+
+
+@dataclass
+class ContextParallelConfig:
+    """Context-parallel settings (field names as in Megatron-LM's ``TransformerConfig``)."""
+
+    context_parallel_size: int = 1
+    """Number of ranks one sequence is split over (the CP group size)."""
+
+    cp_comm_type: str | list[str] = "p2p"
+    """Communication pattern of attention: one of ``CP_COMM_TYPES``, or a list with one entry per layer."""
+
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """Sizes of the CP levels, inner (adjacent ranks, a2a) first; required by ``"a2a+p2p"``."""
+
+    backend: str = "local"
+    """Handler backend name, as registered with ``register_cp_handler``."""
+
+    qkv_format: str = "bshd"
+    """Layout of q, k, v given to attention: ``"sbhd"``, ``"bshd"`` or ``"thd"``."""
+
+    num_layers: int | None = field(default=None)
+    """Number of transformer layers, when known: checks the length of a per-layer ``cp_comm_type``."""
+
+    def __post_init__(self) -> None:
+        self._check_size()
+        self._check_comm_types()
+        self._check_hierarchy()
+        if self.qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format={self.qkv_format!r} is not one of {QKV_FORMATS}")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ValueError(f"backend={self.backend!r} must be a non-empty backend name")
+
+    def _check_size(self) -> None:
+        size = self.context_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"context_parallel_size={size!r} must be an integer >= 1")
+
+    def _check_comm_types(self) -> None:
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        if not types:
+            raise ValueError("cp_comm_type=[] must name at least one communication type")
+        for comm_type in types:
+            if comm_type not in CP_COMM_TYPES:
+                raise ValueError(
+                    f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}"
+                )
+        comm_types_per_layer(self.cp_comm_type, self.num_layers)
+
+    def _check_hierarchy(self) -> None:
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is None:
+            if "a2a+p2p" in self.comm_types:
+                raise ValueError(
+                    "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[a2a_size, p2p_size] "
+                    f"whose product is context_parallel_size={self.context_parallel_size}"
+                )
+            return
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={sizes!r} must be a non-empty list of integers >= 1"
+            )
+        if math.prod(sizes) != self.context_parallel_size:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
+                f"context_parallel_size={self.context_parallel_size}; their product must be equal"
+            )
+
+    @property
+    def comm_types(self) -> list[str]:
+        """The distinct communication types this config uses."""
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else self.cp_comm_type
+        return sorted(set(types))
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Check that a batch of ``seq_len`` tokens can be split over the CP group.
+
+        Raises:
+            ValueError: see :func:`check_seq_len`.
+        """
+        check_seq_len(seq_len, self.context_parallel_size, self.qkv_format)
+
+
+def check_seq_len(seq_len: int, context_parallel_size: int, qkv_format: str = "bshd") -> None:
+    """Check the zigzag (DualChunkSwap) rule: bshd/sbhd sequences split into ``2 * cp`` equal chunks.
+
+    For ``thd`` the handler pads each document itself, so only ``seq_len >= 1`` is required.
+
+    Raises:
+        ValueError: ``seq_len`` < 1, or (bshd/sbhd) not divisible by ``2 * context_parallel_size``.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len} must be >= 1")
+    if qkv_format == "thd" or context_parallel_size == 1:
+        return
+    chunks = 2 * context_parallel_size
+    if seq_len % chunks:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by 2 * context_parallel_size = {chunks}: the zigzag "
+            f"layout splits every sequence into 2*cp equal chunks (qkv_format={qkv_format!r}); "
+            f"use e.g. seq_len={(seq_len // chunks + 1) * chunks}"
+        )

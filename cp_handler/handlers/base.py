@@ -1,0 +1,102 @@
+"""ContextParallelHandler: the contract between a model and a context-parallel strategy.
+
+A handler is built per batch (as Megatron-LM builds ``PackedSeqParams``) with keyword arguments,
+holds the CP process group(s) and the batch's sequence metadata, and is the only way a model
+touches context parallelism. ``cp_group=None`` (or a group of size 1) means cp=1: every method is
+the identity or plain attention, so one model file runs alone and context-parallel.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from ..config import CP_COMM_TYPES, QKV_FORMATS
+
+ATTN_MASK_TYPES = ("causal", "no_mask")
+"""Mask types of ``core_attn`` (Transformer Engine's names)."""
+
+
+class ContextParallelHandler(ABC):
+    """Abstract CP strategy. Subclasses implement the seven methods below.
+
+    Args:
+        cp_group: the CP process group; ``None`` means cp=1.
+        qkv_format: layout of q, k, v given to :meth:`core_attn` (``"bshd"``, ``"sbhd"``, ``"thd"``).
+        cp_comm_type: one of ``CP_COMM_TYPES``, or a list with one entry per layer (indexed by the
+            attention module's 1-based ``layer_number``, as in Megatron-LM).
+
+    Raises:
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``.
+    """
+
+    def __init__(
+        self,
+        *,
+        cp_group: dist.ProcessGroup | None = None,
+        qkv_format: str = "bshd",
+        cp_comm_type: str | list[str] = "p2p",
+    ):
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
+        types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+        for comm_type in types:
+            if comm_type not in CP_COMM_TYPES:
+                raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        self.cp_group = cp_group
+        self.qkv_format = qkv_format
+        self.cp_comm_type = cp_comm_type
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+
+    def comm_type_for(self, attn_mod: torch.nn.Module | None) -> str:
+        """The ``cp_comm_type`` of the layer that ``attn_mod`` belongs to."""
+        if isinstance(self.cp_comm_type, str):
+            return self.cp_comm_type
+        layer_number = getattr(attn_mod, "layer_number", None)
+        if layer_number is None or not 1 <= layer_number <= len(self.cp_comm_type):
+            raise ValueError(
+                f"per-layer cp_comm_type has {len(self.cp_comm_type)} entries; the attention module "
+                f"must carry a 1-based layer_number in that range, got {layer_number!r}"
+            )
+        return self.cp_comm_type[layer_number - 1]
+
+    @abstractmethod
+    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Global tensor -> this rank's shard along ``seq_dim``. Backward returns the gradient in
+        the global layout (zero outside this rank's tokens; sum over the group for the total)."""
+
+    @abstractmethod
+    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Local shard -> global tensor in original token order (inverse of :meth:`dispatch`)."""
+
+    @abstractmethod
+    def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.roll`` in global token order across ranks; wrapped-around positions are zero.
+        Returns ``(rolled, rolled.sum())`` (local sum) as Megatron-LM's ``roll_tensor`` does."""
+
+    @abstractmethod
+    def get_rotary_seq_len(self, local_seq_len: int) -> int:
+        """Number of rows the rotary table needs for this batch (from the live group)."""
+
+    @abstractmethod
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        """Rows of a per-position table ``emb (S_global, ...)`` for this rank's local tokens."""
+
+    @abstractmethod
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """RoPE at the global positions of the local tokens; ``freqs`` from :meth:`get_emb_on_this_cp_rank`."""
+
+    @abstractmethod
+    def core_attn(
+        self,
+        attn_mod: torch.nn.Module,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask_type: str = "causal",
+    ) -> torch.Tensor:
+        """Attention of the local queries over the whole sequence; output shaped like ``q``."""

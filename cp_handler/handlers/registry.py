@@ -1,0 +1,64 @@
+"""The one factory: ``get_cp_handler_cls(backend, cp_comm_type)``, and ``register_cp_handler``.
+
+A new backend is a subclass of :class:`ContextParallelHandler` plus one ``register_cp_handler``
+call, from any package; no edit to models or to this file.
+"""
+
+from __future__ import annotations
+
+from ..config import CP_COMM_TYPES
+from .base import ContextParallelHandler
+
+_REGISTRY: dict[tuple[str, str], type[ContextParallelHandler]] = {}
+
+
+def register_cp_handler(
+    backend: str, cls: type[ContextParallelHandler], comm_types: tuple[str, ...] | list[str] = CP_COMM_TYPES
+) -> type[ContextParallelHandler]:
+    """Register ``cls`` as the handler of ``backend`` for each of ``comm_types``; returns ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a ContextParallelHandler subclass.
+        ValueError: an unknown comm type.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ContextParallelHandler)):
+        raise TypeError(f"register_cp_handler needs a ContextParallelHandler subclass, got {cls!r}")
+    for comm_type in comm_types:
+        if comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        _REGISTRY[(backend, comm_type)] = cls
+    return cls
+
+
+def registered_backends() -> list[str]:
+    """Names of every registered backend."""
+    return sorted({backend for backend, _ in _REGISTRY})
+
+
+def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[ContextParallelHandler]:
+    """The handler class for ``backend`` and ``cp_comm_type`` (one value, or one entry per layer).
+
+    For a per-layer list, the class registered for every entry must be one class, or one class
+    that derives from all the others (it then serves every layer).
+
+    Raises:
+        ValueError: unknown backend (lists the registered ones), or a comm type it does not support.
+    """
+    if backend not in registered_backends():
+        raise ValueError(f"backend={backend!r} is not registered; registered backends: {registered_backends()}")
+    types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+    classes = []
+    for comm_type in types:
+        if (backend, comm_type) not in _REGISTRY:
+            supported = sorted(c for b, c in _REGISTRY if b == backend)
+            raise ValueError(
+                f"backend={backend!r} has no handler for cp_comm_type={comm_type!r}; it supports {supported}"
+            )
+        classes.append(_REGISTRY[(backend, comm_type)])
+    for candidate in classes:
+        if all(issubclass(candidate, other) for other in classes):
+            return candidate
+    raise ValueError(
+        f"cp_comm_type={types} needs handlers {sorted({c.__name__ for c in classes})} of backend={backend!r}, "
+        "and none of them serves every layer"
+    )

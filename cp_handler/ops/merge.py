@@ -1,0 +1,36 @@
+"""Log-sum-exp merge of partial attention outputs.
+
+Two attentions of the same queries over disjoint key sets, ``(o1, lse1)`` and ``(o2, lse2)``,
+combine into the attention over the union:
+
+    lse = lse1 + log(1 + exp(lse2 - lse1)) = lse1 - logsigmoid(lse1 - lse2)
+    out = o1 * sigmoid(lse1 - lse2) + o2 * sigmoid(lse2 - lse1) = o1 - sigmoid(lse2 - lse1) * (o1 - o2)
+
+The sigmoid/logsigmoid form never exponentiates a large number, so it is stable for any lse gap
+(the form used by ring-flash-attn and Transformer Engine). Accumulators are float32 (float64 for
+float64 inputs): merging in bf16 loses digits at every ring step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for inputs of ``dtype``: float64 stays, everything else is float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def merge_attn_out_(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Merge ``(block_out (B,H,S,D), block_lse (B,H,S))`` into the accumulators, in place.
+
+    ``out`` (B,H,S,D) and ``lse`` (B,H,S) are in :func:`acc_dtype` and may be views (row slices)
+    of larger accumulators. Not differentiable: called inside autograd.Function forwards.
+    """
+    block_lse = block_lse.to(lse.dtype)
+    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
+    out.sub_(weight * (out - block_out.to(out.dtype)))
+    lse.sub_(F.logsigmoid(lse - block_lse))

@@ -1,0 +1,135 @@
+"""Llama-style GPT (RMSNorm, RoPE, GQA, SwiGLU) written for one device.
+
+Context parallelism enters only through the ``cp_handler`` argument of ``forward``: the model
+calls its methods for RoPE and attention and never imports ``torch.distributed`` or reads a CP
+size. Without a handler it builds a cp=1 one and runs alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cp_handler import ContextParallelHandler, LocalContextParallelHandler
+from cp_handler.rope import rotary_freqs
+
+
+@dataclass
+class GPTConfig:
+    """Model shape (field names as in Megatron-LM where it has one)."""
+
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """Number of KV heads (GQA); equal to ``num_attention_heads`` for MHA."""
+    ffn_hidden_size: int = 352
+    kv_channels: int | None = None
+    """Head dim; default ``hidden_size // num_attention_heads``."""
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size={self.hidden_size} must be divisible by num_attention_heads="
+                    f"{self.num_attention_heads} (or set kv_channels)"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_query_groups={self.num_query_groups} (GQA)"
+            )
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention; ``core_attn`` of the handler does the (context-parallel) attention."""
+
+    def __init__(self, config: GPTConfig, layer_number: int):
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, selects a per-layer cp_comm_type
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_query_groups
+        self.head_dim = config.kv_channels
+        self.softmax_scale = self.head_dim**-0.5
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (B, S, H, D)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q = cp_handler.apply_rotary_pos_emb(q, freqs)
+        k = cp_handler.apply_rotary_pos_emb(k, freqs)
+        out = cp_handler.core_attn(self, q, k, v, attn_mask_type="causal")  # (B, S, H, D)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: GPTConfig, layer_number: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+        self.self_attn = SelfAttention(config, layer_number)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, freqs, cp_handler):
+        x = x + self.self_attn(self.input_layernorm(x), freqs, cp_handler)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTModel(nn.Module):
+    """Decoder-only LM. ``forward(input_ids (B, S_local) int64, cp_handler) -> logits (B, S_local, V)``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(TransformerLayer(config, i + 1) for i in range(config.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.init_method_std)
+
+    def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None) -> torch.Tensor:
+        handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
+        rotary_len = handler.get_rotary_seq_len(input_ids.shape[1])
+        freqs = rotary_freqs(rotary_len, self.config.kv_channels, self.config.rotary_base, input_ids.device)
+        freqs = handler.get_emb_on_this_cp_rank(freqs)  # (S_local, D) angles of the local tokens
+        x = self.embed_tokens(input_ids)  # (B, S_local, hidden)
+        for layer in self.layers:
+            x = layer(x, freqs, handler)
+        return self.lm_head(self.norm(x))  # (B, S_local, V)
+
+    @classmethod
+    def from_hf_llama(cls, hf_model) -> GPTModel:
+        """Build from a Hugging Face ``LlamaForCausalLM`` (see :mod:`models.hf_llama`)."""
+        from .hf_llama import gpt_from_hf_llama
+
+        return gpt_from_hf_llama(cls, hf_model)

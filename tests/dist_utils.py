@@ -1,0 +1,42 @@
+"""Run a function on N spawned CPU ranks (gloo). One helper for every multi-rank test.
+
+``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each rank with
+the default process group initialised. An exception in any rank fails the test with that rank's
+traceback; the other ranks are terminated (``torch.multiprocessing.spawn``), and a collective that
+waits on a dead peer times out after ``TIMEOUT`` instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; raise if any rank fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+
+
+def new_cp_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
+    """A CP group over ``ranks`` (default: all), distinct from the default group."""
+    return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())))
