@@ -1,0 +1,103 @@
+"""Flags of ``cp-train`` and every rule between them, checked before any rank starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from models import GPTConfig
+
+from ..config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
+from ..groups import check_world_divisible
+from ..handlers import get_cp_handler_cls
+from .data import VOCAB_SIZE
+
+DTYPES = ("float32", "bfloat16")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cp-train",
+        description="Train the reference GPT context-parallel on real text (byte-level tokens). "
+        "Spawns --nproc ranks itself, or runs as one rank under torchrun.",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
+    g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
+    g.add_argument("--backend", default="local", help="handler backend (default: local)")
+    g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", nargs="*", default=None, help="files or folders (default: the Python stdlib sources)")
+    g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
+    g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global)")
+    g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
+    g = p.add_argument_group("model")
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--num-heads", type=int, default=4)
+    g.add_argument("--num-kv-heads", type=int, default=2)
+    g.add_argument("--ffn-hidden-size", type=int, default=352)
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=50)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--check-parity", action="store_true",
+                   help="also train the same steps on one process and fail unless the loss curves agree")
+    g.add_argument("--metrics-out", default=None, help="write JSON metrics (config, per-step loss, tokens/s, memory)")
+    return p
+
+
+def world_size_from(args: argparse.Namespace) -> int:
+    """The run's world size: ``WORLD_SIZE`` under torchrun, else ``--nproc`` (default 1)."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc or 1
+
+
+def comm_type_arg(text: str) -> str | list[str]:
+    parts = [t.strip() for t in text.split(",")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def validate(args: argparse.Namespace) -> ContextParallelConfig:
+    """Check every rule; returns the CP config. Raises ValueError naming the flag and the rule."""
+    world = world_size_from(args)
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
+    for flag in ("steps", "batch_size", "seq_len", "num_layers", "hidden_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    cp_size = args.cp_size or world
+    check_world_divisible(world, cp_size)
+    config = ContextParallelConfig(
+        context_parallel_size=cp_size,
+        cp_comm_type=comm_type_arg(args.cp_comm_type),
+        backend=args.backend,
+        qkv_format="bshd",
+        num_layers=args.num_layers,
+    )
+    check_seq_len(args.seq_len, cp_size, "bshd")
+    get_cp_handler_cls(config.backend, config.cp_comm_type)
+    model_config(args)
+    return config
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The reference GPT's shape from the flags (byte-level vocabulary). Raises ValueError."""
+    return GPTConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
+        ffn_hidden_size=args.ffn_hidden_size, rotary_base=args.rotary_base,
+    )
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, ContextParallelConfig]:
+    """Parse and validate; a broken rule exits with status 2 and ``cp-train: error: <rule>``."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = validate(args)
+    except ValueError as err:
+        raise SystemExit(f"cp-train: error: {err}") from None
+    return args, config

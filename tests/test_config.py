@@ -1,0 +1,50 @@
+"""Every validation rule of ContextParallelConfig raises a ValueError naming field, value and rule."""
+
+import pytest
+
+from cp_handler import ContextParallelConfig, check_seq_len, get_cp_handler_cls
+
+
+def test_valid_config_round_trip():
+    cfg = ContextParallelConfig(context_parallel_size=4, cp_comm_type=["p2p", "p2p"], num_layers=2)
+    assert cfg.comm_types == ["p2p"]
+    ContextParallelConfig(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"cp_comm_type": "ring"}, r"cp_comm_type='ring'.*valid: \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\)"),
+        ({"context_parallel_size": 0}, r"context_parallel_size=0 must be an integer >= 1"),
+        ({"context_parallel_size": 2.0}, r"context_parallel_size=2.0"),
+        ({"context_parallel_size": 4, "cp_comm_type": "a2a+p2p"}, r"needs hierarchical_context_parallel_sizes"),
+        (
+            {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 3]},
+            r"multiply to 6, but context_parallel_size=4",
+        ),
+        ({"hierarchical_context_parallel_sizes": [1, 0]}, r"integers >= 1"),
+        ({"cp_comm_type": ["p2p", "p2p", "p2p"], "num_layers": 2}, r"3 entries but the model has num_layers=2"),
+        ({"cp_comm_type": []}, r"at least one"),
+        ({"qkv_format": "bhsd"}, r"qkv_format='bhsd'"),
+    ],
+)
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ContextParallelConfig(**kwargs)
+
+
+def test_seq_len_rule():
+    check_seq_len(1000, 1)
+    check_seq_len(1024, 4)
+    check_seq_len(1001, 2, "thd")  # thd pads per document
+    with pytest.raises(ValueError, match=r"seq_len=1001 is not divisible by 2 \* context_parallel_size = 4"):
+        ContextParallelConfig(context_parallel_size=2).check_seq_len(1001)
+    with pytest.raises(ValueError, match="seq_len=0"):
+        check_seq_len(0, 1)
+
+
+def test_factory_errors():
+    with pytest.raises(ValueError, match=r"backend='nope' is not registered; registered backends: \[.*'local'"):
+        get_cp_handler_cls("nope", "p2p")
+    with pytest.raises(ValueError, match=r"cp_comm_type='a2a'.*supports \['p2p'\]"):
+        get_cp_handler_cls("local", "a2a")
