@@ -46,13 +46,11 @@ def _ring_worker(rank, world):
         q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
         out, lse = ring_attn(q_l, k_l, v_l, group=group, causal=causal, scale=head_dim**-0.5)
         out.backward(shard(dout))
-        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q_l.grad, k_l.grad, v_l.grad),
-                                   expected):
-            torch.testing.assert_close(
-                got, shard(want), atol=tol, rtol=tol,
-                msg=lambda m, n=name: f"{n} (cp={world}, causal={causal}, heads={heads}/{kv_heads}, "
-                f"d={head_dim}): {m}",
-            )
+        case = f"cp={world}, causal={causal}, heads={heads}/{kv_heads}, d={head_dim}"
+        results = (out, lse, q_l.grad, k_l.grad, v_l.grad)
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results, expected, strict=True):
+            torch.testing.assert_close(got, shard(want), atol=tol, rtol=tol,
+                                       msg=lambda m, n=name, c=case: f"{n} ({c}): {m}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

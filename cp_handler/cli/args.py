@@ -22,7 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Spawns --nproc ranks itself, or runs as one rank under torchrun.",
     )
     g = p.add_argument_group("parallelism")
-    g.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
     g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
     g.add_argument("--backend", default="local", help="handler backend (default: local)")
     g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")

@@ -86,7 +86,7 @@ def check_parity(args, records: list[dict], global_batch: int, device) -> dict:
     handler_cls = get_cp_handler_cls(args.backend, comm_type_arg(args.cp_comm_type))
     reference = train_steps(model, args, load_batches(args), lambda: handler_cls(cp_group=None),
                             global_batch, slice(None), None, 1.0, device, progress=False)
-    rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records, reference)]
+    rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records, reference, strict=True)]
     result = {"rtol": PARITY_RTOL[args.dtype], "max_rel_diff": max(rel),
               "reference_loss": [r["loss"] for r in reference], "passed": max(rel) <= PARITY_RTOL[args.dtype]}
     verdict = "passed" if result["passed"] else "FAILED"

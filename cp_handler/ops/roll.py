@@ -42,7 +42,7 @@ def zigzag_roll_local(x: torch.Tensor, shift: int, seq_dim: int, group: dist.Pro
         if 0 <= consumer < 2 * cp and zigzag_chunk_owner(consumer, cp)[0] != rank:
             sends.append((_boundary(halves[half], shift), zigzag_chunk_owner(consumer, cp)[0], consumer))
     exchange(group, sends, recvs).wait()
-    rolled = [_roll_chunk(h, inc, shift) for h, inc in zip(halves, incoming)]
+    rolled = [_roll_chunk(h, inc, shift) for h, inc in zip(halves, incoming, strict=True)]
     return torch.cat(rolled).movedim(0, seq_dim)
 
 

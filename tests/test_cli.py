@@ -1,0 +1,57 @@
+"""cp-train end to end: parity with one process, flag rules, a crashed rank stops the run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--steps", "6", "--seq-len", "128", "--hidden-size", "64", "--ffn-hidden-size", "128",
+         "--max-corpus-bytes", "2000000"]
+
+
+def cp_train(*flags, env=None, timeout=240):
+    return subprocess.run(
+        [sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2", "--cp-size", "2"], ["--nproc", "4", "--cp-size", "2"]])
+def test_check_parity_passes_and_metrics_written(tmp_path, layout):
+    out = tmp_path / "metrics.json"
+    result = cp_train(*layout, *SMALL, "--check-parity", "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+    metrics = json.loads(out.read_text())
+    assert metrics["cp_size"] == 2 and metrics["world_size"] == int(layout[1])
+    assert len(metrics["steps"]) == 6 and metrics["parity"]["passed"]
+    assert len(metrics["peak_memory_bytes_per_rank"]) == metrics["world_size"]
+    assert metrics["steps"][-1]["loss"] < metrics["steps"][0]["loss"]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc", "2", "--seq-len", "1001"], "seq_len=1001 is not divisible by 2 * context_parallel_size = 4"),
+        (["--nproc", "3", "--cp-size", "2"], "world size 3 is not a multiple of context_parallel_size=2"),
+        (["--nproc", "2", "--cp-comm-type", "ring"], "cp_comm_type='ring' is not a valid communication type"),
+        (["--nproc", "2", "--backend", "nope"], "backend='nope' is not registered"),
+        (["--nproc", "2", "--num-heads", "3"], "hidden_size=128 must be divisible by num_attention_heads=3"),
+        (["--nproc", "2", "--cp-comm-type", "p2p,p2p,p2p"],
+         "cp_comm_type has 3 entries but the model has num_layers=2"),
+    ],
+)
+def test_bad_flags_exit_before_training(flags, message):
+    result = cp_train(*flags, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "cp-train: world" not in result.stderr  # no rank was started
+
+
+def test_crashed_rank_stops_every_rank():
+    result = cp_train("--nproc", "2", *SMALL, env={"CP_TRAIN_FAIL_RANK": "1"}, timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 failed; all ranks stopped" in result.stderr
+    assert "injected failure on rank 1" in result.stderr

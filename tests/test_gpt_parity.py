@@ -1,0 +1,129 @@
+"""Reference GPT: loss and every parameter gradient at cp=2 and cp=4 equal the cp=1 run.
+
+Also registers a new backend from outside the package (a contiguous-layout, all-gather handler
+written here) and runs the unchanged model with it: the contract is all the model needs.
+
+Tolerance (float32): loss rtol 1e-6; gradients atol 1e-6 + rtol 1e-4. The CP run reorders
+float32 sums (ring merges, cross-rank gradient all-reduce, token-count reduction); measured
+differences are ~1e-8 absolute on gradients of size ~1e-3..1e-1, so the bounds leave >10x
+headroom while an off-by-one position or a missing token changes gradients by >1e-3.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import new_cp_group, run_distributed
+
+from cp_handler import ContextParallelHandler, get_cp_handler_cls, register_cp_handler
+from cp_handler.ops.seq_gather import all_gather_seq
+from cp_handler.rope import apply_rotary
+from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
+from models import GPTConfig, GPTModel
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather along dim 2; backward reduce-scatters (every rank's queries used every K/V)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None
+
+
+class ContiguousAllGatherHandler(ContextParallelHandler):
+    """A deliberately different strategy: rank r holds the r-th contiguous block; attention
+    all-gathers K/V (autograd reduce-scatters dK/dV) and masks by global position."""
+
+    def _positions(self, local_len, device=None):
+        return torch.arange(self.cp_rank * local_len, (self.cp_rank + 1) * local_len, device=device)
+
+    def dispatch(self, tensor, seq_dim):
+        local = tensor.shape[seq_dim] // self.cp_size
+        return tensor.narrow(seq_dim, self.cp_rank * local, local)
+
+    def combine(self, tensor, seq_dim):
+        return tensor if self.cp_size == 1 else all_gather_seq(tensor, seq_dim, self.cp_group)
+
+    def roll_tensor(self, tensor, shifts=-1, dims=-1):
+        full = torch.roll(self.combine(tensor, dims), shifts, dims)
+        n = full.shape[dims]
+        full.narrow(dims, n + shifts if shifts < 0 else 0, abs(shifts)).zero_()
+        rolled = self.dispatch(full, dims)
+        return rolled, rolled.sum()
+
+    def get_rotary_seq_len(self, local_seq_len):
+        return local_seq_len * self.cp_size
+
+    def get_emb_on_this_cp_rank(self, emb):
+        return self.dispatch(emb, 0)
+
+    def apply_rotary_pos_emb(self, t, freqs):
+        return apply_rotary(t, freqs, self.qkv_format)
+
+    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type="causal"):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        if self.cp_size > 1:
+            k, v = _GatherKV.apply(k, self.cp_group), _GatherKV.apply(v, self.cp_group)
+        q_pos = self._positions(q.shape[2], q.device)
+        mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn_mod.softmax_scale, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+register_cp_handler("contiguous_allgather", ContiguousAllGatherHandler, ["all_gather"])
+
+CONFIG = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                   ffn_hidden_size=128)
+
+
+def loss_and_grads(config, handler, tokens, group):
+    """Token-weighted loss of one step and every parameter gradient, summed over ``group``."""
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+    loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
+    loss = loss / global_token_count(loss_mask, group)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    loss = loss.detach()
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+        for g in grads.values():
+            dist.all_reduce(g, group=group)
+    return loss, grads
+
+
+def assert_parity(got, want, label):
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=0, msg=lambda m: f"{label} loss: {m}")
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"{label} grad {n}: {m}")
+
+
+def _gpt_worker(rank, world):
+    group = new_cp_group()
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7))
+    for config in (CONFIG, GPTConfig(**{**vars(CONFIG), "tie_word_embeddings": True, "num_query_groups": 4})):
+        local_cls = get_cp_handler_cls("local", "p2p")
+        reference = loss_and_grads(config, local_cls(cp_group=None), tokens, None)
+        assert_parity(loss_and_grads(config, local_cls(cp_group=group), tokens, group), reference, "local p2p")
+    custom_cls = get_cp_handler_cls("contiguous_allgather", "all_gather")
+    reference = loss_and_grads(CONFIG, custom_cls(cp_group=None, cp_comm_type="all_gather"), tokens, None)
+    custom = loss_and_grads(CONFIG, custom_cls(cp_group=group, cp_comm_type="all_gather"), tokens, group)
+    assert_parity(custom, reference, "custom backend")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_loss_and_grads_match_cp1(world):
+    run_distributed(_gpt_worker, world)
