@@ -8,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 train: setup
-	cp-train --nproc $(NPROC) --cp-size $(NPROC) --cp-comm-type p2p --seq-len 512 --steps 60 \
+	cp-train --nproc $(NPROC) --cp-size $(NPROC) --cp-comm-type p2p --seq-len 512 --batch-size 4 --steps 120 \
 		--metrics-out runs/train_metrics.json
 
 test: setup

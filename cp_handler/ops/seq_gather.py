@@ -11,13 +11,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_single
+
 
 def all_gather_seq_raw(x: torch.Tensor, seq_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Non-differentiable gather of ``x`` along ``seq_dim`` over ``group`` (rank-major order)."""
     size = dist.get_world_size(group)
     front = x.movedim(seq_dim, 0).contiguous()
     out = torch.empty((size * front.shape[0], *front.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, seq_dim)
 
 
