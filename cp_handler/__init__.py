@@ -9,8 +9,10 @@ methods (see DESIGN.md):
 """
 
 from .config import CP_COMM_TYPES, QKV_FORMATS, ContextParallelConfig, check_seq_len
+from .groups import DataContextParallelGroups, build_dp_cp_groups
 from .handlers import (
     ContextParallelHandler,
+    HierarchicalContextParallelHandler,
     LocalContextParallelHandler,
     ZigzagContextParallelHandler,
     get_cp_handler_cls,
@@ -22,7 +24,10 @@ __all__ = [
     "CP_COMM_TYPES",
     "QKV_FORMATS",
     "ContextParallelConfig",
+    "DataContextParallelGroups",
+    "build_dp_cp_groups",
     "ContextParallelHandler",
+    "HierarchicalContextParallelHandler",
     "LocalContextParallelHandler",
     "ZigzagContextParallelHandler",
     "check_seq_len",

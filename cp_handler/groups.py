@@ -6,10 +6,14 @@ the ranks of one CP group are adjacent (on one node, when they fit).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger("cp_handler")
 
 
 @dataclass
@@ -19,6 +23,8 @@ class DataContextParallelGroups:
     mesh: DeviceMesh
     cp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    hierarchical_cp_groups: list[dist.ProcessGroup] = field(default_factory=list)
+    """This rank's group at each hierarchical CP level, inner (adjacent ranks) first; empty if flat."""
 
     @property
     def cp_size(self) -> int:
@@ -46,17 +52,62 @@ def check_world_divisible(world_size: int, context_parallel_size: int) -> None:
         )
 
 
-def build_dp_cp_groups(context_parallel_size: int, device_type: str = "cpu") -> DataContextParallelGroups:
-    """Split the default group's ranks into ``world / cp`` data-parallel replicas of CP groups.
+def hierarchical_level_ranks(world_size: int, sizes: list[int]) -> list[list[list[int]]]:
+    """For each level (inner first), the rank lists of its groups, with CP levels laid out inside
+    data-parallel replicas: level 0 varies fastest (adjacent ranks), the last level slowest.
 
-    Needs an initialised default process group.
+    Pure arithmetic (no processes), for logs and tests; the groups are built by DeviceMesh.
+    """
+    check_world_divisible(world_size, math.prod(sizes))
+    levels = []
+    for level, size in enumerate(sizes):
+        stride = math.prod(sizes[:level])
+        groups = []
+        for base in range(world_size):
+            if (base // stride) % size == 0:
+                groups.append([base + i * stride for i in range(size)])
+        levels.append(sorted(groups))
+    return levels
+
+
+def _build_hierarchy(sizes: list[int], context_parallel_size: int, device_type: str) -> list[dist.ProcessGroup]:
+    if math.prod(sizes) != context_parallel_size:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
+            f"context_parallel_size={context_parallel_size}; their product must be equal"
+        )
+    world = dist.get_world_size()
+    names = [f"cp_level_{level}" for level in reversed(range(len(sizes)))]
+    mesh = init_device_mesh(device_type, (world // context_parallel_size, *reversed(sizes)),
+                            mesh_dim_names=("dp", *names))
+    if dist.get_rank() == 0:
+        levels = hierarchical_level_ranks(world, sizes)
+        described = "; ".join(f"level {i} (size {sizes[i]}): {ranks}" for i, ranks in enumerate(levels))
+        logger.info("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS %s", described)
+    return [mesh.get_group(f"cp_level_{level}") for level in range(len(sizes))]
+
+
+def build_dp_cp_groups(
+    context_parallel_size: int,
+    device_type: str = "cpu",
+    hierarchical_context_parallel_sizes: list[int] | None = None,
+) -> DataContextParallelGroups:
+    """Split the default group's ranks into ``world / cp`` data-parallel replicas of CP groups,
+    and, with ``hierarchical_context_parallel_sizes`` (any number of levels, inner first, product
+    = cp), the groups of each level; rank 0 logs them as ``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``.
+
+    Needs an initialised default process group; every rank must call it.
 
     Raises:
-        ValueError: world size not a multiple of ``context_parallel_size`` (before any collective).
+        ValueError: world size not a multiple of ``context_parallel_size``, or level sizes whose
+            product is not ``context_parallel_size`` (before any collective).
     """
     world = dist.get_world_size()
     check_world_divisible(world, context_parallel_size)
     mesh = init_device_mesh(
         device_type, (world // context_parallel_size, context_parallel_size), mesh_dim_names=("dp", "cp")
     )
-    return DataContextParallelGroups(mesh, mesh.get_group("cp"), mesh.get_group("dp"))
+    levels = []
+    if hierarchical_context_parallel_sizes is not None:
+        levels = _build_hierarchy(list(hierarchical_context_parallel_sizes), context_parallel_size, device_type)
+    return DataContextParallelGroups(mesh, mesh.get_group("cp"), mesh.get_group("dp"), levels)

@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
     g.add_argument("--backend", default="local", help="handler backend (default: local)")
     g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
+    g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
+                   help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first: e.g. 2 2")
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="*", default=None, help="files or folders (default: the Python stdlib sources)")
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
@@ -75,6 +77,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),
+        hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes,
         backend=args.backend,
         qkv_format="bshd",
         num_layers=args.num_layers,

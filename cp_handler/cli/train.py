@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import sys
@@ -96,6 +97,16 @@ def check_parity(args, records: list[dict], global_batch: int, device) -> dict:
     return result
 
 
+def _log_to_stderr() -> None:
+    """Show cp_handler's INFO logs (group layouts) on stderr."""
+    log = logging.getLogger("cp_handler")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def _inject_failure(rank: int) -> None:
     """Fault injection for tests: CP_TRAIN_FAIL_RANK=r makes rank r raise before training."""
     if os.environ.get("CP_TRAIN_FAIL_RANK") == str(rank):
@@ -110,6 +121,7 @@ def worker(args: argparse.Namespace, cp_config: ContextParallelConfig) -> dict |
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    _log_to_stderr()
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     try:
         return _train_rank(args, cp_config, device)
@@ -119,12 +131,14 @@ def worker(args: argparse.Namespace, cp_config: ContextParallelConfig) -> dict |
 
 def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = build_dp_cp_groups(cp_config.context_parallel_size, device.type)
+    groups = build_dp_cp_groups(cp_config.context_parallel_size, device.type,
+                                cp_config.hierarchical_context_parallel_sizes)
     _inject_failure(rank)
     model = build_model(args, device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     handler_cls = get_cp_handler_cls(cp_config.backend, cp_config.cp_comm_type)
-    make_handler = lambda: handler_cls(cp_group=groups.cp_group, qkv_format="bshd", cp_comm_type=cp_config.cp_comm_type)
+    make_handler = lambda: handler_cls(cp_group=groups.cp_group, qkv_format="bshd", cp_comm_type=cp_config.cp_comm_type,
+                                       hierarchical_cp_groups=groups.hierarchical_cp_groups)
     rows = slice(groups.dp_rank * args.batch_size, (groups.dp_rank + 1) * args.batch_size)
     if rank == 0:
         print(f"cp-train: world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {cp_config.backend}, "

@@ -27,6 +27,8 @@ class ContextParallelHandler(ABC):
         qkv_format: layout of q, k, v given to :meth:`core_attn` (``"bshd"``, ``"sbhd"``, ``"thd"``).
         cp_comm_type: one of ``CP_COMM_TYPES``, or a list with one entry per layer (indexed by the
             attention module's 1-based ``layer_number``, as in Megatron-LM).
+        hierarchical_cp_groups: this rank's group at each hierarchical CP level, inner first
+            (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
 
     Raises:
         ValueError: unknown ``qkv_format`` or ``cp_comm_type``.
@@ -38,6 +40,7 @@ class ContextParallelHandler(ABC):
         cp_group: dist.ProcessGroup | None = None,
         qkv_format: str = "bshd",
         cp_comm_type: str | list[str] = "p2p",
+        hierarchical_cp_groups: list[dist.ProcessGroup] | None = None,
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
@@ -48,6 +51,7 @@ class ContextParallelHandler(ABC):
         self.cp_group = cp_group
         self.qkv_format = qkv_format
         self.cp_comm_type = cp_comm_type
+        self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
 

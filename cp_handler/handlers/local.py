@@ -1,17 +1,19 @@
-"""Pure-torch context-parallel handler (CPU and CUDA): zigzag layout, attention algorithms in ops/."""
+"""Pure-torch context-parallel handlers (CPU and CUDA): zigzag layout, attention algorithms in ops/."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import CP_COMM_TYPES
+from ..ops.all_gather import all_gather_attn
 from ..ops.ring import ring_attn
+from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
 from .zigzag import ZigzagContextParallelHandler
-
-ATTN_ALGORITHMS = {"p2p": ring_attn}
-"""``cp_comm_type`` -> differentiable attention ``f(q, k, v, *, group, causal, scale) -> (out, lse)``
-on ``(B, H, S_local, D)`` tensors."""
 
 
 def to_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
@@ -41,14 +43,16 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 class LocalContextParallelHandler(ZigzagContextParallelHandler):
-    """Pure-torch CP handler.
+    """Pure-torch CP handler for ``cp_comm_type`` ``"p2p"``, ``"all_gather"`` and ``"a2a"``.
 
     ``core_attn`` takes q ``(B, S_local, H, D)`` (bshd) or ``(S_local, B, H, D)`` (sbhd) and k, v
     with ``Hkv`` heads (``H % Hkv == 0``), in any float dtype, and returns the attention output
-    shaped like q. At cp=1 it is ``F.scaled_dot_product_attention``.
+    shaped like q. At cp=1 it is ``F.scaled_dot_product_attention``. Algorithms: ring
+    (:mod:`~cp_handler.ops.ring`), KV all-gather (:mod:`~cp_handler.ops.all_gather`), Ulysses
+    all-to-all (:mod:`~cp_handler.ops.ulysses`).
     """
 
-    supported_comm_types = tuple(ATTN_ALGORITHMS)
+    supported_comm_types: tuple[str, ...] = ("p2p", "all_gather", "a2a")
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -59,6 +63,17 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
                     f"{type(self).__name__} does not implement cp_comm_type={comm_type!r}; "
                     f"it supports {self.supported_comm_types}"
                 )
+
+    def attention(self, comm_type: str, q, k, v, *, causal: bool, scale: float):
+        """Run the ``comm_type`` algorithm on ``(B, H, S_local, D)`` tensors; returns the output."""
+        group = self.cp_group
+        if comm_type == "p2p":
+            return ring_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+        if comm_type == "all_gather":
+            return all_gather_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+        if comm_type == "a2a":
+            return a2a_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+        raise ValueError(f"{type(self).__name__} does not implement cp_comm_type={comm_type!r}")
 
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
@@ -72,6 +87,47 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
                 q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
             )
         else:
-            algorithm = ATTN_ALGORITHMS[self.comm_type_for(attn_mod)]
-            out = algorithm(q_, k_, v_, group=self.cp_group, causal=causal, scale=scale)[0]
+            out = self.attention(self.comm_type_for(attn_mod), q_, k_, v_, causal=causal, scale=scale)
         return from_bhsd(out, self.qkv_format)
+
+
+class HierarchicalContextParallelHandler(LocalContextParallelHandler):
+    """Local handler that also runs ``"a2a+p2p"``: a2a inside the inner group, ring across.
+
+    Args:
+        hierarchical_cp_groups: ``[a2a_group, p2p_group]`` for this rank (inner, adjacent ranks,
+            first), e.g. ``DataContextParallelGroups.hierarchical_cp_groups``; required when
+            cp > 1, with sizes whose product is the CP group size.
+        **kwargs: as :class:`LocalContextParallelHandler`.
+
+    Raises:
+        ValueError: missing groups, not exactly two levels, or sizes not multiplying to cp.
+    """
+
+    supported_comm_types = CP_COMM_TYPES
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else self.cp_comm_type
+        if self.cp_size > 1 and "a2a+p2p" in types:
+            self._check_levels()
+
+    def _check_levels(self) -> None:
+        groups = self.hierarchical_cp_groups
+        if len(groups) != 2:
+            raise ValueError(
+                f"a2a+p2p needs hierarchical_cp_groups=[a2a_group, p2p_group], got {len(groups)} level(s); "
+                "build them with build_dp_cp_groups(..., hierarchical_context_parallel_sizes=[a2a, p2p])"
+            )
+        sizes = [dist.get_world_size(g) for g in groups]
+        if math.prod(sizes) != self.cp_size:
+            raise ValueError(
+                f"hierarchical_cp_groups have sizes {sizes} multiplying to {math.prod(sizes)}, "
+                f"but the CP group has {self.cp_size} ranks"
+            )
+
+    def attention(self, comm_type: str, q, k, v, *, causal: bool, scale: float):
+        if comm_type != "a2a+p2p":
+            return super().attention(comm_type, q, k, v, causal=causal, scale=scale)
+        a2a_group, p2p_group = self.hierarchical_cp_groups
+        return a2a_attn(q, k, v, group=a2a_group, inner_group=p2p_group, causal=causal, scale=scale)[0]

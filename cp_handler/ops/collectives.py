@@ -1,12 +1,85 @@
-"""Single-tensor collectives under their current names (torch 2.13 renamed them), one place to choose.
+"""Every collective the CP algorithms issue goes through here, so communication can be counted.
 
-``all_gather_single(out, inp, group)`` / ``reduce_scatter_single(out, inp, op, group)`` where they
-exist, else the older ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (same semantics).
+Wrappers over torch.distributed (``all_gather_single`` / ``reduce_scatter_single`` under their
+torch 2.13 names, the older ``*_into_tensor`` / ``*_tensor`` before), plus :func:`count_comms`:
+
+    with count_comms() as counter:
+        out, _ = ring_attn(...); out.backward(g)
+    counter.ops     # Counter({"send": 3, "recv": 3, ...})
+    counter.bytes_sent
+
+``bytes_sent`` is the algorithmic volume that leaves this rank with a bandwidth-optimal
+implementation: all-gather ``(n-1) * input``, reduce-scatter and all-to-all ``(n-1)/n * input``,
+p2p the sent tensor. Expected volumes per pattern: docs/communication.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
 import torch.distributed as dist
 
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommCounter:
+    """Collective calls by kind and bytes sent by this rank."""
+
+    ops: Counter = field(default_factory=Counter)
+    bytes_sent: int = 0
+
+    def record(self, op: str, nbytes: float) -> None:
+        self.ops[op] += 1
+        self.bytes_sent += int(nbytes)
+
+
+_active: list[CommCounter] = []
+
+
+@contextlib.contextmanager
+def count_comms():
+    """Count the collectives issued inside the block (this rank only)."""
+    counter = CommCounter()
+    _active.append(counter)
+    try:
+        yield counter
+    finally:
+        _active.remove(counter)
+
+
+def record(op: str, nbytes: float) -> None:
+    for counter in _active:
+        counter.record(op, nbytes)
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """Concatenate every rank's ``inp`` along dim 0 into ``out``."""
+    record("all_gather", inp.nbytes * (dist.get_world_size(group) - 1))
+    return _all_gather(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """Sum ``inp`` over ranks and keep this rank's dim-0 slice in ``out``."""
+    size = dist.get_world_size(group)
+    record("reduce_scatter", inp.nbytes * (size - 1) / size)
+    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+
+
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    """Equal-split all-to-all along dim 0."""
+    size = dist.get_world_size(group)
+    record("all_to_all", inp.nbytes * (size - 1) / size)
+    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
+    """Post point-to-point ops together; records one ``send``/``recv`` per op."""
+    for op in ops:
+        is_send = op.op in (dist.isend, dist.send)
+        record("send" if is_send else "recv", op.tensor.nbytes if is_send else 0)
+    return dist.batch_isend_irecv(ops) if ops else []

@@ -3,18 +3,18 @@
 Two attentions of the same queries over disjoint key sets, ``(o1, lse1)`` and ``(o2, lse2)``,
 combine into the attention over the union:
 
-    lse = lse1 + log(1 + exp(lse2 - lse1)) = lse1 - logsigmoid(lse1 - lse2)
-    out = o1 * sigmoid(lse1 - lse2) + o2 * sigmoid(lse2 - lse1) = o1 - sigmoid(lse2 - lse1) * (o1 - o2)
+    out = o1 - sigmoid(lse2 - lse1) * (o1 - o2)
+    lse = logaddexp(lse1, lse2) = lse1 - logsigmoid(lse1 - lse2)
 
-The sigmoid/logsigmoid form never exponentiates a large number, so it is stable for any lse gap
-(the form used by ring-flash-attn and Transformer Engine). Accumulators are float32 (float64 for
-float64 inputs): merging in bf16 loses digits at every ring step.
+Neither form exponentiates a large number, so both are stable for any lse gap (the forms of
+ring-flash-attn and Transformer Engine). ``logaddexp`` also takes an empty accumulator
+(``lse1 = -inf``, ``o1 = 0``), which the first merge replaces exactly. Accumulators are float32
+(float64 for float64 inputs): merging in bf16 would lose digits at every step.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,4 +33,4 @@ def merge_attn_out_(
     block_lse = block_lse.to(lse.dtype)
     weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
     out.sub_(weight * (out - block_out.to(out.dtype)))
-    lse.sub_(F.logsigmoid(lse - block_lse))
+    torch.logaddexp(lse, block_lse, out=lse)

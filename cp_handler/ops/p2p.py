@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .collectives import batch_isend_irecv
+
 
 @dataclass
 class PendingRecv:
@@ -35,21 +37,21 @@ def exchange(
     """Start sending ``(tensor, group_rank, tag)`` and receiving into ``(buffer, group_rank, tag)``."""
     ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, p), group, tag) for t, p, tag in sends]
     ops += [dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group, tag) for b, p, tag in recvs]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    works = batch_isend_irecv(ops)
     return PendingRecv(works, [b for b, _, _ in recvs])
 
 
 class RingComm:
     """Send to the next rank of the group and receive from the previous one (a ring)."""
 
-    def __init__(self, group: dist.ProcessGroup):
+    def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        self.size = 1 if group is None else dist.get_world_size(group)
         self.next_rank = (self.rank + 1) % self.size
         self.prev_rank = (self.rank - 1) % self.size
 
     def send_recv(self, tensor: torch.Tensor, tag: int = 0) -> PendingRecv:
         """Start passing ``tensor`` one step along the ring; ``wait()[0]`` is the one received."""
-        buffer = torch.empty_like(tensor)
+        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # recv writes densely
         return exchange(self.group, [(tensor, self.next_rank, tag)], [(buffer, self.prev_rank, tag)])

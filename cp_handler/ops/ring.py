@@ -20,52 +20,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .kernels import block_attn_backward, block_attn_forward
-from .merge import acc_dtype, merge_attn_out_
+from .blocks import ALL, Block, blocks_backward_, blocks_forward_, new_accumulators
+from .merge import acc_dtype
 from .p2p import RingComm
 
-_ALL = slice(None)
 
-
-def zigzag_causal_block(step: int, rank: int, size: int, seq_len: int) -> tuple[slice, slice, bool] | None:
-    """Rows of q, rows of k/v and the causal flag of ring step ``step`` on ``rank`` (zigzag layout).
-
-    ``seq_len`` is the local sequence length (two chunks). Returns ``None`` for a skipped block.
-    """
+def zigzag_causal_blocks(step: int, rank: int, size: int, seq_len: int) -> list[Block]:
+    """The block of ring step ``step`` on ``rank`` (zigzag layout; ``seq_len`` = two local chunks)."""
     half = seq_len // 2
     if step == 0:
-        return _ALL, _ALL, True
+        return [(ALL, ALL, True)]
     src = (rank - step) % size
     if src < rank:
-        return _ALL, slice(0, half), False
-    return slice(half, seq_len), _ALL, False
+        return [(ALL, slice(0, half), False)]
+    return [(slice(half, seq_len), ALL, False)]
 
 
-def _block(step: int, comm: RingComm, seq_len: int, causal: bool):
-    if not causal:
-        return _ALL, _ALL, False
-    return zigzag_causal_block(step, comm.rank, comm.size, seq_len)
-
-
-def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
-    return t[:, :, rows]
+def _blocks(step: int, comm: RingComm, seq_len: int, causal: bool) -> list[Block]:
+    return zigzag_causal_blocks(step, comm.rank, comm.size, seq_len) if causal else [(ALL, ALL, False)]
 
 
 def ring_attn_forward(q, k, v, group, causal: bool, scale: float):
     """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
     comm = RingComm(group)
     kv = torch.stack([k, v])
-    out = lse = None
+    out, lse = new_accumulators(q)
     for step in range(comm.size):
         pending = comm.send_recv(kv) if step + 1 < comm.size else None
-        q_rows, kv_rows, block_causal = _block(step, comm, q.shape[2], causal)
-        block_out, block_lse = block_attn_forward(
-            _rows(q, q_rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows), causal=block_causal, scale=scale
-        )
-        if out is None:
-            out, lse = block_out.to(acc_dtype(q.dtype)), block_lse.to(acc_dtype(q.dtype))
-        else:
-            merge_attn_out_(_rows(out, q_rows), _rows(lse, q_rows), block_out, block_lse)
+        blocks_forward_(out, lse, q, kv[0], kv[1], _blocks(step, comm, q.shape[2], causal), scale)
         if pending is not None:
             kv = pending.wait()[0]
     return out.to(q.dtype), lse
@@ -79,22 +61,14 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: floa
     dkv_pending = None
     for step in range(comm.size):
         kv_pending = comm.send_recv(kv, tag=0) if step + 1 < comm.size else None
-        q_rows, kv_rows, block_causal = _block(step, comm, q.shape[2], causal)
-        dq_b, dk_b, dv_b = block_attn_backward(
-            _rows(dout, q_rows), _rows(q, q_rows), _rows(kv[0], kv_rows), _rows(kv[1], kv_rows),
-            _rows(out, q_rows), _rows(lse, q_rows), causal=block_causal, scale=scale,
-        )
-        _rows(dq, q_rows).add_(dq_b)
         dkv = dkv_pending.wait()[0] if dkv_pending is not None else torch.zeros_like(kv, dtype=dq.dtype)
-        _rows(dkv[0], kv_rows).add_(dk_b)
-        _rows(dkv[1], kv_rows).add_(dv_b)
+        blocks_backward_(dq, dkv[0], dkv[1], dout, q, kv[0], kv[1], out, lse,
+                         _blocks(step, comm, q.shape[2], causal), scale)
         if kv_pending is not None:
             kv = kv_pending.wait()[0]
         dkv_pending = comm.send_recv(dkv, tag=1) if comm.size > 1 else None
     dkv = dkv_pending.wait()[0] if dkv_pending is not None else dkv
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
-
-
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale):
@@ -125,7 +99,7 @@ def ring_attn(
     Args:
         q: ``(B, H, S_local, D)`` local queries (zigzag layout when ``causal``).
         k, v: ``(B, Hkv, S_local, D)``, ``H % Hkv == 0``.
-        group: the CP process group.
+        group: the CP process group; ``None`` runs on this rank alone (plain blockwise attention).
         causal: causal mask over the global (zigzag-dispatched) sequence.
         scale: softmax scale (usually ``D ** -0.5``).
 

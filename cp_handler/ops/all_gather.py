@@ -1,0 +1,135 @@
+"""KV all-gather attention (``cp_comm_type="all_gather"``), zigzag layout.
+
+As Transformer Engine's ``AttnFuncWithCPAndKVAllGather``: every rank gathers the whole K and V
+over the CP group and attends its local queries to them; backward gathers K/V again and
+reduce-scatters dK/dV (float32) back to their owners. To keep memory bounded, K/V are gathered
+in chunks of KV heads (with their query heads); the next chunk's gather is posted before the
+current chunk is computed, and each chunk's dK/dV reduce-scatter runs while the next computes.
+
+Causal plan for local query chunk ``j`` (global chunk index, length ``c``): keys ``[0, j*c)``
+unmasked plus the diagonal block ``[j*c, (j+1)*c)`` causal. Both query chunks of a zigzag rank
+sum to the same work on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..layout import zigzag_chunk_ids, zigzag_reshard, zigzag_unshard
+from .blocks import ALL, Block, blocks_backward_, blocks_forward_, new_accumulators
+from .collectives import all_gather_single, reduce_scatter_single
+from .merge import acc_dtype
+
+
+def zigzag_all_gather_blocks(rank: int, size: int, seq_len: int, causal: bool) -> list[Block]:
+    """Blocks of local queries (``seq_len`` = two chunks) against the gathered, global-order K/V."""
+    if not causal:
+        return [(ALL, ALL, False)]
+    chunk = seq_len // 2
+    blocks = []
+    for half, chunk_id in enumerate(zigzag_chunk_ids(rank, size)):
+        q_rows = slice(half * chunk, (half + 1) * chunk)
+        if chunk_id > 0:
+            blocks.append((q_rows, slice(0, chunk_id * chunk), False))
+        blocks.append((q_rows, slice(chunk_id * chunk, (chunk_id + 1) * chunk), True))
+    return blocks
+
+
+def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> list[slice]:
+    """Slices of KV heads gathered together (default: two chunks, or one per head if fewer)."""
+    per_chunk = kv_heads_per_chunk or math.ceil(kv_heads / 2)
+    return [slice(h, min(h + per_chunk, kv_heads)) for h in range(0, kv_heads, per_chunk)]
+
+
+class _KVGather:
+    """Posts the all-gather of one KV-head chunk; ``wait()`` returns K/V ``(2, B, hc, S, D)`` in global order."""
+
+    def __init__(self, k, v, heads: slice, group):
+        self.size = dist.get_world_size(group)
+        local = torch.stack([k[:, heads], v[:, heads]]).movedim(3, 0).contiguous()  # (S_l, 2, B, hc, D)
+        self.buffer = local.new_empty((self.size * local.shape[0], *local.shape[1:]))
+        self.work = all_gather_single(self.buffer, local, group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return zigzag_unshard(self.buffer, 0, self.size).movedim(0, 3)
+
+
+def _query_heads(kv_heads: slice, groups: int) -> slice:
+    return slice(kv_heads.start * groups, kv_heads.stop * groups)
+
+
+def all_gather_attn_forward(q, k, v, group, causal: bool, scale: float, kv_heads_per_chunk=None):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    blocks = zigzag_all_gather_blocks(rank, size, q.shape[2], causal)
+    out, lse = new_accumulators(q)
+    groups = q.shape[1] // k.shape[1]
+    chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
+    pending = _KVGather(k, v, chunks[0], group)
+    for i, heads in enumerate(chunks):
+        kv = pending.wait()
+        if i + 1 < len(chunks):
+            pending = _KVGather(k, v, chunks[i + 1], group)
+        qh = _query_heads(heads, groups)
+        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale)
+    return out.to(q.dtype), lse
+
+
+def all_gather_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: float, kv_heads_per_chunk=None):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    blocks = zigzag_all_gather_blocks(rank, size, q.shape[2], causal)
+    dtype = acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=dtype)
+    dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+    groups = q.shape[1] // k.shape[1]
+    chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
+    pending, scatters = _KVGather(k, v, chunks[0], group), []
+    for i, heads in enumerate(chunks):
+        kv = pending.wait()
+        if i + 1 < len(chunks):
+            pending = _KVGather(k, v, chunks[i + 1], group)
+        qh = _query_heads(heads, groups)
+        dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
+        blocks_backward_(dq[:, qh], dkv_global[0], dkv_global[1], dout[:, qh], q[:, qh], kv[0], kv[1],
+                         out[:, qh], lse[:, qh], blocks, scale)
+        send = zigzag_reshard(dkv_global, 3, size).movedim(3, 0).contiguous()  # (S, 2, B, hc, D) rank-major
+        recv = send.new_empty((send.shape[0] // size, *send.shape[1:]))
+        scatters.append((heads, recv, reduce_scatter_single(recv, send, group, async_op=True)))
+    for heads, recv, work in scatters:
+        work.wait()
+        dkv[:, :, heads] = recv.movedim(0, 3)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _AllGatherAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, kv_heads_per_chunk):
+        out, lse = all_gather_attn_forward(q, k, v, group, causal, scale, kv_heads_per_chunk)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (group, causal, scale, kv_heads_per_chunk)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
+                    kv_heads_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable KV all-gather attention over ``group``.
+
+    Args:
+        q: ``(B, H, S_local, D)`` local queries (zigzag layout when ``causal``).
+        k, v: ``(B, Hkv, S_local, D)``, ``H % Hkv == 0``.
+        kv_heads_per_chunk: KV heads gathered at once (default ``ceil(Hkv / 2)``).
+
+    Returns:
+        ``out (B, H, S_local, D)`` in q's dtype, ``lse (B, H, S_local)`` float32 (not differentiable).
+    """
+    return _AllGatherAttn.apply(q, k, v, group, causal, scale, kv_heads_per_chunk)

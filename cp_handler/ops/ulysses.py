@@ -1,0 +1,123 @@
+"""All-to-all attention over heads (``"a2a"``, DeepSpeed-Ulysses) and its hierarchical form (``"a2a+p2p"``).
+
+Ulysses (Jacobs et al., 2023): an all-to-all scatters heads and gathers the sequence, so each rank
+holds ``H / A`` heads of the whole sequence of its a2a group; attention runs on that; the inverse
+all-to-all brings the output back to sequence shards with all heads.
+
+Hierarchical (Transformer Engine / Megatron-LM ``a2a+p2p``): the a2a runs inside the inner group
+(adjacent ranks, fast links, size ``A``) and a zigzag ring (:mod:`.ring`) across the outer group
+(size ``P``, ``cp = A * P``). After the a2a a rank holds the zigzag chunks of its ``A`` group
+members; :func:`~cp_handler.layout.a2a_chunk_order` arranges them into the two super-chunks
+``p`` and ``2P-1-p`` of a zigzag over the outer ranks, which is exactly the ring's layout. With
+``P == 1`` the ring is local attention in global order (plain a2a); with ``A == 1`` there is no
+all-to-all (plain ring).
+
+GQA: KV heads are scattered like query heads when ``Hkv % A == 0``; when ``Hkv < A`` and
+``A % Hkv == 0`` each KV head is replicated ``A / Hkv`` times before the all-to-all (the fewest
+copies that give every rank one), and the replicas' gradients are summed back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from einops import rearrange
+
+from ..layout import a2a_chunk_order, inverse_order, permute_chunks
+from .collectives import all_to_all_single
+from .ring import ring_attn
+
+
+def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    all_to_all_single(out, x, group)
+    return out
+
+
+def seq_to_heads_raw(x: torch.Tensor, group) -> torch.Tensor:
+    """``(B, H, S_l, D)`` sequence shard -> ``(B, H/A, A*S_l, D)``: shards of the group rank by rank."""
+    n = dist.get_world_size(group)
+    received = _all_to_all(rearrange(x, "b (n h) s d -> n b h s d", n=n), group)
+    return rearrange(received, "n b h s d -> b h (n s) d")
+
+
+def heads_to_seq_raw(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads_raw`."""
+    n = dist.get_world_size(group)
+    received = _all_to_all(rearrange(x, "b h (n s) d -> n b h s d", n=n), group)
+    return rearrange(received, "n b h s d -> b (n h) s d")
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return seq_to_heads_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return heads_to_seq_raw(grad, ctx.group), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return heads_to_seq_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return seq_to_heads_raw(grad, ctx.group), None
+
+
+def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
+    """KV replication factor for an a2a over ``a2a_size`` ranks (1 = none).
+
+    Raises:
+        ValueError: query heads not divisible by the a2a size, or KV heads neither divisible by
+            it nor dividing it.
+    """
+    if heads % a2a_size:
+        raise ValueError(f"a2a needs query heads ({heads}) divisible by the a2a size ({a2a_size})")
+    if kv_heads % a2a_size == 0:
+        return 1
+    if a2a_size % kv_heads == 0:
+        return a2a_size // kv_heads
+    raise ValueError(
+        f"a2a needs KV heads ({kv_heads}) divisible by the a2a size ({a2a_size}), or dividing it "
+        "(then each KV head is replicated a2a_size / kv_heads times)"
+    )
+
+
+def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
+             inner_group: dist.ProcessGroup | None = None, return_lse: bool = False):
+    """Differentiable a2a attention; with ``inner_group``, hierarchical a2a+p2p.
+
+    Args:
+        q: ``(B, H, S_local, D)`` local queries, zigzag layout over the whole CP group
+            (rank ``p * A + a`` is member ``a`` of a2a group ``p``).
+        k, v: ``(B, Hkv, S_local, D)``.
+        group: the a2a group (size ``A``).
+        inner_group: the ring group across a2a groups (size ``P``); ``None`` for plain a2a.
+        return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
+
+    Returns:
+        ``(out (B, H, S_local, D), lse (B, H, S_local) float32 or None)``.
+
+    Raises:
+        ValueError: head counts that the a2a cannot split (see :func:`check_a2a_heads`).
+    """
+    a2a_size = dist.get_world_size(group)
+    replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
+    if a2a_size == 1:
+        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale)
+    if replicas > 1:
+        k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
+    order = a2a_chunk_order(a2a_size) if causal else list(range(2 * a2a_size))
+    q, k, v = (permute_chunks(_SeqToHeads.apply(t, group), 2, order) for t in (q, k, v))
+    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale)
+    out = _HeadsToSeq.apply(permute_chunks(out, 2, inverse_order(order)), group)
+    if return_lse:
+        lse = heads_to_seq_raw(permute_chunks(lse.unsqueeze(-1), 2, inverse_order(order)), group).squeeze(-1)
+    return out, lse if return_lse else None
