@@ -31,6 +31,15 @@ def test_check_parity_passes_and_metrics_written(tmp_path, layout):
     assert metrics["steps"][-1]["loss"] < metrics["steps"][0]["loss"]
 
 
+def test_hierarchical_parity_and_group_log():
+    result = cp_train("--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
+                      *SMALL, "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "HIERARCHICAL_CONTEXT_PARALLEL_GROUPS level 0 (size 2): [[0, 1], [2, 3]]; " \
+           "level 1 (size 2): [[0, 2], [1, 3]]" in result.stderr
+    assert "parity passed" in result.stderr
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -41,6 +50,10 @@ def test_check_parity_passes_and_metrics_written(tmp_path, layout):
         (["--nproc", "2", "--num-heads", "3"], "hidden_size=128 must be divisible by num_attention_heads=3"),
         (["--nproc", "2", "--cp-comm-type", "p2p,p2p,p2p"],
          "cp_comm_type has 3 entries but the model has num_layers=2"),
+        (["--nproc", "4", "--cp-comm-type", "a2a+p2p"],
+         "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
+        (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
+         "hierarchical_context_parallel_sizes=[2, 3] multiply to 6, but context_parallel_size=4"),
     ],
 )
 def test_bad_flags_exit_before_training(flags, message):

@@ -2,7 +2,14 @@
 
 import pytest
 
-from cp_handler import ContextParallelConfig, check_seq_len, get_cp_handler_cls
+from cp_handler import (
+    ContextParallelConfig,
+    HierarchicalContextParallelHandler,
+    LocalContextParallelHandler,
+    check_seq_len,
+    get_cp_handler_cls,
+    register_cp_handler,
+)
 
 
 def test_valid_config_round_trip():
@@ -46,5 +53,22 @@ def test_seq_len_rule():
 def test_factory_errors():
     with pytest.raises(ValueError, match=r"backend='nope' is not registered; registered backends: \[.*'local'"):
         get_cp_handler_cls("nope", "p2p")
-    with pytest.raises(ValueError, match=r"cp_comm_type='a2a'.*supports \['p2p'\]"):
-        get_cp_handler_cls("local", "a2a")
+    assert get_cp_handler_cls("local", "a2a") is LocalContextParallelHandler
+    assert get_cp_handler_cls("local", "a2a+p2p") is HierarchicalContextParallelHandler
+    assert get_cp_handler_cls("local", ["p2p", "a2a+p2p"]) is HierarchicalContextParallelHandler  # serves both
+    with pytest.raises(ValueError, match=r"does not implement cp_comm_type='a2a\+p2p'"):
+        LocalContextParallelHandler(cp_comm_type="a2a+p2p")
+
+
+def test_factory_rejects_a_list_no_single_class_serves():
+    class OnlyA2A(LocalContextParallelHandler):
+        pass
+
+    register_cp_handler("split_backend", LocalContextParallelHandler, ["p2p"])
+    register_cp_handler("split_backend", OnlyA2A, ["a2a"])
+    assert get_cp_handler_cls("split_backend", ["p2p", "a2a"]) is OnlyA2A  # derives from the other
+    register_cp_handler("split_backend", HierarchicalContextParallelHandler, ["a2a+p2p"])
+    with pytest.raises(ValueError, match="none of them serves every layer"):
+        get_cp_handler_cls("split_backend", ["a2a", "a2a+p2p"])
+    with pytest.raises(ValueError, match=r"has no handler for cp_comm_type='all_gather'; it supports"):
+        get_cp_handler_cls("split_backend", "all_gather")

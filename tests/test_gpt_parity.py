@@ -1,4 +1,5 @@
-"""Reference GPT: loss and every parameter gradient at cp=2 and cp=4 equal the cp=1 run.
+"""Reference GPT: loss and every parameter gradient at cp=2 and cp=4 equal the cp=1 run, also with a
+different cp_comm_type in every layer (p2p, all_gather, a2a, a2a+p2p) inside one model and handler.
 
 Also registers a new backend from outside the package (a contiguous-layout, all-gather handler
 written here) and runs the unchanged model with it: the contract is all the model needs.
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from dist_utils import new_cp_group, run_distributed
 
-from cp_handler import ContextParallelHandler, get_cp_handler_cls, register_cp_handler
+from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
 from cp_handler.ops.seq_gather import all_gather_seq
 from cp_handler.rope import apply_rotary
 from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
@@ -111,6 +112,18 @@ def assert_parity(got, want, label):
                                    msg=lambda m, n=name: f"{label} grad {n}: {m}")
 
 
+def _per_layer_parity(world, tokens):
+    """One model, one handler, a different cp_comm_type in each layer."""
+    comm_types = ["p2p", "all_gather", "a2a", "a2a+p2p"]
+    config = GPTConfig(**{**vars(CONFIG), "num_layers": len(comm_types)})
+    handler_cls = get_cp_handler_cls("local", comm_types)
+    groups = build_dp_cp_groups(world, "cpu", [2, world // 2])
+    reference = loss_and_grads(config, handler_cls(cp_group=None, cp_comm_type=comm_types), tokens, None)
+    handler = handler_cls(cp_group=groups.cp_group, cp_comm_type=comm_types,
+                          hierarchical_cp_groups=groups.hierarchical_cp_groups)
+    assert_parity(loss_and_grads(config, handler, tokens, groups.cp_group), reference, f"per-layer {comm_types}")
+
+
 def _gpt_worker(rank, world):
     group = new_cp_group()
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7))
@@ -122,6 +135,7 @@ def _gpt_worker(rank, world):
     reference = loss_and_grads(CONFIG, custom_cls(cp_group=None, cp_comm_type="all_gather"), tokens, None)
     custom = loss_and_grads(CONFIG, custom_cls(cp_group=group, cp_comm_type="all_gather"), tokens, group)
     assert_parity(custom, reference, "custom backend")
+    _per_layer_parity(world, tokens)
 
 
 @pytest.mark.parametrize("world", [2, 4])
