@@ -8,6 +8,10 @@ Pure index arithmetic: nothing here communicates.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 
 
@@ -52,25 +56,151 @@ def zigzag_unshard(gathered: torch.Tensor, seq_dim: int, cp_size: int) -> torch.
     return permute_chunks(gathered, seq_dim, order)
 
 
-def zigzag_reshard(x: torch.Tensor, seq_dim: int, cp_size: int) -> torch.Tensor:
-    """Global token order -> every rank's shard concatenated rank by rank (inverse of unshard)."""
-    order = [chunk for rank in range(cp_size) for chunk in zigzag_chunk_ids(rank, cp_size)]
-    return permute_chunks(x, seq_dim, order)
+def _arange(start: int, length: int) -> torch.Tensor:
+    return torch.arange(start, start + length)
 
 
-def a2a_chunk_order(a2a_size: int) -> list[int]:
-    """Chunk order that turns the ``2 * a2a_size`` zigzag chunks received by an all-to-all (rank by
-    rank, two per rank) into two ascending runs: chunks ``pA..pA+A-1`` then ``2cp-pA-A..2cp-1-pA``.
+@dataclass(frozen=True)
+class ZigzagDocs:
+    """Documents zigzag-sharded over a group of ``size`` ranks: the layout every algorithm runs on.
 
-    Those runs are super-chunks ``p`` and ``2P-1-p`` of a zigzag over the ``P`` outer ranks, so a
-    ring over the outer group sees the ordinary zigzag layout (and with ``P == 1``, global order).
+    Document ``i`` has ``lengths[i]`` real tokens and is padded (at its end) to
+    ``padded_lengths[i]``, a multiple of ``2 * size`` (Transformer Engine's ``cu_seqlens_padded``),
+    then cut into ``2 * size`` chunks of ``chunk(i)`` tokens; rank ``r`` holds chunks ``r`` and
+    ``2size-1-r`` of every document (``thd_get_partitioned_indices``). A rank's local tensor is its
+    two chunks of document 0, then of document 1, ...: every rank holds the same number of tokens,
+    ``local_offsets[i]`` is where document ``i`` starts on every rank. bshd is one document with
+    no padding. With ``size == 1`` a document is one chunk and need not be padded.
     """
-    return [2 * a for a in range(a2a_size)] + [2 * a + 1 for a in reversed(range(a2a_size))]
 
+    lengths: tuple[int, ...]
+    padded_lengths: tuple[int, ...]
+    size: int
 
-def inverse_order(order: list[int]) -> list[int]:
-    """The permutation that undoes ``order``."""
-    inverse = [0] * len(order)
-    for position, chunk in enumerate(order):
-        inverse[chunk] = position
-    return inverse
+    @classmethod
+    def from_lengths(cls, lengths, size: int) -> ZigzagDocs:
+        """Pad each document to a multiple of ``2 * size`` (none at ``size == 1``).
+
+        Raises:
+            ValueError: an empty document list or a document length < 1.
+        """
+        lengths = tuple(int(n) for n in lengths)
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"document lengths {list(lengths)[:8]}... must be >= 1 (and at least one document)")
+        multiple = 2 * size if size > 1 else 1
+        return cls(lengths, tuple(-(-n // multiple) * multiple for n in lengths), size)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, size: int) -> ZigzagDocs:
+        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, increasing).
+
+        Raises:
+            TypeError: not an integer tensor. ValueError: not 1-D, not starting at 0, or not
+            strictly increasing (a document of length 0).
+        """
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point:
+            raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens)}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got {cu_seqlens.tolist()[:8]}")
+        lengths = torch.diff(cu_seqlens.cpu()).tolist()
+        if min(lengths) < 1:
+            raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): {lengths[:8]}")
+        return cls.from_lengths(lengths, size)
+
+    @classmethod
+    def uniform(cls, seq_len: int, size: int) -> ZigzagDocs:
+        """One unpadded document of ``seq_len`` tokens (the bshd / sbhd layout)."""
+        return cls((seq_len,), (seq_len,), size)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.lengths)
+
+    def chunk(self, i: int) -> int:
+        """Tokens per chunk of document ``i`` (the whole padded document when ``size == 1``)."""
+        return self.padded_lengths[i] // (2 * self.size) if self.size > 1 else self.padded_lengths[i]
+
+    @cached_property
+    def local_offsets(self) -> tuple[int, ...]:
+        """Start of each document in every rank's local tensor, plus the local length at the end."""
+        offsets = [0]
+        for padded in self.padded_lengths:
+            offsets.append(offsets[-1] + padded // self.size)
+        return tuple(offsets)
+
+    @property
+    def local_len(self) -> int:
+        return self.local_offsets[-1]
+
+    @cached_property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        """int32 ``[num_docs + 1]`` offsets of the padded documents in the global padded sequence."""
+        return torch.tensor([0, *itertools.accumulate(self.padded_lengths)], dtype=torch.int32)
+
+    def real_in_chunk(self, i: int, chunk_id: int) -> int:
+        """Real (unpadded) tokens of document ``i`` in its chunk ``chunk_id`` (a prefix of the chunk)."""
+        c = self.chunk(i)
+        return max(0, min(c, self.lengths[i] - chunk_id * c))
+
+    def rank_real(self, i: int, rank: int) -> tuple[int, int]:
+        """Real tokens of document ``i`` in ``rank``'s first and second chunk. If the first is not
+        full the second is empty, so a rank's real tokens of a document are a prefix of its slice."""
+        if self.size == 1:
+            return self.lengths[i], 0
+        first, second = zigzag_chunk_ids(rank, self.size)
+        return self.real_in_chunk(i, first), self.real_in_chunk(i, second)
+
+    def chunk_owner_slot(self, i: int, chunk_id: int) -> tuple[int, int]:
+        """``(rank, local row)`` where chunk ``chunk_id`` of document ``i`` starts."""
+        rank, half = zigzag_chunk_owner(chunk_id, self.size) if self.size > 1 else (0, 0)
+        return rank, self.local_offsets[i] + half * self.chunk(i)
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Position inside its document of every local slot of ``rank`` (int64 ``[local_len]``)."""
+        parts = []
+        for i in range(self.num_docs):
+            c = self.chunk(i)
+            ids = zigzag_chunk_ids(rank, self.size) if self.size > 1 else (0,)
+            parts += [_arange(k * c, c) for k in ids]
+        return torch.cat(parts)
+
+    def real_mask(self, rank: int) -> torch.Tensor:
+        """True for the local slots of ``rank`` that hold real tokens (bool ``[local_len]``)."""
+        lengths = torch.repeat_interleave(torch.tensor(self.lengths), torch.tensor(self.padded_lengths) // self.size)
+        return self.positions(rank) < lengths
+
+    def dispatch_index(self, rank: int) -> torch.Tensor:
+        """For each local slot of ``rank``: index of its token in the packed real sequence, or
+        ``total`` (one past the end) for padding (int64 ``[local_len]``)."""
+        starts = torch.repeat_interleave(torch.tensor([0, *itertools.accumulate(self.lengths)][:-1]),
+                                         torch.tensor(self.padded_lengths) // self.size)
+        index = starts + self.positions(rank)
+        return torch.where(self.real_mask(rank), index, sum(self.lengths))
+
+    def gathered_index(self, real_only: bool) -> torch.Tensor:
+        """For each token of the global sequence (padded, or ``real_only``), its row in the ranks'
+        local tensors concatenated rank by rank (int64)."""
+        parts = []
+        for i in range(self.num_docs):
+            c = self.chunk(i)
+            n_tokens = self.lengths[i] if real_only else self.padded_lengths[i]
+            for chunk_id in range(-(-n_tokens // c)):
+                rank, row = self.chunk_owner_slot(i, chunk_id)
+                parts.append(_arange(rank * self.local_len + row, min(c, n_tokens - chunk_id * c)))
+        return torch.cat(parts)
+
+    def inner(self, a2a_size: int) -> ZigzagDocs:
+        """The layout after an all-to-all over ``a2a_size`` adjacent ranks and the reorder of
+        :meth:`a2a_reorder_index`: a zigzag over ``size / a2a_size`` ranks, same documents."""
+        return ZigzagDocs(self.lengths, self.padded_lengths, self.size // a2a_size)
+
+    def a2a_reorder_index(self, a2a_size: int) -> torch.Tensor:
+        """Rows of the all-to-all output (``a2a_size`` local tensors rank by rank) in the order of
+        :meth:`inner`: per document, the members' first chunks ascending, then their second chunks
+        descending by member, i.e. super-chunks ``p`` and ``2P-1-p`` (see :func:`a2a_chunk_order`)."""
+        parts = []
+        for i in range(self.num_docs):
+            c, start = self.chunk(i), self.local_offsets[i]
+            parts += [_arange(a * self.local_len + start, c) for a in range(a2a_size)]
+            parts += [_arange(a * self.local_len + start + c, c) for a in reversed(range(a2a_size))]
+        return torch.cat(parts)

@@ -29,9 +29,12 @@ class ContextParallelHandler(ABC):
             attention module's 1-based ``layer_number``, as in Megatron-LM).
         hierarchical_cp_groups: this rank's group at each hierarchical CP level, inner first
             (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
+        cu_seqlens: for ``qkv_format="thd"``: int32 ``[num_docs + 1]`` offsets of the real
+            (unpadded) documents packed in the global sequence; required for thd, refused otherwise.
 
     Raises:
-        ValueError: unknown ``qkv_format`` or ``cp_comm_type``.
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``; ``cu_seqlens`` missing for thd or
+            given for bshd/sbhd.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class ContextParallelHandler(ABC):
         qkv_format: str = "bshd",
         cp_comm_type: str | list[str] = "p2p",
         hierarchical_cp_groups: list[dist.ProcessGroup] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
@@ -48,6 +52,12 @@ class ContextParallelHandler(ABC):
         for comm_type in types:
             if comm_type not in CP_COMM_TYPES:
                 raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        if (qkv_format == "thd") != (cu_seqlens is not None):
+            raise ValueError(
+                f"qkv_format={qkv_format!r} with cu_seqlens={'given' if cu_seqlens is not None else None}: "
+                "packed sequences (thd) need cu_seqlens, and only thd takes it"
+            )
+        self.cu_seqlens = cu_seqlens
         self.cp_group = cp_group
         self.qkv_format = qkv_format
         self.cp_comm_type = cp_comm_type

@@ -17,17 +17,21 @@ from .zigzag import ZigzagContextParallelHandler
 
 
 def to_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """View ``t`` (bshd or sbhd) as ``(B, H, S, D)``."""
-    if qkv_format == "bshd":
+    """View ``t`` as ``(B, H, S, D)``: bshd, sbhd, or thd ``(T, H, D)`` / ``(1, T, H, D)`` as B=1."""
+    if qkv_format == "bshd" or (qkv_format == "thd" and t.dim() == 4):
         return t.transpose(1, 2)
     if qkv_format == "sbhd":
         return t.permute(1, 2, 0, 3)
-    raise ValueError(f"qkv_format={qkv_format!r} is not supported by this attention path (bshd, sbhd)")
+    return t.transpose(0, 1).unsqueeze(0)
 
 
-def from_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """Inverse of :func:`to_bhsd`."""
-    return t.transpose(1, 2) if qkv_format == "bshd" else t.permute(2, 0, 1, 3)
+def from_bhsd(t: torch.Tensor, qkv_format: str, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_bhsd` (``like``: the tensor given to it)."""
+    if qkv_format == "bshd" or (qkv_format == "thd" and like.dim() == 4):
+        return t.transpose(1, 2)
+    if qkv_format == "sbhd":
+        return t.permute(2, 0, 1, 3)
+    return t.squeeze(0).transpose(0, 1)
 
 
 def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -45,9 +49,12 @@ def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 class LocalContextParallelHandler(ZigzagContextParallelHandler):
     """Pure-torch CP handler for ``cp_comm_type`` ``"p2p"``, ``"all_gather"`` and ``"a2a"``.
 
-    ``core_attn`` takes q ``(B, S_local, H, D)`` (bshd) or ``(S_local, B, H, D)`` (sbhd) and k, v
-    with ``Hkv`` heads (``H % Hkv == 0``), in any float dtype, and returns the attention output
-    shaped like q. At cp=1 it is ``F.scaled_dot_product_attention``. Algorithms: ring
+    ``core_attn`` takes q ``(B, S_local, H, D)`` (bshd), ``(S_local, B, H, D)`` (sbhd) or
+    ``(T_local, H, D)`` (thd; ``(1, T_local, H, D)`` too) and k, v with ``Hkv`` heads
+    (``H % Hkv == 0``), in any float dtype, and returns the attention output shaped like q.
+    thd attention is document-causal (or full within each document for ``"no_mask"``), computed
+    per document on real tokens; padding rows of the output are zero. At cp=1 (bshd/sbhd) it is
+    ``F.scaled_dot_product_attention``. Algorithms: ring
     (:mod:`~cp_handler.ops.ring`), KV all-gather (:mod:`~cp_handler.ops.all_gather`), Ulysses
     all-to-all (:mod:`~cp_handler.ops.ulysses`).
     """
@@ -66,13 +73,13 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
     def attention(self, comm_type: str, q, k, v, *, causal: bool, scale: float):
         """Run the ``comm_type`` algorithm on ``(B, H, S_local, D)`` tensors; returns the output."""
-        group = self.cp_group
+        group, layout = self.cp_group, self.layout(q.shape[2])
         if comm_type == "p2p":
-            return ring_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+            return ring_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
         if comm_type == "all_gather":
-            return all_gather_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+            return all_gather_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
         if comm_type == "a2a":
-            return a2a_attn(q, k, v, group=group, causal=causal, scale=scale)[0]
+            return a2a_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
         raise ValueError(f"{type(self).__name__} does not implement cp_comm_type={comm_type!r}")
 
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
@@ -82,13 +89,15 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         causal = attn_mask_type == "causal"
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
         check_heads(q_, k_, v_)
-        if self.cp_size == 1:
+        if self.cp_size == 1 and self.thd_layout is None:
             out = F.scaled_dot_product_attention(
                 q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
             )
+        elif self.cp_size == 1:  # packed documents alone: blockwise attention per document
+            out = ring_attn(q_, k_, v_, group=None, causal=causal, scale=scale, layout=self.thd_layout)[0]
         else:
             out = self.attention(self.comm_type_for(attn_mod), q_, k_, v_, causal=causal, scale=scale)
-        return from_bhsd(out, self.qkv_format)
+        return from_bhsd(out, self.qkv_format, q)
 
 
 class HierarchicalContextParallelHandler(LocalContextParallelHandler):
@@ -130,4 +139,5 @@ class HierarchicalContextParallelHandler(LocalContextParallelHandler):
         if comm_type != "a2a+p2p":
             return super().attention(comm_type, q, k, v, causal=causal, scale=scale)
         a2a_group, p2p_group = self.hierarchical_cp_groups
-        return a2a_attn(q, k, v, group=a2a_group, inner_group=p2p_group, causal=causal, scale=scale)[0]
+        return a2a_attn(q, k, v, group=a2a_group, inner_group=p2p_group, causal=causal, scale=scale,
+                        layout=self.layout(q.shape[2]))[0]

@@ -1,7 +1,11 @@
 """Token-layout half of the contract for every backend that uses the zigzag (DualChunkSwap) layout.
 
 The local and Transformer Engine backends share this layout, so one batch can go through either;
-they differ only in :meth:`core_attn`.
+they differ only in :meth:`core_attn`. bshd/sbhd: every sequence is split into ``2 * cp`` chunks.
+thd (packed documents, ``cu_seqlens``): every document is padded to a multiple of ``2 * cp``
+(``cu_seqlens_padded``) and split on its own, as Transformer Engine's
+``thd_get_partitioned_indices``; dispatch inserts the padding, combine removes it.
+Tensors of a thd handler are ``(T, ...)`` along ``seq_dim``; a leading batch dim of 1 is fine.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..config import check_seq_len
-from ..layout import zigzag_shard, zigzag_unshard
+from ..layout import ZigzagDocs
 from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
@@ -19,29 +23,72 @@ from .base import ContextParallelHandler
 class ZigzagContextParallelHandler(ContextParallelHandler):
     """dispatch / combine / roll / RoPE for the zigzag layout (rank r holds chunks r and 2cp-1-r)."""
 
-    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """``(..., S, ...)`` -> ``(..., S / cp, ...)``; no communication.
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.thd_layout = None
+        if self.qkv_format == "thd":
+            self.thd_layout = ZigzagDocs.from_cu_seqlens(self.cu_seqlens, self.cp_size)
+
+    @property
+    def cu_seqlens_padded(self) -> torch.Tensor | None:
+        """thd: int32 ``[num_docs + 1]`` offsets of the documents padded to multiples of ``2 * cp``."""
+        return None if self.thd_layout is None else self.thd_layout.cu_seqlens_padded
+
+    @property
+    def max_seqlen(self) -> int | None:
+        """thd: length of the longest real document."""
+        return None if self.thd_layout is None else max(self.thd_layout.lengths)
+
+    def layout(self, local_len: int) -> ZigzagDocs:
+        """The layout of a local tensor with ``local_len`` tokens along its sequence dim.
 
         Raises:
-            ValueError: ``S`` not divisible by ``2 * cp``.
+            ValueError: thd tensor whose length is not the padded local length of this batch.
+        """
+        if self.thd_layout is None:
+            return ZigzagDocs.uniform(local_len * self.cp_size, self.cp_size)
+        if local_len != self.thd_layout.local_len:
+            raise ValueError(
+                f"thd tensor has {local_len} local tokens, but this batch's cu_seqlens give "
+                f"{self.thd_layout.local_len} per rank (documents padded to multiples of 2*cp, divided by cp)"
+            )
+        return self.thd_layout
+
+    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.
+
+        Raises:
+            ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``.
         """
         if self.cp_size == 1:
             return tensor
-        check_seq_len(tensor.shape[seq_dim], self.cp_size, self.qkv_format)
-        return zigzag_shard(tensor, seq_dim, self.cp_rank, self.cp_size)
+        if self.thd_layout is None:
+            check_seq_len(tensor.shape[seq_dim], self.cp_size, self.qkv_format)
+            layout = self.layout(tensor.shape[seq_dim] // self.cp_size)
+        else:
+            layout = self.thd_layout
+            total = sum(layout.lengths)
+            if tensor.shape[seq_dim] != total:
+                raise ValueError(f"thd tensor has {tensor.shape[seq_dim]} tokens along dim {seq_dim}, "
+                                 f"cu_seqlens[-1] = {total}")
+            pad = tensor.new_zeros((*tensor.shape[:seq_dim], 1, *tensor.shape[seq_dim + 1:]))
+            tensor = torch.cat([tensor, pad], dim=seq_dim)
+        return tensor.index_select(seq_dim, layout.dispatch_index(self.cp_rank).to(tensor.device))
 
     def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """``(..., S / cp, ...)`` -> ``(..., S, ...)``: one all-gather over the CP group.
+        """Local shard -> global tensor (thd: real tokens only): one all-gather over the CP group.
 
         Backward keeps this rank's slice of the gradient (the combined tensor is assumed to feed
         the same computation on every CP rank).
         """
         if self.cp_size == 1:
             return tensor
-        return zigzag_unshard(all_gather_seq(tensor, seq_dim, self.cp_group), seq_dim, self.cp_size)
+        index = self.layout(tensor.shape[seq_dim]).gathered_index(real_only=True).to(tensor.device)
+        return all_gather_seq(tensor, seq_dim, self.cp_group).index_select(seq_dim, index)
 
     def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roll along the sequence dim ``dims`` by ``shifts`` (``|shifts| <= S / (2 cp)``) in global order.
+        """Roll along the sequence dim ``dims`` by ``shifts`` in global order, within each document
+        (thd); positions whose source lies outside the document, and padding, are zero.
 
         Raises:
             TypeError: ``shifts`` or ``dims`` not a single int.
@@ -49,19 +96,29 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         """
         if not isinstance(shifts, int) or not isinstance(dims, int):
             raise TypeError(f"roll_tensor takes one int shift and one int dim, got shifts={shifts!r}, dims={dims!r}")
-        rolled = zigzag_roll(tensor, shifts, dims % tensor.dim(), self.cp_group if self.cp_size > 1 else None)
+        dims = dims % tensor.dim()
+        rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, self.layout(tensor.shape[dims]))
         return rolled, rolled.sum()
 
     def get_rotary_seq_len(self, local_seq_len: int) -> int:
-        """``local_seq_len * cp_size``: the global sequence length."""
+        """bshd/sbhd: ``local_seq_len * cp_size``; thd: the longest padded document."""
+        if self.thd_layout is not None:
+            return max(self.thd_layout.padded_lengths)
         return local_seq_len * self.cp_size
 
     def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
-        """Rows ``emb[positions of local tokens]`` of a table ``(S_global, ...)``."""
-        if self.cp_size == 1:
-            return emb
-        return zigzag_shard(emb, 0, self.cp_rank, self.cp_size)
+        """Rows ``emb[position of each local token]``; thd positions restart at every document."""
+        if self.thd_layout is None:
+            if self.cp_size == 1:
+                return emb
+            layout = self.layout(emb.shape[0] // self.cp_size)
+        else:
+            layout = self.thd_layout
+        return emb.index_select(0, layout.positions(self.cp_rank).to(emb.device))
 
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """RoPE on ``t`` in this handler's qkv_format; ``freqs (S_local, D)`` float32 angles."""
+        """RoPE on ``t`` in this handler's qkv_format; ``freqs (S_local, D)`` float32 angles
+        (thd: ``t`` is ``(T, H, D)`` or ``(1, T, H, D)``)."""
+        if self.qkv_format == "thd" and t.dim() == 4:
+            return apply_rotary(t.squeeze(0), freqs, "thd").unsqueeze(0)
         return apply_rotary(t, freqs, self.qkv_format)

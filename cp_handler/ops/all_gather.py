@@ -8,33 +8,44 @@ current chunk is computed, and each chunk's dK/dV reduce-scatter runs while the 
 
 Causal plan for local query chunk ``j`` (global chunk index, length ``c``): keys ``[0, j*c)``
 unmasked plus the diagonal block ``[j*c, (j+1)*c)`` causal. Both query chunks of a zigzag rank
-sum to the same work on every rank.
+sum to the same work on every rank. Packed documents (thd): the same per document, on real
+tokens only, against the document's keys in the gathered global (padded) order.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.distributed as dist
 
-from ..layout import zigzag_chunk_ids, zigzag_reshard, zigzag_unshard
-from .blocks import ALL, Block, blocks_backward_, blocks_forward_, new_accumulators
+from ..layout import ZigzagDocs, zigzag_chunk_ids
+from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .merge import acc_dtype
+from .ring import default_layout
 
 
-def zigzag_all_gather_blocks(rank: int, size: int, seq_len: int, causal: bool) -> list[Block]:
-    """Blocks of local queries (``seq_len`` = two chunks) against the gathered, global-order K/V."""
-    if not causal:
-        return [(ALL, ALL, False)]
-    chunk = seq_len // 2
+@functools.lru_cache(maxsize=64)
+def all_gather_blocks(layout: ZigzagDocs, rank: int, causal: bool) -> list[Block]:
+    """Blocks of ``rank``'s local queries against K/V gathered in global (padded) order."""
     blocks = []
-    for half, chunk_id in enumerate(zigzag_chunk_ids(rank, size)):
-        q_rows = slice(half * chunk, (half + 1) * chunk)
-        if chunk_id > 0:
-            blocks.append((q_rows, slice(0, chunk_id * chunk), False))
-        blocks.append((q_rows, slice(chunk_id * chunk, (chunk_id + 1) * chunk), True))
+    for i in range(layout.num_docs):
+        start, off, chunk = int(layout.cu_seqlens_padded[i]), layout.local_offsets[i], layout.chunk(i)
+        if not causal:
+            rows = sum(layout.rank_real(i, rank))
+            if rows:
+                blocks.append((slice(off, off + rows), slice(start, start + layout.lengths[i]), False))
+            continue
+        for half, chunk_id in enumerate(zigzag_chunk_ids(rank, layout.size)):
+            q0, rows = off + half * chunk, layout.real_in_chunk(i, chunk_id)
+            if not rows:
+                continue
+            if chunk_id > 0:
+                blocks.append((slice(q0, q0 + rows), slice(start, start + chunk_id * chunk), False))
+            diagonal = start + chunk_id * chunk
+            blocks.append((slice(q0, q0 + rows), slice(diagonal, diagonal + rows), True))
     return blocks
 
 
@@ -45,58 +56,62 @@ def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> list[slice]
 
 
 class _KVGather:
-    """Posts the all-gather of one KV-head chunk; ``wait()`` returns K/V ``(2, B, hc, S, D)`` in global order."""
+    """Posts the all-gather of one KV-head chunk; ``wait()`` returns K/V ``(2, B, hc, S, D)`` in
+    global (padded) order."""
 
-    def __init__(self, k, v, heads: slice, group):
-        self.size = dist.get_world_size(group)
+    def __init__(self, k, v, heads: slice, group, global_index: torch.Tensor):
+        self.size, self.global_index = dist.get_world_size(group), global_index
         local = torch.stack([k[:, heads], v[:, heads]]).movedim(3, 0).contiguous()  # (S_l, 2, B, hc, D)
         self.buffer = local.new_empty((self.size * local.shape[0], *local.shape[1:]))
         self.work = all_gather_single(self.buffer, local, group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
-        return zigzag_unshard(self.buffer, 0, self.size).movedim(0, 3)
+        return self.buffer.index_select(0, self.global_index).movedim(0, 3)
 
 
 def _query_heads(kv_heads: slice, groups: int) -> slice:
     return slice(kv_heads.start * groups, kv_heads.stop * groups)
 
 
-def all_gather_attn_forward(q, k, v, group, causal: bool, scale: float, kv_heads_per_chunk=None):
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    blocks = zigzag_all_gather_blocks(rank, size, q.shape[2], causal)
+def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, kv_heads_per_chunk=None):
+    blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
+    global_index = layout.gathered_index(real_only=False).to(q.device)
     out, lse = new_accumulators(q)
     groups = q.shape[1] // k.shape[1]
     chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
-    pending = _KVGather(k, v, chunks[0], group)
+    pending = _KVGather(k, v, chunks[0], group, global_index)
     for i, heads in enumerate(chunks):
         kv = pending.wait()
         if i + 1 < len(chunks):
-            pending = _KVGather(k, v, chunks[i + 1], group)
+            pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
         blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale)
     return out.to(q.dtype), lse
 
 
-def all_gather_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: float, kv_heads_per_chunk=None):
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    blocks = zigzag_all_gather_blocks(rank, size, q.shape[2], causal)
+def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: bool, scale: float,
+                             kv_heads_per_chunk=None):
+    blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
+    global_index = layout.gathered_index(real_only=False).to(q.device)
     dtype = acc_dtype(q.dtype)
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     groups = q.shape[1] // k.shape[1]
     chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
-    pending, scatters = _KVGather(k, v, chunks[0], group), []
+    pending, scatters = _KVGather(k, v, chunks[0], group, global_index), []
     for i, heads in enumerate(chunks):
         kv = pending.wait()
         if i + 1 < len(chunks):
-            pending = _KVGather(k, v, chunks[i + 1], group)
+            pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
         dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         blocks_backward_(dq[:, qh], dkv_global[0], dkv_global[1], dout[:, qh], q[:, qh], kv[0], kv[1],
                          out[:, qh], lse[:, qh], blocks, scale)
-        send = zigzag_reshard(dkv_global, 3, size).movedim(3, 0).contiguous()  # (S, 2, B, hc, D) rank-major
-        recv = send.new_empty((send.shape[0] // size, *send.shape[1:]))
+        by_position = dkv_global.movedim(3, 0)  # (S, 2, B, hc, D) global order -> rank-major rows:
+        send = torch.empty_like(by_position, memory_format=torch.contiguous_format).index_copy_(
+            0, global_index, by_position)
+        recv = send.new_empty((send.shape[0] // pending.size, *send.shape[1:]))
         scatters.append((heads, recv, reduce_scatter_single(recv, send, group, async_op=True)))
     for heads, recv, work in scatters:
         work.wait()
@@ -106,10 +121,10 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale
 
 class _AllGatherAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, kv_heads_per_chunk):
-        out, lse = all_gather_attn_forward(q, k, v, group, causal, scale, kv_heads_per_chunk)
+    def forward(ctx, q, k, v, group, layout, causal, scale, kv_heads_per_chunk):
+        out, lse = all_gather_attn_forward(q, k, v, group, layout, causal, scale, kv_heads_per_chunk)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, causal, scale, kv_heads_per_chunk)
+        ctx.args = (group, layout, causal, scale, kv_heads_per_chunk)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -117,19 +132,22 @@ class _AllGatherAttn(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
+                    layout: ZigzagDocs | None = None,
                     kv_heads_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable KV all-gather attention over ``group``.
 
     Args:
         q: ``(B, H, S_local, D)`` local queries (zigzag layout when ``causal``).
         k, v: ``(B, Hkv, S_local, D)``, ``H % Hkv == 0``.
+        layout: documents of the local sequence (thd); default one document (bshd).
         kv_heads_per_chunk: KV heads gathered at once (default ``ceil(Hkv / 2)``).
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype, ``lse (B, H, S_local)`` float32 (not differentiable).
     """
-    return _AllGatherAttn.apply(q, k, v, group, causal, scale, kv_heads_per_chunk)
+    layout = layout or default_layout(q, group)
+    return _AllGatherAttn.apply(q, k, v, group, layout, causal, scale, kv_heads_per_chunk)

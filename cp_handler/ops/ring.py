@@ -13,47 +13,65 @@ Causal blocks at ring step ``i`` on rank ``r`` (K/V from rank ``src = (r - i) mo
   * ``src < r``:  all local queries vs the first K/V chunk (chunk ``src``), no mask;
   * ``src > r``:  the second query chunk (``2cp-1-r``) vs both K/V chunks, no mask;
 the other (query chunk, key chunk) pairs lie entirely above the diagonal and are skipped.
+Packed documents (thd): the same rule per document, each zigzag-split on its own (:class:`ZigzagDocs`);
+only real tokens enter the blocks, so work follows the documents' lengths and no mask is built.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
-from .blocks import ALL, Block, blocks_backward_, blocks_forward_, new_accumulators
+from ..layout import ZigzagDocs
+from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .merge import acc_dtype
 from .p2p import RingComm
 
 
-def zigzag_causal_blocks(step: int, rank: int, size: int, seq_len: int) -> list[Block]:
-    """The block of ring step ``step`` on ``rank`` (zigzag layout; ``seq_len`` = two local chunks)."""
-    half = seq_len // 2
-    if step == 0:
-        return [(ALL, ALL, True)]
-    src = (rank - step) % size
-    if src < rank:
-        return [(ALL, slice(0, half), False)]
-    return [(slice(half, seq_len), ALL, False)]
+@functools.lru_cache(maxsize=256)
+def ring_blocks(layout: ZigzagDocs, step: int, rank: int, causal: bool) -> list[Block]:
+    """Blocks of ring step ``step`` on ``rank``: per document, the zigzag rule of the module doc,
+    restricted to real tokens (padding is neither attended to nor computed)."""
+    src = (rank - step) % layout.size
+    blocks = []
+    for i in range(layout.num_docs):
+        off, chunk = layout.local_offsets[i], layout.chunk(i)
+        (mine_a, mine_b), (src_a, src_b) = layout.rank_real(i, rank), layout.rank_real(i, src)
+        if not causal:
+            q, kv, flag = (off, mine_a + mine_b), (off, src_a + src_b), False
+        elif step == 0:
+            q, kv, flag = (off, mine_a + mine_b), (off, mine_a + mine_b), True
+        elif src < rank:
+            q, kv, flag = (off, mine_a + mine_b), (off, src_a), False
+        else:
+            q, kv, flag = (off + chunk, mine_b), (off, src_a + src_b), False
+        if q[1] and kv[1]:
+            blocks.append((slice(q[0], q[0] + q[1]), slice(kv[0], kv[0] + kv[1]), flag))
+    return blocks
 
 
-def _blocks(step: int, comm: RingComm, seq_len: int, causal: bool) -> list[Block]:
-    return zigzag_causal_blocks(step, comm.rank, comm.size, seq_len) if causal else [(ALL, ALL, False)]
+def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
+    """The bshd layout of local ``q (B, H, S_local, D)``: one document of ``S_local * size`` tokens."""
+    size = 1 if group is None else dist.get_world_size(group)
+    return ZigzagDocs.uniform(q.shape[2] * size, size)
 
 
-def ring_attn_forward(q, k, v, group, causal: bool, scale: float):
+def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float):
     """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
     comm = RingComm(group)
     kv = torch.stack([k, v])
     out, lse = new_accumulators(q)
     for step in range(comm.size):
         pending = comm.send_recv(kv) if step + 1 < comm.size else None
-        blocks_forward_(out, lse, q, kv[0], kv[1], _blocks(step, comm, q.shape[2], causal), scale)
+        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale)
         if pending is not None:
             kv = pending.wait()[0]
     return out.to(q.dtype), lse
 
 
-def ring_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: float):
+def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causal: bool, scale: float):
     """Backward ring: returns ``dq, dk, dv`` for the local q, k, v (dK/dV gathered from every rank)."""
     comm = RingComm(group)
     kv = torch.stack([k, v])
@@ -63,7 +81,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: floa
         kv_pending = comm.send_recv(kv, tag=0) if step + 1 < comm.size else None
         dkv = dkv_pending.wait()[0] if dkv_pending is not None else torch.zeros_like(kv, dtype=dq.dtype)
         blocks_backward_(dq, dkv[0], dkv[1], dout, q, kv[0], kv[1], out, lse,
-                         _blocks(step, comm, q.shape[2], causal), scale)
+                         ring_blocks(layout, step, comm.rank, causal), scale)
         if kv_pending is not None:
             kv = kv_pending.wait()[0]
         dkv_pending = comm.send_recv(dkv, tag=1) if comm.size > 1 else None
@@ -71,18 +89,18 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, causal: bool, scale: floa
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
-        out, lse = ring_attn_forward(q, k, v, group, causal, scale)
+    def forward(ctx, q, k, v, group, layout, causal, scale):
+        out, lse = ring_attn_forward(q, k, v, group, layout, causal, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale = group, causal, scale
+        ctx.args = (group, layout, causal, scale)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, ctx.group, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
 
 
 def ring_attn(
@@ -93,6 +111,7 @@ def ring_attn(
     group: dist.ProcessGroup,
     causal: bool,
     scale: float,
+    layout: ZigzagDocs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ring attention over ``group``.
 
@@ -102,9 +121,10 @@ def ring_attn(
         group: the CP process group; ``None`` runs on this rank alone (plain blockwise attention).
         causal: causal mask over the global (zigzag-dispatched) sequence.
         scale: softmax scale (usually ``D ** -0.5``).
+        layout: documents of the local sequence (thd); default one document (bshd).
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype and ``lse (B, H, S_local)`` float32 (float64 for
         float64 inputs); ``lse`` is not differentiable.
     """
-    return _RingAttn.apply(q, k, v, group, causal, scale)
+    return _RingAttn.apply(q, k, v, group, layout or default_layout(q, group), causal, scale)

@@ -7,8 +7,9 @@ all-to-all brings the output back to sequence shards with all heads.
 Hierarchical (Transformer Engine / Megatron-LM ``a2a+p2p``): the a2a runs inside the inner group
 (adjacent ranks, fast links, size ``A``) and a zigzag ring (:mod:`.ring`) across the outer group
 (size ``P``, ``cp = A * P``). After the a2a a rank holds the zigzag chunks of its ``A`` group
-members; :func:`~cp_handler.layout.a2a_chunk_order` arranges them into the two super-chunks
-``p`` and ``2P-1-p`` of a zigzag over the outer ranks, which is exactly the ring's layout. With
+members; :meth:`~cp_handler.layout.ZigzagDocs.a2a_reorder_index` arranges them (per document)
+into the two super-chunks ``p`` and ``2P-1-p`` of a zigzag over the outer ranks, which is exactly
+the ring's layout (:meth:`~cp_handler.layout.ZigzagDocs.inner`). With
 ``P == 1`` the ring is local attention in global order (plain a2a); with ``A == 1`` there is no
 all-to-all (plain ring).
 
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from ..layout import a2a_chunk_order, inverse_order, permute_chunks
+from ..layout import ZigzagDocs
 from .collectives import all_to_all_single
 from .ring import ring_attn
 
@@ -91,7 +92,8 @@ def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
 
 
 def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
-             inner_group: dist.ProcessGroup | None = None, return_lse: bool = False):
+             inner_group: dist.ProcessGroup | None = None, layout: ZigzagDocs | None = None,
+             return_lse: bool = False):
     """Differentiable a2a attention; with ``inner_group``, hierarchical a2a+p2p.
 
     Args:
@@ -100,6 +102,8 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         k, v: ``(B, Hkv, S_local, D)``.
         group: the a2a group (size ``A``).
         inner_group: the ring group across a2a groups (size ``P``); ``None`` for plain a2a.
+        layout: documents of the local sequence over the whole CP group (thd); default one
+            document (bshd).
         return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
 
     Returns:
@@ -110,14 +114,18 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
     """
     a2a_size = dist.get_world_size(group)
     replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
+    outer_size = 1 if inner_group is None else dist.get_world_size(inner_group)
+    if layout is None:
+        layout = ZigzagDocs.uniform(q.shape[2] * a2a_size * outer_size, a2a_size * outer_size)
     if a2a_size == 1:
-        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale)
+        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
-    order = a2a_chunk_order(a2a_size) if causal else list(range(2 * a2a_size))
-    q, k, v = (permute_chunks(_SeqToHeads.apply(t, group), 2, order) for t in (q, k, v))
-    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale)
-    out = _HeadsToSeq.apply(permute_chunks(out, 2, inverse_order(order)), group)
+    order = layout.a2a_reorder_index(a2a_size).to(q.device)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
+    q, k, v = (_SeqToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))
+    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size))
+    out = _HeadsToSeq.apply(out.index_select(2, inverse), group)
     if return_lse:
-        lse = heads_to_seq_raw(permute_chunks(lse.unsqueeze(-1), 2, inverse_order(order)), group).squeeze(-1)
+        lse = heads_to_seq_raw(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)
     return out, lse if return_lse else None
