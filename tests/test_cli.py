@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -29,6 +30,18 @@ def test_check_parity_passes_and_metrics_written(tmp_path, layout):
     assert len(metrics["steps"]) == 6 and metrics["parity"]["passed"]
     assert len(metrics["peak_memory_bytes_per_rank"]) == metrics["world_size"]
     assert metrics["steps"][-1]["loss"] < metrics["steps"][0]["loss"]
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_thd_packing_parity_on_small_documents(tmp_path, comm_type):
+    rng = random.Random(0)
+    for i in range(300):  # lengths 1..600 bytes: several documents in every 128-token sequence
+        (tmp_path / f"doc{i:03d}.txt").write_bytes(bytes(rng.randrange(32, 127) for _ in range(rng.choice(
+            [1, 2, 5, 30, 90, 600]))))
+    result = cp_train("--nproc", "2", "--packing", "thd", "--data", str(tmp_path), "--cp-comm-type", comm_type,
+                      *SMALL[:-2], "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "packing thd" in result.stderr and "parity passed" in result.stderr
 
 
 def test_hierarchical_parity_and_group_log():

@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
     g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
+    g.add_argument("--packing", choices=("bshd", "thd"), default="bshd",
+                   help="bshd: fixed-length sequences; thd: each file is one document, packed with cu_seqlens")
     g = p.add_argument_group("model")
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--num-layers", type=int, default=2)
@@ -79,10 +81,10 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
         cp_comm_type=comm_type_arg(args.cp_comm_type),
         hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes,
         backend=args.backend,
-        qkv_format="bshd",
+        qkv_format=args.packing,
         num_layers=args.num_layers,
     )
-    check_seq_len(args.seq_len, cp_size, "bshd")
+    check_seq_len(args.seq_len, cp_size, args.packing)
     get_cp_handler_cls(config.backend, config.cp_comm_type)
     model_config(args)
     return config

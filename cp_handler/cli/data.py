@@ -3,12 +3,15 @@
 By default the corpus is the Python standard library's own ``.py`` files (located with
 ``sysconfig``; ``site-packages`` excluded), so every machine with Python has it. Files are read
 in sorted path order, each followed by a NUL byte as end-of-document token, and concatenated;
-the stream is cut into sequences of ``seq_len`` tokens. Sampling is deterministic in the seed.
+the stream is cut into sequences of ``seq_len`` tokens. Each file is one document: with thd packing
+a sequence carries the ``cu_seqlens`` of the files (or pieces of files) in it. Sampling is
+deterministic in the seed.
 """
 
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,33 +45,65 @@ def collect_files(paths: list[str] | None) -> list[Path]:
     return files
 
 
-def read_token_stream(files: list[Path], max_bytes: int) -> torch.Tensor:
-    """Concatenated bytes of ``files`` (each ended by ``END_OF_DOCUMENT``), at most ``max_bytes``: uint8 [N]."""
-    parts, total = [], 0
+def read_token_stream(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenated bytes of ``files`` (each ended by ``END_OF_DOCUMENT``), at most ``max_bytes``.
+
+    Returns ``(stream uint8 [N], document starts int64 [num_docs])``: one document per file.
+    """
+    parts, starts, total = [], [], 0
     for path in files:
         data = path.read_bytes() + bytes([END_OF_DOCUMENT])
+        starts.append(total)
         parts.append(data[: max_bytes - total])
         total += len(parts[-1])
         if total >= max_bytes:
             break
-    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), torch.tensor(starts)
+
+
+@dataclass
+class Batch:
+    """A global batch: ``tokens (N, seq_len)`` int64; ``cu_seqlens`` per sequence (int32 ``[docs + 1]``)."""
+
+    tokens: torch.Tensor
+    cu_seqlens: list[torch.Tensor]
+
+    def rows(self, index: slice) -> Batch:
+        return Batch(self.tokens[index], self.cu_seqlens[index])
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All sequences as one thd pack: ``tokens (1, N * seq_len)`` and their joined ``cu_seqlens``."""
+        seq_len, offsets = self.tokens.shape[1], [torch.zeros(1, dtype=torch.int32)]
+        for i, cu in enumerate(self.cu_seqlens):
+            offsets.append(cu[1:] + i * seq_len)
+        return self.tokens.reshape(1, -1), torch.cat(offsets)
 
 
 class SequenceBatches:
     """Fixed-length sequences cut from a token stream; the last ``holdout_fraction`` is held out.
 
-    ``global_batch(step)`` returns ``(global_batch_size, seq_len)`` int64, the same on every rank.
+    Each sequence also carries the ``cu_seqlens`` of the documents (files) inside it, a file cut
+    by a sequence boundary continuing as a new document in the next sequence (for thd packing).
+    ``global_batch(step, n)`` draws ``n`` sequences, the same on every rank.
     """
 
-    def __init__(self, stream: torch.Tensor, seq_len: int, seed: int, holdout_fraction: float = 0.05):
+    def __init__(self, stream: torch.Tensor, doc_starts: torch.Tensor, seq_len: int, seed: int,
+                 holdout_fraction: float = 0.05):
         n_seq = stream.numel() // seq_len
         if n_seq < 2:
             raise ValueError(f"the corpus has {stream.numel()} tokens: too few for two sequences of seq_len={seq_len}")
         self.sequences = stream[: n_seq * seq_len].view(n_seq, seq_len)
+        self.doc_starts, self.seq_len = doc_starts, seq_len
         self.n_train = max(1, int(n_seq * (1 - holdout_fraction)))
         self.seed = seed
 
-    def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
+    def cu_seqlens(self, index: int) -> torch.Tensor:
+        """int32 offsets of the documents inside sequence ``index``."""
+        start = index * self.seq_len
+        inside = self.doc_starts[(self.doc_starts > start) & (self.doc_starts < start + self.seq_len)] - start
+        return torch.cat([torch.tensor([0]), inside, torch.tensor([self.seq_len])]).to(torch.int32)
+
+    def global_batch(self, step: int, global_batch_size: int) -> Batch:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         index = torch.randint(0, self.n_train, (global_batch_size,), generator=generator)
-        return self.sequences[index].long()
+        return Batch(self.sequences[index].long(), [self.cu_seqlens(int(i)) for i in index])

@@ -29,7 +29,7 @@ from ..groups import build_dp_cp_groups
 from ..handlers import get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
 from .args import comm_type_arg, model_config, parse, world_size_from
-from .data import SequenceBatches, collect_files, read_token_stream
+from .data import Batch, SequenceBatches, collect_files, read_token_stream
 from .launch import launch
 
 PARITY_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -45,8 +45,16 @@ def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
 
 
 def load_batches(args: argparse.Namespace) -> SequenceBatches:
-    stream = read_token_stream(collect_files(args.data), args.max_corpus_bytes)
-    return SequenceBatches(stream, args.seq_len, args.seed)
+    stream, doc_starts = read_token_stream(collect_files(args.data), args.max_corpus_bytes)
+    return SequenceBatches(stream, doc_starts, args.seq_len, args.seed)
+
+
+def handler_inputs(batch: Batch, packing: str, device) -> tuple[torch.Tensor, dict]:
+    """Global tokens of this rank's rows and the handler's batch metadata (thd: ``cu_seqlens``)."""
+    if packing == "thd":
+        tokens, cu_seqlens = batch.packed()
+        return tokens.to(device), {"qkv_format": "thd", "cu_seqlens": cu_seqlens.to(device)}
+    return batch.tokens.to(device), {"qkv_format": "bshd"}
 
 
 def train_steps(model, args, batches, make_handler, global_batch: int, batch_rows: slice, count_group,
@@ -58,8 +66,9 @@ def train_steps(model, args, batches, make_handler, global_batch: int, batch_row
     bar = tqdm(range(args.steps), desc="cp-train", disable=not progress, file=sys.stderr)
     for step in bar:
         start = time.perf_counter()
-        tokens = batches.global_batch(step, global_batch)[batch_rows].to(device)
-        handler = make_handler()
+        tokens, metadata = handler_inputs(batches.global_batch(step, global_batch).rows(batch_rows),
+                                          args.packing, device)
+        handler = make_handler(**metadata)
         input_ids, labels, loss_mask = next_token_batch(handler, tokens)
         loss_sum = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
         loss = loss_sum / global_token_count(loss_mask, count_group)
@@ -86,7 +95,7 @@ def check_parity(args, records: list[dict], global_batch: int, device) -> dict:
     """Train the same steps on this process alone (cp=1, whole global batch); compare loss curves."""
     model = build_model(args, device)
     handler_cls = get_cp_handler_cls(args.backend, comm_type_arg(args.cp_comm_type))
-    reference = train_steps(model, args, load_batches(args), lambda: handler_cls(cp_group=None),
+    reference = train_steps(model, args, load_batches(args), lambda **meta: handler_cls(cp_group=None, **meta),
                             global_batch, slice(None), None, 1.0, device, progress=False)
     rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records, reference, strict=True)]
     result = {"rtol": PARITY_RTOL[args.dtype], "max_rel_diff": max(rel),
@@ -137,12 +146,12 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
     model = build_model(args, device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     handler_cls = get_cp_handler_cls(cp_config.backend, cp_config.cp_comm_type)
-    make_handler = lambda: handler_cls(cp_group=groups.cp_group, qkv_format="bshd", cp_comm_type=cp_config.cp_comm_type,
-                                       hierarchical_cp_groups=groups.hierarchical_cp_groups)
+    make_handler = lambda **meta: handler_cls(cp_group=groups.cp_group, cp_comm_type=cp_config.cp_comm_type,
+                                              hierarchical_cp_groups=groups.hierarchical_cp_groups, **meta)
     rows = slice(groups.dp_rank * args.batch_size, (groups.dp_rank + 1) * args.batch_size)
     if rank == 0:
         print(f"cp-train: world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {cp_config.backend}, "
-              f"cp_comm_type {cp_config.cp_comm_type}, device {device.type}", file=sys.stderr)
+              f"cp_comm_type {cp_config.cp_comm_type}, packing {args.packing}, device {device.type}", file=sys.stderr)
     # DDP averages gradients over the world; the loss is already normalised by the global token count.
     global_batch = args.batch_size * groups.dp_size
     records = train_steps(ddp, args, load_batches(args), make_handler, global_batch, rows, dist.group.WORLD,
