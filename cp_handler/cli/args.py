@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from models import GPTConfig
 
@@ -25,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
     g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
-    g.add_argument("--backend", default="local", help="handler backend (default: local)")
+    g.add_argument("--backend", default="auto",
+                   help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
+                        "local, transformer_engine, magi, or any registered name")
     g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
                    help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first: e.g. 2 2")
@@ -76,6 +79,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     cp_size = args.cp_size or world
     check_world_divisible(world, cp_size)
+    args.backend = resolve_backend(args.backend)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),
@@ -85,9 +89,20 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
         num_layers=args.num_layers,
     )
     check_seq_len(args.seq_len, cp_size, args.packing)
-    get_cp_handler_cls(config.backend, config.cp_comm_type)
+    get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
     model_config(args)
     return config
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` -> ``"transformer_engine"`` if it can run here, else ``"local"``; others unchanged."""
+    if backend != "auto":
+        return backend
+    try:
+        get_cp_handler_cls("transformer_engine", "p2p").check_available()
+        return "transformer_engine"
+    except (ImportError, RuntimeError):
+        return "local"
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -102,8 +117,11 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, ContextParallelConfig]:
     """Parse and validate; a broken rule exits with status 2 and ``cp-train: error: <rule>``."""
     args = build_parser().parse_args(argv)
+    requested = args.backend
     try:
         config = validate(args)
-    except ValueError as err:
+    except (ValueError, ImportError, RuntimeError) as err:
         raise SystemExit(f"cp-train: error: {err}") from None
+    if requested == "auto":
+        print(f"cp-train: --backend auto picked {args.backend!r}", file=sys.stderr)
     return args, config

@@ -26,7 +26,7 @@ from models import GPTModel
 
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups
-from ..handlers import get_cp_handler_cls
+from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
 from .args import comm_type_arg, model_config, parse, world_size_from
 from .data import Batch, SequenceBatches, collect_files, read_token_stream
@@ -83,6 +83,14 @@ def train_steps(model, args, batches, make_handler, global_batch: int, batch_row
                         "tokens_per_s": global_batch * args.seq_len / elapsed})
         bar.set_postfix(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}")
     return records
+
+
+def model_shape_kwargs(handler_cls, config) -> dict:
+    """Backends that plan with the attention shape (MagiAttention) get it at construction."""
+    if issubclass(handler_cls, MagiAttnContextParallelHandler):
+        return {"num_heads_q": config.num_attention_heads, "num_heads_kv": config.num_query_groups,
+                "head_dim": config.kv_channels}
+    return {}
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[str, int]:
@@ -146,8 +154,9 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
     model = build_model(args, device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     handler_cls = get_cp_handler_cls(cp_config.backend, cp_config.cp_comm_type)
+    extra = model_shape_kwargs(handler_cls, model_config(args))
     make_handler = lambda **meta: handler_cls(cp_group=groups.cp_group, cp_comm_type=cp_config.cp_comm_type,
-                                              hierarchical_cp_groups=groups.hierarchical_cp_groups, **meta)
+                                              hierarchical_cp_groups=groups.hierarchical_cp_groups, **extra, **meta)
     rows = slice(groups.dp_rank * args.batch_size, (groups.dp_rank + 1) * args.batch_size)
     if rank == 0:
         print(f"cp-train: world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {cp_config.backend}, "

@@ -65,6 +65,12 @@ class ContextParallelHandler(ABC):
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
 
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ImportError / RuntimeError if this backend cannot run on this machine (default: it can).
+        Called by ``cp-train`` before any rank starts."""
+        return None  # noqa: B027 - optional hook, not abstract
+
     def comm_type_for(self, attn_mod: torch.nn.Module | None) -> str:
         """The ``cp_comm_type`` of the layer that ``attn_mod`` belongs to."""
         if isinstance(self.cp_comm_type, str):

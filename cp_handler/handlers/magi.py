@@ -1,0 +1,212 @@
+"""MagiAttention handler: MagiAttention decides the token layout and the communication.
+
+Follows ``magi_attention.api``: a runtime key built from the batch (``magi_attn_varlen_key``),
+``dispatch`` / ``undispatch`` for the token layout, ``calc_attn`` for attention,
+``get_position_ids`` for RoPE and ``roll`` for labels where the installed version has it
+(else undispatch -> torch.roll -> dispatch). MagiAttention works on packed tokens
+``(T, H, D)``: a bshd batch ``(B, S)`` is squashed into ``B`` documents of ``S`` tokens, and local
+tensors come back as ``(1, T_local, ...)``. ``cp_comm_type`` is not used (MagiAttention plans its
+own communication). Versions differ in the key's arguments (v1.0.x takes the tensor ``x`` and
+returns ``(x, key)``; newer ones take head counts and return the key): they are matched by name.
+
+Requires ``magi_attention`` (imported lazily), CUDA and an NCCL CP group.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..config import CP_COMM_TYPES
+from ..layout import ZigzagDocs
+from ..ops.ring import ring_attn
+from ..rope import apply_rotary
+from .base import ATTN_MASK_TYPES, ContextParallelHandler
+from .requirements import import_backend, require_cuda, require_nccl
+
+MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
+DEFAULT_CHUNK_SIZE = 512  # only for versions whose key needs a chunk_size
+
+
+class MagiAttnContextParallelHandler(ContextParallelHandler):
+    """Handler for backend ``"magi"``.
+
+    Args:
+        num_heads_q, num_heads_kv, head_dim: attention shape, needed by the runtime key (newer
+            MagiAttention plans with them); ``head_dim`` must be a multiple of 8 and <= 192.
+        causal: mask of the key (``core_attn`` must be called with the same mask type).
+        **kwargs: as :class:`ContextParallelHandler` (``cp_group``, ``qkv_format``, ``cu_seqlens``).
+
+    Raises:
+        ImportError: magi_attention missing. RuntimeError: no CUDA, or a non-NCCL group.
+        ValueError: missing head shape.
+    """
+
+    supported_comm_types = CP_COMM_TYPES
+
+    def __init__(self, *, num_heads_q: int | None = None, num_heads_kv: int | None = None,
+                 head_dim: int | None = None, causal: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        if self.qkv_format == "sbhd":
+            raise ValueError("backend='magi' takes qkv_format 'bshd' (squashed to packed tokens) or 'thd', not 'sbhd'")
+        self.heads = (num_heads_q, num_heads_kv, head_dim)
+        self.causal = causal
+        self.key = None
+        self.batch_shape: tuple[int, int] | None = None
+        self.api = import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
+        require_cuda("magi")
+        if self.cp_size > 1:
+            require_nccl("magi", self.cp_group)
+            if None in self.heads:
+                raise ValueError("backend='magi' needs num_heads_q, num_heads_kv and head_dim when the handler is "
+                                 f"built (its runtime key plans with them), got {self.heads}")
+
+    @classmethod
+    def check_available(cls) -> None:
+        import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
+        require_cuda("magi")
+
+    # -- the runtime key -------------------------------------------------------------------
+    def _cu_seqlens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        if self.qkv_format == "thd":
+            return self.cu_seqlens.to(torch.int32)
+        batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
+        self.batch_shape = (batch, seq) if seq_dim == 1 else (seq, batch)
+        return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
+
+    def _build_key(self, cu_seqlens: torch.Tensor, device) -> None:
+        fn = self.api.magi_attn_varlen_key
+        params = inspect.signature(fn).parameters
+        total = int(cu_seqlens[-1])
+        values = {"cu_seqlens_q": cu_seqlens.to(device), "cu_seqlens_k": cu_seqlens.to(device),
+                  "num_heads_q": self.heads[0], "num_heads_kv": self.heads[1], "head_dim": self.heads[2],
+                  "cp_group_or_mesh": self.cp_group, "cp_group": self.cp_group, "causal": self.causal,
+                  "pad_size": self._pad_size(total, params), "chunk_size": DEFAULT_CHUNK_SIZE,
+                  "x": torch.empty(total, 1, device=device)}
+        if "num_heads_q" in params:  # newer versions size chunks themselves
+            values.pop("chunk_size")
+        unknown = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values]
+        if unknown:
+            raise TypeError(f"magi_attention.api.magi_attn_varlen_key needs {unknown}: "
+                            "unsupported MagiAttention version")
+        result = fn(**{n: v for n, v in values.items() if n in params})
+        self.key = result[1] if isinstance(result, tuple) else result
+
+    def _pad_size(self, total: int, params) -> int:
+        if "num_heads_q" in params or not hasattr(self.api, "compute_pad_size"):
+            return 0  # computed inside newer versions
+        size = self.api.compute_pad_size(total, self.cp_size,
+                                         DEFAULT_CHUNK_SIZE if "chunk_size" in params else self.heads[2])
+        return size[0] if isinstance(size, tuple) else size
+
+    def _require_key(self) -> None:
+        if self.key is None:
+            raise RuntimeError("backend='magi': call dispatch() on the batch before any other handler method")
+
+    # -- layout ------------------------------------------------------------------------------
+    def _to_tokens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        if self.qkv_format == "thd":
+            return tensor.movedim(seq_dim, 0)
+        return tensor.movedim(seq_dim, 1).flatten(0, 1)  # (B*S, ...), batch-major
+
+    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout."""
+        if self.cp_size == 1:
+            return tensor
+        if self.key is None:
+            self._build_key(self._cu_seqlens(tensor, seq_dim), tensor.device)
+        local = self.api.dispatch(self._to_tokens(tensor, seq_dim), self.key)
+        return local.movedim(0, seq_dim) if self.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
+
+    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Local shard -> global tensor in the original layout (``undispatch``)."""
+        if self.cp_size == 1:
+            return tensor
+        self._require_key()
+        if self.qkv_format == "thd":
+            return self.api.undispatch(tensor.movedim(seq_dim, 0), self.key).movedim(0, seq_dim)
+        tokens = self.api.undispatch(tensor.movedim(seq_dim, 1)[0], self.key)
+        return tokens.unflatten(0, self.batch_shape).movedim(1, seq_dim)
+
+    def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each local token: position inside its document and the document's length (0 for padding)."""
+        position = self.api.get_position_ids(self.key).long()
+        cu = (self.cu_seqlens if self.qkv_format == "thd" else
+              torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
+        doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
+        inside = position < cu[-1]
+        return torch.where(inside, position - cu[doc], 0), torch.where(inside, cu[doc + 1] - cu[doc], 0)
+
+    def roll_tensor(self, tensor, shifts=-1, dims=-1):
+        """Roll in global order within each document; zero where the source leaves the document."""
+        if self.cp_size == 1:
+            return _roll_alone(self, tensor, shifts, dims)
+        self._require_key()
+        dims = dims % tensor.dim()
+        tokens = tensor.movedim(dims, 0) if self.qkv_format == "thd" else tensor.movedim(dims, 1)[0]
+        if hasattr(self.api, "roll"):
+            rolled = self.api.roll(tokens, shifts, 0, self.key)
+        else:
+            rolled = self.api.dispatch(torch.roll(self.api.undispatch(tokens, self.key), shifts, 0), self.key)
+        position, length = self._doc_positions()
+        valid = (position - shifts >= 0) & (position - shifts < length)
+        rolled = rolled * valid.view(-1, *[1] * (rolled.dim() - 1)).to(rolled.dtype)
+        rolled = rolled.movedim(0, dims) if self.qkv_format == "thd" else rolled.unsqueeze(0).movedim(1, dims)
+        return rolled, rolled.sum()
+
+    def get_rotary_seq_len(self, local_seq_len: int) -> int:
+        if self.qkv_format == "thd":
+            return int(torch.diff(self.cu_seqlens).max())
+        return self.batch_shape[1] if self.batch_shape else local_seq_len * self.cp_size
+
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        if self.cp_size == 1:
+            return emb if self.qkv_format != "thd" else emb.index_select(0, _alone_positions(self).to(emb.device))
+        self._require_key()
+        return emb.index_select(0, self._doc_positions()[0].to(emb.device))
+
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 4:  # (1, T, H, D)
+            return apply_rotary(t[0], freqs, "thd").unsqueeze(0)
+        return apply_rotary(t, freqs, "thd")
+
+    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
+        if attn_mask_type not in ATTN_MASK_TYPES or (attn_mask_type == "causal") != self.causal:
+            raise ValueError(f"attn_mask_type={attn_mask_type!r} must match the handler's key (causal={self.causal})")
+        shape, scale = q.shape, getattr(attn_mod, "softmax_scale", None)
+        q, k, v = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (T_local, H, D)
+        if self.cp_size == 1:
+            return _attn_alone(self, q, k, v, scale, shape).reshape(shape)
+        self._require_key()
+        out, _meta = self.api.calc_attn(q, k, v, self.key, softmax_scale=scale)
+        return out.reshape(shape)
+
+
+def _alone_layout(handler) -> ZigzagDocs:
+    return ZigzagDocs.from_cu_seqlens(handler.cu_seqlens, 1)
+
+
+def _alone_positions(handler) -> torch.Tensor:
+    return _alone_layout(handler).positions(0)
+
+
+def _attn_alone(handler, q, k, v, scale, shape) -> torch.Tensor:
+    """cp=1: per-document attention with the local blockwise kernels (no MagiAttention needed);
+    a bshd batch ``(B, S, H, D)`` is ``B`` documents of ``S`` tokens."""
+    if handler.qkv_format == "thd":
+        layout = _alone_layout(handler)
+    else:
+        layout = ZigzagDocs.from_lengths([shape[1]] * shape[0], 1)
+    bhsd = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+    out = ring_attn(*bhsd, group=None, causal=handler.causal, scale=scale or q.shape[-1] ** -0.5, layout=layout)[0]
+    return out[0].transpose(0, 1)
+
+
+def _roll_alone(handler, tensor, shifts, dims):
+    from ..ops.roll import zigzag_roll
+
+    dims = dims % tensor.dim()
+    layout = _alone_layout(handler) if handler.qkv_format == "thd" else ZigzagDocs.uniform(tensor.shape[dims], 1)
+    rolled = zigzag_roll(tensor, shifts, dims, None, layout)
+    return rolled, rolled.sum()

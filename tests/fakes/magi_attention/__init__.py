@@ -1,0 +1,1 @@
+"""Contract fake of magi_attention (see tests/fakes/README.md)."""

@@ -1,0 +1,1 @@
+"""Contract fake of transformer_engine (see tests/fakes/README.md)."""
