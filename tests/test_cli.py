@@ -44,6 +44,17 @@ def test_thd_packing_parity_on_small_documents(tmp_path, comm_type):
     assert "packing thd" in result.stderr and "parity passed" in result.stderr
 
 
+def test_eval_at_another_cp_degree(tmp_path):
+    out = tmp_path / "metrics.json"
+    result = cp_train("--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--eval-every", "3",
+                      "--check-eval-cp", *SMALL, "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "eval-cp check passed" in result.stderr
+    metrics = json.loads(out.read_text())
+    assert [r["step"] for r in metrics["steps"] if "eval_loss" in r] == [2, 5]
+    assert metrics["eval_cp_check"]["passed"] and metrics["eval_cp_check"]["eval_cp_size"] == 4
+
+
 def test_hierarchical_parity_and_group_log():
     result = cp_train("--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
                       *SMALL, "--check-parity")
@@ -63,6 +74,11 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--num-heads", "3"], "hidden_size=128 must be divisible by num_attention_heads=3"),
         (["--nproc", "2", "--cp-comm-type", "p2p,p2p,p2p"],
          "cp_comm_type has 3 entries but the model has num_layers=2"),
+        (["--nproc", "4", "--eval-cp-size", "3"], "world size 4 is not a multiple of context_parallel_size=3"),
+        (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--seq-len", "100"],
+         "seq_len=100 is not divisible by 2 * context_parallel_size = 8"),
+        (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--eval-cp-size", "2"],
+         "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p"],
          "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],

@@ -9,6 +9,7 @@ import sys
 from models import GPTConfig
 
 from ..config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
+from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
 from .data import VOCAB_SIZE
@@ -32,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
                    help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first: e.g. 2 2")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-cp-size", type=int, default=None, help="CP size of evaluation (default: training's)")
+    g.add_argument("--eval-hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
+                   help="hierarchical sizes at the evaluation CP size (a2a+p2p)")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (0: never)")
+    g.add_argument("--eval-batches", type=int, default=2, help="held-out batches per evaluation")
+    g.add_argument("--check-eval-cp", action="store_true",
+                   help="after training, evaluate one held-out batch at training's and at the evaluation CP size "
+                        "and fail unless the losses agree")
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="*", default=None, help="files or folders (default: the Python stdlib sources)")
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
@@ -74,7 +84,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     world = world_size_from(args)
     if args.nproc is not None and args.nproc != world:
         raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
-    for flag in ("steps", "batch_size", "seq_len", "num_layers", "hidden_size"):
+    for flag in ("steps", "batch_size", "seq_len", "num_layers", "hidden_size", "eval_batches"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     cp_size = args.cp_size or world
@@ -91,7 +101,13 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     check_seq_len(args.seq_len, cp_size, args.packing)
     get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
     model_config(args)
+    check_eval_layout(world, eval_cp_config(args, config), args.seq_len)
     return config
+
+
+def eval_cp_config(args: argparse.Namespace, train: ContextParallelConfig) -> ContextParallelConfig:
+    """The evaluation CP config from ``--eval-cp-size`` (default: training's). Raises ValueError."""
+    return eval_config(train, args.eval_cp_size or train.context_parallel_size, args.eval_hierarchical_cp_sizes)
 
 
 def resolve_backend(backend: str) -> str:

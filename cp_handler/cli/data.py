@@ -68,8 +68,14 @@ class Batch:
     tokens: torch.Tensor
     cu_seqlens: list[torch.Tensor]
 
-    def rows(self, index: slice) -> Batch:
-        return Batch(self.tokens[index], self.cu_seqlens[index])
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, index: slice | list[int]) -> Batch:
+        """The sequences ``index`` (a slice or a list of positions)."""
+        if isinstance(index, slice):
+            return Batch(self.tokens[index], self.cu_seqlens[index])
+        return Batch(self.tokens[index], [self.cu_seqlens[i] for i in index])
 
     def packed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All sequences as one thd pack: ``tokens (1, N * seq_len)`` and their joined ``cu_seqlens``."""
@@ -102,6 +108,20 @@ class SequenceBatches:
         start = index * self.seq_len
         inside = self.doc_starts[(self.doc_starts > start) & (self.doc_starts < start + self.seq_len)] - start
         return torch.cat([torch.tensor([0]), inside, torch.tensor([self.seq_len])]).to(torch.int32)
+
+    def heldout_batches(self, num_batches: int, batch_size: int) -> list[Batch]:
+        """The first ``num_batches`` batches of ``batch_size`` held-out sequences, in order.
+
+        Raises:
+            ValueError: the held-out split has too few sequences.
+        """
+        start, needed = self.n_train, num_batches * batch_size
+        if start + needed > self.sequences.shape[0]:
+            raise ValueError(f"--eval-batches {num_batches} x {batch_size} sequences need {needed} held-out sequences, "
+                             f"the corpus holds out {self.sequences.shape[0] - start}; use fewer or a larger corpus")
+        return [Batch(self.sequences[start + i * batch_size: start + (i + 1) * batch_size].long(),
+                      [self.cu_seqlens(j) for j in range(start + i * batch_size, start + (i + 1) * batch_size)])
+                for i in range(num_batches)]
 
     def global_batch(self, step: int, global_batch_size: int) -> Batch:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)

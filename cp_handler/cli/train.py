@@ -30,6 +30,7 @@ from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
 from .args import comm_type_arg, model_config, parse, world_size_from
 from .data import Batch, SequenceBatches, collect_files, read_token_stream
+from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .launch import launch
 
 PARITY_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -58,9 +59,10 @@ def handler_inputs(batch: Batch, packing: str, device) -> tuple[torch.Tensor, di
 
 
 def train_steps(model, args, batches, make_handler, global_batch: int, batch_rows: slice, count_group,
-                grad_scale: float, device, progress: bool) -> list[dict]:
+                grad_scale: float, device, progress: bool, after_step=None) -> list[dict]:
     """Run ``args.steps`` optimizer steps on ``batch_rows`` of each global batch of ``global_batch``
-    sequences; returns per-step records (loss = token-weighted mean over the global batch)."""
+    sequences; returns per-step records (loss = token-weighted mean over the global batch).
+    ``after_step(step)`` may return a dict merged into the step's record (evaluation)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     records = []
     bar = tqdm(range(args.steps), desc="cp-train", disable=not progress, file=sys.stderr)
@@ -81,7 +83,9 @@ def train_steps(model, args, batches, make_handler, global_batch: int, batch_row
         elapsed = time.perf_counter() - start
         records.append({"step": step, "loss": reported.item(), "step_time_s": elapsed,
                         "tokens_per_s": global_batch * args.seq_len / elapsed})
-        bar.set_postfix(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}")
+        records[-1].update((after_step and after_step(step)) or {})
+        bar.set_postfix(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
+                        **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
     return records
 
 
@@ -163,8 +167,18 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
               f"cp_comm_type {cp_config.cp_comm_type}, packing {args.packing}, device {device.type}", file=sys.stderr)
     # DDP averages gradients over the world; the loss is already normalised by the global token count.
     global_batch = args.batch_size * groups.dp_size
-    records = train_steps(ddp, args, load_batches(args), make_handler, global_batch, rows, dist.group.WORLD,
-                          float(world), device, progress=rank == 0)
+    batches = load_batches(args)
+    at_train, at_eval = build_evaluators(args, cp_config, groups, device.type)
+    heldout = batches.heldout_batches(args.eval_batches, args.batch_size * at_eval.groups.dp_size)
+
+    def eval_inputs(batch):
+        tokens, metadata = handler_inputs(batch, args.packing, device)
+        return tokens, {**extra, **metadata}
+
+    after_step = periodic_eval(args, at_eval, ddp, heldout, eval_inputs)
+    records = train_steps(ddp, args, batches, make_handler, global_batch, rows, dist.group.WORLD,
+                          float(world), device, progress=rank == 0, after_step=after_step)
+    eval_check = check_eval_cp(args, at_train, at_eval, ddp, heldout[0], eval_inputs) if args.check_eval_cp else None
     memory_kind, peak = peak_memory_bytes(device)
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
@@ -175,6 +189,9 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
                "cp_size": groups.cp_size, "device": device.type, "steps": records,
                "tokens_per_s_mean": _mean_tokens_per_s(records),
                "memory_kind": memory_kind, "peak_memory_bytes_per_rank": peaks}
+    if eval_check is not None:
+        metrics["eval_cp_check"] = eval_check
+        report_eval_check(eval_check)
     if args.check_parity:
         metrics["parity"] = check_parity(args, records, global_batch, device)
     return metrics
@@ -198,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out)), exist_ok=True)
         with open(args.metrics_out, "w") as f:
             json.dump(metrics, f, indent=2)
-    return 0 if metrics.get("parity", {"passed": True})["passed"] else 1
+    checks = [metrics.get(name, {"passed": True})["passed"] for name in ("parity", "eval_cp_check")]
+    return 0 if all(checks) else 1
 
 
 if __name__ == "__main__":
