@@ -39,7 +39,8 @@ def check_eval_cp(args, at_train, at_eval, model, batch, inputs) -> dict:
     rel = abs(train_loss - eval_loss) / abs(train_loss)
     rtol = EVAL_CP_RTOL[args.dtype]
     result = {"train_cp_size": at_train.config.context_parallel_size,
-              "eval_cp_size": at_eval.config.context_parallel_size, "train_cp_loss": train_loss, "eval_cp_loss": eval_loss, "rel_diff": rel, "rtol": rtol,
+              "eval_cp_size": at_eval.config.context_parallel_size,
+              "train_cp_loss": train_loss, "eval_cp_loss": eval_loss, "rel_diff": rel, "rtol": rtol,
               "passed": rel <= rtol}
     return result
 
