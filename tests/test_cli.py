@@ -55,6 +55,16 @@ def test_eval_at_another_cp_degree(tmp_path):
     assert metrics["eval_cp_check"]["passed"] and metrics["eval_cp_check"]["eval_cp_size"] == 4
 
 
+def test_dynamic_cp_parity(tmp_path):
+    out = tmp_path / "metrics.json"
+    result = cp_train("--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "256", "--seq-len", "1024",
+                      "--steps", "3", "--hidden-size", "64", "--ffn-hidden-size", "128", "--max-corpus-bytes",
+                      "2000000", "--check-parity", "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dynamic CP over 4 ranks" in result.stderr and "parity passed" in result.stderr
+    assert json.loads(out.read_text())["parity"]["passed"]
+
+
 def test_hierarchical_parity_and_group_log():
     result = cp_train("--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
                       *SMALL, "--check-parity")
@@ -81,6 +91,11 @@ def test_hierarchical_parity_and_group_log():
          "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p"],
          "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
+        (["--nproc", "4", "--dynamic-cp"], "--dynamic-cp needs --max-seqlen-per-rank N"),
+        (["--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "100", "--seq-len", "1024"],
+         "a sequence of 1024 tokens does not fit: max_seqlen_per_dp_cp_rank=100 on at most 2 ranks"),
+        (["--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "512", "--cp-size", "2"], "drop --cp-size"),
+        (["--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "512", "--min-cp-size", "3"], "power of two"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
          "hierarchical_context_parallel_sizes=[2, 3] multiply to 6, but context_parallel_size=4"),
     ],

@@ -9,6 +9,7 @@ import sys
 from models import GPTConfig
 
 from ..config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
+from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
@@ -33,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
                    help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first: e.g. 2 2")
+    g = p.add_argument_group("dynamic context parallelism")
+    g.add_argument("--dynamic-cp", action="store_true",
+                   help="each micro-batch gives every document the smallest CP group that fits it "
+                        "(documents = files, cut at --seq-len tokens)")
+    g.add_argument("--max-seqlen-per-rank", type=int, default=None,
+                   help="token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank)")
+    g.add_argument("--min-cp-size", type=int, default=1, help="min_dynamic_context_parallel_size (a power of two)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-cp-size", type=int, default=None, help="CP size of evaluation (default: training's)")
     g.add_argument("--eval-hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
@@ -87,6 +95,8 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     for flag in ("steps", "batch_size", "seq_len", "num_layers", "hidden_size", "eval_batches"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
+    if args.dynamic_cp:
+        check_dynamic(args, world)
     cp_size = args.cp_size or world
     check_world_divisible(world, cp_size)
     args.backend = resolve_backend(args.backend)
@@ -103,6 +113,19 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     model_config(args)
     check_eval_layout(world, eval_cp_config(args, config), args.seq_len)
     return config
+
+
+def check_dynamic(args: argparse.Namespace, world: int) -> None:
+    """Rules of --dynamic-cp (raises ValueError); packing becomes thd."""
+    if args.max_seqlen_per_rank is None or args.max_seqlen_per_rank < 1:
+        raise ValueError("--dynamic-cp needs --max-seqlen-per-rank N (N >= 1)")
+    if args.cp_size is not None:
+        raise ValueError("--dynamic-cp chooses the CP size of every micro-batch: drop --cp-size")
+    if args.eval_every or args.check_eval_cp or args.eval_cp_size:
+        raise ValueError("--dynamic-cp does not run evaluation: drop --eval-every / --eval-cp-size / --check-eval-cp")
+    cp_size_for(args.seq_len, args.max_seqlen_per_rank, args.min_cp_size, world)  # the longest piece must fit
+    schedule_sequences([1], world, args.max_seqlen_per_rank, args.min_cp_size)  # checks --min-cp-size
+    args.packing = "thd"
 
 
 def eval_cp_config(args: argparse.Namespace, train: ContextParallelConfig) -> ContextParallelConfig:

@@ -127,3 +127,24 @@ class SequenceBatches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         index = torch.randint(0, self.n_train, (global_batch_size,), generator=generator)
         return Batch(self.sequences[index].long(), [self.cu_seqlens(int(i)) for i in index])
+
+
+class DocumentBatches:
+    """Whole documents as sequences (dynamic CP): each file is one sequence, files longer than
+    ``cap`` tokens are cut into pieces of at most ``cap``. The last ``holdout_fraction`` of the
+    pieces is held out. ``global_batch(step, n)`` draws ``n`` pieces, the same on every rank."""
+
+    def __init__(self, stream: torch.Tensor, doc_starts: torch.Tensor, cap: int, seed: int,
+                 holdout_fraction: float = 0.05):
+        bounds = [*doc_starts.tolist(), stream.numel()]
+        self.pieces = [(s, min(s + cap, e)) for b, e in zip(bounds[:-1], bounds[1:], strict=True)
+                       for s in range(b, e, cap)]
+        if len(self.pieces) < 2:
+            raise ValueError("the corpus has fewer than two documents")
+        self.stream, self.seed = stream, seed
+        self.n_train = max(1, int(len(self.pieces) * (1 - holdout_fraction)))
+
+    def global_batch(self, step: int, n: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        index = torch.randint(0, self.n_train, (n,), generator=generator).tolist()
+        return [self.stream[self.pieces[i][0]: self.pieces[i][1]].long() for i in index]

@@ -1,0 +1,79 @@
+"""Dynamic CP in ``cp-train``: per global batch, schedule the documents onto aligned CP groups
+(:mod:`cp_handler.dynamic`), run each of this rank's micro-batches on its group's handler, and
+reduce gradients once over all DP x CP ranks. The loss is normalised by the global batch's loss
+tokens (every document's length - 1, known from the schedule on every rank), so each token weighs
+the same whatever group it ran on. Ranks with an empty micro-batch skip it (their whole group is
+empty) and still take part in the gradient reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from ..dynamic import GroupPool, schedule_sequences
+from ..training import masked_token_loss_sum, next_token_batch
+from .data import DocumentBatches, collect_files, read_token_stream
+
+
+def load_documents(args) -> DocumentBatches:
+    stream, doc_starts = read_token_stream(collect_files(args.data), args.max_corpus_bytes)
+    return DocumentBatches(stream, doc_starts, args.seq_len, args.seed)
+
+
+def _pack(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([d.numel() for d in docs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    return torch.cat(docs).view(1, -1).to(device), cu.to(device)
+
+
+def _loss_share(model, handler, tokens, total_loss_tokens: int) -> torch.Tensor:
+    input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+    loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask) / total_loss_tokens
+    loss.backward()
+    return loss.detach()
+
+
+def all_reduce_grads(model: torch.nn.Module) -> None:
+    """Sum every gradient over all ranks in one flat all-reduce (missing gradients count as zero)."""
+    params = list(model.parameters())
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = parameters_to_vector([p.grad for p in params])
+    dist.all_reduce(flat)
+    vector_to_parameters(flat, [p.grad for p in params])
+
+
+def dynamic_step(model, args, documents: DocumentBatches, pool: GroupPool, handler_cls, comm_type, device):
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(step: int):
+        docs = documents.global_batch(step, args.batch_size * world)
+        lengths = [d.numel() for d in docs]
+        schedule = schedule_sequences(lengths, world, args.max_seqlen_per_rank, args.min_cp_size)
+        total = sum(n - 1 for n in lengths)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        for group in schedule.for_rank(rank):
+            if not group.sequences:
+                continue
+            tokens, cu = _pack([docs[i] for i in group.sequences], device)
+            handler = handler_cls(cp_group=pool.group(group.size, group.first), qkv_format="thd", cu_seqlens=cu,
+                                  cp_comm_type=comm_type)
+            loss += _loss_share(model, handler, tokens, total)
+        all_reduce_grads(model)
+        return loss, sum(lengths)
+    return run
+
+
+def reference_dynamic_step(model, args, documents: DocumentBatches, handler_cls, device):
+    """The same global batches on one process: all documents in one thd pack at cp=1."""
+    world = dist.get_world_size()
+
+    def run(step: int):
+        docs = documents.global_batch(step, args.batch_size * world)
+        tokens, cu = _pack(docs, device)
+        handler = handler_cls(cp_group=None, qkv_format="thd", cu_seqlens=cu)
+        return _loss_share(model, handler, tokens, sum(d.numel() - 1 for d in docs)), tokens.numel()
+    return run
