@@ -134,16 +134,22 @@ def _join_open_group(heap: list, groups: list[Group], tokens: int, budget: int) 
 def _fill_micro_batch(order, lengths, cp_sizes, num_ranks, budget, min_size, workload):
     buddy, groups, waiting = _Buddy(num_ranks), [], []
     open_by_size: dict[int, list] = {}  # size -> heap of (cost, first, index into groups)
+    # Within a micro-batch free blocks only shrink and groups only fill, so failures are remembered:
+    no_block_from = num_ranks + 1  # no free block of this size or larger
+    no_room_from: dict[int, int] = {}  # size -> fewest tokens that found no room
     for i in order:
         size, tokens = cp_sizes[i], padded_len(lengths[i], cp_sizes[i]) // cp_sizes[i]
         heap = open_by_size.setdefault(size, [])
-        start = buddy.take(size)
+        start = buddy.take(size) if size < no_block_from else None
         if start is not None:
             groups.append(Group(size, start))
             index = len(groups) - 1
         else:
-            index = _join_open_group(heap, groups, tokens, budget)
+            no_block_from = min(no_block_from, size)
+            index = None if tokens >= no_room_from.get(size, budget + 1) else _join_open_group(heap, groups, tokens,
+                                                                                               budget)
             if index is None:
+                no_room_from[size] = min(no_room_from.get(size, budget + 1), tokens)
                 waiting.append(i)
                 continue
         group = groups[index]
