@@ -40,3 +40,22 @@ def run_distributed(fn, world_size: int, *args) -> None:
 def new_cp_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
     """A CP group over ``ranks`` (default: all), distinct from the default group."""
     return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())))
+
+
+class GatherSumGrad(torch.autograd.Function):
+    """All-gather along dim 0 (list form, equal shapes); backward reduce-scatters, as K/V gathers
+    need when every rank's queries use every rank's keys."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group))]
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, group=ctx.group)
+        return out, None

@@ -9,7 +9,8 @@ import pytest
 
 from cp_handler import MagiAttnContextParallelHandler, TEContextParallelHandler
 
-FAKES = str(Path(__file__).parent / "fakes")
+TESTS = Path(__file__).parent
+FAKES = os.pathsep.join([str(TESTS / "fakes"), str(TESTS)])  # the fakes use tests/dist_utils.py
 
 
 def test_missing_packages_raise_import_error_with_install_hint():

@@ -9,32 +9,13 @@ Tolerances: see gpt_reference.py.
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from dist_utils import new_cp_group, run_distributed
+from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
 from cp_handler.ops.seq_gather import all_gather_seq
 from cp_handler.rope import apply_rotary
 from models import GPTConfig
-
-
-class _GatherKV(torch.autograd.Function):
-    """All-gather along dim 2; backward reduce-scatters (every rank's queries used every K/V)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=2)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group), dim=2)]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
-        return out, None
 
 
 class ContiguousAllGatherHandler(ContextParallelHandler):
@@ -70,7 +51,7 @@ class ContiguousAllGatherHandler(ContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type="causal"):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         if self.cp_size > 1:
-            k, v = _GatherKV.apply(k, self.cp_group), _GatherKV.apply(v, self.cp_group)
+            k, v = (GatherSumGrad.apply(t.transpose(0, 2), self.cp_group).transpose(0, 2) for t in (k, v))
         q_pos = self._positions(q.shape[2], q.device)
         mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn_mod.softmax_scale, enable_gqa=True)

@@ -50,26 +50,17 @@ def heads_to_seq_raw(x: torch.Tensor, group) -> torch.Tensor:
     return rearrange(received, "n b h s d -> b (n h) s d")
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """Sequence shards <-> head groups; each direction's backward is the other direction."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads_raw(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return seq_to_heads_raw(x, group) if to_heads else heads_to_seq_raw(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq_raw(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq_raw(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads_raw(grad, ctx.group), None
+        return (heads_to_seq_raw(grad, ctx.group) if ctx.to_heads else seq_to_heads_raw(grad, ctx.group)), None, None
 
 
 def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
@@ -123,9 +114,9 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order = layout.a2a_reorder_index(a2a_size).to(q.device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
-    q, k, v = (_SeqToHeads.apply(t, group).index_select(2, order) for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, group, True).index_select(2, order) for t in (q, k, v))
     out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size))
-    out = _HeadsToSeq.apply(out.index_select(2, inverse), group)
+    out = _AllToAll.apply(out.index_select(2, inverse), group, False)
     if return_lse:
         lse = heads_to_seq_raw(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)
     return out, lse if return_lse else None

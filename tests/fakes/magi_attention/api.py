@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import GatherSumGrad  # tests/ helper: the fake is only imported inside test ranks
 
 from cp_handler.ops.seq_gather import all_gather_seq
 
@@ -85,28 +86,12 @@ def get_position_ids(key):
     return key.positions.clone()
 
 
-class _GatherSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad):
-        parts = [p.contiguous() for p in grad.chunk(dist.get_world_size(ctx.group))]
-        out = torch.empty_like(parts[0])
-        dist.reduce_scatter(out, parts, group=ctx.group)
-        return out, None
-
-
 def calc_attn(q, k, v, key, sink=None, softmax_scale=None, softcap=0.0, return_max_logits=False):
     assert q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "q, k, v are [num_tokens_local, heads, head_dim]"
     assert q.shape[1] == key.num_heads_q and k.shape[1] == key.num_heads_kv and q.shape[2] == key.head_dim
     CALLS.append({"call": "calc_attn", "softmax_scale": softmax_scale, "shape": tuple(q.shape)})
     order = _global_order(key, q.device)
-    k_all, v_all = (_GatherSum.apply(t, key.group).index_select(0, order) for t in (k, v))
+    k_all, v_all = (GatherSumGrad.apply(t, key.group).index_select(0, order) for t in (k, v))
     doc_of = torch.searchsorted(key.cu_seqlens, torch.arange(key.padded), right=True).to(q.device)
     qpos, kpos = key.positions.to(q.device), torch.arange(key.padded, device=q.device)
     mask = (doc_of[qpos][:, None] == doc_of[kpos][None, :]) & (kpos[None, :] < key.total)
