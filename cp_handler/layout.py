@@ -27,35 +27,6 @@ def zigzag_chunk_owner(chunk: int, cp_size: int) -> tuple[int, int]:
     return 2 * cp_size - 1 - chunk, 1
 
 
-def zigzag_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
-    """Global positions (int64 ``[seq_len / cp_size]``) of the tokens held by ``cp_rank``."""
-    chunk = seq_len // (2 * cp_size)
-    first, second = zigzag_chunk_ids(cp_rank, cp_size)
-    return torch.cat(
-        [torch.arange(first * chunk, (first + 1) * chunk, device=device),
-         torch.arange(second * chunk, (second + 1) * chunk, device=device)]
-    )
-
-
-def permute_chunks(x: torch.Tensor, dim: int, order: list[int], n_chunks: int | None = None) -> torch.Tensor:
-    """Cut ``x`` along ``dim`` into ``n_chunks`` (default ``len(order)``) equal chunks and keep
-    ``order`` of them, concatenated. Differentiable (an index_select)."""
-    chunks = x.unflatten(dim, (n_chunks or len(order), -1))
-    index = torch.tensor(order, device=x.device)
-    return chunks.index_select(dim, index).flatten(dim, dim + 1)
-
-
-def zigzag_shard(x: torch.Tensor, seq_dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """This rank's two chunks of ``x`` along ``seq_dim`` (differentiable: backward scatters into zeros)."""
-    return permute_chunks(x, seq_dim, list(zigzag_chunk_ids(cp_rank, cp_size)), 2 * cp_size)
-
-
-def zigzag_unshard(gathered: torch.Tensor, seq_dim: int, cp_size: int) -> torch.Tensor:
-    """Reorder shards concatenated rank by rank along ``seq_dim`` into global token order."""
-    order = [2 * rank + half for rank, half in (zigzag_chunk_owner(j, cp_size) for j in range(2 * cp_size))]
-    return permute_chunks(gathered, seq_dim, order)
-
-
 def _arange(start: int, length: int) -> torch.Tensor:
     return torch.arange(start, start + length)
 

@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from cp_handler.layout import ZigzagDocs
 from cp_handler.ops.all_gather import all_gather_attn
 from cp_handler.ops.ring import ring_attn
 from cp_handler.ops.ulysses import a2a_attn
@@ -44,3 +45,8 @@ def per_document_attention(q, k, v, dout, cu_seqlens, causal):
              for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
     out, lse, dq, dk, dv = (torch.cat([p[i][0] for p in parts], dim=1) for i in range(5))
     return out.transpose(0, 1), lse, dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
+
+
+def zigzag_shard(t, dim, rank, world):
+    """This rank's zigzag shard of a bshd-style tensor along ``dim`` (one document, no padding)."""
+    return t.index_select(dim, ZigzagDocs.uniform(t.shape[dim], world).dispatch_index(rank))

@@ -14,12 +14,11 @@ while a masking or layout mistake gives O(1) errors.
 import pytest
 import torch
 import torch.distributed as dist
-from attn_reference import run_pattern, single_process_attention
+from attn_reference import run_pattern, single_process_attention, zigzag_shard
 from dist_utils import run_distributed
 
 from cp_handler import HierarchicalContextParallelHandler, build_dp_cp_groups
 from cp_handler.groups import hierarchical_level_ranks
-from cp_handler.layout import zigzag_shard
 from cp_handler.ops.ulysses import a2a_attn
 
 HEADS = {"mha": (4, 4, 64), "gqa": (8, 2, 80), "gqa_ratio3": (12, 4, 32), "mqa": (4, 1, 32)}

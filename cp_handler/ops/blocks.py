@@ -14,7 +14,6 @@ from .kernels import block_attn_backward, block_attn_forward
 from .merge import acc_dtype, merge_attn_out_
 
 Block = tuple[slice, slice, bool]
-ALL = slice(None)
 
 
 def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
