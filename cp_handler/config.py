@@ -16,20 +16,18 @@ QKV_FORMATS = ("sbhd", "bshd", "thd")
 """Tensor layouts: s = sequence, b = batch, h = heads, d = head dim, t = packed tokens."""
 
 
-def comm_types_per_layer(cp_comm_type: str | list[str], num_layers: int | None) -> list[str] | None:
-    """Expand ``cp_comm_type`` to one entry per layer (``None`` when the layer count is unknown).
+def as_comm_type_list(cp_comm_type: str | list[str]) -> list[str]:
+    """``cp_comm_type`` as a list: one value, or the per-layer entries."""
+    return [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
 
-    Raises:
-        ValueError: a per-layer list whose length is not ``num_layers``.
-    """
-    if isinstance(cp_comm_type, str):
-        return None if num_layers is None else [cp_comm_type] * num_layers
-    if num_layers is not None and len(cp_comm_type) != num_layers:
+
+def check_per_layer_comm_types(cp_comm_type: str | list[str], num_layers: int | None) -> None:
+    """Raises ValueError for a per-layer list whose length is not ``num_layers`` (when known)."""
+    if not isinstance(cp_comm_type, str) and num_layers is not None and len(cp_comm_type) != num_layers:
         raise ValueError(
             f"cp_comm_type has {len(cp_comm_type)} entries but the model has num_layers={num_layers}; "
             "a per-layer cp_comm_type list needs exactly one entry per layer"
         )
-    return list(cp_comm_type)
 
 
 @dataclass
@@ -69,7 +67,7 @@ class ContextParallelConfig:
             raise ValueError(f"context_parallel_size={size!r} must be an integer >= 1")
 
     def _check_comm_types(self) -> None:
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
+        types = as_comm_type_list(self.cp_comm_type)
         if not types:
             raise ValueError("cp_comm_type=[] must name at least one communication type")
         for comm_type in types:
@@ -77,7 +75,7 @@ class ContextParallelConfig:
                 raise ValueError(
                     f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}"
                 )
-        comm_types_per_layer(self.cp_comm_type, self.num_layers)
+        check_per_layer_comm_types(self.cp_comm_type, self.num_layers)
 
     def _check_hierarchy(self) -> None:
         sizes = self.hierarchical_context_parallel_sizes
@@ -101,8 +99,7 @@ class ContextParallelConfig:
     @property
     def comm_types(self) -> list[str]:
         """The distinct communication types this config uses."""
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-        return sorted(set(types))
+        return sorted(set(as_comm_type_list(self.cp_comm_type)))
 
     def check_seq_len(self, seq_len: int) -> None:
         """Check that a batch of ``seq_len`` tokens can be split over the CP group.

@@ -15,6 +15,7 @@ token-weighted over all ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,7 +38,7 @@ def eval_config(train: ContextParallelConfig, eval_context_parallel_size: int,
     """
     sizes = hierarchical_context_parallel_sizes
     train_sizes = train.hierarchical_context_parallel_sizes
-    if sizes is None and train_sizes and torch.Size(train_sizes).numel() == eval_context_parallel_size:
+    if sizes is None and train_sizes and math.prod(train_sizes) == eval_context_parallel_size:
         sizes = list(train_sizes)
     return ContextParallelConfig(context_parallel_size=eval_context_parallel_size, cp_comm_type=train.cp_comm_type,
                                  hierarchical_context_parallel_sizes=sizes, backend=train.backend,

@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..config import CP_COMM_TYPES, QKV_FORMATS
+from ..config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
@@ -48,8 +48,7 @@ class ContextParallelHandler(ABC):
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
-        types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-        for comm_type in types:
+        for comm_type in as_comm_type_list(cp_comm_type):
             if comm_type not in CP_COMM_TYPES:
                 raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
         if (qkv_format == "thd") != (cu_seqlens is not None):
@@ -70,6 +69,11 @@ class ContextParallelHandler(ABC):
         """Raise ImportError / RuntimeError if this backend cannot run on this machine (default: it can).
         Called by ``cp-train`` before any rank starts."""
         return None  # noqa: B027 - optional hook, not abstract
+
+    @property
+    def comm_types(self) -> list[str]:
+        """``cp_comm_type`` as a list (one entry, or one per layer)."""
+        return as_comm_type_list(self.cp_comm_type)
 
     def comm_type_for(self, attn_mod: torch.nn.Module | None) -> str:
         """The ``cp_comm_type`` of the layer that ``attn_mod`` belongs to."""

@@ -63,8 +63,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-        for comm_type in types:
+        for comm_type in self.comm_types:
             if comm_type not in self.supported_comm_types:
                 raise ValueError(
                     f"{type(self).__name__} does not implement cp_comm_type={comm_type!r}; "
@@ -117,8 +116,7 @@ class HierarchicalContextParallelHandler(LocalContextParallelHandler):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        types = [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-        if self.cp_size > 1 and "a2a+p2p" in types:
+        if self.cp_size > 1 and "a2a+p2p" in self.comm_types:
             self._check_levels()
 
     def _check_levels(self) -> None:

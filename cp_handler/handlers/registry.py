@@ -6,7 +6,7 @@ call, from any package; no edit to models or to this file.
 
 from __future__ import annotations
 
-from ..config import CP_COMM_TYPES
+from ..config import CP_COMM_TYPES, as_comm_type_list
 from .base import ContextParallelHandler
 
 _REGISTRY: dict[tuple[str, str], type[ContextParallelHandler]] = {}
@@ -46,7 +46,7 @@ def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[Cont
     """
     if backend not in registered_backends():
         raise ValueError(f"backend={backend!r} is not registered; registered backends: {registered_backends()}")
-    types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+    types = as_comm_type_list(cp_comm_type)
     classes = []
     for comm_type in types:
         if (backend, comm_type) not in _REGISTRY:

@@ -67,11 +67,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
         require_cuda("transformer_engine")
 
-    def _comm_types(self) -> list[str]:
-        return [self.cp_comm_type] if isinstance(self.cp_comm_type, str) else list(self.cp_comm_type)
-
     def _check_groups(self) -> None:
-        if "a2a+p2p" in self._comm_types():
+        if "a2a+p2p" in self.comm_types:
             groups = self.hierarchical_cp_groups
             if len(groups) != 2 or any(g is None for g in groups):
                 raise ValueError(
@@ -79,7 +76,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
                     f"p2p_group] (no None: TE would silently run without CP), got {groups}"
                 )
         if self.qkv_format == "thd":
-            bad = [t for t in self._comm_types() if t not in ("p2p", "a2a")]
+            bad = [t for t in self.comm_types if t not in ("p2p", "a2a")]
             if bad:
                 raise ValueError(f"transformer_engine does not support qkv_format='thd' with cp_comm_type={bad}; "
                                  "use 'p2p' or 'a2a'")

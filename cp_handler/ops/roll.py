@@ -60,7 +60,7 @@ def roll_plan(layout: ZigzagDocs, rank: int, shift: int):
     return torch.cat(index), sends, recvs
 
 
-def _incoming(front, layout, rank, shift, recvs, group):
+def _incoming(front, layout, rank, shift, recvs):
     """Boundary slices for each half: received, copied from this rank's other half, or zeros."""
     k, n_docs = abs(shift), layout.num_docs
     halves = [front.new_zeros((n_docs * k, *front.shape[1:])) for _ in _chunk_ids(layout, rank)]
@@ -78,7 +78,7 @@ def zigzag_roll_local(x: torch.Tensor, shift: int, seq_dim: int, group, layout: 
     rank = 0 if layout.size == 1 else dist.get_rank(group)
     front = x.movedim(seq_dim, 0)
     index, sends, recvs = roll_plan(layout, rank, shift)
-    halves, posted = _incoming(front, layout, rank, shift, recvs, group)
+    halves, posted = _incoming(front, layout, rank, shift, recvs)
     outgoing = [(front.index_select(0, _boundary_rows(layout, half, shift).to(x.device)), peer, tag)
                 for half, peer, _, tag in sends if peer != rank]
     if outgoing or posted:
