@@ -86,7 +86,7 @@ def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, 
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
-        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale)
+        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale, fresh=True)
     return out.to(q.dtype), lse
 
 

@@ -29,13 +29,25 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float) -> None:
-    """Merge the attention of every block into ``out``/``lse`` (in place)."""
+def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False) -> None:
+    """Merge the attention of every block into ``out``/``lse`` (in place).
+
+    ``fresh``: the accumulators are still empty, so the first block of each query range is copied
+    in instead of merged (saves the merge's passes; exact, as merging into an empty accumulator is
+    a copy). Blocks' query ranges must then be equal or disjoint, as every plan's are.
+    """
+    written: set[tuple[int, int]] = set()
     for q_rows, kv_rows, causal in blocks:
         block_out, block_lse = block_attn_forward(
             rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale
         )
-        merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
+        key = (q_rows.start, q_rows.stop)
+        if fresh and key not in written:
+            rows(out, q_rows).copy_(block_out)
+            rows(lse, q_rows).copy_(block_lse)
+        else:
+            merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
+        written.add(key)
 
 
 def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float) -> None:

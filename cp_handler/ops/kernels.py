@@ -13,13 +13,53 @@ Backends:
 The backward takes the *merged* (whole-sequence) ``out`` and ``lse``: with them, the flash
 backward of one block gives exactly that block's share of dq, dk, dv (FlashAttention-2, Dao 2023).
 Zero-length blocks are never passed to the ops (the CPU op crashes on them): callers skip them.
+
+:func:`count_attn_work` counts the (query, key) score pairs the forward blocks compute on this
+rank (the benchmark's load-balance figure), as :func:`~.collectives.count_comms` counts bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
 aten = torch.ops.aten
+
+
+@dataclass
+class WorkCounter:
+    """Attention score pairs computed by forward blocks on this rank (causal blocks count the
+    lower triangle with its diagonal), summed over batch and query heads."""
+
+    pairs: int = 0
+    blocks: int = 0
+
+
+_work_counters: list[WorkCounter] = []
+
+
+@contextlib.contextmanager
+def count_attn_work():
+    """Count the attention work of the forward blocks run inside the block (this rank only)."""
+    counter = WorkCounter()
+    _work_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _work_counters.remove(counter)
+
+
+def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """Record one forward block of ``q (B, H, Sq, D)`` against ``k (B, Hkv, Sk, D)``."""
+    if not _work_counters:
+        return
+    b, h, sq, sk = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
+    pairs = b * h * (sq * (sq + 1) // 2 if causal else sq * sk)
+    for counter in _work_counters:
+        counter.pairs += pairs
+        counter.blocks += 1
 
 
 def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -51,6 +91,7 @@ def block_attn_forward(
     ``causal`` is top-left aligned and only used with ``Sq == Sk``.
     """
     _check_nonempty(q, k)
+    record_attn_work(q, k, causal)
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse

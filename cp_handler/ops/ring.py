@@ -27,7 +27,7 @@ import torch.distributed as dist
 from ..layout import ZigzagDocs
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .merge import acc_dtype
-from .p2p import RingComm
+from .p2p import RingComm, exchange
 
 
 @functools.lru_cache(maxsize=256)
@@ -61,32 +61,69 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
 def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float):
     """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
     comm = RingComm(group)
-    kv = torch.stack([k, v])
+    kv = (k, v)
     out, lse = new_accumulators(q)
     for step in range(comm.size):
-        pending = comm.send_recv(kv) if step + 1 < comm.size else None
-        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale)
+        pending = comm.send_recv(*kv) if step + 1 < comm.size else None
+        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale,
+                        fresh=step == 0)
         if pending is not None:
-            kv = pending.wait()[0]
+            kv = pending.wait()
     return out.to(q.dtype), lse
 
 
+@functools.lru_cache(maxsize=256)
+def local_blocks_split(layout: ZigzagDocs, rank: int, causal: bool) -> tuple[list[Block], list[Block]]:
+    """Step 0's blocks split into ``(head, tail)``: per document, the second zigzag chunk's causal
+    diagonal is the tail (run last in backward, while partial dK/dV travel home); the first chunk's
+    diagonal and the second chunk against the first are the head. A document's real local tokens
+    are contiguous (padding only ends a document), so the second chunk starts after a full first."""
+    head, tail = [], []
+    for i in range(layout.num_docs):
+        off, (a, b) = layout.local_offsets[i], layout.rank_real(i, rank)
+        if not causal or not b:
+            if a + b:
+                head.append((slice(off, off + a + b), slice(off, off + a + b), causal))
+            continue
+        first, second = slice(off, off + a), slice(off + a, off + a + b)
+        head += [(first, first, True), (second, first, False)]
+        tail.append((second, second, True))
+    return head, tail
+
+
 def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causal: bool, scale: float):
-    """Backward ring: returns ``dq, dk, dv`` for the local q, k, v (dK/dV gathered from every rank)."""
+    """Backward ring: returns ``dq, dk, dv`` for the local q, k, v.
+
+    K/V travel the ring as in forward. The gradient of a remote K/V block is sent straight to its
+    owner as soon as it is computed (``cp - 1`` sends of one dK/dV shard per rank, none of them
+    accumulated on the way); the local block is split (:func:`local_blocks_split`) so that its
+    tail runs after the last remote step and hides the last partial's trip home.
+    """
     comm = RingComm(group)
-    kv = torch.stack([k, v])
-    dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
-    dkv_pending = None
-    for step in range(comm.size):
-        kv_pending = comm.send_recv(kv, tag=0) if step + 1 < comm.size else None
-        dkv = dkv_pending.wait()[0] if dkv_pending is not None else torch.zeros_like(kv, dtype=dq.dtype)
-        blocks_backward_(dq, dkv[0], dkv[1], dout, q, kv[0], kv[1], out, lse,
+    dtype = acc_dtype(q.dtype)
+    dq = torch.zeros_like(q, dtype=dtype)
+    dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+    head, tail = local_blocks_split(layout, comm.rank, causal)
+    kv_pending = comm.send_recv(k, v) if comm.size > 1 else None
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, head, scale)
+    partial = None
+    for step in range(1, comm.size):
+        kv_remote = kv_pending.wait()
+        kv_pending = comm.send_recv(*kv_remote) if step + 1 < comm.size else None
+        dkv_remote = torch.zeros_like(dkv)
+        blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse,
                          ring_blocks(layout, step, comm.rank, causal), scale)
-        if kv_pending is not None:
-            kv = kv_pending.wait()[0]
-        dkv_pending = comm.send_recv(dkv, tag=1) if comm.size > 1 else None
-    dkv = dkv_pending.wait()[0] if dkv_pending is not None else dkv
+        if partial is not None:
+            dkv += partial.wait()[0]
+        owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
+        tag = 1 + step  # K/V use tags 0 and 1 towards the next rank
+        partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale)
+    if partial is not None:
+        dkv += partial.wait()[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class _RingAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, layout, causal, scale):

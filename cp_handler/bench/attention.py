@@ -1,0 +1,186 @@
+"""One attention benchmark case on the ranks of a CP group: time, memory, bytes sent, work balance.
+
+A case is an implementation (``single``: one process, the reference; ``local``: our pure-torch
+handler; ``torch_ring``: PyTorch's ring, :mod:`.torch_ring`) x ``cp_comm_type`` x cp size x global
+sequence length x qkv_format x pass (``fwd`` or ``fwd_bwd``). Every rank builds the same global
+q, k, v (seeded), takes its shard with the handler's ``dispatch`` (zigzag; thd pads each document),
+and runs the attention. Measured per case:
+
+* ``median_ms``: median wall time over ``reps`` repetitions after ``warmup``, each between two
+  barriers of the CP group (so the slowest rank sets it);
+* ``peak_memory_bytes``: max over ranks of the peak bytes live during one repetition
+  (``torch.distributed._tools.mem_tracker.MemTracker``, which works on CPU and CUDA), inputs included;
+* ``bytes_sent``: max over ranks of :func:`~cp_handler.ops.collectives.count_comms`;
+* ``load_balance``: max / mean over ranks of the forward score pairs
+  (:func:`~cp_handler.ops.kernels.count_attn_work`); 1.0 is perfect; ``None`` where no block
+  kernel ran (the single-process bshd reference calls ``F.scaled_dot_product_attention``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from ..cli.data import stdlib_files
+from ..groups import build_dp_cp_groups
+from ..handlers.local import HierarchicalContextParallelHandler, from_bhsd, to_bhsd
+from ..ops.collectives import count_comms
+from ..ops.kernels import count_attn_work
+from .torch_ring import torch_ring_attn
+
+IMPLS = ("single", "local", "torch_ring")
+PASSES = ("fwd", "fwd_bwd")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Attention shape of the benchmark: batch, query heads, KV heads, head dim, dtype name."""
+
+    batch: int = 1
+    num_heads: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 64
+    dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration (``comm_type``: ours' cp_comm_type, or PyTorch's rotate method)."""
+
+    impl: str
+    comm_type: str
+    cp_size: int
+    seq_len: int
+    qkv_format: str
+    pass_name: str
+    threads: int
+
+
+def stdlib_document_lengths(seq_len: int, seed: int = 0, pieces: int = 8) -> list[int]:
+    """A packed thd batch of ``seq_len`` tokens with stdlib documents: the ``.py`` files (bytes +
+    end-of-document) in an order shuffled by ``seed``, each cut at ``seq_len // pieces`` tokens (so
+    a pack holds at least ``pieces`` documents, as long-context packs of many short documents do),
+    packed until ``seq_len`` (the last one cut to fit).
+
+    Raises:
+        ValueError: ``seq_len`` longer than the corpus.
+    """
+    cap = max(1, seq_len // pieces)
+    sizes = [min(p.stat().st_size + 1, cap) for p in stdlib_files()]
+    order = torch.randperm(len(sizes), generator=torch.Generator().manual_seed(seed)).tolist()
+    lengths, total = [], 0
+    for i in order:
+        lengths.append(min(sizes[i], seq_len - total))
+        total += lengths[-1]
+        if total == seq_len:
+            return lengths
+    raise ValueError(f"seq_len={seq_len} exceeds the stdlib corpus ({total} tokens)")
+
+
+def hierarchical_sizes(cp_size: int) -> list[int]:
+    """Two levels for ``a2a+p2p``: a2a over pairs of adjacent ranks, the ring across them."""
+    return [2, cp_size // 2] if cp_size % 2 == 0 else [cp_size, 1]
+
+
+class CaseRunner:
+    """Inputs and the attention call of one case on this rank."""
+
+    def __init__(self, case: Case, shape: Shape, group, sub_groups: list | None = None):
+        self.case, self.shape, self.group = case, shape, group
+        cu_seqlens = None
+        if case.qkv_format == "thd":
+            lengths = stdlib_document_lengths(case.seq_len)
+            cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        self.handler = HierarchicalContextParallelHandler(
+            cp_group=group if case.cp_size > 1 else None, qkv_format=case.qkv_format,
+            cp_comm_type=case.comm_type if case.impl == "local" else "p2p",
+            hierarchical_cp_groups=sub_groups if case.comm_type == "a2a+p2p" else None, cu_seqlens=cu_seqlens,
+        )
+        g = torch.Generator().manual_seed(case.seq_len)
+        dtype = getattr(torch, shape.dtype)
+        heads = (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads, shape.num_heads)
+        lead = (case.seq_len,) if case.qkv_format == "thd" else (shape.batch, case.seq_len)
+        tensors = [torch.randn(*lead, h, shape.head_dim, generator=g, dtype=dtype) for h in heads]
+        seq_dim = 0 if case.qkv_format == "thd" else 1
+        self.q, self.k, self.v, self.dout = (self.handler.dispatch(t, seq_dim).contiguous() for t in tensors)
+        for t in (self.q, self.k, self.v):
+            t.requires_grad_(case.pass_name == "fwd_bwd")
+        self.scale = shape.head_dim**-0.5
+
+    def attention(self) -> torch.Tensor:
+        if self.case.impl != "torch_ring":
+            return self.handler.core_attn(None, self.q, self.k, self.v)
+        q, k, v = (to_bhsd(t, "bshd") for t in (self.q, self.k, self.v))
+        out = torch_ring_attn(q, k, v, group=self.group, causal=True, scale=self.scale,
+                              rotate_method=self.case.comm_type)
+        return from_bhsd(out, "bshd", self.q)
+
+    def __call__(self) -> None:
+        if self.case.pass_name == "fwd":
+            with torch.no_grad():
+                self.attention()
+        else:
+            self.attention().backward(self.dout)
+            for t in (self.q, self.k, self.v):
+                t.grad = None
+
+
+def _max_over(group, value: float) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.item()
+
+
+def _all(group, value: float) -> list[float]:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def measure(run: CaseRunner, group, warmup: int, reps: int) -> dict:
+    """Time, memory, bytes and work of one case (every rank of ``group`` calls it)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        dist.barrier(group=group)
+        times.append(_max_over(group, time.perf_counter() - start))
+    with count_comms() as comms, count_attn_work() as work:
+        run()
+    tracker = MemTracker()
+    with tracker:
+        run()
+    peak = tracker.get_tracker_snapshot("peak")
+    peak_bytes = sum(v["Total"] for v in peak.values())
+    inputs = sum(t.nbytes for t in (run.q, run.k, run.v, run.dout))
+    pairs = _all(group, work.pairs)
+    return {
+        "median_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times],
+        "peak_memory_bytes": int(_max_over(group, peak_bytes + inputs)),
+        "bytes_sent": int(_max_over(group, comms.bytes_sent)),
+        "work_pairs_per_rank": pairs, "load_balance": max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) else None,
+    }
+
+
+def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress) -> list[dict]:
+    """Run ``cases`` (all of this launch's cp size) on the default group; rows on every rank."""
+    size = dist.get_world_size()
+    levels = hierarchical_sizes(size) if size > 1 else None
+    groups = build_dp_cp_groups(size, hierarchical_context_parallel_sizes=levels)
+    group, sub_groups = groups.cp_group, groups.hierarchical_cp_groups
+    rows = []
+    for case in cases:
+        torch.set_num_threads(case.threads)
+        run = CaseRunner(case, shape, group, sub_groups)
+        docs = run.handler.thd_layout.num_docs if run.handler.thd_layout is not None else shape.batch
+        rows.append({**asdict(case), **asdict(shape), "num_docs": docs, **measure(run, group, warmup, reps)})
+        progress(case)
+    return rows

@@ -1,0 +1,156 @@
+"""``cp-bench``: attention and end-to-end context-parallel benchmarks on this machine.
+
+Modes (``--modes``, default both):
+
+* ``attn``: :mod:`.attention` over implementation x ``cp_comm_type`` x cp size x sequence length x
+  qkv_format x pass, with PyTorch's own ring (:mod:`.torch_ring`) beside ours and the
+  single-process reference on the same total threads (for CP efficiency);
+* ``e2e``: :mod:`.e2e`: ``cp-train --metrics-out`` at each cp size (tokens/s, peak RSS per rank),
+  activation memory of one GPT training step per rank, and the cost of the handler at cp=1.
+
+Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
+Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..cli.launch import launch
+from ..config import CP_COMM_TYPES
+from . import e2e, report
+from .attention import PASSES, Case, Shape, run_cases
+from .torch_ring import ROTATE_METHODS, check_available
+
+QUICK = {"seq_lens": [2048, 4096], "cp_sizes": [1, 2, 4], "reps": 3, "comm_types": list(CP_COMM_TYPES),
+         "num_heads": 4, "num_kv_heads": 4}
+FULL = {"seq_lens": [4096, 8192, 16384], "cp_sizes": [1, 2, 4], "reps": 5, "comm_types": list(CP_COMM_TYPES),
+        "num_heads": 8, "num_kv_heads": 8}
+
+
+def threads_per_rank(cp_size: int, cores: int) -> int:
+    """Threads of each of ``cp_size`` ranks sharing ``cores`` cores (at least one)."""
+    return max(1, cores // cp_size)
+
+
+def build_cases(args) -> dict[int, list[Case]]:
+    """Cases grouped by the launch that runs them (key: number of ranks)."""
+    by_world: dict[int, list[Case]] = {}
+    peer = check_available() is None
+    for cp in args.cp_sizes:
+        threads = threads_per_rank(cp, args.cores)
+        for seq_len in args.seq_lens:
+            for fmt in args.formats:
+                for pass_name in args.passes:
+                    single = Case("single", "none", 1, seq_len, fmt, pass_name, threads * cp)
+                    if single not in by_world.setdefault(1, []):
+                        by_world[1].append(single)
+                    if cp == 1:
+                        continue
+                    impls = [("local", c) for c in args.comm_types if c != "a2a+p2p" or cp >= 4]
+                    if peer and fmt == "bshd":
+                        impls += [("torch_ring", m) for m in ROTATE_METHODS]
+                    by_world.setdefault(cp, []).extend(
+                        Case(impl, comm, cp, seq_len, fmt, pass_name, threads) for impl, comm in impls
+                    )
+    return by_world
+
+
+def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
+    dist.init_process_group("gloo")
+    try:
+        rank0 = dist.get_rank() == 0
+        bar = tqdm(total=len(cases), desc=f"attn cp={dist.get_world_size()}", disable=not rank0, file=sys.stderr)
+        rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(1))
+        bar.close()
+        return rows if rank0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def run_attn(args) -> list[dict]:
+    shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    rows = []
+    for world, cases in sorted(build_cases(args).items()):
+        rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps)[0]
+    return report.add_efficiency(rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cp-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and plots go")
+    p.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU")
+    p.add_argument("--modes", nargs="+", choices=("attn", "e2e"), default=["attn", "e2e"])
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths (tokens)")
+    p.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None)
+    p.add_argument("--formats", nargs="+", choices=("bshd", "thd"), default=["bshd", "thd"])
+    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
+    p.add_argument("--num-heads", type=int, default=None)
+    p.add_argument("--num-kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores shared by the ranks")
+    p.add_argument("--e2e-seq-len", type=int, default=None)
+    p.add_argument("--e2e-steps", type=int, default=None)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags, with the ``--quick`` or full defaults filled in for the ones not given.
+
+    Raises:
+        SystemExit: a cp size below 1 or a sequence length not divisible by ``2 * cp`` (zigzag).
+    """
+    p = build_parser()
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for cp in args.cp_sizes:
+        if cp < 1:
+            p.error(f"--cp-sizes: {cp} must be >= 1")
+        for seq_len in args.seq_lens:
+            if seq_len % (2 * cp):
+                p.error(f"--seq-lens {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    started = time.time()
+    results = {"command": "cp-bench " + " ".join(sys.argv[1:] if argv is None else argv),
+               "machine": {"cores": args.cores, "platform": platform.platform(), "torch": torch.__version__,
+                           "processor": platform.processor()},
+               "peer_unavailable": check_available()}
+    if "attn" in args.modes:
+        results["attention"] = run_attn(args)
+    if "e2e" in args.modes:
+        results["e2e"] = e2e.run(args)
+    results["seconds"] = time.time() - started
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    markdown = report.markdown(results)
+    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
+        f.write(markdown)
+    report.plots(results, args.out_dir)
+    print(markdown)
+    print(f"cp-bench: wrote {args.out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""End-to-end figures for ``cp-bench --modes e2e``: training throughput, activation memory, cp=1 cost.
+
+* ``train``: ``cp-train --metrics-out`` at each cp size (one sequence per step, ``--nproc cp``):
+  mean tokens/s after the first step and peak RSS per rank, from its metrics file.
+* ``memory``: one GPT training step (forward + backward of the local shard) under
+  ``MemTracker`` on every rank: peak bytes live by category; ``activation_bytes`` is the peak
+  minus parameters, gradients and optimizer state, the part context parallelism divides.
+* ``overhead``: at cp=1 in one process, the reference GPT's forward + backward through our
+  cp=1 handler vs through :class:`PlainSDPA`, the same model with RoPE and
+  ``F.scaled_dot_product_attention`` called directly; interleaved repetitions, medians.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from models import GPTConfig, GPTModel
+
+from ..cli.launch import launch
+from ..cli.train import main as train_main
+from ..groups import build_dp_cp_groups
+from ..handlers.local import LocalContextParallelHandler
+from ..rope import apply_rotary
+from ..training import masked_token_loss_sum, next_token_batch
+
+QUICK = {"e2e_seq_len": 2048, "e2e_steps": 6}
+FULL = {"e2e_seq_len": 8192, "e2e_steps": 10}
+MODEL = {"hidden_size": 256, "num_layers": 2, "num_attention_heads": 8, "num_query_groups": 4, "ffn_hidden_size": 704}
+
+
+class PlainSDPA:
+    """The model's attention calls without context parallelism: the baseline of the cp=1 overhead."""
+
+    def get_rotary_seq_len(self, seq_len: int) -> int:
+        return seq_len
+
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        return emb
+
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(t, freqs, "bshd")
+
+    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             scale=attn_mod.softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+
+def _model() -> GPTModel:
+    torch.manual_seed(0)
+    return GPTModel(GPTConfig(**MODEL))
+
+
+def _tokens(seq_len: int) -> torch.Tensor:
+    return torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(0))
+
+
+def _train_step(model: GPTModel, handler, tokens: torch.Tensor) -> None:
+    input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+    masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask).backward()
+
+
+def memory_worker(seq_len: int) -> list[dict]:
+    """One training step per rank under MemTracker; rows of every rank (on rank 0)."""
+    dist.init_process_group("gloo")
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+        groups = build_dp_cp_groups(dist.get_world_size())
+        handler = LocalContextParallelHandler(cp_group=groups.cp_group if groups.cp_size > 1 else None)
+        model, tokens = _model(), _tokens(seq_len)
+        _train_step(model, handler, tokens)  # warm-up: lazily built state is not an activation
+        model.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            _train_step(model, handler, tokens)
+        snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        peak = {getattr(k, "value", str(k)): v for k, v in snapshot.items()}
+        kept = ("Parameter", "Gradient", "Optstate", "Buffer")
+        row = {"cp_size": groups.cp_size, "rank": dist.get_rank(), "seq_len": seq_len, "peak_bytes": peak["Total"],
+               "activation_bytes": peak["Total"] - sum(peak[k] for k in kept),
+               "by_category": peak}
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+        return rows
+    finally:
+        dist.destroy_process_group()
+
+
+def overhead(seq_len: int, reps: int) -> dict:
+    """cp=1 handler vs plain SDPA: median forward+backward ms of the reference GPT, one process."""
+    model, tokens = _model(), _tokens(seq_len)
+    ours = LocalContextParallelHandler(cp_group=None)
+    variants = {"handler_cp1": ours, "plain_sdpa": PlainSDPA()}
+    times = {name: [] for name in variants}
+    for rep in range(reps + 1):
+        for name, handler in variants.items():
+            start = time.perf_counter()
+            logits = model(tokens, cp_handler=handler)
+            F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+            model.zero_grad(set_to_none=True)
+            if rep:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    handler_ms, plain_ms = (1e3 * statistics.median(times[n]) for n in variants)
+    return {"seq_len": seq_len, "reps": reps, "handler_cp1_ms": handler_ms, "plain_sdpa_ms": plain_ms,
+            "overhead": handler_ms / plain_ms - 1.0}
+
+
+def train(args, cp_size: int) -> dict:
+    """``cp-train`` at ``cp_size``; its metrics file's throughput and memory."""
+    path = os.path.join(args.out_dir, f"e2e_train_cp{cp_size}.json")
+    argv = ["--nproc", str(cp_size), "--cp-size", str(cp_size), "--seq-len", str(args.e2e_seq_len),
+            "--batch-size", "1", "--steps", str(args.e2e_steps), "--hidden-size", str(MODEL["hidden_size"]),
+            "--num-heads", str(MODEL["num_attention_heads"]), "--num-kv-heads", str(MODEL["num_query_groups"]),
+            "--ffn-hidden-size", str(MODEL["ffn_hidden_size"]), "--metrics-out", path]
+    if train_main(argv) != 0:
+        raise SystemExit(f"cp-bench: cp-train {' '.join(argv)} failed")
+    with open(path) as f:
+        metrics = json.load(f)
+    return {"cp_size": cp_size, "seq_len": args.e2e_seq_len, "steps": args.e2e_steps,
+            "command": "cp-train " + " ".join(argv),
+            "tokens_per_s": metrics["tokens_per_s_mean"], "memory_kind": metrics["memory_kind"],
+            "peak_memory_bytes_per_rank": metrics["peak_memory_bytes_per_rank"]}
+
+
+def run(args) -> dict:
+    """All three e2e measurements at ``args.cp_sizes``."""
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    memory = []
+    for cp in args.cp_sizes:
+        memory += launch(memory_worker, cp, args.e2e_seq_len)[0]
+    return {"model": MODEL, "train": [train(args, cp) for cp in args.cp_sizes], "memory": memory,
+            "overhead": overhead(args.e2e_seq_len, args.reps)}

@@ -1,0 +1,121 @@
+"""Tables and plots of ``cp-bench`` results (markdown and matplotlib PNGs)."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the non-interactive backend
+
+MIB = 1 << 20
+
+
+def _key(row: dict, *fields: str) -> tuple:
+    return tuple(row[f] for f in fields)
+
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """Add ``cp_efficiency`` (single-process time on the same total threads / CP time) and, for
+    ``torch_ring`` rows, ``ours_speedup`` (PyTorch's time / our p2p ring's time)."""
+    single = {_key(r, "seq_len", "qkv_format", "pass_name", "threads"): r["median_ms"]
+              for r in rows if r["impl"] == "single"}
+    ring = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r["median_ms"]
+            for r in rows if r["impl"] == "local" and r["comm_type"] == "p2p"}
+    for r in rows:
+        if r["impl"] == "single":
+            continue
+        base = single.get((r["seq_len"], r["qkv_format"], r["pass_name"], r["threads"] * r["cp_size"]))
+        r["cp_efficiency"] = base / r["median_ms"] if base else None
+        ours = ring.get(_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"))
+        if r["impl"] == "torch_ring" and ours:
+            r["ours_speedup"] = r["median_ms"] / ours
+    return rows
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def attention_table(rows: list[dict]) -> str:
+    head = ("| impl | comm | cp | S | format | pass | threads/rank | median ms | CP eff. | vs ours p2p "
+            "| peak MiB/rank | MiB sent/rank | load balance |\n|" + "---|" * 13)
+    lines = [head]
+    for r in sorted(rows, key=lambda r: _key(r, "pass_name", "qkv_format", "seq_len", "cp_size", "impl", "comm_type")):
+        lines.append(
+            f"| {r['impl']} | {r['comm_type']} | {r['cp_size']} | {r['seq_len']} | {r['qkv_format']} "
+            f"| {r['pass_name']} "
+            f"| {r['threads']} | {r['median_ms']:.1f} | {_fmt(r.get('cp_efficiency'), '.3f')} "
+            f"| {_fmt(r.get('ours_speedup'), '.3f')} | {r['peak_memory_bytes'] / MIB:.1f} "
+            f"| {r['bytes_sent'] / MIB:.1f} | {_fmt(r['load_balance'], '.4f')} |"
+        )
+    return "\n".join(lines)
+
+
+def e2e_tables(e2e: dict) -> str:
+    lines = ["| cp | S | tokens/s | peak RSS MiB/rank (max) |", "|---|---|---|---|"]
+    for r in e2e["train"]:
+        lines.append(f"| {r['cp_size']} | {r['seq_len']} | {r['tokens_per_s']:.0f} "
+                     f"| {max(r['peak_memory_bytes_per_rank']) / MIB:.0f} |")
+    lines += ["", "| cp | S | peak MiB/rank (max) | activation MiB/rank (max) | activation vs cp=1 |",
+              "|---|---|---|---|---|"]
+    by_cp: dict[int, list[dict]] = {}
+    for r in e2e["memory"]:
+        by_cp.setdefault(r["cp_size"], []).append(r)
+    base = max(r["activation_bytes"] for r in by_cp.get(1, [{"activation_bytes": 0}])) or None
+    for cp, ranks in sorted(by_cp.items()):
+        act = max(r["activation_bytes"] for r in ranks)
+        lines.append(f"| {cp} | {ranks[0]['seq_len']} | {max(r['peak_bytes'] for r in ranks) / MIB:.1f} "
+                     f"| {act / MIB:.1f} | {_fmt(act / base if base else None, '.3f')} |")
+    o = e2e["overhead"]
+    lines += ["", "| S | cp=1 handler ms | plain SDPA ms | overhead |", "|---|---|---|---|",
+              f"| {o['seq_len']} | {o['handler_cp1_ms']:.1f} | {o['plain_sdpa_ms']:.1f} "
+              f"| {100 * o['overhead']:+.2f}% |"]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    parts = [f"# cp-bench results\n\nCommand: `{results['command']}`  \nMachine: {results['machine']}\n"]
+    if results.get("peer_unavailable"):
+        parts.append(f"PyTorch ring peer not run: {results['peer_unavailable']}\n")
+    if "attention" in results:
+        parts += ["## Attention\n", attention_table(results["attention"]), ""]
+    if "e2e" in results:
+        parts += ["## End to end (reference GPT)\n", e2e_tables(results["e2e"]), ""]
+    return "\n".join(parts)
+
+
+def _series(rows: list[dict], pass_name: str, fmt: str, cp: int) -> dict[str, list[tuple[int, dict]]]:
+    series: dict[str, list[tuple[int, dict]]] = {}
+    for r in rows:
+        if r["pass_name"] == pass_name and r["qkv_format"] == fmt and r["cp_size"] == cp and r["impl"] != "single":
+            series.setdefault(f"{r['impl']} {r['comm_type']}", []).append((r["seq_len"], r))
+    return {name: sorted(points, key=lambda p: p[0]) for name, points in series.items()}
+
+
+def plots(results: dict, out_dir: str) -> list[str]:
+    """One PNG per (pass, format): time and CP efficiency against sequence length, one panel per cp."""
+    rows = results.get("attention", [])
+    written = []
+    for pass_name in sorted({r["pass_name"] for r in rows}):
+        for fmt in sorted({r["qkv_format"] for r in rows}):
+            cps = sorted({r["cp_size"] for r in rows if r["cp_size"] > 1})
+            if not cps:
+                continue
+            fig, axes = plt.subplots(2, len(cps), figsize=(5 * len(cps), 7), squeeze=False)
+            for col, cp in enumerate(cps):
+                for name, points in _series(rows, pass_name, fmt, cp).items():
+                    xs = [s for s, _ in points]
+                    axes[0][col].plot(xs, [r["median_ms"] for _, r in points], marker="o", label=name)
+                    axes[1][col].plot(xs, [r.get("cp_efficiency") or float("nan") for _, r in points], marker="o",
+                                      label=name)
+                axes[0][col].set(title=f"{pass_name} {fmt} cp={cp}", xscale="log", yscale="log", ylabel="median ms")
+                axes[1][col].set(xscale="log", xlabel="sequence length (tokens)", ylabel="CP efficiency")
+                axes[0][col].legend(fontsize=7)
+            fig.tight_layout()
+            path = os.path.join(out_dir, f"attn_{pass_name}_{fmt}.png")
+            fig.savefig(path, dpi=90)
+            plt.close(fig)
+            written.append(path)
+    return written
