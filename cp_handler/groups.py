@@ -11,7 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
+
+from .parallel_layout import ParallelLayout
 
 logger = logging.getLogger("cp_handler")
 
@@ -70,23 +72,6 @@ def hierarchical_level_ranks(world_size: int, sizes: list[int]) -> list[list[lis
     return levels
 
 
-def _build_hierarchy(sizes: list[int], context_parallel_size: int, device_type: str) -> list[dist.ProcessGroup]:
-    if math.prod(sizes) != context_parallel_size:
-        raise ValueError(
-            f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
-            f"context_parallel_size={context_parallel_size}; their product must be equal"
-        )
-    world = dist.get_world_size()
-    names = [f"cp_level_{level}" for level in reversed(range(len(sizes)))]
-    mesh = init_device_mesh(device_type, (world // context_parallel_size, *reversed(sizes)),
-                            mesh_dim_names=("dp", *names))
-    if dist.get_rank() == 0:
-        levels = hierarchical_level_ranks(world, sizes)
-        described = "; ".join(f"level {i} (size {sizes[i]}): {ranks}" for i, ranks in enumerate(levels))
-        logger.info("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS %s", described)
-    return [mesh.get_group(f"cp_level_{level}") for level in range(len(sizes))]
-
-
 def build_dp_cp_groups(
     context_parallel_size: int,
     device_type: str = "cpu",
@@ -95,6 +80,7 @@ def build_dp_cp_groups(
     """Split the default group's ranks into ``world / cp`` data-parallel replicas of CP groups,
     and, with ``hierarchical_context_parallel_sizes`` (any number of levels, inner first, product
     = cp), the groups of each level; rank 0 logs them as ``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``.
+    The ``tp = pp = ep = 1`` case of :class:`~cp_handler.parallel_layout.ParallelLayout`.
 
     Needs an initialised default process group; every rank must call it.
 
@@ -104,10 +90,17 @@ def build_dp_cp_groups(
     """
     world = dist.get_world_size()
     check_world_divisible(world, context_parallel_size)
-    mesh = init_device_mesh(
-        device_type, (world // context_parallel_size, context_parallel_size), mesh_dim_names=("dp", "cp")
-    )
-    levels = []
-    if hierarchical_context_parallel_sizes is not None:
-        levels = _build_hierarchy(list(hierarchical_context_parallel_sizes), context_parallel_size, device_type)
-    return DataContextParallelGroups(mesh, mesh.get_group("cp"), mesh.get_group("dp"), levels)
+    sizes = hierarchical_context_parallel_sizes
+    if sizes is not None and math.prod(sizes) != context_parallel_size:
+        raise ValueError(
+            f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {math.prod(sizes)}, but "
+            f"context_parallel_size={context_parallel_size}; their product must be equal"
+        )
+    built = ParallelLayout(world, context_parallel_size=context_parallel_size,
+                           hierarchical_context_parallel_sizes=sizes).build(device_type)
+    if sizes is not None and dist.get_rank() == 0:
+        levels = hierarchical_level_ranks(world, list(sizes))
+        described = "; ".join(f"level {i} (size {sizes[i]}): {ranks}" for i, ranks in enumerate(levels))
+        logger.info("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS %s", described)
+    return DataContextParallelGroups(built.meshes["attention"], built.groups["cp"], built.groups["dp"],
+                                     built.hierarchical_cp_groups)

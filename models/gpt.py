@@ -2,7 +2,8 @@
 
 Context parallelism enters only through the ``cp_handler`` argument of ``forward``: the model
 calls its methods for RoPE and attention and never imports ``torch.distributed`` or reads a CP
-size. Without a handler it builds a cp=1 one and runs alone.
+size. Without a handler it builds a cp=1 one and runs alone. MoE layers (``num_moe_experts``)
+exchange tokens the same way, through a ``moe_handler`` (:mod:`models.moe`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cp_handler import ContextParallelHandler, LocalContextParallelHandler
+from cp_handler.moe import ExpertParallelHandler
 from cp_handler.rope import rotary_freqs
+
+from .moe import MoEFeedForward, SwiGLU
 
 
 @dataclass
@@ -34,6 +37,12 @@ class GPTConfig:
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
+    num_moe_experts: int = 0
+    """Experts per MoE layer; 0 builds dense SwiGLU layers."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    """FFN size of one expert; default ``ffn_hidden_size``."""
+    moe_aux_loss_coeff: float = 1e-2
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -43,6 +52,9 @@ class GPTConfig:
                     f"{self.num_attention_heads} (or set kv_channels)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_moe_experts and not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} must lie in [1, num_moe_experts="
+                             f"{self.num_moe_experts}]")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -75,28 +87,22 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, layer_number: int):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
         self.self_attn = SelfAttention(config, layer_number)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-        self.mlp = SwiGLU(config)
+        if config.num_moe_experts:
+            self.mlp = MoEFeedForward(config.hidden_size, config.moe_ffn_hidden_size or config.ffn_hidden_size,
+                                      config.num_moe_experts, config.moe_router_topk, config.moe_aux_loss_coeff)
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.ffn_hidden_size)
 
-    def forward(self, x, freqs, cp_handler):
+    def forward(self, x, freqs, cp_handler, moe_handler):
         x = x + self.self_attn(self.input_layernorm(x), freqs, cp_handler)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, moe_handler) if isinstance(self.mlp, MoEFeedForward) else self.mlp(h))
 
 
 class GPTModel(nn.Module):
@@ -117,15 +123,30 @@ class GPTModel(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.init_method_std)
 
-    def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cp_handler: ContextParallelHandler | None = None,
+        moe_handler: ExpertParallelHandler | None = None,
+    ) -> torch.Tensor:
+        """MoE models take ``moe_handler`` (default: every expert on this process); its
+        ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
         handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
+        if self.config.num_moe_experts and moe_handler is None:
+            moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts)
         rotary_len = handler.get_rotary_seq_len(input_ids.shape[1])
         freqs = rotary_freqs(rotary_len, self.config.kv_channels, self.config.rotary_base, input_ids.device)
         freqs = handler.get_emb_on_this_cp_rank(freqs)  # (S_local, D) angles of the local tokens
         x = self.embed_tokens(input_ids)  # (B, S_local, hidden)
         for layer in self.layers:
-            x = layer(x, freqs, handler)
+            x = layer(x, freqs, handler, moe_handler)
         return self.lm_head(self.norm(x))  # (B, S_local, V)
+
+    def shard_experts(self, expert_ids: range) -> None:
+        """Keep only the experts ``expert_ids`` in every MoE layer (``moe_handler.local_expert_ids``)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoEFeedForward):
+                layer.mlp.shard_experts(expert_ids)
 
     @classmethod
     def from_hf_llama(cls, hf_model) -> GPTModel:

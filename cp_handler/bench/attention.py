@@ -142,17 +142,28 @@ def _all(group, value: float) -> list[float]:
     return out
 
 
-def measure(run: CaseRunner, group, warmup: int, reps: int) -> dict:
-    """Time, memory, bytes and work of one case (every rank of ``group`` calls it)."""
-    for _ in range(warmup):
-        run()
-    times = []
+def time_interleaved(runs: list[CaseRunner], group, warmup: int, reps: int) -> list[list[float]]:
+    """Seconds per repetition of each run, repetitions interleaved across the runs (run 0, run 1,
+    ..., run 0, ...) so that drift of a shared machine hits every implementation alike."""
+    for run in runs:
+        torch.set_num_threads(run.case.threads)
+        for _ in range(warmup):
+            run()
+    times: list[list[float]] = [[] for _ in runs]
     for _ in range(reps):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        run()
-        dist.barrier(group=group)
-        times.append(_max_over(group, time.perf_counter() - start))
+        for run, own in zip(runs, times, strict=True):
+            torch.set_num_threads(run.case.threads)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            run()
+            dist.barrier(group=group)
+            own.append(_max_over(group, time.perf_counter() - start))
+    return times
+
+
+def measure(run: CaseRunner, group, times: list[float]) -> dict:
+    """Memory, bytes and work of one case, with its timings (every rank of ``group`` calls it)."""
+    torch.set_num_threads(run.case.threads)
     with count_comms() as comms, count_attn_work() as work:
         run()
     tracker = MemTracker()
@@ -162,7 +173,9 @@ def measure(run: CaseRunner, group, warmup: int, reps: int) -> dict:
     peak_bytes = sum(v["Total"] for v in peak.values())
     inputs = sum(t.nbytes for t in (run.q, run.k, run.v, run.dout))
     pairs = _all(group, work.pairs)
+    docs = run.handler.thd_layout.num_docs if run.handler.thd_layout is not None else run.shape.batch
     return {
+        **asdict(run.case), **asdict(run.shape), "num_docs": docs,
         "median_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times],
         "peak_memory_bytes": int(_max_over(group, peak_bytes + inputs)),
         "bytes_sent": int(_max_over(group, comms.bytes_sent)),
@@ -171,16 +184,19 @@ def measure(run: CaseRunner, group, warmup: int, reps: int) -> dict:
 
 
 def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress) -> list[dict]:
-    """Run ``cases`` (all of this launch's cp size) on the default group; rows on every rank."""
+    """Run ``cases`` (all of this launch's cp size) on the default group; rows on every rank.
+    Cases that differ only in implementation / comm type are timed interleaved."""
     size = dist.get_world_size()
     levels = hierarchical_sizes(size) if size > 1 else None
     groups = build_dp_cp_groups(size, hierarchical_context_parallel_sizes=levels)
     group, sub_groups = groups.cp_group, groups.hierarchical_cp_groups
-    rows = []
+    batches: dict[tuple, list[Case]] = {}
     for case in cases:
-        torch.set_num_threads(case.threads)
-        run = CaseRunner(case, shape, group, sub_groups)
-        docs = run.handler.thd_layout.num_docs if run.handler.thd_layout is not None else shape.batch
-        rows.append({**asdict(case), **asdict(shape), "num_docs": docs, **measure(run, group, warmup, reps)})
-        progress(case)
+        batches.setdefault((case.seq_len, case.qkv_format, case.pass_name), []).append(case)
+    rows = []
+    for batch in batches.values():
+        runs = [CaseRunner(case, shape, group, sub_groups) for case in batch]
+        for run, times in zip(runs, time_interleaved(runs, group, warmup, reps), strict=True):
+            rows.append(measure(run, group, times))
+            progress(run.case)
     return rows

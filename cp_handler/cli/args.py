@@ -13,6 +13,7 @@ from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
+from ..parallel_layout import ParallelLayout
 from .data import VOCAB_SIZE
 
 DTYPES = ("float32", "bfloat16")
@@ -41,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seqlen-per-rank", type=int, default=None,
                    help="token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank)")
     g.add_argument("--min-cp-size", type=int, default=1, help="min_dynamic_context_parallel_size (a power of two)")
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--moe-experts", type=int, default=0, help="experts per MoE layer (0: dense SwiGLU layers)")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="expert_model_parallel_size: ranks sharing one copy of the experts (divides dp x cp)")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (moe_router_topk)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient")
+    g.add_argument("--print-layout", action="store_true", help="print the rank layout of every group kind")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-cp-size", type=int, default=None, help="CP size of evaluation (default: training's)")
     g.add_argument("--eval-hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
@@ -109,6 +117,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
         num_layers=args.num_layers,
     )
     check_seq_len(args.seq_len, cp_size, args.packing)
+    parallel_layout(args, world, cp_size)
     get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
     model_config(args)
     check_eval_layout(world, eval_cp_config(args, config), args.seq_len)
@@ -144,12 +153,27 @@ def resolve_backend(backend: str) -> str:
         return "local"
 
 
+def parallel_layout(args: argparse.Namespace, world: int, cp_size: int) -> ParallelLayout:
+    """The run's :class:`ParallelLayout` and the MoE flag rules. Raises ValueError."""
+    if args.expert_parallel_size != 1 and not args.moe_experts:
+        raise ValueError(f"--expert-parallel-size {args.expert_parallel_size} needs --moe-experts E")
+    if args.moe_experts < 0 or (args.moe_experts and args.moe_experts % args.expert_parallel_size):
+        raise ValueError(f"--moe-experts {args.moe_experts} must be a multiple of --expert-parallel-size "
+                         f"{args.expert_parallel_size} (each rank holds the same number of experts)")
+    if args.moe_experts and (args.dynamic_cp or args.eval_every or args.check_eval_cp or args.eval_cp_size):
+        raise ValueError("--moe-experts runs with a static CP layout and no evaluation: drop --dynamic-cp / "
+                         "--eval-every / --eval-cp-size / --check-eval-cp")
+    return ParallelLayout(world, context_parallel_size=cp_size, expert_model_parallel_size=args.expert_parallel_size,
+                          hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
+
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The reference GPT's shape from the flags (byte-level vocabulary). Raises ValueError."""
     return GPTConfig(
         vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
-        ffn_hidden_size=args.ffn_hidden_size, rotary_base=args.rotary_base,
+        ffn_hidden_size=args.ffn_hidden_size, rotary_base=args.rotary_base, num_moe_experts=args.moe_experts,
+        moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
     )
 
 

@@ -29,11 +29,12 @@ from ..dynamic import GroupPool
 from ..groups import build_dp_cp_groups
 from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
-from .args import comm_type_arg, model_config, parse, world_size_from
+from .args import comm_type_arg, model_config, parallel_layout, parse, world_size_from
 from .data import Batch, SequenceBatches, collect_files, read_token_stream
 from .dynamic_train import dynamic_step, load_documents, reference_dynamic_step
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .launch import launch
+from .moe_train import ExpertGroups
 
 PARITY_GRAD_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 """Max relative difference of the global gradient norm at step 0, where both runs hold the same
@@ -45,6 +46,13 @@ PARITY_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
 attention sums (rounding ~1e-7 per op) and Adam amplifies that slowly over the steps; measured
 3.6e-6 at 60 steps (cp=4), so 1e-4 leaves room for longer runs. bf16: weights and activations keep
 8 mantissa bits (~4e-3 per op); measured 2.3e-3 at 30 steps (cp=4)."""
+
+PARITY_RTOL_MOE = 5e-2
+"""Loss-curve tolerance of MoE runs after step 0. Routing is discontinuous: once the two runs'
+parameters differ by rounding, a token whose top-k experts tie within that rounding picks other
+experts, and Adam carries the difference on. Measured 2.5e-2 max over 50 steps (cp=4, ep=4, 8
+experts, lr 3e-3; the first flips show near step 3 at 2e-5). Step 0, where both runs hold the same
+parameters, keeps the strict loss and gradient-norm tolerances, so a wrong exchange still fails."""
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
@@ -66,32 +74,41 @@ def handler_inputs(batch: Batch, packing: str, device) -> tuple[torch.Tensor, di
 
 
 def static_step(model, args, batches, make_handler, global_batch: int, rows: slice, count_group, grad_scale: float,
-                device):
+                device, experts: ExpertGroups | None = None):
     """One step's forward/backward at a fixed CP layout: this DP replica's ``rows`` of the global batch.
+    MoE models add their load-balancing loss and reduce gradients with ``experts``.
     Returns ``(local loss share, global tokens)``."""
     def run(step: int):
         tokens, metadata = handler_inputs(batches.global_batch(step, global_batch).rows(rows), args.packing, device)
         handler = make_handler(**metadata)
+        moe = experts.handler() if experts else None
         input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-        loss_sum = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
-        loss = loss_sum / global_token_count(loss_mask, count_group)
+        loss_sum = masked_token_loss_sum(model(input_ids, cp_handler=handler, moe_handler=moe), labels, loss_mask)
+        loss = loss_sum / global_token_count(loss_mask, count_group) + (sum(moe.aux_losses) if moe else 0.0)
         (loss * grad_scale).backward()
+        if experts:
+            experts.reduce_gradients(model)
         return loss.detach(), global_batch * args.seq_len
     return run
 
 
-def train_steps(model, args, run_step, count_group, progress: bool, after_step=None) -> list[dict]:
+def local_grad_norm(model) -> float:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+
+
+def train_steps(model, args, run_step, count_group, progress: bool, after_step=None, grad_norm_fn=None) -> list[dict]:
     """Run ``args.steps`` optimizer steps; ``run_step(step)`` does the forward/backward (gradients
     reduced when it returns) and returns ``(this rank's share of the loss, global tokens)``.
     Records per step: loss (token-weighted over the global batch), global gradient norm, time.
-    ``after_step(step)`` may return a dict merged into the step's record (evaluation)."""
+    ``after_step(step)`` may return a dict merged into the step's record (evaluation); ``grad_norm_fn(model)``
+    replaces the local gradient norm (sharded experts)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     records = []
     bar = tqdm(range(args.steps), desc="cp-train", disable=not progress, file=sys.stderr)
     for step in bar:
         start = time.perf_counter()
         loss, tokens = run_step(step)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+        grad_norm = (grad_norm_fn or local_grad_norm)(model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         reported = loss.double()
@@ -128,20 +145,23 @@ def check_parity(args, records: list[dict], global_batch: int, device) -> dict:
     if args.dynamic_cp:
         run = reference_dynamic_step(model, args, load_documents(args), handler_cls, device)
     else:
+        experts = ExpertGroups.local(args.moe_experts) if args.moe_experts else None
         run = static_step(model, args, load_batches(args), lambda **meta: handler_cls(cp_group=None, **meta),
-                          global_batch, slice(None), None, 1.0, device)
+                          global_batch, slice(None), None, 1.0, device, experts)
     reference = train_steps(model, args, run, None, progress=False)
     rel = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(records, reference, strict=True)]
     grad_rel = abs(records[0]["grad_norm"] - reference[0]["grad_norm"]) / abs(reference[0]["grad_norm"])
     rtol, grad_rtol = PARITY_RTOL[args.dtype], PARITY_GRAD_RTOL[args.dtype]
-    result = {"rtol": rtol, "max_rel_diff": max(rel), "grad_rtol": grad_rtol, "step0_grad_norm_rel_diff": grad_rel,
+    curve_rtol = max(rtol, PARITY_RTOL_MOE) if args.moe_experts else rtol
+    result = {"rtol": curve_rtol, "step0_rtol": rtol, "max_rel_diff": max(rel), "step0_rel_diff": rel[0],
+              "grad_rtol": grad_rtol, "step0_grad_norm_rel_diff": grad_rel,
               "reference_loss": [r["loss"] for r in reference],
               "reference_grad_norm": [r["grad_norm"] for r in reference],
-              "passed": max(rel) <= rtol and grad_rel <= grad_rtol}
+              "passed": max(rel) <= curve_rtol and rel[0] <= rtol and grad_rel <= grad_rtol}
     verdict = "passed" if result["passed"] else "FAILED"
     print(f"cp-train: parity {verdict}: max relative loss difference {max(rel):.2e} over {len(rel)} steps "
-          f"(tolerance {rtol:.0e}), step-0 gradient norm {grad_rel:.2e} (tolerance {grad_rtol:.0e}) vs one process",
-          file=sys.stderr)
+          f"(tolerance {curve_rtol:.0e}; step 0 {rel[0]:.2e}, tolerance {rtol:.0e}), step-0 gradient norm "
+          f"{grad_rel:.2e} (tolerance {grad_rtol:.0e}) vs one process", file=sys.stderr)
     return result
 
 
@@ -195,20 +215,30 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
     if args.dynamic_cp:
         return _train_rank_dynamic(args, cp_config, device)
     rank, world = dist.get_rank(), dist.get_world_size()
+    layout = parallel_layout(args, world, cp_config.context_parallel_size)
+    if args.print_layout and rank == 0:
+        print(layout.describe(), file=sys.stderr)
     groups = build_dp_cp_groups(cp_config.context_parallel_size, device.type,
                                 cp_config.hierarchical_context_parallel_sizes)
     _inject_failure(rank)
     model = build_model(args, device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    experts = ExpertGroups(args.moe_experts, layout.build(device.type)) if args.moe_experts else None
+    if experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
+        model.shard_experts(experts.handler().local_expert_ids)
+        ddp, grad_scale, grad_norm_fn = model, 1.0, experts.grad_norm
+    else:  # DDP averages gradients over the world; the loss is already normalised by the global token count
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        grad_scale, grad_norm_fn = float(world), None
     handler_cls = get_cp_handler_cls(cp_config.backend, cp_config.cp_comm_type)
     extra = model_shape_kwargs(handler_cls, model_config(args))
     make_handler = lambda **meta: handler_cls(cp_group=groups.cp_group, cp_comm_type=cp_config.cp_comm_type,
                                               hierarchical_cp_groups=groups.hierarchical_cp_groups, **extra, **meta)
     rows = slice(groups.dp_rank * args.batch_size, (groups.dp_rank + 1) * args.batch_size)
     if rank == 0:
+        moe = f", {args.moe_experts} experts over ep {args.expert_parallel_size}" if experts else ""
         print(f"cp-train: world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {cp_config.backend}, "
-              f"cp_comm_type {cp_config.cp_comm_type}, packing {args.packing}, device {device.type}", file=sys.stderr)
-    # DDP averages gradients over the world; the loss is already normalised by the global token count.
+              f"cp_comm_type {cp_config.cp_comm_type}, packing {args.packing}, device {device.type}{moe}",
+              file=sys.stderr)
     global_batch = args.batch_size * groups.dp_size
     batches = load_batches(args)
     at_train, at_eval = build_evaluators(args, cp_config, groups, device.type)
@@ -219,8 +249,10 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
         return tokens, {**extra, **metadata}
 
     after_step = periodic_eval(args, at_eval, ddp, heldout, eval_inputs)
-    run = static_step(ddp, args, batches, make_handler, global_batch, rows, dist.group.WORLD, float(world), device)
-    records = train_steps(ddp, args, run, dist.group.WORLD, progress=rank == 0, after_step=after_step)
+    run = static_step(ddp, args, batches, make_handler, global_batch, rows, dist.group.WORLD, grad_scale, device,
+                      experts)
+    records = train_steps(ddp, args, run, dist.group.WORLD, progress=rank == 0, after_step=after_step,
+                          grad_norm_fn=grad_norm_fn)
     eval_check = check_eval_cp(args, at_train, at_eval, ddp, heldout[0], eval_inputs) if args.check_eval_cp else None
     return _finish(args, cp_config, records, eval_check, world, device, global_batch,
                    {"dp_size": groups.dp_size, "cp_size": groups.cp_size})

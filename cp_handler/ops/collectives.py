@@ -70,11 +70,18 @@ def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op:
     return _reduce_scatter(out, inp, group=group, async_op=async_op)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    """Equal-split all-to-all along dim 0."""
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False,
+                      output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None):
+    """All-to-all along dim 0: equal splits, or rows per rank in ``*_split_sizes`` (uneven).
+    Bytes sent: every split but this rank's own."""
     size = dist.get_world_size(group)
-    record("all_to_all", inp.nbytes * (size - 1) / size)
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    if input_split_sizes is None:
+        sent = inp.nbytes * (size - 1) / size
+    else:
+        row = inp[0].nbytes if inp.shape[0] else 0
+        sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
+    record("all_to_all", sent)
+    return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list:

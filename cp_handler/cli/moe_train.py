@@ -1,0 +1,78 @@
+"""MoE pieces of ``cp-train``: expert groups, the per-step handler, gradient reduction and norm.
+
+Without DDP (each rank holds different experts): after backward, dense gradients are summed over
+every rank and expert gradients over the ranks holding the same experts (expert data parallel),
+each as one flat all-reduce. The loss is a share of the global loss on every rank, so sums (not
+means) give the single-process gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from models.moe import MoEFeedForward
+
+from ..moe import ExpertParallelHandler
+from ..parallel_layout import ParallelGroups
+
+
+def expert_parameters(model: torch.nn.Module) -> set[int]:
+    """``id`` of every parameter that belongs to an expert."""
+    return {id(p) for m in model.modules() if isinstance(m, MoEFeedForward) for p in m.experts.parameters()}
+
+
+def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@dataclass
+class ExpertGroups:
+    """The run's expert layout: ``num_experts`` per layer over ``groups`` (a :class:`ParallelGroups`)."""
+
+    num_experts: int
+    groups: ParallelGroups | None
+    """``None``: one process holding every expert (the parity reference)."""
+
+    @classmethod
+    def local(cls, num_experts: int) -> ExpertGroups:
+        return cls(num_experts, None)
+
+    def handler(self) -> ExpertParallelHandler:
+        """A fresh per-step handler: tokens over the ep group, router statistics over dp x cp."""
+        if self.groups is None:
+            return ExpertParallelHandler(num_experts=self.num_experts)
+        return ExpertParallelHandler(num_experts=self.num_experts, ep_group=self.groups.groups["ep"],
+                                     stats_group=self.groups.groups["dp_cp"])
+
+    def reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum dense gradients over dp x cp and expert gradients over expert data parallel ranks."""
+        if self.groups is None:
+            return
+        experts = expert_parameters(model)
+        params = [p for p in model.parameters() if p.grad is not None]
+        _all_reduce_flat([p.grad for p in params if id(p) not in experts], self.groups.groups["dp_cp"])
+        _all_reduce_flat([p.grad for p in params if id(p) in experts], self.groups.groups["edp"])
+
+    def grad_norm(self, model: torch.nn.Module) -> float:
+        """Global gradient norm: dense gradients once, every expert shard once (summed over ep)."""
+        experts = expert_parameters(model)
+        dense, sharded = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+        for p in model.parameters():
+            if p.grad is not None:
+                square = p.grad.double().pow(2).sum()
+                if id(p) in experts:
+                    sharded += square
+                else:
+                    dense += square
+        dist.all_reduce(sharded, group=self.groups.groups["ep"])
+        return float((dense + sharded).sqrt())

@@ -1,0 +1,129 @@
+"""Expert parallelism for MoE layers: the handler-style object a MoE feed-forward calls.
+
+Like :class:`~cp_handler.handlers.base.ContextParallelHandler` for attention, an
+:class:`ExpertParallelHandler` is built per batch, holds the groups, and hides every collective
+from the model: tokens stay sequence-sharded from attention; each rank routes its own tokens,
+and ``token_dispatch`` sends every (token, expert) pair to the rank holding that expert with one
+``all_to_all_single`` of uneven splits (after a small all-to-all of the per-expert counts), as
+Megatron-LM's ``MoEAlltoAllTokenDispatcher`` does; ``token_combine`` is the inverse exchange.
+Both are differentiable (the backward of an uneven all-to-all is the all-to-all with the splits
+swapped). Experts are laid out contiguously: rank ``r`` of the expert-parallel group holds experts
+``[r * E / ep, (r + 1) * E / ep)``.
+
+Router statistics for the load-balancing loss (Switch Transformer, Fedus et al. 2021) are summed
+over ``stats_group`` (the data x context parallel ranks that share one global batch), so the loss
+equals the one of a single process holding the whole batch; each rank adds its share to
+``aux_losses`` and the shares sum to the global loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .ops.collectives import all_to_all_single
+
+
+class _AllToAllUneven(torch.autograd.Function):
+    """``x (sum(send_splits), ...)`` -> ``(sum(recv_splits), ...)``; split lists are row counts per rank."""
+
+    @staticmethod
+    def forward(ctx, x, send_splits: list[int], recv_splits: list[int], group):
+        ctx.args = (send_splits, recv_splits, group)
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        all_to_all_single(out, x.contiguous(), group, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_splits, recv_splits, group = ctx.args
+        return _AllToAllUneven.apply(grad, recv_splits, send_splits, group), None, None, None
+
+
+class ExpertParallelHandler:
+    """Token exchange and router statistics of MoE layers for one batch.
+
+    Args:
+        num_experts: E, the experts of each MoE layer (divisible by the expert-parallel size).
+        ep_group: expert-parallel group (``None``: this rank holds every expert).
+        stats_group: ranks whose router statistics are summed for the load-balancing loss
+            (``None``: this rank alone).
+
+    Raises:
+        ValueError: ``num_experts`` < 1 or not divisible by the expert-parallel size.
+    """
+
+    def __init__(self, *, num_experts: int, ep_group: dist.ProcessGroup | None = None,
+                 stats_group: dist.ProcessGroup | None = None):
+        self.ep_group, self.stats_group = ep_group, stats_group
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if num_experts < 1 or num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} must be >= 1 and divisible by the expert-parallel size "
+                             f"{self.ep_size}")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.aux_losses: list[torch.Tensor] = []
+
+    @property
+    def local_expert_ids(self) -> range:
+        """Global ids of the experts this rank holds."""
+        return range(self.ep_rank * self.num_local_experts, (self.ep_rank + 1) * self.num_local_experts)
+
+    def router_stats(self, counts: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``counts (E,)`` (this rank's routed pairs per expert) and its token count, summed over
+        ``stats_group``; not differentiable. Returns ``(counts (E,) float32, tokens () float32)``."""
+        stats = torch.cat([counts.detach().float(), counts.new_tensor([num_tokens]).float()])
+        if self.stats_group is not None:
+            dist.all_reduce(stats, group=self.stats_group)
+        return stats[:-1], stats[-1]
+
+    def add_aux_loss(self, loss: torch.Tensor) -> None:
+        """Keep a layer's share of the load-balancing loss (the training loop adds their sum)."""
+        self.aux_losses.append(loss)
+
+    def token_dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
+        """Send ``tokens (N, h)`` to the ranks of their experts ``expert_ids (N,)`` int64.
+
+        Returns ``(expert_tokens (M, h), tokens_per_local_expert: list[int], state)``: the tokens
+        this rank's experts must process, grouped by local expert in ``local_expert_ids`` order,
+        and the state :meth:`token_combine` needs.
+
+        Raises:
+            ValueError: an expert id outside ``[0, num_experts)``.
+        """
+        if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= self.num_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts}), got "
+                             f"[{int(expert_ids.min())}, {int(expert_ids.max())}]")
+        order = torch.argsort(expert_ids, stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
+        sorted_tokens = tokens.index_select(0, order)
+        if self.ep_group is None:
+            return sorted_tokens, counts.tolist(), (order, None)
+        per_rank = counts.view(self.ep_size, self.num_local_experts)  # [destination rank][its local expert]
+        received = torch.empty_like(per_rank)
+        all_to_all_single(received, per_rank.contiguous(), self.ep_group)  # [source rank][my local expert]
+        send_splits, recv_splits = per_rank.sum(1).tolist(), received.sum(1).tolist()
+        arrived = _AllToAllUneven.apply(sorted_tokens, send_splits, recv_splits, self.ep_group)
+        by_expert = self._source_major_to_expert_major(received)
+        state = (order, (send_splits, recv_splits, by_expert))
+        return arrived.index_select(0, by_expert), received.sum(0).tolist(), state
+
+    @staticmethod
+    def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
+        """Row index taking arrived tokens from [source][expert] blocks to [expert][source] blocks."""
+        starts = torch.cumsum(received.flatten(), 0) - received.flatten()
+        starts = starts.view_as(received)
+        pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
+                  for e in range(received.shape[1]) for s in range(received.shape[0])]
+        return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
+
+    def token_combine(self, expert_out: torch.Tensor, state) -> torch.Tensor:
+        """Inverse of :meth:`token_dispatch`: ``expert_out (M, h)`` -> ``(N, h)`` in the order of the
+        tokens given to it."""
+        order, exchange = state
+        if exchange is not None:
+            send_splits, recv_splits, by_expert = exchange
+            source_major = torch.empty_like(expert_out).index_copy(0, by_expert, expert_out)
+            expert_out = _AllToAllUneven.apply(source_major, recv_splits, send_splits, self.ep_group)
+        return torch.empty_like(expert_out).index_copy(0, order, expert_out)

@@ -1,0 +1,159 @@
+"""TP x CP x DP x PP ranks for attention, and the expert-parallel regrouping of the same ranks for MoE.
+
+Rank order (Megatron-LM's default ``tp-cp-ep-dp-pp``): tensor parallel fastest, then context
+parallel, then data parallel, pipeline slowest::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+MoE layers regroup, inside each pipeline stage and for each TP rank, the ``dp * cp`` attention
+ranks (in ``dp_cp`` order, cp fastest) into expert-parallel groups of ``ep`` consecutive members
+and expert-data-parallel groups across them (``edp = dp * cp / ep``)::
+
+    rank = tp_rank + tp * (ep_rank + ep * (edp_rank + edp * pp_rank))
+
+so an expert group never leaves its pipeline stage (the MoE-CP layout bug that built expert groups
+across stages cannot happen) and, with ``ep == cp``, the expert group is the CP group.
+Hierarchical CP levels (inner first, adjacent ranks inner) split the CP dimension.
+
+The groups are DeviceMesh dimensions of one root mesh ``(pp, dp*cp, tp)``, unflattened once into
+the attention view ``(dp, cp)`` and once into the expert view ``(edp, ep)``; no rank arithmetic
+here beyond the shapes. :func:`ParallelLayout.build` needs an initialised default process group
+(any backend, the ``fake`` one included, which is how the tests lay out 64 ranks in one process).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of every parallel dimension; all rules checked at construction.
+
+    Args:
+        world_size: number of ranks.
+        tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size: tp, cp, pp.
+        expert_model_parallel_size: ep, must divide ``dp * cp``.
+        hierarchical_context_parallel_sizes: CP levels, inner first, product ``cp`` (optional).
+        data_parallel_size: ``world / (tp * cp * pp)`` when ``None``; checked when given.
+
+    Raises:
+        ValueError: a size below 1, sizes whose product is not the world size, ``ep`` not dividing
+            ``dp * cp``, or hierarchical sizes not multiplying to ``cp`` (names the field and the rule).
+    """
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: tuple[int, ...] | None = None
+    data_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = {"world_size": self.world_size, "tensor_model_parallel_size": self.tensor_model_parallel_size,
+                 "context_parallel_size": self.context_parallel_size,
+                 "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+                 "expert_model_parallel_size": self.expert_model_parallel_size}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        model = self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+        if self.world_size % model:
+            raise ValueError(
+                f"world_size={self.world_size} is not a multiple of tp * cp * pp = {self.tensor_model_parallel_size} "
+                f"* {self.context_parallel_size} * {self.pipeline_model_parallel_size} = {model}"
+            )
+        dp = self.world_size // model
+        if self.data_parallel_size is None:
+            object.__setattr__(self, "data_parallel_size", dp)
+        elif self.data_parallel_size != dp:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size}: tp * cp * dp * pp must equal world_size="
+                f"{self.world_size}, so dp must be {dp}"
+            )
+        if (dp * self.context_parallel_size) % self.expert_model_parallel_size:
+            raise ValueError(
+                f"expert_model_parallel_size={self.expert_model_parallel_size} must divide dp * cp = "
+                f"{dp} * {self.context_parallel_size} = {dp * self.context_parallel_size} (expert groups are "
+                "formed from the attention data- and context-parallel ranks)"
+            )
+        levels = self.hierarchical_context_parallel_sizes
+        if levels is not None:
+            object.__setattr__(self, "hierarchical_context_parallel_sizes", tuple(levels))
+            if any(s < 1 for s in levels) or math.prod(levels) != self.context_parallel_size:
+                raise ValueError(
+                    f"hierarchical_context_parallel_sizes={list(levels)} must be sizes >= 1 multiplying to "
+                    f"context_parallel_size={self.context_parallel_size}"
+                )
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """``dp * cp / ep``: replicas of each expert shard."""
+        return self.data_parallel_size * self.context_parallel_size // self.expert_model_parallel_size
+
+    def build(self, device_type: str = "cpu") -> ParallelGroups:
+        """This rank's groups of every kind (every rank must call it: DeviceMesh creates groups
+        collectively). Raises ValueError when the default group's size is not ``world_size``."""
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"ParallelLayout(world_size={self.world_size}) built on {dist.get_world_size()} ranks")
+        tp, cp, pp, ep = (self.tensor_model_parallel_size, self.context_parallel_size,
+                          self.pipeline_model_parallel_size, self.expert_model_parallel_size)
+        dp, edp = self.data_parallel_size, self.expert_data_parallel_size
+        root = init_device_mesh(device_type, (pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
+        attn = root._unflatten("dp_cp", (dp, cp), ("dp", "cp"))
+        expert = root._unflatten("dp_cp", (edp, ep), ("edp", "ep"))
+        levels = []
+        if self.hierarchical_context_parallel_sizes:
+            sizes = self.hierarchical_context_parallel_sizes
+            names = tuple(f"cp_level_{i}" for i in reversed(range(len(sizes))))
+            nested = attn._unflatten("cp", tuple(reversed(sizes)), names)
+            levels = [nested.get_group(f"cp_level_{i}") for i in range(len(sizes))]
+        groups = {
+            "tp": root.get_group("tp"), "pp": root.get_group("pp"), "dp_cp": root.get_group("dp_cp"),
+            "dp": attn.get_group("dp"), "cp": attn.get_group("cp"),
+            "tp_cp": attn["cp", "tp"]._flatten("tp_cp").get_group(),
+            "ep": expert.get_group("ep"), "edp": expert.get_group("edp"),
+        }
+        return ParallelGroups(self, {"root": root, "attention": attn, "expert": expert}, groups, levels)
+
+    def describe(self, groups: ParallelGroups | None = None) -> str:
+        """Sizes and the rank grid of each view (``pp`` blocks of ``dp x cp x tp`` and
+        ``edp x ep x tp``), for logs; pure (no processes needed)."""
+        tp, cp, pp, ep = (self.tensor_model_parallel_size, self.context_parallel_size,
+                          self.pipeline_model_parallel_size, self.expert_model_parallel_size)
+        ranks = torch.arange(self.world_size)
+        lines = [f"ParallelLayout world={self.world_size} tp={tp} cp={cp} dp={self.data_parallel_size} pp={pp} "
+                 f"ep={ep} edp={self.expert_data_parallel_size} "
+                 f"hierarchical_cp={list(self.hierarchical_context_parallel_sizes or [])} (tp fastest, pp slowest)"]
+        for stage, block in enumerate(ranks.view(pp, -1)):
+            lines.append(f"  pp stage {stage}: attention [dp][cp][tp] = {block.view(-1, cp, tp).tolist()}")
+            lines.append(f"  pp stage {stage}: experts   [edp][ep][tp] = {block.view(-1, ep, tp).tolist()}")
+        return "\n".join(lines)
+
+
+@dataclass
+class ParallelGroups:
+    """This rank's process groups from :meth:`ParallelLayout.build`.
+
+    ``groups[kind]`` for every kind of :data:`GROUP_KINDS`; ``hierarchical_cp_groups`` inner
+    first (empty without hierarchical sizes); ``meshes`` the DeviceMesh views.
+    """
+
+    layout: ParallelLayout
+    meshes: dict[str, DeviceMesh]
+    groups: dict[str, dist.ProcessGroup]
+    hierarchical_cp_groups: list[dist.ProcessGroup] = field(default_factory=list)
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of this rank's group of ``kind`` (a hierarchical level: ``cp_level_i``)."""
+        if kind.startswith("cp_level_"):
+            return dist.get_process_group_ranks(self.hierarchical_cp_groups[int(kind.rsplit("_", 1)[1])])
+        return dist.get_process_group_ranks(self.groups[kind])

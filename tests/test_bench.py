@@ -1,0 +1,105 @@
+"""cp-bench: the PyTorch ring peer is numerically the same attention, the work counter partitions
+the causal triangle exactly, and ``cp-bench`` writes its JSON, table and plots.
+
+Peer tolerances: fp32 inputs, same CPU flash kernel on the same blocks; the merge orders differ,
+so outputs and gradients agree to float32 rounding of a few merges (atol 1e-5 on O(1) values).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from attn_reference import single_process_attention, zigzag_shard
+from dist_utils import new_cp_group, run_distributed
+
+from cp_handler.bench.attention import stdlib_document_lengths
+from cp_handler.bench.cli import parse_args
+from cp_handler.bench.torch_ring import check_available, torch_ring_attn
+from cp_handler.ops.kernels import count_attn_work
+from cp_handler.ops.ring import ring_attn
+
+B, H, S, D = 1, 4, 64, 16
+ATOL = 1e-5
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, S, D, generator=g) for _ in range(4)]
+
+
+def _peer_worker(rank, world):
+    q, k, v, dout = _inputs()
+    out, _, dq, dk, dv = single_process_attention(q, k, v, dout, causal=True)
+    local = [zigzag_shard(t, 2, rank, world).requires_grad_() for t in (q, k, v)]
+    group = new_cp_group()
+    for method in ("allgather", "alltoall"):
+        for t in local:
+            t.grad = None
+        got = torch_ring_attn(*local, group=group, causal=True, scale=D**-0.5, rotate_method=method)
+        got.backward(zigzag_shard(dout, 2, rank, world))
+        torch.testing.assert_close(got, zigzag_shard(out, 2, rank, world), atol=ATOL, rtol=0)
+        for t, ref in zip(local, (dq, dk, dv), strict=True):
+            torch.testing.assert_close(t.grad, zigzag_shard(ref, 2, rank, world), atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(check_available() is not None, reason="PyTorch ring templates missing in this torch")
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_ring_peer_matches_single_process(world):
+    run_distributed(_peer_worker, world)
+
+
+def _work_worker(rank, world):
+    q, k, v, _ = _inputs()
+    local = [zigzag_shard(t, 2, rank, world) for t in (q, k, v)]
+    with count_attn_work() as ours:
+        ring_attn(*local, group=new_cp_group(), causal=True, scale=D**-0.5)
+    with count_attn_work() as peer:
+        torch_ring_attn(*local, group=new_cp_group(), causal=True, scale=D**-0.5)
+    pairs = torch.tensor([ours.pairs, peer.pairs])
+    total = pairs.clone()
+    torch.distributed.all_reduce(total)
+    assert total.tolist() == [B * H * S * (S + 1) // 2] * 2  # the causal triangle, exactly once
+    maximum = pairs.clone()
+    torch.distributed.all_reduce(maximum, op=torch.distributed.ReduceOp.MAX)
+    assert maximum.tolist() == [B * H * S * (S + 1) // 2 // world] * 2  # zigzag: equal work per rank
+
+
+def test_work_counter_partitions_the_causal_triangle():
+    run_distributed(_work_worker, 4)
+
+
+def test_stdlib_document_lengths_pack_exactly():
+    for seq_len in (256, 4096):
+        lengths = stdlib_document_lengths(seq_len)
+        assert sum(lengths) == seq_len and len(lengths) >= 8 and max(lengths) <= seq_len // 8
+        assert lengths == stdlib_document_lengths(seq_len)  # deterministic in the seed
+
+
+def test_parse_args_rejects_a_length_the_zigzag_cannot_split():
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-lens", "100", "--cp-sizes", "4"])
+
+
+def test_cp_bench_writes_json_table_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [sys.executable, "-m", "cp_handler.bench.cli", "--quick", "--cp-sizes", "1", "2", "--seq-lens", "256",
+         "--reps", "1", "--e2e-seq-len", "128", "--e2e-steps", "2", "--out-dir", str(out)],
+        capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = results["attention"]
+    impls = {(r["impl"], r["comm_type"], r["qkv_format"]) for r in rows}
+    assert ("torch_ring", "allgather", "bshd") in impls and ("local", "p2p", "thd") in impls
+    assert ("single", "none", "bshd") in impls
+    for r in rows:
+        assert r["median_ms"] > 0 and r["peak_memory_bytes"] > 0
+        if r["cp_size"] == 2:
+            assert r["bytes_sent"] > 0 and r["cp_efficiency"] > 0
+    assert [t["cp_size"] for t in results["e2e"]["train"]] == [1, 2]
+    assert (out / "results.md").read_text().count("| torch_ring |") >= 2
+    assert sorted(p.name for p in out.glob("*.png")) == [
+        "attn_fwd_bshd.png", "attn_fwd_bwd_bshd.png", "attn_fwd_bwd_thd.png", "attn_fwd_thd.png"]
