@@ -21,12 +21,17 @@ from .handlers import (
     register_cp_handler,
     registered_backends,
 )
+from .moe import ExpertParallelHandler
+from .parallel_layout import ParallelGroups, ParallelLayout
 
 __all__ = [
     "CP_COMM_TYPES",
     "QKV_FORMATS",
     "ContextParallelConfig",
     "DataContextParallelGroups",
+    "ExpertParallelHandler",
+    "ParallelGroups",
+    "ParallelLayout",
     "build_dp_cp_groups",
     "ContextParallelHandler",
     "HierarchicalContextParallelHandler",

@@ -65,6 +65,14 @@ def test_dynamic_cp_parity(tmp_path):
     assert json.loads(out.read_text())["parity"]["passed"]
 
 
+def test_moe_expert_parallel_parity_and_layout():
+    result = cp_train("--nproc", "4", "--cp-size", "4", "--moe-experts", "8", "--expert-parallel-size", "4",
+                      *SMALL, "--check-parity", "--print-layout")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pp stage 0: experts   [edp][ep][tp] = [[[0], [1], [2], [3]]]" in result.stderr
+    assert "8 experts over ep 4" in result.stderr and "parity passed" in result.stderr
+
+
 def test_hierarchical_parity_and_group_log():
     result = cp_train("--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
                       *SMALL, "--check-parity")
@@ -98,6 +106,12 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "512", "--min-cp-size", "3"], "power of two"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
          "hierarchical_context_parallel_sizes=[2, 3] multiply to 6, but context_parallel_size=4"),
+        (["--nproc", "4", "--cp-size", "2", "--moe-experts", "8", "--expert-parallel-size", "8"],
+         "expert_model_parallel_size=8 must divide dp * cp = 2 * 2 = 4"),
+        (["--nproc", "4", "--moe-experts", "6", "--expert-parallel-size", "4"],
+         "--moe-experts 6 must be a multiple of --expert-parallel-size 4"),
+        (["--nproc", "2", "--expert-parallel-size", "2"], "--expert-parallel-size 2 needs --moe-experts E"),
+        (["--nproc", "2", "--moe-experts", "4", "--moe-top-k", "5"], "moe_router_topk=5 must lie in"),
     ],
 )
 def test_bad_flags_exit_before_training(flags, message):
