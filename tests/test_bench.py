@@ -97,7 +97,7 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
     assert ("single", "none", "bshd") in impls
     for r in rows:
         assert r["median_ms"] > 0 and r["peak_memory_bytes"] > 0
-        if r["cp_size"] == 2:
+        if r["cp_size"] == 2 and r["impl"] != "single":
             assert r["bytes_sent"] > 0 and r["cp_efficiency"] > 0
     assert [t["cp_size"] for t in results["e2e"]["train"]] == [1, 2]
     assert (out / "results.md").read_text().count("| torch_ring |") >= 2

@@ -2,9 +2,11 @@
 
 A case is an implementation (``single``: one process, the reference; ``local``: our pure-torch
 handler; ``torch_ring``: PyTorch's ring, :mod:`.torch_ring`) x ``cp_comm_type`` x cp size x global
-sequence length x qkv_format x pass (``fwd`` or ``fwd_bwd``). Every rank builds the same global
-q, k, v (seeded), takes its shard with the handler's ``dispatch`` (zigzag; thd pads each document),
-and runs the attention. Measured per case:
+sequence length x qkv_format x pass (``fwd`` or ``fwd_bwd``). The ``single`` case of a cp size runs
+inside that cp size's launch, on rank 0 alone with all the launch's threads while the other ranks
+wait at the barrier, so that it is timed interleaved with the CP cases it is the reference of.
+Every rank builds the same global q, k, v (seeded), takes its shard with the handler's
+``dispatch`` (zigzag; thd pads each document), and runs the attention. Measured per case:
 
 * ``median_ms``: median wall time over ``reps`` repetitions after ``warmup``, each between two
   barriers of the CP group (so the slowest rank sets it);
@@ -12,8 +14,7 @@ and runs the attention. Measured per case:
   (``torch.distributed._tools.mem_tracker.MemTracker``, which works on CPU and CUDA), inputs included;
 * ``bytes_sent``: max over ranks of :func:`~cp_handler.ops.collectives.count_comms`;
 * ``load_balance``: max / mean over ranks of the forward score pairs
-  (:func:`~cp_handler.ops.kernels.count_attn_work`); 1.0 is perfect; ``None`` where no block
-  kernel ran (the single-process bshd reference calls ``F.scaled_dot_product_attention``).
+  (:func:`~cp_handler.ops.kernels.count_attn_work`); 1.0 is perfect; ``None`` for ``single``.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ class CaseRunner:
 
     def __init__(self, case: Case, shape: Shape, group, sub_groups: list | None = None):
         self.case, self.shape, self.group = case, shape, group
+        self.active = case.impl != "single" or dist.get_rank(group) == 0  # single: rank 0 runs, others wait
         cu_seqlens = None
         if case.qkv_format == "thd":
             lengths = stdlib_document_lengths(case.seq_len)
             cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
         self.handler = HierarchicalContextParallelHandler(
-            cp_group=group if case.cp_size > 1 else None, qkv_format=case.qkv_format,
+            cp_group=group if case.impl != "single" and case.cp_size > 1 else None, qkv_format=case.qkv_format,
             cp_comm_type=case.comm_type if case.impl == "local" else "p2p",
             hierarchical_cp_groups=sub_groups if case.comm_type == "a2a+p2p" else None, cu_seqlens=cu_seqlens,
         )
@@ -121,6 +123,8 @@ class CaseRunner:
         return from_bhsd(out, "bshd", self.q)
 
     def __call__(self) -> None:
+        if not self.active:
+            return
         if self.case.pass_name == "fwd":
             with torch.no_grad():
                 self.attention()
@@ -171,15 +175,16 @@ def measure(run: CaseRunner, group, times: list[float]) -> dict:
         run()
     peak = tracker.get_tracker_snapshot("peak")
     peak_bytes = sum(v["Total"] for v in peak.values())
-    inputs = sum(t.nbytes for t in (run.q, run.k, run.v, run.dout))
+    inputs = sum(t.nbytes for t in (run.q, run.k, run.v, run.dout)) if run.active else 0
     pairs = _all(group, work.pairs)
+    balance = max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) and run.case.impl != "single" else None
     docs = run.handler.thd_layout.num_docs if run.handler.thd_layout is not None else run.shape.batch
     return {
         **asdict(run.case), **asdict(run.shape), "num_docs": docs,
         "median_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times],
         "peak_memory_bytes": int(_max_over(group, peak_bytes + inputs)),
         "bytes_sent": int(_max_over(group, comms.bytes_sent)),
-        "work_pairs_per_rank": pairs, "load_balance": max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) else None,
+        "work_pairs_per_rank": pairs, "load_balance": balance,
     }
 
 

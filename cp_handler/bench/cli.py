@@ -50,10 +50,9 @@ def build_cases(args) -> dict[int, list[Case]]:
         threads = threads_per_rank(cp, args.cores)
         for seq_len in args.seq_lens:
             for fmt in args.formats:
-                for pass_name in args.passes:
-                    single = Case("single", "none", 1, seq_len, fmt, pass_name, threads * cp)
-                    if single not in by_world.setdefault(1, []):
-                        by_world[1].append(single)
+                for pass_name in args.passes:  # the single-process reference runs in the same launch
+                    by_world.setdefault(cp, []).append(Case("single", "none", cp, seq_len, fmt, pass_name,
+                                                            threads * cp))
                     if cp == 1:
                         continue
                     impls = [("local", c) for c in args.comm_types if c != "a2a+p2p" or cp >= 4]

@@ -17,22 +17,29 @@ def _key(row: dict, *fields: str) -> tuple:
     return tuple(row[f] for f in fields)
 
 
+def _paired(numerator: list[float], denominator: list[float]) -> float:
+    """Median of per-round ratios: repetitions were interleaved, so round ``i`` of both ran together."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+
+
 def add_efficiency(rows: list[dict]) -> list[dict]:
     """Add ``cp_efficiency`` (single-process time on the same total threads / CP time) and, for
-    ``torch_ring`` rows, ``ours_speedup``: the median over interleaved repetitions of PyTorch's
-    time / our p2p ring's time in the same round."""
-    single = {_key(r, "seq_len", "qkv_format", "pass_name", "threads"): r["median_ms"]
+    ``torch_ring`` rows, ``ours_speedup`` (PyTorch's time / our p2p ring's time), each the median
+    of per-round ratios of interleaved repetitions. A ``single`` row's ``cp_size`` is the CP size
+    whose launch (and total threads) it ran in."""
+    single = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r["times_ms"]
               for r in rows if r["impl"] == "single"}
     ring = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r["times_ms"]
             for r in rows if r["impl"] == "local" and r["comm_type"] == "p2p"}
     for r in rows:
         if r["impl"] == "single":
             continue
-        base = single.get((r["seq_len"], r["qkv_format"], r["pass_name"], r["threads"] * r["cp_size"]))
-        r["cp_efficiency"] = base / r["median_ms"] if base else None
-        ours = ring.get(_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"))
-        if r["impl"] == "torch_ring" and ours:  # repetitions were interleaved: pair them
-            r["ours_speedup"] = statistics.median(t / o for t, o in zip(r["times_ms"], ours, strict=True))
+        key = _key(r, "cp_size", "seq_len", "qkv_format", "pass_name")
+        base = single.get(key)
+        r["cp_efficiency"] = _paired(base, r["times_ms"]) if base else None
+        ours = ring.get(key)
+        if r["impl"] == "torch_ring" and ours:
+            r["ours_speedup"] = _paired(r["times_ms"], ours)
     return rows
 
 
