@@ -60,21 +60,23 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False) -> None:
     """Merge the attention of every block into ``out``/``lse`` (in place).
 
-    ``fresh``: the accumulators are still empty (zeros / -inf), so a block whose query rows no
-    earlier block wrote is copied in instead of merged (saves the merge's passes; exact, as merging
-    into an empty accumulator is a copy).
+    ``fresh``: the accumulators are still empty (zeros / -inf), so a block starting at or past the
+    furthest row written so far is copied in instead of merged (saves the merge's passes; exact, as
+    merging into an empty accumulator is a copy). Plans list query rows in non-decreasing order; a
+    block out of order is merged, which is always correct.
     """
-    written: list[slice] = []
+    frontier = 0 if fresh else None
     for q_rows, kv_rows, causal in _plan(blocks, q):
         block_out, block_lse = block_attn_forward(
             rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale
         )
-        if fresh and all(w.stop <= q_rows.start or q_rows.stop <= w.start for w in written):
+        if frontier is not None and q_rows.start >= frontier:
             rows(out, q_rows).copy_(block_out)
             rows(lse, q_rows).copy_(block_lse)
         else:
             merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
-        written.append(q_rows)
+        if frontier is not None:
+            frontier = max(frontier, q_rows.stop)
 
 
 def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float) -> None:
