@@ -43,15 +43,13 @@ def check_available() -> str | None:
     return f"{_MODULE} lacks {missing} in torch {torch.__version__}" if missing else None
 
 
-
-
-def FORWARD_OP(query, key, value, *, is_causal, **kwargs):  # noqa: N802 - stands for the aten op
+def forward_op(query, key, value, *, is_causal, **kwargs):
     """The CPU flash forward, with its work recorded as ours is (:func:`count_attn_work`)."""
     record_attn_work(query, key, is_causal)
     return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, is_causal=is_causal, **kwargs)
 
 
-BACKWARD_OP = aten._scaled_dot_product_flash_attention_for_cpu_backward
+backward_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 class _CountedRotater:
@@ -101,7 +99,7 @@ class _TorchRing(torch.autograd.Function):
     def forward(ctx, q, k, v, group, causal, scale, rotate_method):
         with _options(causal, rotate_method) as mod:
             out, lse, *_ = mod._templated_ring_attention(
-                group, 2, FORWARD_OP, query=q, key=k, value=v, is_causal=causal, dropout_p=0.0, scale=scale
+                group, 2, forward_op, query=q, key=k, value=v, is_causal=causal, dropout_p=0.0, scale=scale
             )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (group, causal, scale, rotate_method)
@@ -113,7 +111,7 @@ class _TorchRing(torch.autograd.Function):
         group, causal, scale, rotate_method = ctx.args
         with _options(causal, rotate_method) as mod:
             dq, dk, dv = mod._templated_ring_attention_backward(
-                group, 2, BACKWARD_OP, grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v,
+                group, 2, backward_op, grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v,
                 out=out, logsumexp=lse, is_causal=causal, dropout_p=0.0, scale=scale,
             )[:3]
         return dq, dk, dv, None, None, None, None
