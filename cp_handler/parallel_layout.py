@@ -101,9 +101,12 @@ class ParallelLayout:
 
     def build(self, device_type: str = "cpu") -> ParallelGroups:
         """This rank's groups of every kind (every rank must call it: DeviceMesh creates groups
-        collectively). Raises ValueError when the default group's size is not ``world_size``."""
+        collectively). Raises ValueError when the default group's size is not ``world_size``, RuntimeError
+        on a torch without ``DeviceMesh._unflatten`` (before 2.10)."""
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"ParallelLayout(world_size={self.world_size}) built on {dist.get_world_size()} ranks")
+        if not hasattr(DeviceMesh, "_unflatten"):
+            raise RuntimeError(f"ParallelLayout needs DeviceMesh._unflatten (torch >= 2.10); torch {torch.__version__}")
         tp, cp, pp, ep = (self.tensor_model_parallel_size, self.context_parallel_size,
                           self.pipeline_model_parallel_size, self.expert_model_parallel_size)
         dp, edp = self.data_parallel_size, self.expert_data_parallel_size

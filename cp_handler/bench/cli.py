@@ -80,7 +80,7 @@ def run_attn(args) -> list[dict]:
     shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
     rows = []
     for world, cases in sorted(build_cases(args).items()):
-        rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps)[0]
+        rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps, program="cp-bench")[0]
     return report.add_efficiency(rows)
 
 

@@ -140,6 +140,6 @@ def run(args) -> dict:
             setattr(args, key, value)
     memory = []
     for cp in args.cp_sizes:
-        memory += launch(memory_worker, cp, args.e2e_seq_len)[0]
+        memory += launch(memory_worker, cp, args.e2e_seq_len, program="cp-bench")[0]
     return {"model": MODEL, "train": [train(args, cp) for cp in args.cp_sizes], "memory": memory,
             "overhead": overhead(args.e2e_seq_len, args.reps)}

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default="runs/bench_eval_cp.json")
     args = p.parse_args(argv)
-    rows = launch(worker, args.nproc, args)[0]
+    rows = launch(worker, args.nproc, args, program="bench.eval_cp")[0]
     print("| seq_len | sequences | ranks | train cp | eval cp | train-cp ms/batch | eval-cp ms/batch | speedup |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

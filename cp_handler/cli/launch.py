@@ -29,8 +29,9 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(entrypoint, nproc: int, *args) -> dict:
-    """Run ``entrypoint(*args)`` on ``nproc`` ranks; returns ``{rank: return value}``.
+def launch(entrypoint, nproc: int, *args, program: str = "cp-train") -> dict:
+    """Run ``entrypoint(*args)`` on ``nproc`` ranks; returns ``{rank: return value}``. ``program``
+    names the command in failure messages.
 
     Raises:
         SystemExit: a rank failed (the message names it and its error) or the run was interrupted.
@@ -39,13 +40,13 @@ def launch(entrypoint, nproc: int, *args) -> dict:
         return {int(os.environ["RANK"]): entrypoint(*args)}
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures below
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"cp-train-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn",
     )
     try:
         return elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        raise SystemExit(f"cp-train: rank {rank} failed; all ranks stopped.\n{_describe(failure)}") from None
+        raise SystemExit(f"{program}: rank {rank} failed; all ranks stopped.\n{_describe(failure)}") from None
     except (KeyboardInterrupt, SignalException):
-        raise SystemExit("cp-train: interrupted; all ranks stopped.") from None
+        raise SystemExit(f"{program}: interrupted; all ranks stopped.") from None
