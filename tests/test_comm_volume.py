@@ -22,7 +22,7 @@ def expected(pattern: str, cp: int, a2a: int = 1) -> tuple[dict, int]:
     kv = 2 * B * HKV * S_LOCAL * D  # K and V elements held locally
     q = B * H * S_LOCAL * D
     if pattern == "p2p":
-        return {"send": 5 * (cp - 1), "recv": 5 * (cp - 1)}, (cp - 1) * kv * ELEM * 2 + (cp - 1) * kv * ACC
+        return {"send": 3 * (cp - 1), "recv": 3 * (cp - 1)}, (cp - 1) * kv * ELEM * 2 + (cp - 1) * kv * ACC
     if pattern == "all_gather":
         chunks = HKV  # kv_heads_per_chunk=1 in run_pattern
         return ({"all_gather": 2 * chunks, "reduce_scatter": chunks},
@@ -33,7 +33,7 @@ def expected(pattern: str, cp: int, a2a: int = 1) -> tuple[dict, int]:
         return {"all_to_all": 8}, a2a_bytes
     p2p = cp // a2a
     ring_bytes = (p2p - 1) * kv_a2a * ELEM * 2 + (p2p - 1) * kv_a2a * ACC
-    return {"all_to_all": 8, "send": 5 * (p2p - 1), "recv": 5 * (p2p - 1)}, a2a_bytes + ring_bytes
+    return {"all_to_all": 8, "send": 3 * (p2p - 1), "recv": 3 * (p2p - 1)}, a2a_bytes + ring_bytes
 
 
 def _volume_worker(rank, world):

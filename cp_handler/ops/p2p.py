@@ -51,9 +51,11 @@ class RingComm:
         self.next_rank = (self.rank + 1) % self.size
         self.prev_rank = (self.rank - 1) % self.size
 
-    def send_recv(self, *tensors: torch.Tensor) -> PendingRecv:
-        """Start passing ``tensors`` one step along the ring (one message each, tags ``0..n-1``, so
-        K and V need no stacking copy); ``wait()`` returns the received ones in the same order."""
-        buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]  # dense recv
-        return exchange(self.group, [(t, self.next_rank, tag) for tag, t in enumerate(tensors)],
-                        [(b, self.prev_rank, tag) for tag, b in enumerate(buffers)])
+    def send_recv(self, tensor: torch.Tensor, tag: int = 0) -> PendingRecv:
+        """Start passing ``tensor`` one step along the ring; ``wait()[0]`` is the one received.
+
+        One message per peer at a time: K and V go stacked in one tensor. (Sending them as two
+        messages with two tags to the same peer made gloo abort now and then at cp=2, dp=2.)
+        """
+        buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # recv writes densely
+        return exchange(self.group, [(tensor, self.next_rank, tag)], [(buffer, self.prev_rank, tag)])

@@ -61,14 +61,14 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
 def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float):
     """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
     comm = RingComm(group)
-    kv = (k, v)
+    kv = torch.stack([k, v])
     out, lse = new_accumulators(q)
     for step in range(comm.size):
-        pending = comm.send_recv(*kv) if step + 1 < comm.size else None
+        pending = comm.send_recv(kv) if step + 1 < comm.size else None
         blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale,
                         fresh=step == 0)
         if pending is not None:
-            kv = pending.wait()
+            kv = pending.wait()[0]
     return out.to(q.dtype), lse
 
 
@@ -104,19 +104,19 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     head, tail = local_blocks_split(layout, comm.rank, causal)
-    kv_pending = comm.send_recv(k, v) if comm.size > 1 else None
+    kv_pending = comm.send_recv(torch.stack([k, v])) if comm.size > 1 else None
     blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, head, scale)
     partial = None
     for step in range(1, comm.size):
-        kv_remote = kv_pending.wait()
-        kv_pending = comm.send_recv(*kv_remote) if step + 1 < comm.size else None
+        kv_remote = kv_pending.wait()[0]
+        kv_pending = comm.send_recv(kv_remote) if step + 1 < comm.size else None
         dkv_remote = torch.zeros_like(dkv)
         blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse,
                          ring_blocks(layout, step, comm.rank, causal), scale)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
-        tag = 1 + step  # K/V use tags 0 and 1 towards the next rank
+        tag = step  # K/V use tag 0; a partial never shares a peer with an outstanding K/V message
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
     blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale)
     if partial is not None:
