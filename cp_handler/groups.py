@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .parallel_layout import ParallelLayout
+from .parallel_layout import ParallelGroups, ParallelLayout
 
 logger = logging.getLogger("cp_handler")
 
@@ -98,8 +98,15 @@ def build_dp_cp_groups(
         )
     built = ParallelLayout(world, context_parallel_size=context_parallel_size,
                            hierarchical_context_parallel_sizes=sizes).build(device_type)
+    return data_context_parallel_groups(built)
+
+
+def data_context_parallel_groups(built: ParallelGroups) -> DataContextParallelGroups:
+    """The dp x cp view of a :meth:`ParallelLayout.build` (tp = pp = 1); rank 0 logs the
+    hierarchical CP levels as ``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``."""
+    sizes = built.layout.hierarchical_context_parallel_sizes
     if sizes is not None and dist.get_rank() == 0:
-        levels = hierarchical_level_ranks(world, list(sizes))
+        levels = hierarchical_level_ranks(built.layout.world_size, list(sizes))
         described = "; ".join(f"level {i} (size {sizes[i]}): {ranks}" for i, ranks in enumerate(levels))
         logger.info("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS %s", described)
     return DataContextParallelGroups(built.meshes["attention"], built.groups["cp"], built.groups["dp"],

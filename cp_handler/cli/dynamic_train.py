@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..dynamic import GroupPool, schedule_sequences
-from ..training import masked_token_loss_sum, next_token_batch
+from ..training import all_reduce_grads, masked_token_loss_sum, next_token_batch
 from .data import DocumentBatches, collect_files, read_token_stream
 
 
@@ -35,17 +34,6 @@ def _loss_share(model, handler, tokens, total_loss_tokens: int) -> torch.Tensor:
     return loss.detach()
 
 
-def all_reduce_grads(model: torch.nn.Module) -> None:
-    """Sum every gradient over all ranks in one flat all-reduce (missing gradients count as zero)."""
-    params = list(model.parameters())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = parameters_to_vector([p.grad for p in params])
-    dist.all_reduce(flat)
-    vector_to_parameters(flat, [p.grad for p in params])
-
-
 def dynamic_step(model, args, documents: DocumentBatches, pool: GroupPool, handler_cls, comm_type, device):
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -62,7 +50,7 @@ def dynamic_step(model, args, documents: DocumentBatches, pool: GroupPool, handl
             handler = handler_cls(cp_group=pool.group(group.size, group.first), qkv_format="thd", cu_seqlens=cu,
                                   cp_comm_type=comm_type)
             loss += _loss_share(model, handler, tokens, total)
-        all_reduce_grads(model)
+        all_reduce_grads(list(model.parameters()))
         return loss, sum(lengths)
     return run
 

@@ -17,22 +17,12 @@ from models.moe import MoEFeedForward
 
 from ..moe import ExpertParallelHandler
 from ..parallel_layout import ParallelGroups
+from ..training import all_reduce_grads
 
 
 def expert_parameters(model: torch.nn.Module) -> set[int]:
     """``id`` of every parameter that belongs to an expert."""
     return {id(p) for m in model.modules() if isinstance(m, MoEFeedForward) for p in m.experts.parameters()}
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.flatten() for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 @dataclass
@@ -59,9 +49,9 @@ class ExpertGroups:
         if self.groups is None:
             return
         experts = expert_parameters(model)
-        params = [p for p in model.parameters() if p.grad is not None]
-        _all_reduce_flat([p.grad for p in params if id(p) not in experts], self.groups.groups["dp_cp"])
-        _all_reduce_flat([p.grad for p in params if id(p) in experts], self.groups.groups["edp"])
+        params = list(model.parameters())
+        all_reduce_grads([p for p in params if id(p) not in experts], self.groups.groups["dp_cp"])
+        all_reduce_grads([p for p in params if id(p) in experts], self.groups.groups["edp"])
 
     def grad_norm(self, model: torch.nn.Module) -> float:
         """Global gradient norm: dense gradients once, every expert shard once (summed over ep)."""

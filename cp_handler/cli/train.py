@@ -26,7 +26,7 @@ from models import GPTModel
 
 from ..config import ContextParallelConfig
 from ..dynamic import GroupPool
-from ..groups import build_dp_cp_groups
+from ..groups import data_context_parallel_groups
 from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
 from .args import comm_type_arg, model_config, parallel_layout, parse, world_size_from
@@ -218,11 +218,11 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
     layout = parallel_layout(args, world, cp_config.context_parallel_size)
     if args.print_layout and rank == 0:
         print(layout.describe(), file=sys.stderr)
-    groups = build_dp_cp_groups(cp_config.context_parallel_size, device.type,
-                                cp_config.hierarchical_context_parallel_sizes)
+    built = layout.build(device.type)  # one DeviceMesh for the CP and the expert groups
+    groups = data_context_parallel_groups(built)
     _inject_failure(rank)
     model = build_model(args, device)
-    experts = ExpertGroups(args.moe_experts, layout.build(device.type)) if args.moe_experts else None
+    experts = ExpertGroups(args.moe_experts, built) if args.moe_experts else None
     if experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
         model.shard_experts(experts.handler().local_expert_ids)
         ddp, grad_scale, grad_norm_fn = model, 1.0, experts.grad_norm
