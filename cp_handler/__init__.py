@@ -9,7 +9,7 @@ methods (see DESIGN.md):
 """
 
 from .config import CP_COMM_TYPES, QKV_FORMATS, ContextParallelConfig, check_seq_len
-from .groups import DataContextParallelGroups, build_dp_cp_groups
+from .groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
 from .handlers import (
     ContextParallelHandler,
     HierarchicalContextParallelHandler,
@@ -33,6 +33,7 @@ __all__ = [
     "ParallelGroups",
     "ParallelLayout",
     "build_dp_cp_groups",
+    "destroy_process_groups",
     "ContextParallelHandler",
     "HierarchicalContextParallelHandler",
     "LocalContextParallelHandler",

@@ -6,6 +6,7 @@ the ranks of one CP group are adjacent (on one node, when they fit).
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from dataclasses import dataclass, field
@@ -111,3 +112,20 @@ def data_context_parallel_groups(built: ParallelGroups) -> DataContextParallelGr
         logger.info("HIERARCHICAL_CONTEXT_PARALLEL_GROUPS %s", described)
     return DataContextParallelGroups(built.meshes["attention"], built.groups["cp"], built.groups["dp"],
                                      built.hierarchical_cp_groups)
+
+
+def destroy_process_groups() -> None:
+    """End a distributed run: ``torch.distributed.destroy_process_group()``, then free the groups.
+
+    ``destroy_process_group`` drops torch's own references, but a ``DeviceMesh`` and the mesh it was
+    unflattened from refer to each other, so the groups built through one (every
+    :class:`ParallelLayout` build) stay alive, with their gloo worker threads, until the garbage
+    collector runs. Left to interpreter shutdown, a worker thread that is still releasing the last
+    reference to a Python tensor of a finished collective takes the GIL while Python finalises,
+    and the process aborts ("terminate called without an active exception", seen ~1 run in 30 of a
+    dp=2 x cp=2 evaluation). Collecting here runs the groups' destructors, which join those threads
+    with the GIL released, while the interpreter is alive. Call it where you would call
+    ``destroy_process_group()``; nothing of ``torch.distributed`` may be used afterwards.
+    """
+    dist.destroy_process_group()
+    gc.collect()

@@ -6,22 +6,26 @@
 import torch
 import torch.distributed as dist
 
-from cp_handler import get_cp_handler_cls
+from cp_handler import destroy_process_groups, get_cp_handler_cls
 from models import GPTConfig, GPTModel
 
+
+def main() -> None:
+    cp_group = dist.new_group(list(range(dist.get_world_size())))  # every rank in one CP group
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2))
+    tokens = torch.randint(0, 256, (1, 128))  # (B, S) global batch, same on every rank
+
+    h = get_cp_handler_cls("local", "p2p")(cp_group=cp_group, qkv_format="bshd")  # built per batch
+    local = h.dispatch(tokens, seq_dim=1)  # (B, S / cp): zigzag shard of this rank
+    logits = model(local, cp_handler=h)  # (B, S / cp, V): ring attention inside
+    full = h.combine(logits, seq_dim=1)  # (B, S, V) in original token order
+
+    alone = model(tokens)  # no handler: cp=1
+    if dist.get_rank() == 0:
+        print("max |CP - single process| =", (full - alone).abs().max().item())
+
+
 dist.init_process_group("gloo")
-cp_group = dist.new_group(list(range(dist.get_world_size())))  # every rank in one CP group
-
-torch.manual_seed(0)
-model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2))
-tokens = torch.randint(0, 256, (1, 128))  # (B, S) global batch, same on every rank
-
-h = get_cp_handler_cls("local", "p2p")(cp_group=cp_group, qkv_format="bshd")  # built per batch
-local = h.dispatch(tokens, seq_dim=1)  # (B, S / cp): zigzag shard of this rank
-logits = model(local, cp_handler=h)  # (B, S / cp, V): ring attention inside
-full = h.combine(logits, seq_dim=1)  # (B, S, V) in original token order
-
-alone = model(tokens)  # no handler: cp=1
-if dist.get_rank() == 0:
-    print("max |CP - single process| =", (full - alone).abs().max().item())
-dist.destroy_process_group()
+main()
+destroy_process_groups()  # frees the groups (and joins gloo's threads) before Python shuts down

@@ -16,10 +16,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_handler import destroy_process_groups
+
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+    # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
+    # teardown race that destroy_process_groups() fixes was found.
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
@@ -27,7 +32,7 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

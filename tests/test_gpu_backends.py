@@ -45,11 +45,13 @@ def _attention_parity(rank, world, backend):
 def _gpu_worker(rank, init, world, backend):
     import torch.distributed as dist
 
+    from cp_handler import destroy_process_groups
+
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         _attention_parity(rank, world, backend)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def _run(backend):

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ..cli.launch import launch
 from ..config import CP_COMM_TYPES
+from ..groups import destroy_process_groups
 from . import e2e, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
@@ -73,7 +74,7 @@ def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list
         bar.close()
         return rows if rank0 else None
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def run_attn(args) -> list[dict]:

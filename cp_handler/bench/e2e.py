@@ -27,7 +27,7 @@ from models import GPTConfig, GPTModel
 
 from ..cli.launch import launch
 from ..cli.train import main as train_main
-from ..groups import build_dp_cp_groups
+from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.local import LocalContextParallelHandler
 from ..rope import apply_rotary
 from ..training import masked_token_loss_sum, next_token_batch
@@ -93,7 +93,7 @@ def memory_worker(seq_len: int) -> list[dict]:
         dist.all_gather_object(rows, row)
         return rows
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def overhead(seq_len: int, reps: int) -> dict:

@@ -24,6 +24,7 @@ from models import GPTConfig, GPTModel
 from ..cli.launch import launch
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config
+from ..groups import destroy_process_groups
 
 
 class _Rows:
@@ -67,7 +68,7 @@ def worker(args) -> list[dict] | None:
                          "train_cp_ms": 1e3 * t_train, "eval_cp_ms": 1e3 * t_eval, "speedup": t_train / t_eval})
         return rows if dist.get_rank() == 0 else None
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ from models import GPTModel
 
 from ..config import ContextParallelConfig
 from ..dynamic import GroupPool
-from ..groups import data_context_parallel_groups
+from ..groups import data_context_parallel_groups, destroy_process_groups
 from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
 from .args import comm_type_arg, model_config, parallel_layout, parse, world_size_from
@@ -194,7 +194,7 @@ def worker(args: argparse.Namespace, cp_config: ContextParallelConfig) -> dict |
     try:
         return _train_rank(args, cp_config, device)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def _train_rank_dynamic(args, cp_config: ContextParallelConfig, device: torch.device) -> dict | None:

@@ -54,8 +54,7 @@ class RingComm:
     def send_recv(self, tensor: torch.Tensor, tag: int = 0) -> PendingRecv:
         """Start passing ``tensor`` one step along the ring; ``wait()[0]`` is the one received.
 
-        One message per peer at a time: K and V go stacked in one tensor. (Sending them as two
-        messages with two tags to the same peer made gloo abort now and then at cp=2, dp=2.)
+        K and V go stacked in one tensor (one message per peer and step).
         """
         buffer = torch.empty_like(tensor, memory_format=torch.contiguous_format)  # recv writes densely
         return exchange(self.group, [(tensor, self.next_rank, tag)], [(buffer, self.prev_rank, tag)])
