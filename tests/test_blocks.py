@@ -1,4 +1,5 @@
-"""Causal tiling of block plans on CPU (blocks.tile_causal): the same score pairs, and attention
+"""Causal tiling of block plans on CPU (blocks.tile_causal): the same score pairs, query starts
+non-decreasing (the forward copies a block that starts past every row written), and attention
 through tiled plans equal to SDPA, for blocks longer than one tile (the pattern tests use short
 sequences that never tile). Tolerance: fp32 atol = rtol = 4e-6 * cp, as test_attn_patterns."""
 
@@ -22,17 +23,19 @@ def pairs(blocks):
     return out
 
 
-@pytest.mark.parametrize("n", [1, CPU_CAUSAL_TILE, CPU_CAUSAL_TILE + 1, 3 * CPU_CAUSAL_TILE - 5])
+@pytest.mark.parametrize("n", [1, CPU_CAUSAL_TILE, CPU_CAUSAL_TILE + 1, 3 * CPU_CAUSAL_TILE - 5, 8 * CPU_CAUSAL_TILE + 3])
 def test_tiling_keeps_exactly_the_causal_pairs(n):
     block = [(slice(10, 10 + n), slice(40, 40 + n), True), (slice(10, 10 + n), slice(0, 40), False)]
     tiled = tile_causal(block)
     assert pairs(tiled) == pairs(block)
     assert all(q.stop - q.start <= CPU_CAUSAL_TILE for q, _, causal in tiled if causal)
+    starts = [q.start for q, _, _ in tiled[:-1]]  # the last block is the unsplit full one
+    assert starts == sorted(starts)
 
 
 def _long_worker(rank, world, algorithm):
     g = torch.Generator().manual_seed(0)
-    s = 2 * world * 263  # local blocks of 526 rows: two full tiles and a remainder
+    s = 2 * world * 263  # causal local blocks of 263 rows: three levels of halving, a remainder
     q, k, v, dout = (torch.randn(1, 2, s, 32, generator=g, dtype=torch.float64) for _ in range(4))
     want = single_process_attention(q, k, v, dout, causal=True)
     local = [zigzag_shard(t, 2, rank, world).requires_grad_() for t in (q, k, v)]
