@@ -23,7 +23,8 @@ def pairs(blocks):
     return out
 
 
-@pytest.mark.parametrize("n", [1, CPU_CAUSAL_TILE, CPU_CAUSAL_TILE + 1, 3 * CPU_CAUSAL_TILE - 5, 8 * CPU_CAUSAL_TILE + 3])
+@pytest.mark.parametrize("n", [1, CPU_CAUSAL_TILE, CPU_CAUSAL_TILE + 1, 3 * CPU_CAUSAL_TILE - 5,
+                               8 * CPU_CAUSAL_TILE + 3])
 def test_tiling_keeps_exactly_the_causal_pairs(n):
     block = [(slice(10, 10 + n), slice(40, 40 + n), True), (slice(10, 10 + n), slice(0, 40), False)]
     tiled = tile_causal(block)
