@@ -116,7 +116,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
-        tag = step  # K/V use tag 0; a partial never shares a peer with an outstanding K/V message
+        tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
     blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale)
     if partial is not None:
