@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from ..config import CP_COMM_TYPES
 from ..ops.all_gather import all_gather_attn
+from ..ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from ..ops.ring import ring_attn
 from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
@@ -57,12 +59,25 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
     ``F.scaled_dot_product_attention``. Algorithms: ring
     (:mod:`~cp_handler.ops.ring`), KV all-gather (:mod:`~cp_handler.ops.all_gather`), Ulysses
     all-to-all (:mod:`~cp_handler.ops.ulysses`).
+
+    Args:
+        attn_kernel: force the block attention kernel by name (``"cpu_flash"``, ``"cudnn"``,
+            ``"flash"``, ``"efficient"``; :mod:`cp_handler.ops.kernels`); default: the
+            ``CP_HANDLER_ATTN_KERNEL`` environment variable, else the fastest verified kernel.
+            A forced kernel is used at cp=1 too (instead of ``F.scaled_dot_product_attention``).
+        **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
+
+    Raises:
+        ValueError: a comm type this class does not implement; an unknown ``attn_kernel``.
     """
 
     supported_comm_types: tuple[str, ...] = ("p2p", "all_gather", "a2a")
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, attn_kernel: str | None = None, **kwargs):
         super().__init__(**kwargs)
+        if attn_kernel is not None and attn_kernel not in KERNELS:
+            raise ValueError(f"attn_kernel={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
+        self.attn_kernel = attn_kernel
         for comm_type in self.comm_types:
             if comm_type not in self.supported_comm_types:
                 raise ValueError(
@@ -72,13 +87,14 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
     def attention(self, comm_type: str, q, k, v, *, causal: bool, scale: float):
         """Run the ``comm_type`` algorithm on ``(B, H, S_local, D)`` tensors; returns the output."""
-        group, layout = self.cp_group, self.layout(q.shape[2])
+        group, layout, kernel = self.cp_group, self.layout(q.shape[2]), self.attn_kernel
         if comm_type == "p2p":
-            return ring_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
+            return ring_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout, attn_kernel=kernel)[0]
         if comm_type == "all_gather":
-            return all_gather_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
+            return all_gather_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout,
+                                   attn_kernel=kernel)[0]
         if comm_type == "a2a":
-            return a2a_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout)[0]
+            return a2a_attn(q, k, v, group=group, causal=causal, scale=scale, layout=layout, attn_kernel=kernel)[0]
         raise ValueError(f"{type(self).__name__} does not implement cp_comm_type={comm_type!r}")
 
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
@@ -88,12 +104,14 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         causal = attn_mask_type == "causal"
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
         check_heads(q_, k_, v_)
-        if self.cp_size == 1 and self.thd_layout is None:
+        forced = self.attn_kernel or os.environ.get(ATTN_KERNEL_ENV)
+        if self.cp_size == 1 and self.thd_layout is None and not forced:
             out = F.scaled_dot_product_attention(
                 q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
             )
-        elif self.cp_size == 1:  # packed documents alone: blockwise attention per document
-            out = ring_attn(q_, k_, v_, group=None, causal=causal, scale=scale, layout=self.thd_layout)[0]
+        elif self.cp_size == 1:  # packed documents alone, or a forced kernel: blockwise attention
+            out = ring_attn(q_, k_, v_, group=None, causal=causal, scale=scale, layout=self.layout(q_.shape[2]),
+                            attn_kernel=self.attn_kernel)[0]
         else:
             out = self.attention(self.comm_type_for(attn_mod), q_, k_, v_, causal=causal, scale=scale)
         return from_bhsd(out, self.qkv_format, q)
@@ -138,4 +156,4 @@ class HierarchicalContextParallelHandler(LocalContextParallelHandler):
             return super().attention(comm_type, q, k, v, causal=causal, scale=scale)
         a2a_group, p2p_group = self.hierarchical_cp_groups
         return a2a_attn(q, k, v, group=a2a_group, inner_group=p2p_group, causal=causal, scale=scale,
-                        layout=self.layout(q.shape[2]))[0]
+                        layout=self.layout(q.shape[2]), attn_kernel=self.attn_kernel)[0]

@@ -74,7 +74,8 @@ def _query_heads(kv_heads: slice, groups: int) -> slice:
     return slice(kv_heads.start * groups, kv_heads.stop * groups)
 
 
-def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, kv_heads_per_chunk=None):
+def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, kv_heads_per_chunk=None,
+                            attn_kernel=None):
     blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     out, lse = new_accumulators(q)
@@ -86,12 +87,13 @@ def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, 
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
-        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale, fresh=True)
+        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale, fresh=True,
+                        attn_kernel=attn_kernel)
     return out.to(q.dtype), lse
 
 
 def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: bool, scale: float,
-                             kv_heads_per_chunk=None):
+                             kv_heads_per_chunk=None, attn_kernel=None):
     blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     dtype = acc_dtype(q.dtype)
@@ -107,7 +109,7 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: boo
         qh = _query_heads(heads, groups)
         dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         blocks_backward_(dq[:, qh], dkv_global[0], dkv_global[1], dout[:, qh], q[:, qh], kv[0], kv[1],
-                         out[:, qh], lse[:, qh], blocks, scale)
+                         out[:, qh], lse[:, qh], blocks, scale, attn_kernel)
         by_position = dkv_global.movedim(3, 0)  # (S, 2, B, hc, D) global order -> rank-major rows:
         send = torch.empty_like(by_position, memory_format=torch.contiguous_format).index_copy_(
             0, global_index, by_position)
@@ -121,10 +123,10 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: boo
 
 class _AllGatherAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, kv_heads_per_chunk):
-        out, lse = all_gather_attn_forward(q, k, v, group, layout, causal, scale, kv_heads_per_chunk)
+    def forward(ctx, q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel):
+        out, lse = all_gather_attn_forward(q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale, kv_heads_per_chunk)
+        ctx.args = (group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -132,12 +134,13 @@ class _AllGatherAttn(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
                     layout: ZigzagDocs | None = None,
-                    kv_heads_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_heads_per_chunk: int | None = None,
+                    attn_kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable KV all-gather attention over ``group``.
 
     Args:
@@ -145,9 +148,10 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
         k, v: ``(B, Hkv, S_local, D)``, ``H % Hkv == 0``.
         layout: documents of the local sequence (thd); default one document (bshd).
         kv_heads_per_chunk: KV heads gathered at once (default ``ceil(Hkv / 2)``).
+        attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype, ``lse (B, H, S_local)`` float32 (not differentiable).
     """
     layout = layout or default_layout(q, group)
-    return _AllGatherAttn.apply(q, k, v, group, layout, causal, scale, kv_heads_per_chunk)
+    return _AllGatherAttn.apply(q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import block_attn_backward, block_attn_forward
+from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
 from .merge import acc_dtype, merge_attn_out_
 
 Block = tuple[slice, slice, bool]
@@ -46,8 +46,8 @@ def tile_causal(blocks: list[Block], tile: int = CPU_CAUSAL_TILE) -> list[Block]
     return tiled
 
 
-def _plan(blocks: list[Block], q: torch.Tensor) -> list[Block]:
-    return tile_causal(blocks) if q.device.type == "cpu" else blocks
+def _plan(blocks: list[Block], kernel: AttnKernel) -> list[Block]:
+    return tile_causal(blocks) if kernel.device_type == "cpu" else blocks
 
 
 def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
@@ -63,8 +63,10 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False) -> None:
-    """Merge the attention of every block into ``out``/``lse`` (in place).
+def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False,
+                    attn_kernel: str | None = None) -> None:
+    """Merge the attention of every block into ``out``/``lse`` (in place), with the kernel
+    :func:`~.kernels.select_kernel` picks for ``q`` and ``attn_kernel``.
 
     ``fresh``: the accumulators are still empty (zeros / -inf), so a block starting at or past the
     furthest row written so far is copied in instead of merged (saves the merge's passes; exact, as
@@ -72,9 +74,10 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
     block out of order is merged, which is always correct.
     """
     frontier = 0 if fresh else None
-    for q_rows, kv_rows, causal in _plan(blocks, q):
+    kernel = select_kernel(q, attn_kernel)
+    for q_rows, kv_rows, causal in _plan(blocks, kernel):
         block_out, block_lse = block_attn_forward(
-            rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale
+            rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale, kernel=kernel
         )
         if frontier is not None and q_rows.start >= frontier:
             rows(out, q_rows).copy_(block_out)
@@ -85,12 +88,14 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
             frontier = max(frontier, q_rows.stop)
 
 
-def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float) -> None:
+def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float,
+                     attn_kernel: str | None = None) -> None:
     """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse."""
-    for q_rows, kv_rows, causal in _plan(blocks, q):
+    kernel = select_kernel(q, attn_kernel)
+    for q_rows, kv_rows, causal in _plan(blocks, kernel):
         dq_b, dk_b, dv_b = block_attn_backward(
             rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-            rows(out, q_rows), rows(lse, q_rows), causal=causal, scale=scale,
+            rows(out, q_rows), rows(lse, q_rows), causal=causal, scale=scale, kernel=kernel,
         )
         rows(dq, q_rows).add_(dq_b)
         rows(dk, kv_rows).add_(dk_b)

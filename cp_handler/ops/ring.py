@@ -58,7 +58,7 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
     return ZigzagDocs.uniform(q.shape[2] * size, size)
 
 
-def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float):
+def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float, attn_kernel: str | None = None):
     """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
     comm = RingComm(group)
     kv = torch.stack([k, v])
@@ -66,7 +66,7 @@ def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: f
     for step in range(comm.size):
         pending = comm.send_recv(kv) if step + 1 < comm.size else None
         blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale,
-                        fresh=step == 0)
+                        fresh=step == 0, attn_kernel=attn_kernel)
         if pending is not None:
             kv = pending.wait()[0]
     return out.to(q.dtype), lse
@@ -91,7 +91,8 @@ def local_blocks_split(layout: ZigzagDocs, rank: int, causal: bool) -> tuple[lis
     return head, tail
 
 
-def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causal: bool, scale: float):
+def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causal: bool, scale: float,
+                       attn_kernel: str | None = None):
     """Backward ring: returns ``dq, dk, dv`` for the local q, k, v.
 
     K/V travel the ring as in forward. The gradient of a remote K/V block is sent straight to its
@@ -105,20 +106,20 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     head, tail = local_blocks_split(layout, comm.rank, causal)
     kv_pending = comm.send_recv(torch.stack([k, v])) if comm.size > 1 else None
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, head, scale)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, head, scale, attn_kernel)
     partial = None
     for step in range(1, comm.size):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < comm.size else None
         dkv_remote = torch.zeros_like(dkv)
         blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse,
-                         ring_blocks(layout, step, comm.rank, causal), scale)
+                         ring_blocks(layout, step, comm.rank, causal), scale, attn_kernel)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale, attn_kernel)
     if partial is not None:
         dkv += partial.wait()[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
@@ -126,10 +127,10 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale):
-        out, lse = ring_attn_forward(q, k, v, group, layout, causal, scale)
+    def forward(ctx, q, k, v, group, layout, causal, scale, attn_kernel):
+        out, lse = ring_attn_forward(q, k, v, group, layout, causal, scale, attn_kernel)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale)
+        ctx.args = (group, layout, causal, scale, attn_kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -137,7 +138,7 @@ class _RingAttn(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attn(
@@ -149,6 +150,7 @@ def ring_attn(
     causal: bool,
     scale: float,
     layout: ZigzagDocs | None = None,
+    attn_kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ring attention over ``group``.
 
@@ -159,9 +161,10 @@ def ring_attn(
         causal: causal mask over the global (zigzag-dispatched) sequence.
         scale: softmax scale (usually ``D ** -0.5``).
         layout: documents of the local sequence (thd); default one document (bshd).
+        attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype and ``lse (B, H, S_local)`` float32 (float64 for
         float64 inputs); ``lse`` is not differentiable.
     """
-    return _RingAttn.apply(q, k, v, group, layout or default_layout(q, group), causal, scale)
+    return _RingAttn.apply(q, k, v, group, layout or default_layout(q, group), causal, scale, attn_kernel)

@@ -84,7 +84,7 @@ def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
 
 def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
              inner_group: dist.ProcessGroup | None = None, layout: ZigzagDocs | None = None,
-             return_lse: bool = False):
+             return_lse: bool = False, attn_kernel: str | None = None):
     """Differentiable a2a attention; with ``inner_group``, hierarchical a2a+p2p.
 
     Args:
@@ -96,6 +96,7 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         layout: documents of the local sequence over the whole CP group (thd); default one
             document (bshd).
         return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
+        attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
 
     Returns:
         ``(out (B, H, S_local, D), lse (B, H, S_local) float32 or None)``.
@@ -109,13 +110,15 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
     if layout is None:
         layout = ZigzagDocs.uniform(q.shape[2] * a2a_size * outer_size, a2a_size * outer_size)
     if a2a_size == 1:
-        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout)
+        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout,
+                         attn_kernel=attn_kernel)
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order = layout.a2a_reorder_index(a2a_size).to(q.device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
     q, k, v = (_AllToAll.apply(t, group, True).index_select(2, order) for t in (q, k, v))
-    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size))
+    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size),
+                         attn_kernel=attn_kernel)
     out = _AllToAll.apply(out.index_select(2, inverse), group, False)
     if return_lse:
         lse = heads_to_seq_raw(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)

@@ -1,0 +1,83 @@
+"""Block attention kernels, one module per family, chosen per device and dtype, overridable.
+
+Automatic choice, fastest first, among kernels that a GPU run has verified (:attr:`AttnKernel.verified_on`):
+
+* CPU: ``cpu_flash`` (any float dtype, GQA native);
+* CUDA: ``cudnn`` (not yet verified: opt-in), ``flash`` (FlashAttention-2, fp16/bf16),
+  ``efficient`` (memory-efficient, fp32).
+
+Override: the ``attn_kernel`` argument of the local handler and of every algorithm in ``ops``, or
+the environment variable ``CP_HANDLER_ATTN_KERNEL`` (the argument wins). A forced kernel that
+cannot run raises ``ValueError`` naming the override, the kernel and the reason; an unknown name
+lists the known ones. Nothing falls back silently. Kernel contract: :mod:`.base`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash
+from .base import AttnKernel
+from .work import WorkCounter, count_attn_work, record_attn_work
+
+ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
+"""Environment variable that forces a kernel by name (``cpu_flash``, ``cudnn``, ``flash``, ``efficient``)."""
+
+KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, cuda_cudnn.KERNEL, cuda_flash.KERNEL,
+                                                      cuda_efficient.KERNEL)}
+"""Every kernel by name, in order of preference (fastest first) within a device type."""
+
+__all__ = ["ATTN_KERNEL_ENV", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward", "block_attn_forward",
+           "count_attn_work", "record_attn_work", "select_kernel"]
+
+
+def select_kernel(q: torch.Tensor, attn_kernel: str | None = None) -> AttnKernel:
+    """The kernel for blocks shaped like ``q (B, H, S, D)``.
+
+    Args:
+        q: a query block (its device, dtype and head dim decide).
+        attn_kernel: force a kernel by name; ``None`` reads ``CP_HANDLER_ATTN_KERNEL``, and if that
+            is unset or empty picks the fastest verified kernel that can run.
+
+    Raises:
+        ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason), or no
+            verified kernel for this device and dtype.
+    """
+    source = "attn_kernel"
+    if attn_kernel is None:
+        attn_kernel, source = os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
+    if attn_kernel is not None:
+        if attn_kernel not in KERNELS:
+            raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
+        reason = KERNELS[attn_kernel].cannot_run(q)
+        if reason is not None:
+            raise ValueError(f"{source}={attn_kernel!r} cannot run this attention: {reason}")
+        return KERNELS[attn_kernel]
+    reasons = []
+    for kernel in KERNELS.values():
+        reason = kernel.cannot_run(q) or (None if kernel.verified_on else "not yet verified on a GPU (opt-in)")
+        if reason is None:
+            return kernel
+        reasons.append(f"{kernel.name}: {reason}")
+    raise ValueError(f"no attention kernel runs q {tuple(q.shape)} {q.dtype} on {q.device.type}: {'; '.join(reasons)}")
+
+
+def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        raise ValueError(f"block attention got a zero-length block: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def block_attn_forward(q, k, v, *, causal: bool, scale: float, kernel: AttnKernel | None = None):
+    """Attention of one (q block, kv block) pair: ``(out (B,H,Sq,D), lse (B,H,Sq))``; ``kernel``
+    default :func:`select_kernel`. Records the work (:func:`count_attn_work`)."""
+    _check_nonempty(q, k)
+    record_attn_work(q, k, causal)
+    return (kernel or select_kernel(q)).forward(q, k, v, causal=causal, scale=scale)
+
+
+def block_attn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, kernel: AttnKernel | None = None):
+    """Gradients ``(dq, dk, dv)`` of one block, given the merged ``out`` and ``lse`` of q's rows."""
+    _check_nonempty(q, k)
+    return (kernel or select_kernel(q)).backward(dout, q, k, v, out, lse, causal=causal, scale=scale)

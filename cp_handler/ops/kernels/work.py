@@ -1,0 +1,49 @@
+"""Attention work accounting: the (query, key) score pairs the forward blocks compute on this rank.
+
+The benchmark's load-balance figure, as :func:`~cp_handler.ops.collectives.count_comms` counts bytes::
+
+    with count_attn_work() as work:
+        out, _ = ring_attn(...)
+    work.pairs, work.blocks
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class WorkCounter:
+    """Attention score pairs computed by forward blocks on this rank (causal blocks count the
+    lower triangle with its diagonal), summed over batch and query heads."""
+
+    pairs: int = 0
+    blocks: int = 0
+
+
+_work_counters: list[WorkCounter] = []
+
+
+@contextlib.contextmanager
+def count_attn_work():
+    """Count the attention work of the forward blocks run inside the block (this rank only)."""
+    counter = WorkCounter()
+    _work_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _work_counters.remove(counter)
+
+
+def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """Record one forward block of ``q (B, H, Sq, D)`` against ``k (B, Hkv, Sk, D)``."""
+    if not _work_counters:
+        return
+    b, h, sq, sk = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
+    pairs = b * h * (sq * (sq + 1) // 2 if causal else sq * sk)
+    for counter in _work_counters:
+        counter.pairs += pairs
+        counter.blocks += 1
