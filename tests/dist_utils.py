@@ -4,6 +4,11 @@
 the default process group initialised. An exception in any rank fails the test with that rank's
 traceback; the other ranks are terminated (``torch.multiprocessing.spawn``), and a collective that
 waits on a dead peer times out after ``TIMEOUT`` instead of hanging the suite.
+
+``device="cuda"`` (the GPU test mode, ``pytest -m gpu``): each rank takes GPU ``rank % n_gpus``;
+with at least one GPU per rank the group is NCCL, otherwise (ranks sharing a GPU: NCCL refuses
+them) gloo with every collective staged through host memory by :mod:`host_staging`.
+``stage_through_host=True`` stages on CPU too (the harness's own test).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import datetime
 import os
 import tempfile
 
+import host_staging
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,13 +27,26 @@ from cp_handler import destroy_process_groups
 TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+def _backend(rank: int, world_size: int, device: str, stage_through_host: bool) -> str:
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        torch.cuda.set_device(rank % gpus)
+        if world_size <= gpus:
+            return "nccl"
+        stage_through_host = True
+    if stage_through_host:
+        host_staging.install(force=device == "cpu")
+    return "gloo"
+
+
+def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device: str, stage: bool) -> None:
     # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
     # teardown race that destroy_process_groups() fixes was found.
     torch._C._set_print_stack_traces_on_fatal_signal(True)
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=TIMEOUT
+        _backend(rank, world_size, device, stage), init_method=f"file://{init_file}", rank=rank,
+        world_size=world_size, timeout=TIMEOUT,
     )
     try:
         fn(rank, world_size, *args)
@@ -35,11 +54,12 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None
         destroy_process_groups()
 
 
-def run_distributed(fn, world_size: int, *args) -> None:
+def run_distributed(fn, world_size: int, *args, device: str = "cpu", stage_through_host: bool = False) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; raise if any rank fails."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_worker, args=(fn, world_size, init_file, args), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(fn, world_size, init_file, args, device, stage_through_host), nprocs=world_size,
+                 join=True)
 
 
 def new_cp_group(ranks: list[int] | None = None) -> dist.ProcessGroup:

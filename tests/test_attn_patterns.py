@@ -5,7 +5,10 @@ a2a+p2p at [2, 2], with a level of size 1 ([1, 4] = ring, [4, 1] = a2a), and [2,
 Reference: the CPU flash kernel over the whole sequence (out, lse), autograd of SDPA (gradients),
 sharded with the zigzag layout.
 
-Tolerance: float32, atol = rtol = 4e-6 * cp. Each ring step / gathered block adds one
+GPU mode (``-m gpu``): the same checks on CUDA in fp32 / bf16 / fp16 against a float64 reference, with
+the tolerances of tests/device_cases.py.
+
+Tolerance (CPU): float32, atol = rtol = 4e-6 * cp. Each ring step / gathered block adds one
 log-sum-exp merge (a few float32 roundings, eps = 1.2e-7, on values of order 1), so error grows
 with the number of merges, at most cp; measured max 1.9e-6 at cp=4 and cp=8, i.e. >= 8x headroom,
 while a masking or layout mistake gives O(1) errors.
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from attn_reference import run_pattern, single_process_attention, zigzag_shard
+from device_cases import CPU, GPU_CASES
 from dist_utils import run_distributed
 
 from cp_handler import HierarchicalContextParallelHandler, build_dp_cp_groups
@@ -25,42 +29,41 @@ HEADS = {"mha": (4, 4, 64), "gqa": (8, 2, 80), "gqa_ratio3": (12, 4, 32), "mqa":
 """name -> (query heads, KV heads, head dim)."""
 
 
-def check_pattern(pattern, groups, rank, world, causal, heads_name):
+def check_pattern(pattern, groups, rank, world, causal, heads_name, case=CPU):
     heads, kv_heads, head_dim = HEADS[heads_name]
     torch.manual_seed(0)
     b, s = 2, 8 * world
     q, dout = torch.randn(b, heads, s, head_dim), torch.randn(b, heads, s, head_dim)
     k, v = torch.randn(b, kv_heads, s, head_dim), torch.randn(b, kv_heads, s, head_dim)
-    expected = single_process_attention(q, k, v, dout, causal)
+    expected = single_process_attention(*(case.reference(t) for t in (q, k, v, dout)), causal)
 
     def shard(t):
         return zigzag_shard(t, 2, rank, world)
 
-    q_l, k_l, v_l = (shard(t).requires_grad_() for t in (q, k, v))
+    q_l, k_l, v_l = (case.local(shard(t)).requires_grad_() for t in (q, k, v))
     out, lse = run_pattern(pattern, q_l, k_l, v_l, groups, causal=causal, scale=head_dim**-0.5)
-    out.backward(shard(dout))
-    tol = 4e-6 * world
-    case = f"{pattern} cp={world} causal={causal} {heads_name}"
+    out.backward(case.local(shard(dout)))
+    tol = case.tolerance(world, 4e-6 * world)
+    where = f"{pattern} cp={world} causal={causal} {heads_name} {case.device} {case.dtype}"
     for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q_l.grad, k_l.grad, v_l.grad),
                                expected, strict=True):
-        torch.testing.assert_close(got, shard(want), atol=tol, rtol=tol,
-                                   msg=lambda m, n=name, c=case: f"{n} ({c}): {m}")
+        case.assert_close(got, shard(want), tol, msg=lambda m, n=name, c=where: f"{n} ({c}): {m}")
 
 
-def _flat_worker(rank, world, patterns, heads_names):
-    groups = build_dp_cp_groups(world)
+def _flat_worker(rank, world, patterns, heads_names, case=CPU):
+    groups = build_dp_cp_groups(world, case.device)
     for pattern in patterns:
         for causal in (True, False):
             for heads_name in heads_names:
-                check_pattern(pattern, groups, rank, world, causal, heads_name)
+                check_pattern(pattern, groups, rank, world, causal, heads_name, case)
 
 
-def _hierarchical_worker(rank, world, sizes_list, heads_names, causal_list):
+def _hierarchical_worker(rank, world, sizes_list, heads_names, causal_list, case=CPU):
     for sizes in sizes_list:
-        groups = build_dp_cp_groups(world, "cpu", sizes)
+        groups = build_dp_cp_groups(world, case.device, sizes)
         for causal in causal_list:
             for heads_name in heads_names:
-                check_pattern("a2a+p2p", groups, rank, world, causal, heads_name)
+                check_pattern("a2a+p2p", groups, rank, world, causal, heads_name, case)
 
 
 @pytest.mark.parametrize("world, heads_names", [(1, ["mha", "gqa"]), (2, ["mha", "gqa", "gqa_ratio3"]),
@@ -71,6 +74,22 @@ def test_flat_patterns_match_single_process(world, heads_names):
 
 def test_hierarchical_cp4_matches_single_process():
     run_distributed(_hierarchical_worker, 4, [[2, 2], [1, 4], [4, 1]], ["mha", "gqa", "mqa"], [True, False])
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_patterns_on_gpu(world, case):
+    """Every pattern on CUDA (ranks sharing a GPU stage collectives through host memory)."""
+    run_distributed(_flat_worker, world, ["p2p", "all_gather", "a2a"], ["mha", "gqa"], case, device="cuda")
+    if world == 4:
+        run_distributed(_hierarchical_worker, world, [[2, 2]], ["mha", "gqa"], [True, False], case, device="cuda")
+
+
+def test_host_staging_harness_on_cpu():
+    """The GPU mode's harness, run on CPU with every collective staged into fresh host copies: a copy
+    that did not come back would break parity."""
+    run_distributed(_flat_worker, 2, ["p2p", "all_gather", "a2a"], ["gqa"], stage_through_host=True)
+    run_distributed(_hierarchical_worker, 4, [[2, 2]], ["gqa"], [True], stage_through_host=True)
 
 
 def check_group_layout(rank, world, cp, sizes):

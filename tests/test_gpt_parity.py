@@ -10,6 +10,7 @@ Tolerances: see gpt_reference.py.
 import pytest
 import torch
 import torch.nn.functional as F
+from device_cases import GPU_CASES
 from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
@@ -60,7 +61,7 @@ class ContiguousAllGatherHandler(ContextParallelHandler):
 
 register_cp_handler("contiguous_allgather", ContiguousAllGatherHandler, ["all_gather"])
 
-from gpt_reference import CONFIG, assert_parity, loss_and_grads  # noqa: E402
+from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, assert_parity, loss_and_grads  # noqa: E402
 
 
 def _per_layer_parity(world, tokens):
@@ -92,3 +93,25 @@ def _gpt_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_loss_and_grads_match_cp1(world):
     run_distributed(_gpt_worker, world)
+
+
+def _gpt_gpu_worker(rank, world, case):
+    """The GPT step on CUDA (p2p, and one pattern per layer) vs a float64 CPU step."""
+    comm_types = ["p2p", "all_gather", "a2a", "a2a+p2p"]
+    config = GPTConfig(**{**vars(CONFIG), "num_layers": len(comm_types)})
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7))
+    groups = build_dp_cp_groups(world, case.device, [2, world // 2])
+    handler_cls = get_cp_handler_cls("local", comm_types)
+    reference = loss_and_grads(config, handler_cls(cp_group=None, cp_comm_type=comm_types), tokens, None,
+                               dtype=torch.float64)
+    for cp_comm_type in ("p2p", comm_types):
+        handler = handler_cls(cp_group=groups.cp_group, cp_comm_type=cp_comm_type,
+                              hierarchical_cp_groups=groups.hierarchical_cp_groups)
+        got = loss_and_grads(config, handler, tokens, groups.cp_group, case.device, case.dtype)
+        assert_close_by_norm(got, reference, GPT_GPU_TOLERANCE[case.dtype], f"{cp_comm_type} {case.dtype}")
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_on_gpu(world, case):
+    run_distributed(_gpt_gpu_worker, world, case, device="cuda")

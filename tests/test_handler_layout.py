@@ -2,11 +2,13 @@
 
 These ops only move or rotate values, so results must be bit-exact: compared with torch.equal.
 Gradients pass through the same moves (plus one sum over ranks in float64), so also exact.
+GPU mode (``-m gpu``): the same checks with every tensor on CUDA (RoPE on both sides on CUDA: exact).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
+from device_cases import GPU_CASES
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler import LocalContextParallelHandler
@@ -28,9 +30,9 @@ def summed_grad(x: torch.Tensor, group) -> torch.Tensor:
     return grad
 
 
-def _check_dispatch_combine(h, group, seq_dim):
+def _check_dispatch_combine(h, group, seq_dim, device):
     torch.manual_seed(1)
-    x = torch.randn(2, 24, 3, dtype=torch.float64).movedim(1, seq_dim).contiguous().requires_grad_()
+    x = torch.randn(2, 24, 3, dtype=torch.float64).movedim(1, seq_dim).contiguous().to(device).requires_grad_()
     w, u = torch.randn_like(x), torch.randn_like(x)
     local = h.dispatch(x, seq_dim=seq_dim)
     assert local.shape[seq_dim] == 24 // h.cp_size
@@ -40,9 +42,9 @@ def _check_dispatch_combine(h, group, seq_dim):
     assert torch.equal(summed_grad(x, group), w * u)
 
 
-def _check_roll(h, group, shift):
+def _check_roll(h, group, shift, device):
     torch.manual_seed(2)
-    x = torch.randn(2, 24, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 24, 3, dtype=torch.float64).to(device).requires_grad_()
     w = torch.randn_like(x)
     rolled, total = h.roll_tensor(h.dispatch(x, 1), shifts=shift, dims=1)
     expected = roll_reference(x.detach(), shift, 1)
@@ -52,30 +54,30 @@ def _check_roll(h, group, shift):
     x_ref = x.detach().clone().requires_grad_()
     (roll_reference(x_ref, shift, 1) * w).sum().backward()
     assert torch.equal(summed_grad(x, group), x_ref.grad)
-    labels = torch.arange(24).repeat(2, 1)
+    labels = torch.arange(24, device=device).repeat(2, 1)
     rolled_labels, _ = h.roll_tensor(h.dispatch(labels, 1), shifts=shift, dims=-1)
     assert torch.equal(h.combine(rolled_labels, 1), roll_reference(labels, shift, 1))
 
 
-def _check_rope(h):
+def _check_rope(h, device):
     torch.manual_seed(3)
-    t = torch.randn(2, 24, 4, 16)
-    freqs = rotary_freqs(h.get_rotary_seq_len(24 // h.cp_size), 16, base=500.0)
+    t = torch.randn(2, 24, 4, 16).to(device)
+    freqs = rotary_freqs(h.get_rotary_seq_len(24 // h.cp_size), 16, base=500.0, device=device)
     assert freqs.shape[0] == 24
     local = h.apply_rotary_pos_emb(h.dispatch(t, 1), h.get_emb_on_this_cp_rank(freqs))
     assert torch.equal(local, h.dispatch(apply_rotary(t, freqs, "bshd"), 1))
 
 
-def _layout_worker(rank, world):
+def _layout_worker(rank, world, device="cpu"):
     group = new_cp_group() if world > 1 else None
     h = LocalContextParallelHandler(cp_group=group, qkv_format="bshd")
     assert (h.cp_size, h.cp_rank) == (world, rank)
     for seq_dim in (0, 1, 2):
-        _check_dispatch_combine(h, group, seq_dim)
+        _check_dispatch_combine(h, group, seq_dim, device)
     chunk = 24 // (2 * world)
     for shift in sorted({-1, -3, 2, chunk, -chunk}):
-        _check_roll(h, group, shift)
-    _check_rope(h)
+        _check_roll(h, group, shift, device)
+    _check_rope(h, device)
     if world > 1:
         with pytest.raises(ValueError, match=r"seq_len=10 is not divisible by 2 \* context_parallel_size"):
             h.dispatch(torch.zeros(1, 10), seq_dim=1)
@@ -87,3 +89,9 @@ def _layout_worker(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_layout_ops_match_single_process(world):
     run_distributed(_layout_worker, world)
+
+
+@pytest.mark.parametrize("case", GPU_CASES[:1])
+@pytest.mark.parametrize("world", [2, 4])
+def test_layout_ops_on_gpu(world, case):
+    run_distributed(_layout_worker, world, case.device, device=case.device)

@@ -7,12 +7,15 @@ without shrinking, so all ranks draw the same cases and a failing rank fails the
 
 Tolerances: moves (dispatch, combine, roll, RoPE row selection) are exact (float64, torch.equal);
 attention float32 atol = rtol = 4e-6 * cp as in test_attn_patterns.py (one merge per step).
+GPU mode (``-m gpu``): the same on CUDA (moves exact; attention in fp32 / bf16 / fp16 against a
+float64 reference with the tolerances of tests/device_cases.py).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 from attn_reference import per_document_attention, run_pattern
+from device_cases import CPU, GPU_CASES
 from dist_utils import run_distributed
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -67,25 +70,26 @@ def roll_per_document(x: torch.Tensor, shift: int, cu_seqlens: list[int]) -> tor
     zero_row = x.shape[0]
     source = [s + p - shift if 0 <= p - shift < e - s else zero_row
               for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True) for p in range(e - s)]
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, torch.tensor(source))
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, torch.tensor(source, device=x.device))
 
 
 def rope_per_document(t: torch.Tensor, cu_seqlens: list[int], freqs: torch.Tensor) -> torch.Tensor:
     positions = torch.cat([torch.arange(e - s) for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)])
+    positions = positions.to(t.device)
     return apply_rotary(t, freqs[positions], "thd")
 
 
-def check_moves(h, group, cu):
+def check_moves(h, group, cu, device):
     total = cu[-1]
     torch.manual_seed(1)
-    x = torch.randn(total, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(total, 3, dtype=torch.float64).to(device).requires_grad_()
     local = h.dispatch(x, 0)
     assert local.shape[0] == h.thd_layout.local_len
     assert torch.equal(h.combine(local.detach(), 0), x.detach())
-    assert torch.all(local.detach()[~h.thd_layout.real_mask(h.cp_rank)] == 0)  # padding inserted as zeros
+    assert torch.all(local.detach()[~h.thd_layout.real_mask(h.cp_rank).to(device)] == 0)  # padding inserted as zeros
     rolled, _ = h.roll_tensor(local, shifts=-1, dims=0)
     assert torch.equal(h.combine(rolled.detach(), 0), roll_per_document(x.detach(), -1, cu))
-    pad = ~h.thd_layout.real_mask(h.cp_rank)
+    pad = ~h.thd_layout.real_mask(h.cp_rank).to(device)
     dirty = local.detach() + 7.0 * pad[:, None]  # activations are not zero at padding slots
     for shift in (-1, 1):
         rolled_dirty, _ = h.roll_tensor(dirty, shifts=shift, dims=0)
@@ -99,28 +103,30 @@ def check_moves(h, group, cu):
     x_ref = x.detach().clone().requires_grad_()
     (roll_per_document(x_ref, -1, cu) * w).sum().backward()
     assert torch.equal(grad, x_ref.grad)
-    t = torch.randn(total, 2, 8)
-    freqs = rotary_freqs(h.get_rotary_seq_len(h.thd_layout.local_len), 8)
+    t = torch.randn(total, 2, 8).to(device)
+    freqs = rotary_freqs(h.get_rotary_seq_len(h.thd_layout.local_len), 8, device=device)
     got = h.apply_rotary_pos_emb(h.dispatch(t, 0), h.get_emb_on_this_cp_rank(freqs))
     assert torch.equal(got, h.dispatch(rope_per_document(t, cu, freqs), 0))
 
 
-def check_attention(h, groups, patterns, world, cu_t):
+def check_attention(h, groups, patterns, world, cu_t, case):
     torch.manual_seed(2)
     total, heads, kv_heads, d = int(cu_t[-1]), 4, 2, 16
     q, dout = torch.randn(total, heads, d), torch.randn(total, heads, d)
     k, v = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
     real = h.thd_layout.real_mask(h.cp_rank)
     for causal in (True, False):
-        expected = per_document_attention(q, k, v, dout, cu_t, causal)
+        expected = per_document_attention(*(case.reference(t) for t in (q, k, v, dout)), cu_t, causal)
         for pattern in patterns:
-            q_l, k_l, v_l = (h.dispatch(t, 0).transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v))
+            q_l, k_l, v_l = (case.local(h.dispatch(t, 0)).transpose(0, 1).unsqueeze(0).requires_grad_()
+                             for t in (q, k, v))
             out, lse = run_pattern(pattern, q_l, k_l, v_l, groups, causal=causal, scale=d**-0.5,
                                    layout=h.thd_layout)
-            out.backward(h.dispatch(dout, 0).transpose(0, 1).unsqueeze(0))
+            out.backward(case.local(h.dispatch(dout, 0)).transpose(0, 1).unsqueeze(0))
             got = [out[0].transpose(0, 1), lse[0], *(g[0].transpose(0, 1) for g in (q_l.grad, k_l.grad, v_l.grad))]
+            got = [g.detach().to("cpu", expected[0].dtype) for g in got]
             want = [h.dispatch(expected[0], 0), h.dispatch(expected[1], 1), *(h.dispatch(g, 0) for g in expected[2:])]
-            tol = 4e-6 * world
+            tol = case.tolerance(world, 4e-6 * world)
             for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
                 a, b = (a[:, real], b[:, real]) if name == "lse" else (a[real], b[real])
                 torch.testing.assert_close(a, b, atol=tol, rtol=tol,
@@ -129,8 +135,8 @@ def check_attention(h, groups, patterns, world, cu_t):
                 assert torch.all(g[~real] == 0), f"{name} nonzero at padding ({pattern})"
 
 
-def _thd_worker(rank, world, patterns, sizes):
-    groups = build_dp_cp_groups(world, "cpu", sizes)
+def _thd_worker(rank, world, patterns, sizes, case=CPU):
+    groups = build_dp_cp_groups(world, case.device, sizes)
 
     @settings(max_examples=5, derandomize=True, database=None, deadline=None,
               phases=[Phase.explicit, Phase.generate])
@@ -146,9 +152,9 @@ def _thd_worker(rank, world, patterns, sizes):
         h = HierarchicalContextParallelHandler(
             cp_group=groups.cp_group if world > 1 else None, qkv_format="thd", cu_seqlens=cu_t,
             hierarchical_cp_groups=groups.hierarchical_cp_groups)
-        check_moves(h, groups.cp_group if world > 1 else None, cu)
+        check_moves(h, groups.cp_group if world > 1 else None, cu, case.device)
         if world > 1:
-            check_attention(h, groups, patterns, world, cu_t)
+            check_attention(h, groups, patterns, world, cu_t, case)
 
     run()
 
@@ -160,3 +166,8 @@ def _thd_worker(rank, world, patterns, sizes):
 ])
 def test_thd_matches_per_document_reference(world, patterns, sizes):
     run_distributed(_thd_worker, world, patterns, sizes)
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_thd_on_gpu(case):
+    run_distributed(_thd_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], case, device="cuda")

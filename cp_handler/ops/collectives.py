@@ -1,7 +1,8 @@
 """Every collective the CP algorithms issue goes through here, so communication can be counted.
 
 Wrappers over torch.distributed (``all_gather_single`` / ``reduce_scatter_single`` under their
-torch 2.13 names, the older ``*_into_tensor`` / ``*_tensor`` before), plus :func:`count_comms`:
+torch 2.13 names, the older ``*_into_tensor`` / ``*_tensor`` before; looked up at each call, so a
+test harness that wraps ``torch.distributed`` sees every collective), plus :func:`count_comms`:
 
     with count_comms() as counter:
         out, _ = ring_attn(...); out.backward(g)
@@ -22,8 +23,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -60,14 +66,14 @@ def record(op: str, nbytes: float) -> None:
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's ``inp`` along dim 0 into ``out``."""
     record("all_gather", inp.nbytes * (dist.get_world_size(group) - 1))
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    return _all_gather()(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """Sum ``inp`` over ranks and keep this rank's dim-0 slice in ``out``."""
     size = dist.get_world_size(group)
     record("reduce_scatter", inp.nbytes * (size - 1) / size)
-    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+    return _reduce_scatter()(out, inp, group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False,
