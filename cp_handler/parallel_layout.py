@@ -15,10 +15,14 @@ so an expert group never leaves its pipeline stage (the MoE-CP layout bug that b
 across stages cannot happen) and, with ``ep == cp``, the expert group is the CP group.
 Hierarchical CP levels (inner first, adjacent ranks inner) split the CP dimension.
 
-The groups are DeviceMesh dimensions of one root mesh ``(pp, dp*cp, tp)``, unflattened once into
-the attention view ``(dp, cp)`` and once into the expert view ``(edp, ep)``; no rank arithmetic
-here beyond the shapes. :func:`ParallelLayout.build` needs an initialised default process group
-(any backend, the ``fake`` one included, which is how the tests lay out 64 ranks in one process).
+The attention groups (pp, dp, cp, tp) are the dimensions of one DeviceMesh ``(pp, dp, cp, tp)``,
+built with the public ``init_device_mesh``; the regroupings of the same ranks (dp_cp, tp_cp, ep,
+edp, hierarchical CP levels) are cut from that rank grid with einops and created with the public
+``torch.distributed.new_subgroups_by_enumeration``; a regrouping whose rank lists equal an existing
+group's (``ep == cp``, a level of size cp) reuses that group. No private DeviceMesh method
+(``_unflatten`` / ``_flatten`` change between torch releases: 2.11's ``_unflatten`` rejects string
+dims). :func:`ParallelLayout.build` needs an initialised default process group (any backend, the
+``fake`` one included, which is how the tests lay out 64 ranks in one process).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
@@ -100,32 +105,37 @@ class ParallelLayout:
         return self.data_parallel_size * self.context_parallel_size // self.expert_model_parallel_size
 
     def build(self, device_type: str = "cpu") -> ParallelGroups:
-        """This rank's groups of every kind (every rank must call it: DeviceMesh creates groups
-        collectively). Raises ValueError when the default group's size is not ``world_size``, RuntimeError
-        on a torch without ``DeviceMesh._unflatten`` (before 2.10)."""
+        """This rank's groups of every kind (every rank must call it: groups are created collectively).
+
+        Raises:
+            ValueError: the default group's size is not ``world_size``.
+        """
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"ParallelLayout(world_size={self.world_size}) built on {dist.get_world_size()} ranks")
-        if not hasattr(DeviceMesh, "_unflatten"):
-            raise RuntimeError(f"ParallelLayout needs DeviceMesh._unflatten (torch >= 2.10); torch {torch.__version__}")
         tp, cp, pp, ep = (self.tensor_model_parallel_size, self.context_parallel_size,
                           self.pipeline_model_parallel_size, self.expert_model_parallel_size)
         dp, edp = self.data_parallel_size, self.expert_data_parallel_size
-        root = init_device_mesh(device_type, (pp, dp * cp, tp), mesh_dim_names=("pp", "dp_cp", "tp"))
-        attn = root._unflatten("dp_cp", (dp, cp), ("dp", "cp"))
-        expert = root._unflatten("dp_cp", (edp, ep), ("edp", "ep"))
-        levels = []
-        if self.hierarchical_context_parallel_sizes:
-            sizes = self.hierarchical_context_parallel_sizes
-            names = tuple(f"cp_level_{i}" for i in reversed(range(len(sizes))))
-            nested = attn._unflatten("cp", tuple(reversed(sizes)), names)
-            levels = [nested.get_group(f"cp_level_{i}") for i in range(len(sizes))]
-        groups = {
-            "tp": root.get_group("tp"), "pp": root.get_group("pp"), "dp_cp": root.get_group("dp_cp"),
-            "dp": attn.get_group("dp"), "cp": attn.get_group("cp"),
-            "tp_cp": attn["cp", "tp"]._flatten("tp_cp").get_group(),
-            "ep": expert.get_group("ep"), "edp": expert.get_group("edp"),
+        mesh = init_device_mesh(device_type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+        groups = {kind: mesh.get_group(kind) for kind in ("pp", "dp", "cp", "tp")}
+        grid = torch.arange(self.world_size).view(pp, dp, cp, tp)
+        built = {_partition(_along(grid, dim)): groups[kind] for dim, kind in enumerate(("pp", "dp", "cp", "tp"))}
+        experts = grid.reshape(pp, edp, ep, tp)
+        regroupings = {
+            "dp_cp": rearrange(grid, "pp dp cp tp -> (pp tp) (dp cp)"),
+            "tp_cp": rearrange(grid, "pp dp cp tp -> (pp dp) (cp tp)"),
+            "ep": rearrange(experts, "pp edp ep tp -> (pp edp tp) ep"),
+            "edp": rearrange(experts, "pp edp ep tp -> (pp ep tp) edp"),
         }
-        return ParallelGroups(self, {"root": root, "attention": attn, "expert": expert}, groups, levels)
+        sizes = self.hierarchical_context_parallel_sizes or ()
+        for i in range(len(sizes)):  # level 0 (inner, adjacent CP ranks) is the last CP dim
+            regroupings[f"cp_level_{i}"] = _along(grid.reshape(pp, dp, *reversed(sizes), tp), 1 + len(sizes) - i)
+        for kind, rank_lists in regroupings.items():
+            key = _partition(rank_lists)
+            if key not in built:
+                built[key] = dist.new_subgroups_by_enumeration([list(r) for r in key])[0]
+            groups[kind] = built[key]
+        levels = [groups.pop(f"cp_level_{i}") for i in range(len(sizes))]
+        return ParallelGroups(self, {"attention": mesh}, groups, levels)
 
     def describe(self, groups: ParallelGroups | None = None) -> str:
         """Sizes and the rank grid of each view (``pp`` blocks of ``dp x cp x tp`` and
@@ -142,12 +152,22 @@ class ParallelLayout:
         return "\n".join(lines)
 
 
+def _along(grid: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rank lists of the groups along ``dim`` of a rank grid: ``(groups, grid.shape[dim])``."""
+    return grid.movedim(dim, -1).reshape(-1, grid.shape[dim])
+
+
+def _partition(rank_lists: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """A partition of the ranks as sorted tuples (rows of ``rank_lists``), comparable across kinds."""
+    return tuple(sorted(tuple(sorted(row)) for row in rank_lists.tolist()))
+
+
 @dataclass
 class ParallelGroups:
     """This rank's process groups from :meth:`ParallelLayout.build`.
 
     ``groups[kind]`` for every kind of :data:`GROUP_KINDS`; ``hierarchical_cp_groups`` inner
-    first (empty without hierarchical sizes); ``meshes`` the DeviceMesh views.
+    first (empty without hierarchical sizes); ``meshes["attention"]`` the ``(pp, dp, cp, tp)`` DeviceMesh.
     """
 
     layout: ParallelLayout
