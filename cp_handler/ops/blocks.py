@@ -12,6 +12,7 @@ import torch
 
 from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
 from .merge import acc_dtype, merge_attn_out_
+from .packed_blocks import packed_backward_, packed_forward_
 
 Block = tuple[slice, slice, bool]
 
@@ -71,10 +72,13 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
     ``fresh``: the accumulators are still empty (zeros / -inf), so a block starting at or past the
     furthest row written so far is copied in instead of merged (saves the merge's passes; exact, as
     merging into an empty accumulator is a copy). Plans list query rows in non-decreasing order; a
-    block out of order is merged, which is always correct.
+    block out of order is merged, which is always correct. A packed kernel runs the plan in few
+    calls (:mod:`.packed_blocks`).
     """
-    frontier = 0 if fresh else None
     kernel = select_kernel(q, attn_kernel)
+    if kernel.packed:
+        return packed_forward_(out, lse, q, k, v, _plan(blocks, kernel), scale, fresh, kernel)
+    frontier = 0 if fresh else None
     for q_rows, kv_rows, causal in _plan(blocks, kernel):
         block_out, block_lse = block_attn_forward(
             rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale, kernel=kernel
@@ -92,6 +96,8 @@ def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], s
                      attn_kernel: str | None = None) -> None:
     """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse."""
     kernel = select_kernel(q, attn_kernel)
+    if kernel.packed:
+        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse, _plan(blocks, kernel), scale, kernel)
     for q_rows, kv_rows, causal in _plan(blocks, kernel):
         dq_b, dk_b, dv_b = block_attn_backward(
             rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),

@@ -2,9 +2,13 @@
 
 Automatic choice, fastest first, among kernels that a GPU run has verified (:attr:`AttnKernel.verified_on`):
 
-* CPU: ``cpu_flash`` (any float dtype, GQA native);
-* CUDA: ``cudnn`` (not yet verified: opt-in), ``flash`` (FlashAttention-2, fp16/bf16),
-  ``efficient`` (memory-efficient, fp32).
+* CPU: ``cpu_flash`` (any float dtype, GQA native); ``cpu_varlen`` (the packed interface on CPU,
+  the reference of the batching: never automatic);
+* CUDA: ``cudnn`` and ``flash_varlen`` (not yet verified: opt-in), ``flash`` (FlashAttention-2,
+  fp16/bf16), ``efficient`` (memory-efficient, fp32).
+
+A packed kernel (:mod:`.varlen`) runs every block of a plan that shares a mask flag, and has
+disjoint query rows, in one call (:mod:`cp_handler.ops.packed_blocks`).
 
 Override: the ``attn_kernel`` argument of the local handler and of every algorithm in ``ops``, or
 the environment variable ``CP_HANDLER_ATTN_KERNEL`` (the argument wins). A forced kernel that
@@ -18,15 +22,15 @@ import os
 
 import torch
 
-from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash
+from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, varlen
 from .base import AttnKernel
 from .work import WorkCounter, count_attn_work, record_attn_work
 
 ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
-"""Environment variable that forces a kernel by name (``cpu_flash``, ``cudnn``, ``flash``, ``efficient``)."""
+"""Environment variable that forces a kernel by name (a key of :data:`KERNELS`)."""
 
-KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, cuda_cudnn.KERNEL, cuda_flash.KERNEL,
-                                                      cuda_efficient.KERNEL)}
+KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.CPU_VARLEN, cuda_cudnn.KERNEL,
+                                                      varlen.FLASH_VARLEN, cuda_flash.KERNEL, cuda_efficient.KERNEL)}
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
 __all__ = ["ATTN_KERNEL_ENV", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward", "block_attn_forward",
@@ -71,7 +75,8 @@ def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
 
 def block_attn_forward(q, k, v, *, causal: bool, scale: float, kernel: AttnKernel | None = None):
     """Attention of one (q block, kv block) pair: ``(out (B,H,Sq,D), lse (B,H,Sq))``; ``kernel``
-    default :func:`select_kernel`. Records the work (:func:`count_attn_work`)."""
+    (a block kernel, not a packed one) default :func:`select_kernel`. Records the work
+    (:func:`count_attn_work`)."""
     _check_nonempty(q, k)
     record_attn_work(q, k, causal)
     return (kernel or select_kernel(q)).forward(q, k, v, causal=causal, scale=scale)

@@ -32,6 +32,8 @@ class AttnKernel:
         verified_on: where a GPU run checked it against a float64 reference (device, torch,
             result), or ``None``: an unverified CUDA kernel is never chosen automatically.
         max_head_dim: largest head dim it runs (``None``: any).
+        packed: forward/backward take packed segments instead of one block (:mod:`.varlen`):
+            ``(q (Tq,H,D), k, v (Tk,Hkv,D), cu_q, cu_k, max_q, max_k, *, causal, scale)``, lse ``(H, Tq)``.
     """
 
     name: str
@@ -41,6 +43,7 @@ class AttnKernel:
     backward: Backward
     verified_on: str | None
     max_head_dim: int | None = None
+    packed: bool = False
 
     def cannot_run(self, q: torch.Tensor) -> str | None:
         """Why this kernel cannot take ``q``, or ``None`` if it can."""

@@ -38,12 +38,19 @@ def count_attn_work():
         _work_counters.remove(counter)
 
 
-def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    """Record one forward block of ``q (B, H, Sq, D)`` against ``k (B, Hkv, Sk, D)``."""
-    if not _work_counters:
-        return
-    b, h, sq, sk = q.shape[0], q.shape[1], q.shape[-2], k.shape[-2]
-    pairs = b * h * (sq * (sq + 1) // 2 if causal else sq * sk)
+def block_pairs(sq: int, sk: int, causal: bool) -> int:
+    """Score pairs of one block (per batch row and head): the lower triangle with its diagonal if causal."""
+    return sq * (sq + 1) // 2 if causal else sq * sk
+
+
+def record_attn_pairs(pairs: int, blocks: int) -> None:
+    """Record ``pairs`` score pairs computed by ``blocks`` forward blocks."""
     for counter in _work_counters:
         counter.pairs += pairs
-        counter.blocks += 1
+        counter.blocks += blocks
+
+
+def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    """Record one forward block of ``q (B, H, Sq, D)`` against ``k (B, Hkv, Sk, D)``."""
+    if _work_counters:
+        record_attn_pairs(q.shape[0] * q.shape[1] * block_pairs(q.shape[-2], k.shape[-2], causal), 1)

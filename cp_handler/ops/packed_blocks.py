@@ -1,0 +1,120 @@
+"""Run a plan of attention blocks through a packed (varlen) kernel: few calls instead of one per block.
+
+The plan's blocks are grouped into calls: blocks with the same mask flag whose query rows do not
+overlap go into one call (a greedy pass in plan order), their rows gathered into packed tensors with
+segment offsets ``cu_q`` / ``cu_k`` (FlashAttention-2's varlen layout). A call's output is merged
+into the accumulators at its rows by log-sum-exp (:mod:`.merge`) in one batched gather / merge /
+scatter, or copied when no earlier call wrote those rows into fresh accumulators. Backward runs the
+same calls and adds the packed gradients back with ``index_add_``. Per batch row: tensors are
+``(B, H, S, D)`` as in :mod:`.blocks`; the index tensors of a plan are built once per device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import AttnKernel
+from .kernels.work import block_pairs, record_attn_pairs
+from .merge import merge_attn_out_
+
+BlockKey = tuple[int, int, int, int, bool]  # q rows [start, stop), kv rows [start, stop), causal
+
+
+@dataclass(frozen=True)
+class PackedCall:
+    """One kernel call: segments ``i`` of ``q_index`` rows attend to segments ``i`` of ``kv_index`` rows."""
+
+    causal: bool
+    q_index: torch.Tensor  # int64 [Tq]: local query rows, segment after segment
+    kv_index: torch.Tensor  # int64 [Tk]
+    cu_q: torch.Tensor  # int32 [segments + 1]
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    fresh: bool  # no earlier call of the plan writes any of these query rows
+    pairs: int  # score pairs per batch row and head
+    blocks: int
+
+
+def _overlaps(rows: list[tuple[int, int]], start: int, stop: int) -> bool:
+    return any(a < stop and start < b for a, b in rows)
+
+
+def _call(causal: bool, members: list[BlockKey], fresh: bool, device) -> PackedCall:
+    def indices(pairs):
+        return torch.cat([torch.arange(a, b) for a, b in pairs]).to(device)
+
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    q_len = [qe - qs for qs, qe, _, _, _ in members]
+    k_len = [ke - ks for _, _, ks, ke, _ in members]
+    return PackedCall(causal, indices([(m[0], m[1]) for m in members]), indices([(m[2], m[3]) for m in members]),
+                      offsets(q_len), offsets(k_len), max(q_len), max(k_len), fresh,
+                      sum(block_pairs(a, b, causal) for a, b in zip(q_len, k_len, strict=True)), len(members))
+
+
+@functools.lru_cache(maxsize=512)
+def packed_calls(plan: tuple[BlockKey, ...], device: torch.device) -> list[PackedCall]:
+    """The calls of a plan (see module doc), with index tensors on ``device``."""
+    groups: list[tuple[bool, list[BlockKey], list[tuple[int, int]]]] = []
+    for block in plan:
+        qs, qe, _, _, causal = block
+        for flag, members, rows in groups:
+            if flag == causal and not _overlaps(rows, qs, qe):
+                members.append(block)
+                rows.append((qs, qe))
+                break
+        else:
+            groups.append((causal, [block], [(qs, qe)]))
+    calls, written = [], []
+    for causal, members, rows in groups:
+        fresh = not any(_overlaps(written, a, b) for a, b in rows)
+        calls.append(_call(causal, members, fresh, device))
+        written += rows
+    return calls
+
+
+def plan_key(blocks) -> tuple[BlockKey, ...]:
+    """A hashable form of a plan of ``(q_rows, kv_rows, causal)`` slices."""
+    return tuple((q.start, q.stop, kv.start, kv.stop, causal) for q, kv, causal in blocks)
+
+
+def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``t (H, S, D)`` rows ``index`` as packed ``(T, H, D)`` (contiguous)."""
+    return t.transpose(0, 1).index_select(0, index)
+
+
+def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel: AttnKernel) -> None:
+    """:func:`~.blocks.blocks_forward_` with a packed kernel."""
+    for call in packed_calls(plan_key(blocks), q.device):
+        record_attn_pairs(q.shape[0] * q.shape[1] * call.pairs, call.blocks)
+        for b in range(q.shape[0]):
+            block_out, block_lse = kernel.forward(
+                _rows(q[b], call.q_index), _rows(k[b], call.kv_index), _rows(v[b], call.kv_index),
+                call.cu_q, call.cu_k, call.max_q, call.max_k, causal=call.causal, scale=scale)
+            block_out = block_out.transpose(0, 1)  # (H, Tq, D)
+            if fresh and call.fresh:
+                out[b].index_copy_(1, call.q_index, block_out.to(out.dtype))
+                lse[b].index_copy_(1, call.q_index, block_lse.to(lse.dtype))
+                continue
+            acc_out, acc_lse = out[b].index_select(1, call.q_index), lse[b].index_select(1, call.q_index)
+            merge_attn_out_(acc_out, acc_lse, block_out, block_lse)
+            out[b].index_copy_(1, call.q_index, acc_out)
+            lse[b].index_copy_(1, call.q_index, acc_lse)
+
+
+def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks, scale: float, kernel: AttnKernel) -> None:
+    """:func:`~.blocks.blocks_backward_` with a packed kernel."""
+    for call in packed_calls(plan_key(blocks), q.device):
+        for b in range(q.shape[0]):
+            qi, ki = call.q_index, call.kv_index
+            grads = kernel.backward(
+                _rows(dout[b], qi), _rows(q[b], qi), _rows(k[b], ki), _rows(v[b], ki), _rows(out[b], qi),
+                lse[b].index_select(1, qi), call.cu_q, call.cu_k, call.max_q, call.max_k,
+                causal=call.causal, scale=scale)
+            for acc, index, grad in ((dq, qi, grads[0]), (dk, ki, grads[1]), (dv, ki, grads[2])):
+                acc[b].transpose(0, 1).index_add_(0, index, grad.to(acc.dtype))

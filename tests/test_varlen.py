@@ -1,0 +1,91 @@
+"""Packed (varlen) execution of block plans: the batching the CUDA ``flash_varlen`` kernel relies on,
+checked on CPU through ``cpu_varlen`` (the same packed interface, computed per segment).
+
+* The calls of a plan: every block in exactly one call, one mask flag per call, disjoint query rows
+  inside a call, ``fresh`` exactly when no earlier call wrote those rows (hypothesis over packs,
+  cp sizes, ring steps and the all-gather plan, CPU causal tiling included).
+* Every pattern with ``CP_HANDLER_ATTN_KERNEL=cpu_varlen`` against the single-process / per-document
+  reference: the thd parity test (cp 1, 2, 4; a2a+p2p at [2, 2]) and the bshd pattern test (cp 2),
+  with the tolerances of those tests (float32 4e-6 * cp).
+"""
+
+import os
+
+import pytest
+import test_attn_patterns
+import test_thd
+import torch
+from dist_utils import run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_handler.layout import ZigzagDocs
+from cp_handler.ops.all_gather import all_gather_blocks
+from cp_handler.ops.blocks import tile_causal
+from cp_handler.ops.kernels import ATTN_KERNEL_ENV
+from cp_handler.ops.packed_blocks import packed_calls, plan_key
+from cp_handler.ops.ring import ring_blocks
+
+
+def _plans(lengths, cp):
+    layout = ZigzagDocs.from_lengths(lengths, cp)
+    for rank in range(cp):
+        for causal in (True, False):
+            for step in range(cp):
+                yield ring_blocks(layout, step, rank, causal)
+            if cp > 1:
+                yield all_gather_blocks(layout, rank, causal)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=12), cp=st.sampled_from([1, 2, 4]),
+       tile=st.sampled_from([None, 8, 64]))
+def test_calls_partition_the_plan(lengths, cp, tile):
+    for blocks in _plans(lengths, cp):
+        plan = plan_key(tile_causal(blocks, tile) if tile else blocks)
+        calls = packed_calls(plan, torch.device("cpu"))
+        seen, written = [], set()
+        for call in calls:
+            cu_q, cu_k = call.cu_q.tolist(), call.cu_k.tolist()
+            members = []
+            for i in range(len(cu_q) - 1):
+                q_rows = call.q_index[cu_q[i]:cu_q[i + 1]].tolist()
+                k_rows = call.kv_index[cu_k[i]:cu_k[i + 1]].tolist()
+                assert q_rows == list(range(q_rows[0], q_rows[-1] + 1)) and k_rows == list(range(k_rows[0],
+                                                                                               k_rows[-1] + 1))
+                members.append((q_rows[0], q_rows[-1] + 1, k_rows[0], k_rows[-1] + 1, call.causal))
+            rows = call.q_index.tolist()
+            assert len(rows) == len(set(rows)), "query rows overlap inside one call"
+            assert call.fresh == written.isdisjoint(rows)
+            assert call.max_q == max(b - a for a, b, *_ in members) and call.blocks == len(members)
+            written |= set(rows)
+            seen += members
+        assert sorted(seen) == sorted(plan)
+
+
+def _with_kernel(worker):
+    def run(rank, world, *args):
+        os.environ[ATTN_KERNEL_ENV] = "cpu_varlen"
+        worker(rank, world, *args)
+    return run
+
+
+def _thd_varlen(rank, world, patterns, sizes):
+    _with_kernel(test_thd._thd_worker)(rank, world, patterns, sizes)
+
+
+def _bshd_varlen(rank, world, patterns, heads):
+    _with_kernel(test_attn_patterns._flat_worker)(rank, world, patterns, heads)
+
+
+@pytest.mark.parametrize("world, patterns, sizes", [
+    (1, [], None),
+    (2, ["p2p", "all_gather", "a2a"], None),
+    (4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2]),
+])
+def test_cpu_varlen_thd_matches_per_document(world, patterns, sizes):
+    run_distributed(_thd_varlen, world, patterns, sizes)
+
+
+def test_cpu_varlen_bshd_matches_single_process():
+    run_distributed(_bshd_varlen, 2, ["p2p", "all_gather", "a2a"], ["gqa"])
