@@ -1,5 +1,6 @@
 """cp-bench: the PyTorch ring peer is numerically the same attention, the work counter partitions
-the causal triangle exactly, and ``cp-bench`` writes its JSON, table and plots.
+the causal triangle exactly, ``cp-bench`` writes its JSON, table and plots, and its plan mode (per-rank
+compute on one device) runs on CPU.
 
 Peer tolerances: fp32 inputs, same CPU flash kernel on the same blocks; the merge orders differ,
 so outputs and gradients agree to float32 rounding of a few merges (atol 1e-5 on O(1) values).
@@ -15,9 +16,11 @@ from attn_reference import single_process_attention, zigzag_shard
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler.bench.attention import stdlib_document_lengths
-from cp_handler.bench.cli import parse_args
+from cp_handler.bench.cli import main, parse_args
+from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
+from cp_handler.ops.kernels.work import block_pairs
 from cp_handler.ops.ring import ring_attn
 
 B, H, S, D = 1, 4, 64, 16
@@ -103,3 +106,30 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
     assert (out / "results.md").read_text().count("| torch_ring |") >= 2
     assert sorted(p.name for p in out.glob("*.png")) == [
         "attn_fwd_bshd.png", "attn_fwd_bwd_bshd.png", "attn_fwd_bwd_thd.png", "attn_fwd_thd.png"]
+
+
+def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
+    """The per-rank plan benchmark in its CPU emulation mode: every pattern, bshd and thd, an
+    efficiency per row; each pattern's rank plan computes 1/cp of the causal score pairs (zigzag)."""
+    out = tmp_path / "plan"
+    assert main(["--modes", "plan", "--plan-seq-lens", "128", "--plan-cp-sizes", "2", "4", "--reps", "1",
+                 "--warmup", "0", "--plan-heads", "4", "--plan-kv-heads", "2", "--plan-head-dim", "16",
+                 "--thd-mean-doc", "20", "--out-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
+    assert {(r["pattern"], r["qkv_format"]) for r in rows} == {
+        (p, f) for p in ("whole", "p2p", "all_gather", "a2a", "a2a+p2p") for f in ("bshd", "thd")}
+    assert all(r["efficiency"] > 0 for r in rows if r["pattern"] != "whole")
+    assert (out / "plan_efficiency.png").exists() and "| bshd | 128 | a2a+p2p | 4 |" in (out / "results.md").read_text()
+    shape = PlanShape(num_heads=4, num_kv_heads=2)
+    for pattern, cp in (("p2p", 4), ("all_gather", 4), ("a2a", 2), ("a2a+p2p", 4)):
+        plan = rank_plan(PlanCase(pattern, "bshd", cp, 128, a2a_size=2), shape)
+        pairs = sum(block_pairs(q.stop - q.start, k.stop - k.start, c) for step in plan.steps for q, k, c in step)
+        assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
+
+
+def test_plan_mode_refuses_cuda_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "plan", "--device", "cuda"])
+    assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err

@@ -6,7 +6,10 @@ Modes (``--modes``, default both):
   qkv_format x pass, with PyTorch's own ring (:mod:`.torch_ring`) beside ours and the
   single-process reference on the same total threads (for CP efficiency);
 * ``e2e``: :mod:`.e2e`: ``cp-train --metrics-out`` at each cp size (tokens/s, peak RSS per rank),
-  activation memory of one GPT training step per rank, and the cost of the handler at cp=1.
+  activation memory of one GPT training step per rank, and the cost of the handler at cp=1;
+* ``plan`` (only when asked for): :mod:`.plan`: one rank's compute of every pattern, bshd and thd,
+  timed on ``--device`` (one GPU is enough; CPU is the emulation mode) without communication beside
+  the whole sequence on one device: per-rank compute efficiency.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
 Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and prints the tables.
@@ -28,7 +31,7 @@ from tqdm import tqdm
 from ..cli.launch import launch
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
-from . import e2e, report
+from . import e2e, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
 
@@ -36,6 +39,11 @@ QUICK = {"seq_lens": [2048, 4096], "cp_sizes": [1, 2, 4], "reps": 3, "comm_types
          "num_heads": 4, "num_kv_heads": 4}
 FULL = {"seq_lens": [4096, 8192, 16384], "cp_sizes": [1, 2, 4], "reps": 5, "comm_types": list(CP_COMM_TYPES),
         "num_heads": 8, "num_kv_heads": 8}
+PLAN = {"cuda": {"plan_seq_lens": [4096, 8192, 16384, 32768, 65536, 131072], "plan_cp_sizes": [1, 2, 4, 8, 16, 32],
+                 "plan_heads": 32, "plan_kv_heads": 8, "plan_head_dim": 128, "plan_dtype": "bfloat16"},
+        "cpu": {"plan_seq_lens": [1024, 4096], "plan_cp_sizes": [1, 2, 4, 8], "plan_heads": 8, "plan_kv_heads": 2,
+                "plan_head_dim": 64, "plan_dtype": "float32"}}
+"""Defaults of ``--modes plan`` by device (CUDA: a Llama-3-8B attention layer, issue 14's shape)."""
 
 
 def threads_per_rank(cp_size: int, cores: int) -> int:
@@ -89,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-bench", description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and plots go")
     p.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU")
-    p.add_argument("--modes", nargs="+", choices=("attn", "e2e"), default=["attn", "e2e"])
+    p.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan"), default=["attn", "e2e"])
     p.add_argument("--cp-sizes", type=int, nargs="+", default=None)
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths (tokens)")
     p.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None)
@@ -104,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores shared by the ranks")
     p.add_argument("--e2e-seq-len", type=int, default=None)
     p.add_argument("--e2e-steps", type=int, default=None)
+    g = p.add_argument_group("plan mode (per-rank compute on one device)")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--attn-kernel", default=None, help="force a block kernel (cp_handler.ops.kernels.KERNELS)")
+    g.add_argument("--plan-seq-lens", type=int, nargs="+", default=None)
+    g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None)
+    g.add_argument("--plan-heads", type=int, default=None)
+    g.add_argument("--plan-kv-heads", type=int, default=None)
+    g.add_argument("--plan-head-dim", type=int, default=None)
+    g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
     return p
 
 
@@ -115,9 +133,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """
     p = build_parser()
     args = p.parse_args(argv)
-    for key, value in (QUICK if args.quick else FULL).items():
+    for key, value in {**(QUICK if args.quick else FULL), **PLAN[args.device]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if args.device == "cuda" and set(args.modes) - {"plan"}:
+        p.error("--device cuda runs --modes plan only (attn and e2e run on gloo CPU ranks)")
     for cp in args.cp_sizes:
         if cp < 1:
             p.error(f"--cp-sizes: {cp} must be >= 1")
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = run_attn(args)
     if "e2e" in args.modes:
         results["e2e"] = e2e.run(args)
+    if "plan" in args.modes:
+        results["plan"] = plan.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

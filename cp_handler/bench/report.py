@@ -92,7 +92,43 @@ def markdown(results: dict) -> str:
         parts += ["## Attention\n", attention_table(results["attention"]), ""]
     if "e2e" in results:
         parts += ["## End to end (reference GPT)\n", e2e_tables(results["e2e"]), ""]
+    if "plan" in results:
+        parts += ["## Per-rank compute (plan mode)\n", plan_table(results["plan"]), ""]
     return "\n".join(parts)
+
+
+def plan_table(plan: dict) -> str:
+    """Per-rank compute efficiency ``T(whole) / (cp * T(rank))`` of every pattern."""
+    s = plan["shape"]
+    lines = [f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
+             f"kernel {plan['kernel']}, causal fwd+bwd, thd mean document {s['thd_mean_doc']}\n",
+             "| format | S | pattern | cp | tokens/rank | rank ms | whole ms | efficiency |", "|" + "---|" * 8]
+    whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in plan["rows"] if r["pattern"] == "whole"}
+    for r in plan["rows"]:
+        if r["pattern"] != "whole":
+            lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
+                         f"| {r['seq_len'] // r['cp_size']} | {r['median_ms']:.2f} "
+                         f"| {whole[(r['qkv_format'], r['seq_len'])]:.2f} | {r['efficiency']:.3f} |")
+    return "\n".join(lines)
+
+
+def plan_plot(plan: dict, out_dir: str) -> str:
+    """Efficiency against tokens per rank, one panel per format, one line per pattern."""
+    formats = sorted({r["qkv_format"] for r in plan["rows"]})
+    fig, axes = plt.subplots(1, len(formats), figsize=(6 * len(formats), 4.5), squeeze=False)
+    for ax, fmt in zip(axes[0], formats, strict=True):
+        for pattern in sorted({r["pattern"] for r in plan["rows"]} - {"whole"}):
+            points = sorted((r["seq_len"] // r["cp_size"], r["efficiency"]) for r in plan["rows"]
+                            if r["qkv_format"] == fmt and r["pattern"] == pattern)
+            ax.plot(*zip(*points), marker="o", linestyle="", label=pattern) if points else None
+        ax.set(title=f"{fmt}: per-rank compute efficiency", xscale="log", xlabel="tokens per rank",
+               ylabel="T(whole) / (cp T(rank))")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "plan_efficiency.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _series(rows: list[dict], pass_name: str, fmt: str, cp: int) -> dict[str, list[tuple[int, dict]]]:
@@ -127,4 +163,6 @@ def plots(results: dict, out_dir: str) -> list[str]:
             fig.savefig(path, dpi=90)
             plt.close(fig)
             written.append(path)
+    if "plan" in results:
+        written.append(plan_plot(results["plan"], out_dir))
     return written

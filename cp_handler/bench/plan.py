@@ -1,0 +1,201 @@
+"""Per-rank compute of every CP pattern, timed on one device without communication (``cp-bench --modes plan``).
+
+What one rank of a CP group computes, run alone: rank 0's plan of blocks for every step of the
+pattern (:func:`~cp_handler.ops.ring.ring_blocks`, :func:`~cp_handler.ops.all_gather.all_gather_blocks`,
+the a2a's whole-sequence block on ``H / cp`` heads, a2a+p2p's ring on ``H / A`` heads) through
+:func:`~cp_handler.ops.blocks.blocks_forward_` / ``blocks_backward_`` on tensors of the rank's shapes
+(remote K/V stand in with the local ones: same shapes, same work). The reference is the whole
+sequence on one device: ``F.scaled_dot_product_attention`` for bshd, and for thd FlexAttention with
+a document-causal BlockMask where it compiles (CUDA), else SDPA per document. Per-rank compute
+efficiency = ``T(reference) / (cp * T(rank))``: 1.0 means splitting costs nothing but communication
+(issue 14's method; communication is measured by ``--modes attn`` on several ranks).
+
+Forward + backward, causal, batch 1; thd packs ``seq_len`` tokens as documents with exponentially
+distributed lengths of mean ``--thd-mean-doc`` (seeded). On CUDA, times are CUDA-event medians;
+on CPU (the emulation mode, for small sizes), wall-clock medians.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import ZigzagDocs
+from ..ops.all_gather import all_gather_blocks
+from ..ops.blocks import blocks_backward_, blocks_forward_, new_accumulators
+from ..ops.kernels import select_kernel
+from ..ops.ring import ring_blocks
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    pattern: str  # "whole" (the reference) or a cp_comm_type
+    qkv_format: str
+    cp_size: int
+    seq_len: int
+    a2a_size: int = 1  # a2a+p2p: the inner (a2a) size
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+    device: str = "cuda"
+    kernel: str | None = None
+    thd_mean_doc: int = 1024
+
+
+def doc_lengths(seq_len: int, mean: int, seed: int = 0) -> list[int]:
+    """Document lengths summing to ``seq_len``: exponential with mean ``mean`` (at least 1), the last one cut."""
+    rng, lengths = random.Random(seed), []
+    while sum(lengths) < seq_len:
+        lengths.append(max(1, min(round(rng.expovariate(1 / mean)), seq_len - sum(lengths))))
+    return lengths
+
+
+@dataclass
+class RankPlan:
+    """One rank's work: query/KV lengths and heads, and the block plans of its steps (first step fresh)."""
+
+    q_len: int
+    kv_len: int
+    heads: int
+    kv_heads: int
+    steps: list
+
+
+def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
+    """Rank 0's work in ``case``."""
+    lengths = [case.seq_len] if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
+    layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
+    h, hkv, cp = shape.num_heads, shape.num_kv_heads, case.cp_size
+    if case.pattern == "p2p":
+        return RankPlan(layout.local_len, layout.local_len, h, hkv, [ring_blocks(layout, s, 0, True) for s in range(cp)])
+    if case.pattern == "all_gather":
+        total = int(layout.cu_seqlens_padded[-1])
+        return RankPlan(layout.local_len, total, h, hkv, [all_gather_blocks(layout, 0, True)])
+    a2a = cp if case.pattern == "a2a" else case.a2a_size
+    inner = layout.inner(a2a)
+    return RankPlan(inner.local_len, inner.local_len, h // a2a, max(1, hkv // a2a),
+                    [ring_blocks(inner, s, 0, True) for s in range(inner.size)])
+
+
+def _timer(device: str):
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return lambda: (end.record(), torch.cuda.synchronize(), start.elapsed_time(end))[2]
+    begin = time.perf_counter()
+    return lambda: (time.perf_counter() - begin) * 1e3
+
+
+def _inputs(q_len, kv_len, heads, kv_heads, shape: PlanShape):
+    dtype, device = getattr(torch, shape.dtype), shape.device
+    q = torch.randn(1, heads, q_len, shape.head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(1, kv_heads, kv_len, shape.head_dim, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v
+
+
+def _rank_step(plan: RankPlan, shape: PlanShape):
+    q, k, v = _inputs(plan.q_len, plan.kv_len, plan.heads, plan.kv_heads, shape)
+    scale = shape.head_dim ** -0.5
+    select_kernel(q, shape.kernel)  # a forced kernel that cannot run fails here, before timing
+
+    def run():
+        out, lse = new_accumulators(q)
+        for i, blocks in enumerate(plan.steps):
+            blocks_forward_(out, lse, q, k, v, blocks, scale, fresh=i == 0, attn_kernel=shape.kernel)
+        out = out.to(q.dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        for blocks in plan.steps:
+            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse, blocks, scale, attn_kernel=shape.kernel)
+    return run
+
+
+def _whole_step(case: PlanCase, shape: PlanShape):
+    q, k, v = (t.requires_grad_() for t in _inputs(case.seq_len, case.seq_len, shape.num_heads,
+                                                    shape.num_kv_heads, shape))
+    if case.qkv_format == "bshd":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+    lengths = doc_lengths(case.seq_len, shape.thd_mean_doc)
+    if shape.device == "cuda":
+        return _flex_step(q, k, v, lengths)
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+    def per_document():
+        total = sum(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                   enable_gqa=True).sum() for a, b in zip(bounds, bounds[1:]))
+        total.backward()
+    return per_document
+
+
+def _flex_step(q, k, v, lengths):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device))
+    mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, q.shape[2], q.shape[2],
+                             device=q.device)
+    flex = torch.compile(flex_attention)
+    return lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()
+
+
+def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
+    """Median forward+backward milliseconds of ``case`` (rank 0's plan, or the whole-sequence reference)."""
+    step = _whole_step(case, shape) if case.pattern == "whole" else _rank_step(rank_plan(case, shape), shape)
+    times = []
+    for i in range(warmup + reps):
+        stop = _timer(shape.device)
+        step()
+        elapsed = stop()
+        if i >= warmup:
+            times.append(elapsed)
+    return {**asdict(case), "median_ms": statistics.median(times), "times_ms": times}
+
+
+def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
+    """The reference and every pattern's rank plan for each (format, seq_len, cp)."""
+    out = []
+    for fmt in formats:
+        for seq_len in seq_lens:
+            out.append(PlanCase("whole", fmt, 1, seq_len))
+            for cp in cp_sizes:
+                if cp == 1 or seq_len % (2 * cp):
+                    continue
+                for comm in comm_types:
+                    if comm == "a2a+p2p":
+                        if cp >= 4:
+                            out.append(PlanCase(comm, fmt, cp, seq_len, a2a_size=2))
+                    else:
+                        out.append(PlanCase(comm, fmt, cp, seq_len))
+    return out
+
+
+def add_efficiency(rows: list[dict]) -> list[dict]:
+    """``efficiency = T(whole) / (cp * T(rank))`` on every rank row."""
+    whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in rows if r["pattern"] == "whole"}
+    for r in rows:
+        if r["pattern"] != "whole":
+            r["efficiency"] = whole[(r["qkv_format"], r["seq_len"])] / (r["cp_size"] * r["median_ms"])
+    return rows
+
+
+def run(args) -> dict:
+    """``--modes plan``: every case on ``args.device`` (heads of a Llama-3-8B layer by default)."""
+    shape = PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads, head_dim=args.plan_head_dim,
+                      dtype=args.plan_dtype, device=args.device, kernel=args.attn_kernel,
+                      thd_mean_doc=args.thd_mean_doc)
+    if shape.device == "cpu":
+        torch.set_num_threads(args.cores)
+    rows = [time_case(c, shape, args.warmup, args.reps)
+            for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats)]
+    probe = torch.empty(1, 1, 1, shape.head_dim, device=shape.device, dtype=getattr(torch, shape.dtype))
+    kernel = select_kernel(probe, shape.kernel).name
+    device_name = torch.cuda.get_device_name() if shape.device == "cuda" else "cpu"
+    return {"shape": asdict(shape), "kernel": kernel, "device_name": device_name, "rows": add_efficiency(rows)}
