@@ -77,7 +77,8 @@ def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
     layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
     h, hkv, cp = shape.num_heads, shape.num_kv_heads, case.cp_size
     if case.pattern == "p2p":
-        return RankPlan(layout.local_len, layout.local_len, h, hkv, [ring_blocks(layout, s, 0, True) for s in range(cp)])
+        steps = [ring_blocks(layout, s, 0, True) for s in range(cp)]
+        return RankPlan(layout.local_len, layout.local_len, h, hkv, steps)
     if case.pattern == "all_gather":
         total = int(layout.cu_seqlens_padded[-1])
         return RankPlan(layout.local_len, total, h, hkv, [all_gather_blocks(layout, 0, True)])
@@ -131,7 +132,7 @@ def _whole_step(case: PlanCase, shape: PlanShape):
 
     def per_document():
         total = sum(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                   enable_gqa=True).sum() for a, b in zip(bounds, bounds[1:]))
+                                                   enable_gqa=True).sum() for a, b in zip(bounds[:-1], bounds[1:], strict=True))
         total.backward()
     return per_document
 

@@ -120,7 +120,8 @@ def plan_plot(plan: dict, out_dir: str) -> str:
         for pattern in sorted({r["pattern"] for r in plan["rows"]} - {"whole"}):
             points = sorted((r["seq_len"] // r["cp_size"], r["efficiency"]) for r in plan["rows"]
                             if r["qkv_format"] == fmt and r["pattern"] == pattern)
-            ax.plot(*zip(*points), marker="o", linestyle="", label=pattern) if points else None
+            if points:
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", linestyle="", label=pattern)
         ax.set(title=f"{fmt}: per-rank compute efficiency", xscale="log", xlabel="tokens per rank",
                ylabel="T(whole) / (cp T(rank))")
         ax.legend(fontsize=7)
