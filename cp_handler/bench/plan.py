@@ -129,10 +129,11 @@ def _whole_step(case: PlanCase, shape: PlanShape):
     if shape.device == "cuda":
         return _flex_step(q, k, v, lengths)
     bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    documents = list(zip(bounds[:-1], bounds[1:], strict=True))
 
     def per_document():
         total = sum(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                   enable_gqa=True).sum() for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+                                                   enable_gqa=True).sum() for a, b in documents)
         total.backward()
     return per_document
 
