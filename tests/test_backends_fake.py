@@ -1,11 +1,20 @@
 """Transformer Engine and MagiAttention handlers on CPU, through contract fakes (tests/fakes/).
 
-The fakes take exactly the documented arguments, enforce the libraries' documented restrictions
-and record their calls; they compute with the local algorithms. Checked at cp=2 and cp=4: a GPT
-step (loss and every gradient) through each handler equals the local handler on the same batch
-(bshd and thd), the arguments each handler passes (groups, ranks, comm type, formats,
-cu_seqlens), re-binding of TE's CP group when the handler's group changes, and the clear errors
-for TE's restrictions. Tolerances: see gpt_reference.py (same float32 algorithms underneath).
+The fakes mirror the libraries' signatures and rules, one release at a time (each fake's docstring
+names the source file, tag and lines): TE as 2.17.1 and 2.20.2 (thd + all_gather from 2.18),
+MagiAttention as 1.0.4, 1.1.0 and 1.1.1 (three key signatures, ``roll`` only in 1.1.1). They compute
+with cp_handler's local algorithms or a dense masked attention, in float16/bfloat16 only, as the
+libraries do. Checked at cp=2 and cp=4:
+
+* a GPT step (loss and every gradient, bfloat16) through each handler against the local handler on
+  the same batch (bshd and thd): relative norm 1e-2 for TE (same algorithms underneath, only the
+  order of a few bf16 roundings differs) and 5e-2 for MagiAttention (a different attention
+  algorithm; tests/gpt_reference.py's bf16 bound);
+* the arguments passed (groups, ranks, comm type, formats, cu_seqlens, window), group re-binding;
+* issue 15's findings, each failing on the code before it: the window reaches TE; fp32 refused
+  first; TE's thd / odd-head / FP8 rules by version; the TE module in the model's state_dict and
+  mode; a2a+p2p bound once; MagiAttention 1.1.0's key; releases before 1.0.4 refused; the dispatch
+  gradient zero outside the local tokens; roll without ``api.roll``.
 The CUDA/NCCL checks are replaced inside these ranks only; test_backend_errors checks them.
 """
 
@@ -15,16 +24,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from dist_utils import run_distributed
-from gpt_reference import CONFIG, assert_parity, loss_and_grads
+from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, loss_and_grads
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
-from models import GPTConfig
+from models import GPTConfig, GPTModel
 
 FAKES = str(Path(__file__).parent / "fakes")
 GQA = CONFIG  # 4 query heads, 2 KV heads, head dim 16
 MHA = GPTConfig(**{**vars(CONFIG), "num_query_groups": 4})
 LENGTHS = [5, 1, 17, 2, 7]
+BF16 = torch.bfloat16
+TE_TOL, MAGI_TOL = 1e-2, GPT_GPU_TOLERANCE[BF16]
 
 
 def use_fakes():
@@ -40,10 +52,16 @@ def thd_batch(tokens):
     return tokens.reshape(1, -1)[:, : int(cu[-1])], cu
 
 
-def _te_worker(rank, world):
+def step(config, handler, tokens, group):
+    return loss_and_grads(config, handler, tokens, group, dtype=BF16)
+
+
+def _te_worker(rank, world, version):
     use_fakes()
+    import transformer_engine
     from transformer_engine.pytorch import CALLS
 
+    transformer_engine.__version__ = version
     groups = build_dp_cp_groups(world, "cpu", [2, world // 2])
     te_cls, local_cls = get_cp_handler_cls("transformer_engine", "p2p"), get_cp_handler_cls("local", "a2a+p2p")
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
@@ -52,43 +70,46 @@ def _te_worker(rank, world):
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm,
                   "hierarchical_cp_groups": groups.hierarchical_cp_groups}
         CALLS.clear()
-        got = loss_and_grads(config, te_cls(**common), tokens, groups.cp_group)
-        assert_parity(got, loss_and_grads(config, local_cls(**common), tokens, groups.cp_group), f"TE {comm}")
+        got = step(config, te_cls(**common), tokens, groups.cp_group)
+        assert_close_by_norm(got, step(config, local_cls(**common), tokens, groups.cp_group), TE_TOL, f"TE {comm}")
         binds = [c for c in CALLS if c["call"] == "set_context_parallel_group"]
         expected_group = groups.hierarchical_cp_groups if comm == "a2a+p2p" else groups.cp_group
         assert len(binds) == config.num_layers and all(
             b["cp_comm_type"] == comm and b["cp_group"] == expected_group
             and b["cp_global_ranks"] == dist.get_process_group_ranks(groups.cp_group) for b in binds)
-        assert all(c["qkv_format"] == "bshd" and c["attn_mask_type"] == "causal"
+        assert all(c["qkv_format"] == "bshd" and c["attn_mask_type"] == "causal" and c["window_size"] == (-1, 0)
                    for c in CALLS if c["call"] == "forward")
     thd_tokens, cu = thd_batch(tokens)
-    for comm in ("p2p", "a2a"):
+    for comm in ("p2p", "a2a", "all_gather") if version >= "2.18" else ("p2p", "a2a"):
         config = MHA if comm == "a2a" else GQA
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm, "qkv_format": "thd", "cu_seqlens": cu}
         CALLS.clear()
         handler = te_cls(**common)
-        got = loss_and_grads(config, handler, thd_tokens, groups.cp_group)
-        assert_parity(got, loss_and_grads(config, local_cls(**common), thd_tokens, groups.cp_group), f"TE thd {comm}")
+        got = step(config, handler, thd_tokens, groups.cp_group)
+        assert_close_by_norm(got, step(config, local_cls(**common), thd_tokens, groups.cp_group), TE_TOL,
+                             f"TE thd {comm}")
         forwards = [c for c in CALLS if c["call"] == "forward"]
         assert forwards and all(
             c["attn_mask_type"] == "padding_causal" and torch.equal(c["cu_seqlens_q"].cpu(), cu)
             and torch.equal(c["cu_seqlens_q_padded"].cpu(), handler.cu_seqlens_padded)
             and c["max_seqlen_q"] == max(handler.thd_layout.padded_lengths) for c in forwards)
     _te_rebinds(groups, tokens)
-    _te_restrictions(groups)
+    _te_restrictions(groups, version)
+    _te_window(rank, world, groups)
+    _te_module_state(groups, tokens)
 
 
 def _te_rebinds(groups, tokens):
     """One model, handlers on different groups (as evaluation at another CP degree does): TE's
-    group is re-bound each time the handler's differs, and not otherwise."""
+    group is re-bound each time the handler's differs, and not otherwise (a2a+p2p included: its
+    group list is compared element by element)."""
     from transformer_engine.pytorch import CALLS
 
     from cp_handler.training import next_token_batch
-    from models import GPTModel
 
     te_cls = get_cp_handler_cls("transformer_engine", "p2p")
     torch.manual_seed(0)
-    model = GPTModel(GQA)
+    model = GPTModel(GQA).to(BF16)
     CALLS.clear()
     outputs = []
     for group in (groups.cp_group, groups.cp_group, None, groups.cp_group):
@@ -97,69 +118,198 @@ def _te_rebinds(groups, tokens):
     binds = [c["cp_group"] for c in CALLS if c["call"] == "set_context_parallel_group"]
     layers = GQA.num_layers
     assert binds == [groups.cp_group] * layers + [None] * layers + [groups.cp_group] * layers, binds
-    torch.testing.assert_close(outputs[2], outputs[0], atol=1e-5, rtol=1e-5)  # cp=1 equals cp=N
     torch.testing.assert_close(outputs[3], outputs[0], atol=0, rtol=0)
+    model = GPTModel(MHA).to(BF16)
+    CALLS.clear()
+    for _ in range(2):  # a2a+p2p: a new list of the same groups each call must not re-bind
+        handler = te_cls(cp_group=groups.cp_group, cp_comm_type="a2a+p2p",
+                         hierarchical_cp_groups=list(groups.hierarchical_cp_groups))
+        model(next_token_batch(handler, tokens)[0], cp_handler=handler)
+    assert sum(c["call"] == "set_context_parallel_group" for c in CALLS) == MHA.num_layers
 
 
-def _te_restrictions(groups):
+def _te_restrictions(groups, version):
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
     from cp_handler import TEContextParallelHandler
     from models.gpt import SelfAttention
 
-    q = torch.randn(1, 8, 6, 16)
+    q = torch.randn(1, 8, 6, 16, dtype=BF16)
     attn = SelfAttention(GPTConfig(**{**vars(CONFIG), "num_attention_heads": 6, "num_query_groups": 3,
                                       "hidden_size": 96}), 1)
     kv = q[..., :3, :]  # 3 KV heads divide by neither a2a size 2 nor 4
     with pytest.raises(ValueError, match=r"query heads \(6\) and KV heads \(3\) must both be divisible"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a").core_attn(attn, q, kv, kv)
+    with pytest.raises(ValueError, match=r"q has dtype torch.float32, but TE has no torch.float32 attention "
+                                         r"backend under context parallelism"):
+        TEContextParallelHandler(cp_group=groups.cp_group).core_attn(attn, q.float(), q.float(), q.float())
     attn.window_size = (16, 0)
     with pytest.raises(ValueError, match=r"sliding window attention \(window_size=\(16, 0\)\) is not supported"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="p2p").core_attn(attn, q, q, q)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"does not support qkv_format='thd' with cp_comm_type=\['all_gather'\]"):
-        TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="all_gather", qkv_format="thd", cu_seqlens=cu)
+    if version < "2.18":
+        with pytest.raises(ValueError, match=r"transformer_engine 2.17.1 does not support qkv_format='thd' with "
+                                             r"cp_comm_type=\['all_gather'\]"):
+            TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="all_gather", qkv_format="thd",
+                                     cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"does not support qkv_format='thd' with cp_comm_type=\['a2a\+p2p'\]"):
+        TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p", qkv_format="thd", cu_seqlens=cu,
+                                 hierarchical_cp_groups=groups.hierarchical_cp_groups)
     with pytest.raises(ValueError, match=r"needs hierarchical_cp_groups=\[a2a_group, p2p_group\]"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p")
+    attn.window_size = None
+    thd = TEContextParallelHandler(cp_group=groups.cp_group, qkv_format="thd", cu_seqlens=cu)
+    local = torch.randn(thd.thd_layout.local_len, 4, 16, dtype=BF16)
+    FP8GlobalStateManager.ENABLED, FP8GlobalStateManager.RECIPE.fp8_dpa = True, True
+    try:
+        with pytest.raises(ValueError, match=r"FP8 attention \(fp8_dpa\) with qkv_format='thd' is not supported"):
+            thd.core_attn(SelfAttention(GQA, 1), local, local[:, :2], local[:, :2])
+    finally:
+        FP8GlobalStateManager.ENABLED, FP8GlobalStateManager.RECIPE.fp8_dpa = False, False
 
 
-def _magi_worker(rank, world):
+def _sliding_window_reference(q, k, v, window, scale):
+    """Single process, float64: query i attends keys [i - window, i]."""
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=(j <= i) & (j >= i - window),
+                                          scale=scale, enable_gqa=True)
+
+
+def _te_window(rank, world, groups):
+    """A sliding-window attention module through TE (a2a, all_gather): the window reaches TE and the
+    result is the single-process sliding-window attention (not full causal)."""
+    from transformer_engine.pytorch import CALLS
+
+    from cp_handler import TEContextParallelHandler
+    from models.gpt import SelfAttention
+
+    attn = SelfAttention(MHA, 1)
+    attn.window_size = (5, 0)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 8 * world, 4, 16).to(BF16) for _ in range(3))
+    expected = _sliding_window_reference(*(t.transpose(1, 2) for t in (q, k, v)), 5, attn.softmax_scale)
+    for comm in ("a2a", "all_gather"):
+        h = TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type=comm)
+        CALLS.clear()
+        out = h.combine(h.core_attn(attn, *(h.dispatch(t, 1) for t in (q, k, v))), 1)
+        assert all(c["window_size"] == (5, 0) for c in CALLS if c["call"] == "forward")
+        torch.testing.assert_close(out.transpose(1, 2).double(), expected, atol=2.5e-2, rtol=2.5e-2)
+        del attn.te_attention  # next comm type builds its module afresh
+
+
+def _te_module_state(groups, tokens):
+    """The DotProductAttention of each layer is the model's child: in state_dict (TE's extra state),
+    without parameters of its own (nothing for .to() to move), and in the model's train/eval mode."""
+    from transformer_engine.pytorch import CALLS
+
+    from cp_handler.training import next_token_batch
+
+    handler = get_cp_handler_cls("transformer_engine", "p2p")(cp_group=groups.cp_group)
+    model = GPTModel(GQA).to(BF16)
+    model(next_token_batch(handler, tokens)[0], cp_handler=handler)
+    keys = [k for k in model.state_dict() if "te_attention" in k]
+    assert keys == [f"layers.{i}.self_attn.te_attention._extra_state" for i in range(GQA.num_layers)], keys
+    assert all(not list(layer.self_attn.te_attention.parameters()) for layer in model.layers)
+    model.eval()
+    CALLS.clear()
+    with torch.no_grad():
+        model(next_token_batch(handler, tokens)[0], cp_handler=handler)
+    assert [c["training"] for c in CALLS if c["call"] == "forward"] == [False] * GQA.num_layers
+
+
+def _magi_worker(rank, world, version):
     use_fakes()
+    from magi_attention import api
     from magi_attention.api import CALLS
 
+    api.install_version(version)
     group = build_dp_cp_groups(world).cp_group
     magi_cls, local_cls = get_cp_handler_cls("magi", "p2p"), get_cp_handler_cls("local", "p2p")
     shape = {"num_heads_q": 4, "num_heads_kv": 2, "head_dim": 16}
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(6))
     CALLS.clear()
-    got = loss_and_grads(GQA, magi_cls(cp_group=group, **shape), tokens, group)
-    assert_parity(got, loss_and_grads(GQA, local_cls(cp_group=group), tokens, group), "magi bshd (squashed)")
-    key_calls = [c for c in CALLS if c["call"] == "magi_attn_varlen_key"]
-    assert len(key_calls) == 1 and key_calls[0]["group"] is group and key_calls[0]["causal"]
-    assert key_calls[0]["cu_seqlens_q"].tolist() == [0, 32, 64]  # two sequences squashed into two documents
-    assert (key_calls[0]["num_heads_q"], key_calls[0]["num_heads_kv"], key_calls[0]["head_dim"]) == (4, 2, 16)
+    got = step(GQA, magi_cls(cp_group=group, **shape), tokens, group)
+    assert_close_by_norm(got, step(GQA, local_cls(cp_group=group), tokens, group), MAGI_TOL, f"magi {version} bshd")
+    (key_call,) = [c for c in CALLS if c["call"] == "magi_attn_varlen_key"]
+    assert key_call["group"] is group and key_call["causal"]
+    assert key_call["cu_seqlens_q"].tolist() == [0, 32, 64]  # two sequences squashed into two documents
+    assert key_call["heads"] == (None if version == "1.0.4" else (4, 2, 16))
+    if version != "1.1.1":
+        assert key_call["chunk_size"] == 512 and key_call["pad_size"] == (-64) % (512 * world)
     thd_tokens, cu = thd_batch(tokens)
-    got = loss_and_grads(GQA, magi_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu, **shape), thd_tokens, group)
-    expected = loss_and_grads(GQA, local_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu), thd_tokens, group)
-    assert_parity(got, expected, "magi thd")
+    got = step(GQA, magi_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu, **shape), thd_tokens, group)
+    expected = step(GQA, local_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu), thd_tokens, group)
+    assert_close_by_norm(got, expected, MAGI_TOL, f"magi {version} thd")
     handler = magi_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu, **shape)
-    x = torch.randn(1, int(cu[-1]), 3)
+    x = torch.randn(1, int(cu[-1]), 3, requires_grad=True)
     local = handler.dispatch(x, 1)
-    assert torch.equal(handler.combine(local, 1), x)
+    assert torch.equal(handler.combine(local.detach(), 1), x.detach())
     reference = local_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu)
-    rolled = handler.combine(handler.roll_tensor(local, -1, 1)[0], 1)
-    assert torch.equal(rolled, reference.combine(reference.roll_tensor(reference.dispatch(x, 1), -1, 1)[0], 1))
+    rolled = handler.combine(handler.roll_tensor(local.detach(), -1, 1)[0], 1)  # api.roll only in 1.1.1
+    assert torch.equal(rolled, reference.combine(reference.roll_tensor(reference.dispatch(x.detach(), 1), -1, 1)[0],
+                                                 1))
+    weights = torch.randn_like(x)
+    (local * handler.dispatch(weights, 1)).sum().backward()  # contract: this rank's tokens only
+    mine = torch.zeros(int(cu[-1]), dtype=torch.bool)
+    positions = handler.positions[handler.positions < int(cu[-1])]
+    mine[positions] = True
+    assert torch.equal(x.grad[0][~mine], torch.zeros_like(x.grad[0][~mine]))
+    total = x.grad.clone()
+    dist.all_reduce(total, group=group)
+    assert torch.equal(total, weights)
+    _magi_errors(group, shape, version)
+
+
+def _magi_errors(group, shape, version):
+    import magi_attention
+    from magi_attention import api
+
+    magi_cls = get_cp_handler_cls("magi", "p2p")
     with pytest.raises(ValueError, match="needs num_heads_q, num_heads_kv and head_dim"):
         magi_cls(cp_group=group)
+    with pytest.raises(ValueError, match=r"head_dim=192 must be <= 128"):
+        magi_cls(cp_group=group, num_heads_q=4, num_heads_kv=2, head_dim=192)
+    h = magi_cls(cp_group=group, **shape)
+    local = h.dispatch(torch.randn(2, 16, 4, 16), 1)
+    with pytest.raises(ValueError, match=r"q has dtype torch.float32; MagiAttention computes in float16 or bfloat16"):
+        h.core_attn(torch.nn.Module(), local, local[..., :2, :], local[..., :2, :])
+    magi_attention.__version__ = "1.0.2"
+    with pytest.raises(RuntimeError, match=r"magi_attention 1.0.2 is installed; backend='magi' supports "
+                                           r"MagiAttention 1.0.4 to 1.1.1"):
+        magi_cls(cp_group=group, **shape)
+    api.install_version(version)
     from cp_handler.handlers import requirements  # the real check (replaced in the magi module above)
 
     with pytest.raises(RuntimeError, match="needs an NCCL process group, got 'gloo'"):
         requirements.require_nccl("magi", group)
 
 
+@pytest.mark.parametrize("version", ["2.17.1", "2.20.2"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_transformer_engine_handler_matches_local(world):
-    run_distributed(_te_worker, world)
+def test_transformer_engine_handler_matches_local(world, version):
+    run_distributed(_te_worker, world, version)
 
 
+def _te_odd_heads_worker(rank, world):
+    """An a2a size of 3 lets 3 heads divide: odd heads disable FusedAttention, and without flash_attn
+    TE would have no backend left."""
+    use_fakes()
+    from cp_handler import TEContextParallelHandler
+    from models.gpt import SelfAttention
+
+    q = torch.randn(1, 6, 3, 16, dtype=BF16)
+    with pytest.raises(ValueError, match=r"odd head counts \(3, 3\) disable FusedAttention, and flash_attn is not "
+                                         r"installed"):
+        TEContextParallelHandler(cp_group=build_dp_cp_groups(world).cp_group, cp_comm_type="a2a").core_attn(
+            SelfAttention(GPTConfig(hidden_size=48, num_attention_heads=3, num_query_groups=3), 1), q, q, q)
+
+
+def test_transformer_engine_odd_heads_need_flash_attn():
+    run_distributed(_te_odd_heads_worker, 3)
+
+
+@pytest.mark.parametrize("version", ["1.0.4", "1.1.0", "1.1.1"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_magi_handler_matches_local(world):
-    run_distributed(_magi_worker, world)
+def test_magi_handler_matches_local(world, version):
+    run_distributed(_magi_worker, world, version)

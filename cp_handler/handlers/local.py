@@ -100,6 +100,10 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
+        window = getattr(attn_mod, "window_size", None)
+        if window is not None and tuple(window) not in ((-1, 0), (-1, -1)):
+            raise ValueError(f"attn_mod.window_size={tuple(window)}: the local backend has no sliding-window "
+                             "attention; use backend='transformer_engine' with cp_comm_type 'a2a' or 'all_gather'")
         scale = getattr(attn_mod, "softmax_scale", None) or q.shape[-1] ** -0.5
         causal = attn_mask_type == "causal"
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))

@@ -6,8 +6,22 @@ Follows ``magi_attention.api``: a runtime key built from the batch (``magi_attn_
 (else undispatch -> torch.roll -> dispatch). MagiAttention works on packed tokens
 ``(T, H, D)``: a bshd batch ``(B, S)`` is squashed into ``B`` documents of ``S`` tokens, and local
 tensors come back as ``(1, T_local, ...)``. ``cp_comm_type`` is not used (MagiAttention plans its
-own communication). Versions differ in the key's arguments (v1.0.x takes the tensor ``x`` and
-returns ``(x, key)``; newer ones take head counts and return the key): they are matched by name.
+own communication).
+
+Supported releases: 1.0.4 to 1.1.1 (and main at 2c641357, which has 1.1.1's API), read against
+``magi_attention/api/magi_attn_interface.py`` of each tag. Older releases are refused: before 1.0.4
+``calc_attn`` takes no ``softmax_scale`` and 1.0.0-1.0.2's ``dispatch`` does not pad. The key's
+arguments differ by release and are called as that release defines them:
+
+* 1.0.4-1.0.5: ``(cu_seqlens_q, cu_seqlens_k, pad_size, chunk_size, cp_group_or_mesh, causal)``;
+* 1.1.0: adds ``num_heads_q, num_heads_kv, head_dim``; ``pad_size`` and ``chunk_size`` required;
+* 1.1.1: ``chunk_size`` optional and ``pad_size`` computed inside (0 passed); ``roll`` exists.
+
+``pad_size`` is ``compute_pad_size(total, cp, chunk_size)`` where the caller supplies it.
+MagiAttention's ``dispatch`` backward all-gathers (every rank gets the whole gradient); the handler
+wraps it so that its backward follows the contract: this rank's tokens' gradient, zero elsewhere.
+Rules checked first (``ValueError``): q/k/v in float16 or bfloat16 and head_dim <= 128 (FFA's
+kernels), the head shape given at construction.
 
 Requires ``magi_attention`` (imported lazily), CUDA and an NCCL CP group.
 """
@@ -26,21 +40,74 @@ from .base import ATTN_MASK_TYPES, ContextParallelHandler
 from .requirements import import_backend, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
-DEFAULT_CHUNK_SIZE = 512  # only for versions whose key needs a chunk_size
+DEFAULT_CHUNK_SIZE = 512
+"""``chunk_size`` passed to the releases whose key needs one (MagiAttention's examples use 512)."""
+SUPPORTED_RELEASES = ((1, 0, 4), (1, 1, 1))
+"""First and last MagiAttention release this handler was checked against (inclusive)."""
+MAX_HEAD_DIM = 128
+
+
+def magi_release(package, api) -> tuple[int, ...]:
+    """The installed release: ``magi_attention.__version__`` (leading integers), or, for a source
+    build without a version, the release whose API the key function has."""
+    version = getattr(package, "__version__", None)
+    if version:
+        parts = []
+        for part in str(version).split("."):
+            if not part.isdigit():
+                break
+            parts.append(int(part))
+        return tuple(parts)
+    params = inspect.signature(api.magi_attn_varlen_key).parameters
+    if "x" in params:
+        return (1, 0, 0)
+    if "num_heads_q" not in params:
+        return (1, 0, 4) if "softmax_scale" in inspect.signature(api.calc_attn).parameters else (1, 0, 3)
+    return (1, 1, 0) if params["chunk_size"].default is inspect.Parameter.empty else (1, 1, 1)
+
+
+def check_release(package, api) -> tuple[int, ...]:
+    """Raises RuntimeError naming the installed release and the supported range when outside it."""
+    release = magi_release(package, api)
+    low, high = SUPPORTED_RELEASES
+    if not low <= release[:3] <= high:
+        raise RuntimeError(
+            f"magi_attention {getattr(package, '__version__', None) or '.'.join(map(str, release))} is installed; "
+            f"backend='magi' supports MagiAttention {'.'.join(map(str, low))} to {'.'.join(map(str, high))} "
+            "(docs/backends.md)")
+    return release
+
+
+class _Dispatch(torch.autograd.Function):
+    """MagiAttention's dispatch with the contract's backward: the local gradient scattered into
+    zeros of the global shape at this rank's tokens (padding dropped)."""
+
+    @staticmethod
+    def forward(ctx, tokens, api, key, positions):
+        ctx.total, ctx.positions, ctx.shape = tokens.shape[0], positions, tokens.shape
+        with torch.no_grad():
+            return api.dispatch(tokens, key)
+
+    @staticmethod
+    def backward(ctx, grad):
+        real = ctx.positions < ctx.total
+        full = grad.new_zeros(ctx.shape)
+        full.index_copy_(0, ctx.positions[real].to(grad.device), grad[real.to(grad.device)])
+        return full, None, None, None
 
 
 class MagiAttnContextParallelHandler(ContextParallelHandler):
     """Handler for backend ``"magi"``.
 
     Args:
-        num_heads_q, num_heads_kv, head_dim: attention shape, needed by the runtime key (newer
-            MagiAttention plans with them); ``head_dim`` must be a multiple of 8 and <= 192.
+        num_heads_q, num_heads_kv, head_dim: attention shape (the key of 1.1.x plans with them);
+            ``head_dim <= 128``.
         causal: mask of the key (``core_attn`` must be called with the same mask type).
         **kwargs: as :class:`ContextParallelHandler` (``cp_group``, ``qkv_format``, ``cu_seqlens``).
 
     Raises:
-        ImportError: magi_attention missing. RuntimeError: no CUDA, or a non-NCCL group.
-        ValueError: missing head shape.
+        ImportError: magi_attention missing. RuntimeError: a release outside 1.0.4-1.1.1, no CUDA, or
+        a non-NCCL group. ValueError: missing head shape, head_dim > 128.
     """
 
     supported_comm_types = CP_COMM_TYPES
@@ -53,18 +120,24 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         self.heads = (num_heads_q, num_heads_kv, head_dim)
         self.causal = causal
         self.key = None
+        self.positions: torch.Tensor | None = None
         self.batch_shape: tuple[int, int] | None = None
         self.api = import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
+        self.release = check_release(import_backend("magi_attention", "magi_attention", MAGI_HINT), self.api)
         require_cuda("magi")
         if self.cp_size > 1:
             require_nccl("magi", self.cp_group)
             if None in self.heads:
                 raise ValueError("backend='magi' needs num_heads_q, num_heads_kv and head_dim when the handler is "
                                  f"built (its runtime key plans with them), got {self.heads}")
+            if self.heads[2] > MAX_HEAD_DIM:
+                raise ValueError(f"backend='magi': head_dim={self.heads[2]} must be <= {MAX_HEAD_DIM} "
+                                 "(MagiAttention's FFA kernels)")
 
     @classmethod
     def check_available(cls) -> None:
-        import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
+        api = import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
+        check_release(import_backend("magi_attention", "magi_attention", MAGI_HINT), api)
         require_cuda("magi")
 
     # -- the runtime key -------------------------------------------------------------------
@@ -76,29 +149,20 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
 
     def _build_key(self, cu_seqlens: torch.Tensor, device) -> None:
-        fn = self.api.magi_attn_varlen_key
-        params = inspect.signature(fn).parameters
+        """The key, called with the arguments of the installed release (module doc)."""
+        cu = cu_seqlens.to(device)
         total = int(cu_seqlens[-1])
-        values = {"cu_seqlens_q": cu_seqlens.to(device), "cu_seqlens_k": cu_seqlens.to(device),
-                  "num_heads_q": self.heads[0], "num_heads_kv": self.heads[1], "head_dim": self.heads[2],
-                  "cp_group_or_mesh": self.cp_group, "cp_group": self.cp_group, "causal": self.causal,
-                  "pad_size": self._pad_size(total, params), "chunk_size": DEFAULT_CHUNK_SIZE,
-                  "x": torch.empty(total, 1, device=device)}
-        if "num_heads_q" in params:  # newer versions size chunks themselves
-            values.pop("chunk_size")
-        unknown = [n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in values]
-        if unknown:
-            raise TypeError(f"magi_attention.api.magi_attn_varlen_key needs {unknown}: "
-                            "unsupported MagiAttention version")
-        result = fn(**{n: v for n, v in values.items() if n in params})
-        self.key = result[1] if isinstance(result, tuple) else result
-
-    def _pad_size(self, total: int, params) -> int:
-        if "num_heads_q" in params or not hasattr(self.api, "compute_pad_size"):
-            return 0  # computed inside newer versions
-        size = self.api.compute_pad_size(total, self.cp_size,
-                                         DEFAULT_CHUNK_SIZE if "chunk_size" in params else self.heads[2])
-        return size[0] if isinstance(size, tuple) else size
+        common = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "cp_group_or_mesh": self.cp_group, "causal": self.causal}
+        heads = dict(zip(("num_heads_q", "num_heads_kv", "head_dim"), self.heads, strict=True))
+        explicit_pad = {"pad_size": self.api.compute_pad_size(total, self.cp_size, DEFAULT_CHUNK_SIZE),
+                        "chunk_size": DEFAULT_CHUNK_SIZE}
+        if self.release[:3] < (1, 1, 0):
+            self.key = self.api.magi_attn_varlen_key(**common, **explicit_pad)
+        elif self.release[:3] < (1, 1, 1):
+            self.key = self.api.magi_attn_varlen_key(**common, **heads, **explicit_pad)
+        else:
+            self.key = self.api.magi_attn_varlen_key(**common, **heads, pad_size=0)
+        self.positions = self.api.get_position_ids(self.key).long()
 
     def _require_key(self) -> None:
         if self.key is None:
@@ -111,12 +175,13 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         return tensor.movedim(seq_dim, 1).flatten(0, 1)  # (B*S, ...), batch-major
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout."""
+        """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout (padded).
+        Backward: this rank's tokens' gradient in the global layout, zero elsewhere."""
         if self.cp_size == 1:
             return tensor
         if self.key is None:
             self._build_key(self._cu_seqlens(tensor, seq_dim), tensor.device)
-        local = self.api.dispatch(self._to_tokens(tensor, seq_dim), self.key)
+        local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.api, self.key, self.positions)
         return local.movedim(0, seq_dim) if self.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
 
     def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
@@ -131,7 +196,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
 
     def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For each local token: position inside its document and the document's length (0 for padding)."""
-        position = self.api.get_position_ids(self.key).long()
+        position = self.positions
         cu = (self.cu_seqlens if self.qkv_format == "thd" else
               torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
         doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
@@ -179,7 +244,13 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         if self.cp_size == 1:
             return _attn_alone(self, q, k, v, scale, shape).reshape(shape)
         self._require_key()
-        out, _meta = self.api.calc_attn(q, k, v, self.key, softmax_scale=scale)
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"backend='magi': q has dtype {q.dtype}; MagiAttention computes in float16 or bfloat16 "
+                             "only (cast the model, or use backend='local' for float32)")
+        if (q.shape[1], k.shape[1], q.shape[2]) != self.heads:
+            raise ValueError(f"backend='magi': q/k heads and head_dim {(q.shape[1], k.shape[1], q.shape[2])} differ "
+                             f"from the handler's (num_heads_q, num_heads_kv, head_dim) = {self.heads}")
+        out = self.api.calc_attn(q, k, v, self.key, softmax_scale=scale)[0]  # (out, lse) or (out, meta)
         return out.reshape(shape)
 
 

@@ -2,16 +2,28 @@
 
 Token layout, roll and RoPE are the zigzag (DualChunkSwap) ones shared with the local backend, so a
 batch dispatched by one can go through the other. Per attention module (``attn_mod``) one
-``DotProductAttention`` is built on first use and kept (TE modules carry FP8 state); before each
-call its CP group is re-bound with ``set_context_parallel_group`` when the handler's group or
-comm type differs from the module's, which is what evaluation at another CP degree and dynamic CP
-need. TE's documented restrictions (TE ``attn_forward_func_with_cp`` and the a2a communicate
-helper) are checked first and raise ``ValueError`` instead of an assertion inside TE:
+``DotProductAttention`` is built on first use and registered as its child ``te_attention``, so it
+is in the model's ``state_dict`` (TE keeps FP8 metadata as extra state), follows ``.to()`` and is
+switched by ``.train()`` / ``.eval()`` (TE's CP forward reads ``self.training``). A checkpoint loaded
+strictly into a fresh model needs the children first: one forward, or :meth:`te_module` per layer.
+Before each call its CP group is re-bound with ``set_context_parallel_group`` when the handler's
+group(s) or comm type differ from the module's, which evaluation at another CP degree and dynamic
+CP need. The window of a sliding-window ``attn_mod`` (``window_size``) is passed to every forward.
 
+TE's rules under CP, checked first and raised as ``ValueError`` (instead of an assertion or "no
+dot product attention backend" inside TE); read against TE's sources (``attn_forward_func_with_cp``
+in ``attention/dot_product_attention/context_parallel.py``, ``get_attention_backend`` in ``utils.py``,
+tags v2.10-v2.18 and main at 2.20.0.dev0):
+
+* dtype float16 or bfloat16: no fp32 backend supports CP (UnfusedDotProductAttention is disabled
+  under CP, FlashAttention and FusedAttention take fp16/bf16);
 * sliding-window attention only with ``a2a`` and ``all_gather``;
-* ``a2a`` / ``a2a+p2p``: query and KV heads divisible by the a2a size (TE does not replicate KV);
-* thd only with ``p2p`` and ``a2a`` (TE refuses thd for ``all_gather`` and ``a2a+p2p``), with
-  ``cu_seqlens_padded`` multiples of ``2 * cp``;
+* ``a2a`` / ``a2a+p2p``: query and KV heads divisible by the a2a size (TE does not replicate KV); an
+  odd head count also disables FusedAttention, so it needs ``flash_attn`` installed;
+* thd: ``p2p`` and ``a2a``; ``all_gather`` from TE 2.18 (earlier: "No support for
+  cp_comm_type='all_gather' and qkv_format='thd'"); not ``a2a+p2p`` (not checked against source:
+  refused); not with FP8 attention (FusedAttention and FlashAttention are both disabled for FP8 +
+  thd under CP); ``cu_seqlens_padded`` multiples of ``2 * cp``;
 * a CP group (or hierarchical level) of ``None`` while cp > 1: TE would run without CP.
 
 Requires ``transformer_engine`` (imported lazily) and CUDA.
@@ -19,8 +31,7 @@ Requires ``transformer_engine`` (imported lazily) and CUDA.
 
 from __future__ import annotations
 
-import inspect
-import weakref
+import importlib.util
 
 import torch
 import torch.distributed as dist
@@ -31,8 +42,28 @@ from .requirements import import_backend, require_cuda
 from .zigzag import ZigzagContextParallelHandler
 
 TE_HINT = "install it on a CUDA machine: pip install transformer_engine[pytorch] (see docs/backends.md)"
-_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attn_mod -> DotProductAttention
+TE_MODULE_NAME = "te_attention"
+"""Name of the ``DotProductAttention`` child registered on each attention module."""
+THD_ALL_GATHER_SINCE = (2, 18)
+"""First TE release whose KV all-gather CP takes thd (the assertion went in v2.18)."""
 _STREAM: list = []  # one CUDA stream per process for TE's ring overlap
+
+
+def te_version(te_package) -> tuple[int, ...]:
+    """``transformer_engine.__version__`` as a tuple of its leading integers (``"2.20.0.dev0"`` -> (2, 20, 0))."""
+    parts = []
+    for part in str(getattr(te_package, "__version__", "0")).split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
+def _same_groups(a, b) -> bool:
+    """The same process group, or lists of the same groups (identity, element by element)."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    return a is b
 
 
 def _te_mask_type(attn_mask_type: str, qkv_format: str) -> str:
@@ -45,8 +76,9 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     """Handler for backend ``"transformer_engine"`` (all four ``cp_comm_type`` values).
 
     ``core_attn`` takes q ``(B, S, H, D)`` (bshd), ``(S, B, H, D)`` (sbhd) or ``(T, H, D)`` /
-    ``(1, T, H, D)`` (thd) and returns the output shaped like q. ``attn_mod`` supplies
-    ``softmax_scale``, a 1-based ``layer_number`` and optionally ``window_size``.
+    ``(1, T, H, D)`` (thd) in float16/bfloat16 and returns the output shaped like q. ``attn_mod``
+    supplies ``softmax_scale``, a 1-based ``layer_number`` and optionally ``window_size``
+    (``(left, right)``, TE's convention; passed to TE).
 
     Raises:
         ImportError: transformer_engine is not installed. RuntimeError: no CUDA.
@@ -58,6 +90,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.te = import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
+        self.te_version = te_version(import_backend("transformer_engine", "transformer_engine", TE_HINT))
         require_cuda("transformer_engine")
         if self.cp_size > 1:
             self._check_groups()
@@ -66,6 +99,9 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def check_available(cls) -> None:
         import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
         require_cuda("transformer_engine")
+
+    def _thd_comm_types(self) -> tuple[str, ...]:
+        return ("p2p", "a2a", "all_gather") if self.te_version >= THD_ALL_GATHER_SINCE else ("p2p", "a2a")
 
     def _check_groups(self) -> None:
         if "a2a+p2p" in self.comm_types:
@@ -76,10 +112,12 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
                     f"p2p_group] (no None: TE would silently run without CP), got {groups}"
                 )
         if self.qkv_format == "thd":
-            bad = [t for t in self.comm_types if t not in ("p2p", "a2a")]
+            allowed = self._thd_comm_types()
+            bad = [t for t in self.comm_types if t not in allowed]
             if bad:
-                raise ValueError(f"transformer_engine does not support qkv_format='thd' with cp_comm_type={bad}; "
-                                 "use 'p2p' or 'a2a'")
+                version = ".".join(map(str, self.te_version))
+                raise ValueError(f"transformer_engine {version} does not support qkv_format='thd' with "
+                                 f"cp_comm_type={bad}; use one of {list(allowed)} (all_gather takes thd from TE 2.18)")
             padded = self.cu_seqlens_padded
             if torch.any(padded % (2 * self.cp_size) != 0):
                 raise ValueError(f"cu_seqlens_padded {padded.tolist()} must be multiples of "
@@ -92,7 +130,11 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             return list(self.hierarchical_cp_groups), ranks
         return self.cp_group, ranks
 
-    def _check_call(self, comm_type: str, attn_mod, heads: int, kv_heads: int) -> None:
+    def _check_call(self, comm_type: str, attn_mod, q: torch.Tensor, heads: int, kv_heads: int) -> None:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"transformer_engine: q has dtype {q.dtype}, but TE has no {q.dtype} attention backend "
+                             "under context parallelism (float16 or bfloat16 only); cast the model to bfloat16 or "
+                             "use backend='local', which runs any float dtype")
         window = getattr(attn_mod, "window_size", None)
         if window not in (None, (-1, 0), (-1, -1)) and comm_type in ("p2p", "a2a+p2p"):
             raise ValueError(f"transformer_engine: sliding window attention (window_size={window}) is not supported "
@@ -102,38 +144,50 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             if heads % size or kv_heads % size:
                 raise ValueError(f"transformer_engine {comm_type}: query heads ({heads}) and KV heads ({kv_heads}) "
                                  f"must both be divisible by the a2a size ({size})")
+            if (heads % 2 or kv_heads % 2) and importlib.util.find_spec("flash_attn") is None:
+                raise ValueError(f"transformer_engine {comm_type}: odd head counts ({heads}, {kv_heads}) disable "
+                                 "FusedAttention, and flash_attn is not installed: TE would have no backend")
+        if self.qkv_format == "thd" and self._fp8_attention():
+            raise ValueError("transformer_engine: FP8 attention (fp8_dpa) with qkv_format='thd' is not supported "
+                             "under context parallelism; turn fp8_dpa off or use bshd/sbhd")
+
+    def _fp8_attention(self) -> bool:
+        """Whether FP8 attention is on (TE's ``FP8GlobalStateManager`` with an ``fp8_dpa`` recipe)."""
+        manager = getattr(getattr(self.te, "fp8", None), "FP8GlobalStateManager", None)
+        if manager is None or not manager.is_fp8_enabled():
+            return False
+        return bool(getattr(manager.get_fp8_recipe(), "fp8_dpa", False))
 
     def te_module(self, attn_mod, heads: int, kv_heads: int, head_dim: int):
-        """The ``DotProductAttention`` kept for ``attn_mod`` (built on first use)."""
-        module = _MODULES.get(attn_mod)
+        """The ``DotProductAttention`` child ``te_attention`` of ``attn_mod`` (built and registered on
+        first use, with the module's ``window_size`` when it has one)."""
+        module = getattr(attn_mod, TE_MODULE_NAME, None)
         if module is None:
+            kwargs = {}
+            if getattr(attn_mod, "window_size", None) is not None:
+                kwargs["window_size"] = tuple(attn_mod.window_size)
             module = self.te.DotProductAttention(
                 num_attention_heads=heads, kv_channels=head_dim, num_gqa_groups=kv_heads,
                 qkv_format=self.qkv_format, attn_mask_type=_te_mask_type("causal", self.qkv_format),
                 softmax_scale=getattr(attn_mod, "softmax_scale", None),
-                layer_number=getattr(attn_mod, "layer_number", None),
+                layer_number=getattr(attn_mod, "layer_number", None), **kwargs,
             )
-            _MODULES[attn_mod] = module
+            attn_mod.add_module(TE_MODULE_NAME, module)
         return module
 
     def bind(self, module, comm_type: str) -> None:
-        """Point ``module`` at this handler's CP group(s) if it is not already (feature-detected
-        ``load_balancing_strategy`` on newer TE)."""
+        """Point ``module`` at this handler's CP group(s) unless it already is (same group objects
+        and comm type)."""
         if self.cp_size == 1:
             group, ranks = None, None
         else:
             group, ranks = self.te_group_args(comm_type)
-        if getattr(module, "cp_group", None) is group and getattr(module, "cp_comm_type", None) == comm_type:
+        bound = _same_groups(getattr(module, "cp_group", None), group)
+        if bound and getattr(module, "cp_comm_type", None) == comm_type:
             return
         if not _STREAM and torch.cuda.is_available():
             _STREAM.append(torch.cuda.Stream())
-        kwargs = {"cp_comm_type": comm_type}
-        if "load_balancing_strategy" in inspect.signature(module.set_context_parallel_group).parameters:
-            strategy = getattr(import_backend("transformer_engine.pytorch.constants", "transformer_engine", TE_HINT),
-                               "CPLoadBalancingStrategy", None)
-            if strategy is not None:
-                kwargs["load_balancing_strategy"] = strategy.DUAL_CHUNK_SWAP
-        module.set_context_parallel_group(group, ranks, _STREAM[0] if _STREAM else None, **kwargs)
+        module.set_context_parallel_group(group, ranks, _STREAM[0] if _STREAM else None, cp_comm_type=comm_type)
         if self.cp_size > 1 and getattr(module, "cp_group", None) is None:
             raise ValueError("transformer_engine DotProductAttention has cp_group=None after binding: it would run "
                              "without context parallelism")
@@ -147,10 +201,12 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         heads, kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
         comm_type = self.comm_type_for(attn_mod)
         if self.cp_size > 1:
-            self._check_call(comm_type, attn_mod, heads, kv_heads)
+            self._check_call(comm_type, attn_mod, q, heads, kv_heads)
         module = self.te_module(attn_mod, heads, kv_heads, head_dim)
         self.bind(module, comm_type)
         kwargs = {"qkv_format": self.qkv_format, "attn_mask_type": _te_mask_type(attn_mask_type, self.qkv_format)}
+        if getattr(attn_mod, "window_size", None) is not None:
+            kwargs["window_size"] = tuple(attn_mod.window_size)
         if self.qkv_format == "thd":
             cu_seqlens = self.cu_seqlens.to(device=q.device, dtype=torch.int32)
             padded = self.cu_seqlens_padded.to(q.device)
