@@ -21,6 +21,27 @@ def as_comm_type_list(cp_comm_type: str | list[str]) -> list[str]:
     return [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
 
 
+def check_comm_types(cp_comm_type) -> list[str]:
+    """``cp_comm_type`` as a list: one known type, or a non-empty list/tuple of them.
+
+    Raises:
+        TypeError: neither a str nor a list/tuple of str. ValueError: empty, or an unknown type.
+    """
+    if isinstance(cp_comm_type, str):
+        types = [cp_comm_type]
+    elif isinstance(cp_comm_type, (list, tuple)) and all(isinstance(t, str) for t in cp_comm_type):
+        types = list(cp_comm_type)
+    else:
+        raise TypeError(f"cp_comm_type={cp_comm_type!r} must be one of {CP_COMM_TYPES} or a list of them (one per "
+                        "layer)")
+    if not types:
+        raise ValueError("cp_comm_type=[] must name at least one communication type")
+    for comm_type in types:
+        if comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}")
+    return types
+
+
 def check_per_layer_comm_types(cp_comm_type: str | list[str], num_layers: int | None) -> None:
     """Raises ValueError for a per-layer list whose length is not ``num_layers`` (when known)."""
     if not isinstance(cp_comm_type, str) and num_layers is not None and len(cp_comm_type) != num_layers:
@@ -67,14 +88,7 @@ class ContextParallelConfig:
             raise ValueError(f"context_parallel_size={size!r} must be an integer >= 1")
 
     def _check_comm_types(self) -> None:
-        types = as_comm_type_list(self.cp_comm_type)
-        if not types:
-            raise ValueError("cp_comm_type=[] must name at least one communication type")
-        for comm_type in types:
-            if comm_type not in CP_COMM_TYPES:
-                raise ValueError(
-                    f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}"
-                )
+        check_comm_types(self.cp_comm_type)
         check_per_layer_comm_types(self.cp_comm_type, self.num_layers)
 
     def _check_hierarchy(self) -> None:

@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list
+from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
+from .checks import check_cu_seqlens, check_member, check_ranks_agree, ranks_check_enabled
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
@@ -31,10 +32,15 @@ class ContextParallelHandler(ABC):
             (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
         cu_seqlens: for ``qkv_format="thd"``: int32 ``[num_docs + 1]`` offsets of the real
             (unpadded) documents packed in the global sequence; required for thd, refused otherwise.
+        check_ranks: check once per handler and kind of call that the ranks of the CP group agree
+            on the batch layout (one all-gather of a few int64; :mod:`.checks`); default: on, unless
+            the environment variable ``CP_HANDLER_CHECK_RANKS=0``.
 
     Raises:
-        ValueError: unknown ``qkv_format`` or ``cp_comm_type``; ``cu_seqlens`` missing for thd or
-            given for bshd/sbhd.
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list;
+            ``cu_seqlens`` missing for thd, given for bshd/sbhd, or malformed; this process not a
+            rank of ``cp_group``.
+        TypeError: ``cp_comm_type`` not a str or list of str; ``cu_seqlens`` not an int32/int64 tensor.
     """
 
     def __init__(
@@ -45,17 +51,21 @@ class ContextParallelHandler(ABC):
         cp_comm_type: str | list[str] = "p2p",
         hierarchical_cp_groups: list[dist.ProcessGroup] | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        check_ranks: bool | None = None,
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
-        for comm_type in as_comm_type_list(cp_comm_type):
-            if comm_type not in CP_COMM_TYPES:
-                raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        check_comm_types(cp_comm_type)
         if (qkv_format == "thd") != (cu_seqlens is not None):
             raise ValueError(
                 f"qkv_format={qkv_format!r} with cu_seqlens={'given' if cu_seqlens is not None else None}: "
                 "packed sequences (thd) need cu_seqlens, and only thd takes it"
             )
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens)
+        check_member(cp_group)
+        self.check_ranks = ranks_check_enabled(check_ranks)
+        self._agreed: set[str] = set()
         self.cu_seqlens = cu_seqlens
         self.cp_group = cp_group
         self.qkv_format = qkv_format
@@ -63,6 +73,15 @@ class ContextParallelHandler(ABC):
         self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+
+    def agree(self, what: str, values: dict[str, int], device) -> None:
+        """Once per handler and ``what``: check that every rank of the CP group has the same
+        ``values`` (raises ValueError on every rank, listing each rank's); skipped at cp=1 or when
+        ``check_ranks`` is off."""
+        if self.cp_size == 1 or not self.check_ranks or what in self._agreed:
+            return
+        check_ranks_agree(self.cp_group, what, values, device)
+        self._agreed.add(what)
 
     @classmethod
     def check_available(cls) -> None:

@@ -15,6 +15,7 @@ from ..ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from ..ops.ring import ring_attn
 from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
+from .checks import check_qkv, fingerprint
 from .zigzag import ZigzagContextParallelHandler
 
 
@@ -34,18 +35,6 @@ def from_bhsd(t: torch.Tensor, qkv_format: str, like: torch.Tensor) -> torch.Ten
     if qkv_format == "sbhd":
         return t.permute(2, 0, 1, 3)
     return t.squeeze(0).transpose(0, 1)
-
-
-def check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """GQA rule: ``k`` and ``v`` share a shape and the query heads are a multiple of the KV heads.
-
-    Raises:
-        ValueError: naming the shapes.
-    """
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads {q.shape[1]} must be a multiple of KV heads {k.shape[1]} (GQA)")
 
 
 class LocalContextParallelHandler(ZigzagContextParallelHandler):
@@ -106,8 +95,8 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
                              "attention; use backend='transformer_engine' with cp_comm_type 'a2a' or 'all_gather'")
         scale = getattr(attn_mod, "softmax_scale", None) or q.shape[-1] ** -0.5
         causal = attn_mask_type == "causal"
+        self.check_attention_inputs(q, k, v)
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
-        check_heads(q_, k_, v_)
         forced = self.attn_kernel or os.environ.get(ATTN_KERNEL_ENV)
         if self.cp_size == 1 and self.thd_layout is None and not forced:
             out = F.scaled_dot_product_attention(

@@ -37,6 +37,7 @@ from ..layout import ZigzagDocs
 from ..ops.ring import ring_attn
 from ..rope import apply_rotary
 from .base import ATTN_MASK_TYPES, ContextParallelHandler
+from .checks import check_dim, check_qkv, fingerprint
 from .requirements import import_backend, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
@@ -177,10 +178,14 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout (padded).
         Backward: this rank's tokens' gradient in the global layout, zero elsewhere."""
+        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
         if self.cp_size == 1:
             return tensor
         if self.key is None:
-            self._build_key(self._cu_seqlens(tensor, seq_dim), tensor.device)
+            cu_seqlens = self._cu_seqlens(tensor, seq_dim)
+            self.agree("dispatch", {"tokens": int(cu_seqlens[-1]), "layout": fingerprint(cu_seqlens.tolist())},
+                       tensor.device)
+            self._build_key(cu_seqlens, tensor.device)
         local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.api, self.key, self.positions)
         return local.movedim(0, seq_dim) if self.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
 
@@ -239,6 +244,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES or (attn_mask_type == "causal") != self.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} must match the handler's key (causal={self.causal})")
+        check_qkv(q, k, v, seq_dim=1 if q.dim() == 4 else 0)
         shape, scale = q.shape, getattr(attn_mod, "softmax_scale", None)
         q, k, v = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (T_local, H, D)
         if self.cp_size == 1:

@@ -195,6 +195,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
+        self.check_attention_inputs(q, k, v)
         shape = q.shape
         if self.qkv_format == "thd" and q.dim() == 4:
             q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)

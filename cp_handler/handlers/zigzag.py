@@ -18,6 +18,7 @@ from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
+from .checks import check_dim, check_qkv, check_shift, fingerprint
 
 
 class ZigzagContextParallelHandler(ContextParallelHandler):
@@ -39,13 +40,26 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         """thd: length of the longest real document."""
         return None if self.thd_layout is None else max(self.thd_layout.lengths)
 
+    @property
+    def layout_fingerprint(self) -> int:
+        """An integer naming this batch's layout (thd: its cu_seqlens), compared across ranks."""
+        if self.thd_layout is None:
+            return 0
+        return fingerprint(self.thd_layout.lengths)
+
     def layout(self, local_len: int) -> ZigzagDocs:
         """The layout of a local tensor with ``local_len`` tokens along its sequence dim.
 
         Raises:
-            ValueError: thd tensor whose length is not the padded local length of this batch.
+            ValueError: bshd/sbhd: an odd local length at cp > 1 (every rank holds two equal zigzag
+                chunks); thd: a length that is not the padded local length of this batch (at cp=1:
+                ``cu_seqlens[-1]``).
         """
         if self.thd_layout is None:
+            if self.cp_size > 1 and local_len % 2:
+                raise ValueError(f"local sequence length {local_len} is odd: under the zigzag layout every rank holds "
+                                 f"two equal chunks (global length {local_len} * cp must divide by 2 * cp = "
+                                 f"{2 * self.cp_size})")
             return ZigzagDocs.uniform(local_len * self.cp_size, self.cp_size)
         if local_len != self.thd_layout.local_len:
             raise ValueError(
@@ -54,12 +68,35 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             )
         return self.thd_layout
 
+    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The checks every ``core_attn`` of this layout runs first: q/k/v agree (:func:`.checks.check_qkv`),
+        the local length fits the layout (:meth:`layout`), and, once per handler, the ranks agree on
+        length, batch, heads, head dim, dtype and layout.
+
+        Raises:
+            ValueError / TypeError: naming the tensors, their shapes or dtypes, and the rule.
+        """
+        dims = (3, 4) if self.qkv_format == "thd" else (4,)
+        if q.dim() not in dims or (q.dim() == 4 and self.qkv_format == "thd" and q.shape[0] != 1):
+            raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format={self.qkv_format!r} takes "
+                             f"{'(T, H, D) or (1, T, H, D)' if self.qkv_format == 'thd' else 'a 4-D tensor'}")
+        seq_dim = 0 if self.qkv_format == "sbhd" or q.dim() == 3 else 1
+        check_qkv(q, k, v, seq_dim)
+        self.layout(q.shape[seq_dim])
+        self.agree("core_attn", {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
+                                 "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
+                                 "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint}, q.device)
+
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.
 
         Raises:
             ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``.
         """
+        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
+        if self.thd_layout is not None and tensor.shape[seq_dim] != sum(self.thd_layout.lengths):
+            raise ValueError(f"thd tensor has {tensor.shape[seq_dim]} tokens along dim {seq_dim}, "
+                             f"cu_seqlens[-1] = {sum(self.thd_layout.lengths)}")
         if self.cp_size == 1:
             return tensor
         if self.thd_layout is None:
@@ -67,10 +104,6 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             layout = self.layout(tensor.shape[seq_dim] // self.cp_size)
         else:
             layout = self.thd_layout
-            total = sum(layout.lengths)
-            if tensor.shape[seq_dim] != total:
-                raise ValueError(f"thd tensor has {tensor.shape[seq_dim]} tokens along dim {seq_dim}, "
-                                 f"cu_seqlens[-1] = {total}")
             pad = tensor.new_zeros((*tensor.shape[:seq_dim], 1, *tensor.shape[seq_dim + 1:]))
             tensor = torch.cat([tensor, pad], dim=seq_dim)
         return tensor.index_select(seq_dim, layout.dispatch_index(self.cp_rank).to(tensor.device))
@@ -81,9 +114,12 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         Backward keeps this rank's slice of the gradient (the combined tensor is assumed to feed
         the same computation on every CP rank).
         """
+        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
+        layout = self.layout(tensor.shape[seq_dim])
         if self.cp_size == 1:
             return tensor
-        index = self.layout(tensor.shape[seq_dim]).gathered_index(real_only=True).to(tensor.device)
+        self.agree("combine", {"local_len": tensor.shape[seq_dim], "layout": self.layout_fingerprint}, tensor.device)
+        index = layout.gathered_index(real_only=True).to(tensor.device)
         return all_gather_seq(tensor, seq_dim, self.cp_group).index_select(seq_dim, index)
 
     def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,13 +127,15 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         (thd); positions whose source lies outside the document, and padding, are zero.
 
         Raises:
-            TypeError: ``shifts`` or ``dims`` not a single int.
-            ValueError: ``|shifts|`` larger than a zigzag chunk.
+            TypeError: ``shifts`` or ``dims`` not a single int (bools refused).
+            ValueError: ``dims`` out of range; ``|shifts|`` larger than a zigzag chunk; ranks of the
+                CP group with different lengths, layouts or shifts.
         """
-        if not isinstance(shifts, int) or not isinstance(dims, int):
-            raise TypeError(f"roll_tensor takes one int shift and one int dim, got shifts={shifts!r}, dims={dims!r}")
-        dims = dims % tensor.dim()
-        rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, self.layout(tensor.shape[dims]))
+        shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
+        layout = self.layout(tensor.shape[dims])
+        self.agree("roll_tensor", {"local_len": tensor.shape[dims], "layout": self.layout_fingerprint,
+                                   "shifts": shifts}, tensor.device)
+        rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, layout)
         return rolled, rolled.sum()
 
     def get_rotary_seq_len(self, local_seq_len: int) -> int:

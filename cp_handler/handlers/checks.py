@@ -1,0 +1,136 @@
+"""Input checks of the handlers: what one rank can see (cheap, before any collective), and the
+agreement of the ranks of a CP group (one small all-gather per handler and kind of call).
+
+Every failure is a ``ValueError`` or ``TypeError`` naming the argument, its value and the rule:
+never a gloo abort, an ATen error from deep inside a kernel, or a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+import torch.distributed as dist
+
+
+CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
+"""Set to ``0`` to skip the cross-rank agreement checks (default on); the handler argument
+``check_ranks`` takes precedence."""
+
+
+def check_member(group: dist.ProcessGroup | None) -> None:
+    """Raises ValueError when this process is not a rank of ``group``."""
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(f"cp_group: this process (global rank {dist.get_rank()}) is not a member of the CP group "
+                         f"(global ranks {dist.get_process_group_ranks(group)}); build the handler on its ranks only")
+
+
+def check_dim(name: str, dim, ndim: int) -> int:
+    """``dim`` as a non-negative index of a ``ndim``-dimensional tensor.
+
+    Raises:
+        TypeError: not an int (bools refused). ValueError: out of range.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{name}={dim!r} must be an int")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"{name}={dim} is out of range for a {ndim}-D tensor (valid: {-ndim}..{ndim - 1})")
+    return dim % ndim
+
+
+def check_shift(shifts) -> int:
+    """Raises TypeError unless ``shifts`` is one int (not a bool, not a sequence)."""
+    if isinstance(shifts, bool) or not isinstance(shifts, int):
+        raise TypeError(f"roll_tensor shifts={shifts!r} must be one int")
+    return shifts
+
+
+def check_cu_seqlens(cu_seqlens) -> None:
+    """``cu_seqlens``: a 1-D int32/int64 tensor ``[num_docs + 1]`` from 0, strictly increasing
+    (documents of at least one token).
+
+    Raises:
+        TypeError: not a tensor, or another dtype (uint8/int8 wrap around). ValueError: the shape,
+        the start or the order.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens has dtype {cu_seqlens.dtype}; it must be int32 (or int64): smaller integer "
+                        "types wrap around")
+    values = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    if values is None or len(values) < 2 or values[0] != 0:
+        raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got shape {tuple(cu_seqlens.shape)}"
+                         f"{'' if values is None else f' and values {values[:8]}'}")
+    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad - 1}]="
+                         f"{values[bad - 1]}, cu_seqlens[{bad}]={values[bad]}")
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, head_dim_index: int = -2) -> None:
+    """q, k, v of ``core_attn`` agree: floating dtype, one dtype, one device, the same shape outside
+    heads (batch, sequence, head dim), k and v the same shape, query heads a multiple of KV heads (GQA).
+
+    Args:
+        seq_dim: the sequence dim of the tensors (its length must agree too).
+        head_dim_index: the heads dim.
+
+    Raises:
+        TypeError: a non-floating or mismatched dtype. ValueError: a device, shape or head mismatch.
+    """
+    tensors = {"q": q, "k": k, "v": v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"core_attn {name} must be a tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"core_attn {name} has dtype {t.dtype}; attention takes floating tensors")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"core_attn q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"core_attn q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not q.dim() == k.dim() == v.dim():
+        raise ValueError(f"core_attn q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must have the same "
+                         "number of dims")
+    if k.shape != v.shape:
+        raise ValueError(f"core_attn k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    heads = head_dim_index % q.dim()
+    outside = [d for d in range(q.dim()) if d != heads]
+    if [q.shape[d] for d in outside] != [k.shape[d] for d in outside]:
+        raise ValueError(f"core_attn q {tuple(q.shape)} and k {tuple(k.shape)} must agree in every dim but heads "
+                         f"(batch, sequence along dim {seq_dim % q.dim()}, head dim)")
+    if q.shape[heads] % k.shape[heads]:
+        raise ValueError(f"core_attn: query heads {q.shape[heads]} must be a multiple of KV heads {k.shape[heads]} "
+                         "(GQA)")
+
+
+def fingerprint(*parts) -> int:
+    """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def ranks_check_enabled(check_ranks: bool | None) -> bool:
+    """The handler's ``check_ranks`` argument, else ``CP_HANDLER_CHECK_RANKS`` (default on)."""
+    if check_ranks is not None:
+        return bool(check_ranks)
+    return os.environ.get(CHECK_RANKS_ENV, "1") not in ("0", "false", "False")
+
+
+def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int], device) -> None:
+    """All-gather ``values`` (small ints) over ``group``; every rank raises the same ValueError,
+    listing every rank's values, when they differ.
+
+    Cost: one all-gather of ``len(values)`` int64 per call (docs/architecture.md has the measured time).
+    """
+    fields = list(values)
+    local = torch.tensor([int(values[f]) for f in fields], dtype=torch.int64, device=device)
+    size = dist.get_world_size(group)
+    gathered = torch.empty(size * len(fields), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    rows = gathered.view(size, len(fields)).tolist()
+    if any(row != rows[0] for row in rows):
+        listing = "; ".join(f"rank {i}: " + ", ".join(f"{f}={v}" for f, v in zip(fields, row, strict=True))
+                            for i, row in enumerate(rows))
+        raise ValueError(f"{what}: the ranks of the CP group disagree ({listing}); every rank must pass the same "
+                         "batch layout (sequence length, cu_seqlens, dtype, heads)")

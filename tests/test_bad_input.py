@@ -1,0 +1,148 @@
+"""Bad input to the handlers gets an error that names the argument, the value and the rule, raised
+before any collective, on every rank: never a gloo abort, a raw ATen error or a wrong answer.
+
+Each case is one of issue 16's findings (silent wrong results and crashes at 2 and 4 gloo ranks).
+Cross-rank cases (different cu_seqlens or lengths per rank) are caught by the handler's agreement
+check: one all-gather of a few int64 per handler and kind of call; every rank raises with every
+rank's values. The check can be turned off (``check_ranks=False`` or ``CP_HANDLER_CHECK_RANKS=0``).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import new_cp_group, run_distributed
+
+from cp_handler import ContextParallelConfig, HierarchicalContextParallelHandler, LocalContextParallelHandler
+from cp_handler.handlers import base as handler_base
+from cp_handler.handlers.checks import CHECK_RANKS_ENV
+from models.gpt import GPTConfig, SelfAttention
+
+ATTN = SelfAttention(GPTConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2), 1)
+PATTERNS = ("p2p", "all_gather", "a2a")
+
+
+def _qkv(batch=(1, 1), local=(8, 8), dtypes=(torch.float32, torch.float32)):
+    q = torch.randn(batch[0], local[0], 4, 16, dtype=dtypes[0])
+    k = torch.randn(batch[1], local[1], 2, 16, dtype=dtypes[1])
+    return q, k, k.clone()
+
+
+def _one_rank_checks(rank, world):
+    group = new_cp_group()
+    for pattern in PATTERNS:
+        h = LocalContextParallelHandler(cp_group=group, cp_comm_type=pattern)
+        with pytest.raises(ValueError, match=r"q \(2, 8, 4, 16\) and k \(1, 8, 2, 16\) must agree in every dim but "
+                                             r"heads"):
+            h.core_attn(ATTN, *_qkv(batch=(2, 1)))
+        with pytest.raises(ValueError, match=r"q \(1, 32, 4, 16\) and k \(1, 16, 2, 16\) must agree"):
+            h.core_attn(ATTN, *_qkv(local=(32, 16)))
+        with pytest.raises(ValueError, match=r"local sequence length 7 is odd"):
+            h.core_attn(ATTN, *_qkv(local=(7, 7)))
+        with pytest.raises(TypeError, match=r"q, k, v must share one dtype, got torch.float32, torch.float64"):
+            h.core_attn(ATTN, *_qkv(dtypes=(torch.float32, torch.float64)))
+        q = torch.randint(0, 5, (1, 8, 4, 16))
+        with pytest.raises(TypeError, match=r"core_attn q has dtype torch.int64; attention takes floating tensors"):
+            h.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
+    h = LocalContextParallelHandler(cp_group=group)
+    x = torch.zeros(2, 8 * world)
+    with pytest.raises(ValueError, match=r"seq_dim=2 is out of range for a 2-D tensor \(valid: -2..1\)"):
+        h.dispatch(x, seq_dim=2)
+    with pytest.raises(ValueError, match=r"seq_dim=-3 is out of range"):
+        h.combine(x[:, :8], seq_dim=-3)
+    with pytest.raises(ValueError, match=r"roll_tensor dims=5 is out of range for a 2-D tensor"):
+        h.roll_tensor(x[:, :8], shifts=-1, dims=5)
+    with pytest.raises(TypeError, match=r"roll_tensor shifts=True must be one int"):
+        h.roll_tensor(x[:, :8], shifts=True, dims=1)
+    for bad, error, message in ((None, TypeError, r"cp_comm_type=None must be one of"),
+                                ([], ValueError, r"cp_comm_type=\[\] must name at least one"),
+                                ("ring", ValueError, r"cp_comm_type='ring' is not a valid communication type")):
+        with pytest.raises(error, match=message):
+            LocalContextParallelHandler(cp_group=group, cp_comm_type=bad)
+        with pytest.raises(error, match=message):
+            ContextParallelConfig(cp_comm_type=bad)
+    for dtype in (torch.uint8, torch.int8, torch.float32):
+        with pytest.raises(TypeError, match=rf"cu_seqlens has dtype {dtype}; it must be int32"):
+            LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor([0, 100, 120],
+                                                                                                   dtype=dtype))
+    for cu, message in (([[0, 4]], r"must be 1-D"), ([1, 4], r"starting at 0"),
+                        ([0, 4, 4], r"strictly increasing .* cu_seqlens\[1\]=4, cu_seqlens\[2\]=4")):
+        with pytest.raises(ValueError, match=message):
+            LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor(cu))
+    alone = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32))
+    q = torch.randn(10, 4, 16)
+    with pytest.raises(ValueError, match=r"thd tensor has 10 local tokens, but this batch's cu_seqlens give 8"):
+        alone.core_attn(ATTN, q, q[:, :2], q[:, :2])
+    with pytest.raises(ValueError, match=r"q \(2, 8, 4, 16\): qkv_format='thd' takes \(T, H, D\) or \(1, T, H, D\)"):
+        alone.core_attn(ATTN, *_qkv(batch=(2, 1)))
+    q, k, _ = _qkv(batch=(1, 2))
+    with pytest.raises(ValueError, match=r"q \(1, 8, 4, 16\) and k \(2, 8, 2, 16\) must agree"):
+        alone.core_attn(ATTN, q, k, k)
+
+
+def _outsider(rank, world):
+    group = dist.new_group([0, 1])  # every rank takes part in creating it; rank 2 and 3 are outside
+    if rank >= 2:
+        with pytest.raises(ValueError, match=rf"this process \(global rank {rank}\) is not a member of the CP group "
+                                             r"\(global ranks \[0, 1\]\)"):
+            LocalContextParallelHandler(cp_group=group)
+
+
+def _cross_rank(rank, world):
+    group = new_cp_group()
+    cu = torch.tensor([0, 4, 8] if rank == 0 else [0, 2, 8], dtype=torch.int32)  # same length, other documents
+    h = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu)
+    local = torch.randn(h.thd_layout.local_len, 4, 16)
+    with pytest.raises(ValueError, match=r"core_attn: the ranks of the CP group disagree \(rank 0: local_len=4, "
+                                         r".*layout=\d+; rank 1: .*\)"):
+        h.core_attn(ATTN, local, local[:, :2], local[:, :2])
+    with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
+        h.roll_tensor(local[:, 0], shifts=-1, dims=0)
+    bshd = LocalContextParallelHandler(cp_group=group)
+    q = torch.randn(1, 8 if rank == 0 else 12, 4, 16)  # different global lengths
+    with pytest.raises(ValueError, match=r"rank 0: local_len=8.*rank 1: local_len=12"):
+        bshd.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
+    with pytest.raises(ValueError, match=r"combine: the ranks of the CP group disagree"):
+        bshd.combine(q, seq_dim=1)
+    with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
+        bshd.roll_tensor(q[..., 0, 0], shifts=-1, dims=1)
+    agreed = LocalContextParallelHandler(cp_group=group)
+    same = torch.randn(1, 8, 4, 16)
+    agreed.core_attn(ATTN, same, same[..., :2, :], same[..., :2, :])
+    assert agreed._agreed == {"core_attn"}  # checked once per handler, then remembered
+
+
+def _switch_off(rank, world, monkeypatch_env):
+    group = new_cp_group()
+
+    def fail(*args):
+        raise AssertionError("the agreement check ran although it was turned off")
+
+    handler_base.check_ranks_agree = fail
+    if monkeypatch_env:
+        import os
+
+        os.environ[CHECK_RANKS_ENV] = "0"
+        h = HierarchicalContextParallelHandler(cp_group=group)
+    else:
+        h = HierarchicalContextParallelHandler(cp_group=group, check_ranks=False)
+    assert not h.check_ranks
+    q = torch.randn(1, 8, 4, 16)
+    h.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_rank_checks(world):
+    run_distributed(_one_rank_checks, world)
+
+
+def test_rank_outside_the_group():
+    run_distributed(_outsider, 4)
+
+
+def test_ranks_that_disagree_raise_on_every_rank():
+    run_distributed(_cross_rank, 2)
+
+
+@pytest.mark.parametrize("by_env", [False, True])
+def test_agreement_check_can_be_turned_off(by_env):
+    run_distributed(_switch_off, 2, by_env)
