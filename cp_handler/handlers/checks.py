@@ -13,7 +13,6 @@ import zlib
 import torch
 import torch.distributed as dist
 
-
 CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
 """Set to ``0`` to skip the cross-rank agreement checks (default on); the handler argument
 ``check_ranks`` takes precedence."""

@@ -15,7 +15,6 @@ from ..ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from ..ops.ring import ring_attn
 from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
-from .checks import check_qkv, fingerprint
 from .zigzag import ZigzagContextParallelHandler
 
 
