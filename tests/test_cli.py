@@ -1,8 +1,11 @@
-"""cp-train end to end: parity with one process, flag rules, a crashed rank stops the run."""
+"""cp-train end to end: parity with one process (per step, any length; a real bug fails it), flag
+rules checked before any rank starts, data errors in one line, a crashed or frozen rank stops the
+run, atomic metrics, progress lines, thd packing of several documents per sequence."""
 
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -92,7 +95,18 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--num-heads", "3"], "hidden_size=128 must be divisible by num_attention_heads=3"),
         (["--nproc", "2", "--cp-comm-type", "p2p,p2p,p2p"],
          "cp_comm_type has 3 entries but the model has num_layers=2"),
-        (["--nproc", "4", "--eval-cp-size", "3"], "world size 4 is not a multiple of context_parallel_size=3"),
+        (["--nproc", "4", "--eval-cp-size", "3"],
+         "--eval-cp-size 3: world size 4 is not a multiple of context_parallel_size=3"),
+        (["--nproc", "2", "--cp-size", "0"], "--cp-size 0 must be >= 1"),
+        (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "0"], "--eval-cp-size 0 must be >= 1"),
+        (["--nproc", "0"], "--nproc 0 must be >= 1"),
+        (["--nproc", "2", "--timeout", "0"], "--timeout 0.0 must be > 0"),
+        (["--nproc", "2", "--batch-size", "-1"], "--batch-size -1 must be >= 1"),
+        (["--nproc", "2", "--data", "/no/such/place"], "--data /no/such/place: no such file or folder"),
+        (["--nproc", "4", "--cp-comm-type", "a2a", "--num-heads", "6", "--num-kv-heads", "3", "--hidden-size", "96"],
+         "--num-heads 6 / --num-kv-heads 3 with --cp-size 4: a2a needs query heads (6) divisible by the a2a size (4)"),
+        (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--cp-comm-type", "a2a", "--num-heads", "6",
+          "--num-kv-heads", "6", "--hidden-size", "96"], "with --eval-cp-size 4: a2a needs query heads (6)"),
         (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--seq-len", "100"],
          "seq_len=100 is not divisible by 2 * context_parallel_size = 8"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--eval-cp-size", "2"],
@@ -119,6 +133,74 @@ def test_bad_flags_exit_before_training(flags, message):
     assert result.returncode != 0
     assert message in result.stderr
     assert "cp-train: world" not in result.stderr  # no rank was started
+
+
+def test_data_errors_exit_before_any_rank(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("x" * 100)
+    cases = [(["--data", str(empty)], f"--data ['{empty}']: no files found"),
+             (["--data", str(tiny), "--seq-len", "64"],
+              f"--data {tiny} has 101 tokens (--max-corpus-bytes 33554432): too few for two sequences of --seq-len 64"),
+             (["--data", str(tiny), "--seq-len", "8", "--eval-every", "1", "--eval-batches", "3"],
+              "--eval-batches 3 x 2 sequences need 6 held-out sequences")]
+    for flags, message in cases:
+        result = cp_train("--nproc", "2", *flags, timeout=60)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert "cp-train: world" not in result.stderr
+    result = cp_train("--nproc", "2", "--data", str(tiny), "--seq-len", "8", "--steps", "2", "--hidden-size", "32",
+                      "--ffn-hidden-size", "64")  # evaluation off: the small held-out split is no error
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_check_parity_holds_at_any_length_and_catches_a_rope_bug():
+    """Each step against one process from the same parameters: 200 correct steps pass; a RoPE position
+    off by one on rank 1 fails at once."""
+    tiny = ["--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64", "--max-corpus-bytes", "2000000"]
+    result = cp_train("--nproc", "2", "--steps", "200", *tiny, "--check-parity", timeout=300)
+    assert result.returncode == 0 and "parity passed: each of 200 steps" in result.stderr, result.stderr[-2000:]
+    result = cp_train("--nproc", "2", "--steps", "3", *tiny, "--check-parity", env={"CP_TRAIN_ROPE_BUG_RANK": "1"})
+    assert result.returncode == 1 and "parity FAILED" in result.stderr, result.stderr[-2000:]
+
+
+def test_frozen_rank_ends_the_job_naming_it():
+    result = cp_train("--nproc", "2", "--timeout", "8", *SMALL, env={"CP_TRAIN_FREEZE_RANK": "1"}, timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 made no progress for 8 s (--timeout); it was killed and all ranks stopped." in result.stderr
+
+
+def test_metrics_atomic_progress_lines_and_thd_documents(tmp_path):
+    out = tmp_path / "m.json"
+    out.write_text('{"previous": true}')
+    result = cp_train("--nproc", "2", "--packing", "thd", *SMALL, "--log-every", "2", "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"cp-train: metrics written to {out}" in result.stderr and json.loads(out.read_text())["steps"]
+    assert [line for line in result.stderr.splitlines() if line.startswith("cp-train: step ")][-1].startswith(
+        "cp-train: step 6/6 loss")
+    assert "\r" not in result.stderr  # no progress bar redrawn into a file
+    documents = re.search(r"thd packs ([\d.]+) documents per sequence", result.stderr)
+    assert documents and float(documents.group(1)) >= 4  # documents of at most seq_len // 4 tokens
+    assert not list(tmp_path.glob(".metrics-*"))
+
+
+def test_metrics_write_keeps_the_old_file_when_writing_fails(tmp_path):
+    from cp_handler.cli.train import write_json_atomically
+
+    out = tmp_path / "m.json"
+    write_json_atomically(str(out), {"step": 1})
+    with pytest.raises(TypeError):
+        write_json_atomically(str(out), {"bad": object()})
+    assert json.loads(out.read_text()) == {"step": 1} and not list(tmp_path.glob(".metrics-*"))
+
+
+def test_one_backend_line_per_job_under_torchrun():
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_handler.cli.train",
+         "--steps", "2", "--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64"],
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr.count("--backend auto picked") == 1
 
 
 def test_crashed_rank_stops_every_rank():

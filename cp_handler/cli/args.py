@@ -13,8 +13,9 @@ from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
+from ..ops.ulysses import check_a2a_heads
 from ..parallel_layout import ParallelLayout
-from .data import VOCAB_SIZE
+from .data import HOLDOUT_FRACTION, VOCAB_SIZE, collect_files
 
 DTYPES = ("float32", "bfloat16")
 
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
     g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
+    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a rank that makes no progress for this long (frozen, dead, or stuck in a collective) ends "
+                        "every rank; also the process groups' collective timeout")
     g.add_argument("--backend", default="auto",
                    help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
                         "local, transformer_engine, magi, or any registered name")
@@ -64,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
     g.add_argument("--packing", choices=("bshd", "thd"), default="bshd",
-                   help="bshd: fixed-length sequences; thd: each file is one document, packed with cu_seqlens")
+                   help="bshd: fixed-length sequences; thd: files cut into documents of at most --thd-max-doc-len "
+                        "tokens, packed into each sequence with cu_seqlens")
+    g.add_argument("--thd-max-doc-len", type=int, default=None,
+                   help="thd: longest document in tokens (default seq_len // 4, so every sequence packs several)")
     g = p.add_argument_group("model")
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--num-layers", type=int, default=2)
@@ -80,14 +87,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-parity", action="store_true",
                    help="also train the same steps on one process and fail unless the loss curves agree")
     g.add_argument("--metrics-out", default=None, help="write JSON metrics (config, per-step loss, tokens/s, memory)")
+    g.add_argument("--log-every", type=int, default=None,
+                   help="progress line every N steps when stderr is not a terminal (default: steps // 10)")
     return p
+
+
+POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
+            "num_heads", "num_kv_heads", "ffn_hidden_size", "eval_batches", "max_corpus_bytes", "min_cp_size",
+            "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every", "timeout")
+"""Flags that must be >= 1 when given (``--timeout``: > 0); zero is never "the default"."""
+
+
+def check_positive(args: argparse.Namespace) -> None:
+    """Raises ValueError naming the first size flag below 1 (``--eval-every`` and ``--moe-experts``: below 0)."""
+    for name in POSITIVE:
+        value = getattr(args, name)
+        if value is not None and (value <= 0 if name == "timeout" else value < 1):
+            rule = "> 0" if name == "timeout" else ">= 1"
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be {rule}")
+    for name in ("eval_every", "moe_experts"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
 
 
 def world_size_from(args: argparse.Namespace) -> int:
     """The run's world size: ``WORLD_SIZE`` under torchrun, else ``--nproc`` (default 1)."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return int(os.environ["WORLD_SIZE"])
-    return args.nproc or 1
+    return args.nproc if args.nproc is not None else 1
 
 
 def comm_type_arg(text: str) -> str | list[str]:
@@ -97,16 +124,17 @@ def comm_type_arg(text: str) -> str | list[str]:
 
 def validate(args: argparse.Namespace) -> ContextParallelConfig:
     """Check every rule; returns the CP config. Raises ValueError naming the flag and the rule."""
+    check_positive(args)
     world = world_size_from(args)
     if args.nproc is not None and args.nproc != world:
         raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
-    for flag in ("steps", "batch_size", "seq_len", "num_layers", "hidden_size", "eval_batches"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     if args.dynamic_cp:
         check_dynamic(args, world)
-    cp_size = args.cp_size or world
-    check_world_divisible(world, cp_size)
+    cp_size = args.cp_size if args.cp_size is not None else world
+    try:
+        check_world_divisible(world, cp_size)
+    except ValueError as err:
+        raise ValueError(f"--cp-size {cp_size}: {err}") from None
     args.backend = resolve_backend(args.backend)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
@@ -119,9 +147,64 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     check_seq_len(args.seq_len, cp_size, args.packing)
     parallel_layout(args, world, cp_size)
     get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
-    model_config(args)
-    check_eval_layout(world, eval_cp_config(args, config), args.seq_len)
+    model = model_config(args)
+    evaluation = eval_cp_config(args, config)
+    try:
+        check_eval_layout(world, evaluation, args.seq_len)
+    except ValueError as err:
+        raise ValueError(f"--eval-cp-size {evaluation.context_parallel_size}: {err}") from None
+    for cp_config, flag in ((config, "--cp-size"), (evaluation, "--eval-cp-size")):
+        check_attention_rules(args, model, cp_config, flag)
+    check_data(args, world // evaluation.context_parallel_size)
     return config
+
+
+def check_attention_rules(args: argparse.Namespace, model: GPTConfig, config: ContextParallelConfig, flag: str) -> None:
+    """What the ranks' handlers would refuse, checked here: heads vs the a2a size, and the dtypes of
+    the GPU backends (TE and MagiAttention run fp16/bf16 only under CP). Raises ValueError."""
+    cp, heads, kv_heads = config.context_parallel_size, model.num_attention_heads, model.num_query_groups
+    if cp == 1:
+        return
+    for comm_type in config.comm_types:
+        a2a = {"a2a": cp, "a2a+p2p": (config.hierarchical_context_parallel_sizes or [1])[0]}.get(comm_type)
+        if a2a is None or a2a == 1:
+            continue
+        try:
+            check_a2a_heads(heads, kv_heads, a2a)
+            if config.backend == "transformer_engine" and (heads % a2a or kv_heads % a2a):
+                raise ValueError(f"transformer_engine {comm_type}: query heads ({heads}) and KV heads ({kv_heads}) "
+                                 f"must both be divisible by the a2a size ({a2a})")
+        except ValueError as err:
+            raise ValueError(f"--num-heads {heads} / --num-kv-heads {kv_heads} with {flag} {cp}: {err}") from None
+    if config.backend in ("transformer_engine", "magi") and args.dtype not in ("bfloat16",):
+        raise ValueError(f"--dtype {args.dtype} with --backend {config.backend} at cp={cp}: the backend attends in "
+                         "float16/bfloat16 only under context parallelism; use --dtype bfloat16")
+
+
+def check_data(args: argparse.Namespace, eval_dp_size: int) -> None:
+    """The corpus exists and holds enough sequences for training (and for evaluation when it is on).
+    Raises ValueError naming --data / --seq-len / --eval-batches."""
+    try:
+        files = collect_files(args.data)
+    except FileNotFoundError as err:
+        raise ValueError(str(err)) from None
+    tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
+    source = f"--data {' '.join(args.data)}" if args.data else "the stdlib corpus"
+    if args.dynamic_cp:
+        if len(files) < 2:
+            raise ValueError(f"{source}: --dynamic-cp needs at least two documents (files), found {len(files)}")
+        return
+    sequences = tokens // args.seq_len
+    if sequences < 2:
+        raise ValueError(f"{source} has {tokens} tokens (--max-corpus-bytes {args.max_corpus_bytes}): too few for two "
+                         f"sequences of --seq-len {args.seq_len}")
+    if args.eval_every or args.check_eval_cp:
+        heldout = sequences - max(1, int(sequences * (1 - HOLDOUT_FRACTION)))
+        needed = args.eval_batches * args.batch_size * eval_dp_size
+        if needed > heldout:
+            raise ValueError(f"--eval-batches {args.eval_batches} x {args.batch_size * eval_dp_size} sequences "
+                             f"need {needed} held-out sequences; {source} holds out {heldout} (5% of {sequences}); "
+                             "use fewer or a larger corpus")
 
 
 def check_dynamic(args: argparse.Namespace, world: int) -> None:
@@ -139,7 +222,8 @@ def check_dynamic(args: argparse.Namespace, world: int) -> None:
 
 def eval_cp_config(args: argparse.Namespace, train: ContextParallelConfig) -> ContextParallelConfig:
     """The evaluation CP config from ``--eval-cp-size`` (default: training's). Raises ValueError."""
-    return eval_config(train, args.eval_cp_size or train.context_parallel_size, args.eval_hierarchical_cp_sizes)
+    size = args.eval_cp_size if args.eval_cp_size is not None else train.context_parallel_size
+    return eval_config(train, size, args.eval_hierarchical_cp_sizes)
 
 
 def resolve_backend(backend: str) -> str:
@@ -183,8 +267,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, ContextPar
     requested = args.backend
     try:
         config = validate(args)
-    except (ValueError, ImportError, RuntimeError) as err:
+    except (ValueError, TypeError, ImportError, RuntimeError) as err:
         raise SystemExit(f"cp-train: error: {err}") from None
-    if requested == "auto":
+    if requested == "auto" and os.environ.get("RANK", "0") == "0":  # once per job, also under torchrun
         print(f"cp-train: --backend auto picked {args.backend!r}", file=sys.stderr)
     return args, config

@@ -3,9 +3,11 @@
 By default the corpus is the Python standard library's own ``.py`` files (located with
 ``sysconfig``; ``site-packages`` excluded), so every machine with Python has it. Files are read
 in sorted path order, each followed by a NUL byte as end-of-document token, and concatenated;
-the stream is cut into sequences of ``seq_len`` tokens. Each file is one document: with thd packing
-a sequence carries the ``cu_seqlens`` of the files (or pieces of files) in it. Sampling is
-deterministic in the seed.
+the stream is cut into sequences of ``seq_len`` tokens. For thd packing the files are also cut into
+documents of at most ``max_doc_len`` tokens (default ``seq_len // 4``: most stdlib files are much
+longer than a sequence, so without the cut nearly every sequence would hold one document and thd
+would train exactly as bshd); a sequence carries the ``cu_seqlens`` of the documents (or pieces of
+documents, at its boundaries) in it. Sampling is deterministic in the seed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 
 VOCAB_SIZE = 256
 END_OF_DOCUMENT = 0
+HOLDOUT_FRACTION = 0.05
+"""The last 5% of the sequences are held out for evaluation."""
 
 
 def stdlib_files() -> list[Path]:
@@ -61,6 +65,16 @@ def read_token_stream(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, 
     return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), torch.tensor(starts)
 
 
+def cut_documents(doc_starts: torch.Tensor, total: int, max_doc_len: int | None) -> torch.Tensor:
+    """Document starts with every document longer than ``max_doc_len`` cut into pieces of at most
+    that many tokens (``None``: unchanged)."""
+    if max_doc_len is None:
+        return doc_starts
+    ends = torch.cat([doc_starts[1:], torch.tensor([total])])
+    pieces = [torch.arange(int(s), int(e), max_doc_len) for s, e in zip(doc_starts, ends, strict=True)]
+    return torch.cat(pieces) if pieces else doc_starts
+
+
 @dataclass
 class Batch:
     """A global batch: ``tokens (N, seq_len)`` int64; ``cu_seqlens`` per sequence (int32 ``[docs + 1]``)."""
@@ -94,12 +108,12 @@ class SequenceBatches:
     """
 
     def __init__(self, stream: torch.Tensor, doc_starts: torch.Tensor, seq_len: int, seed: int,
-                 holdout_fraction: float = 0.05):
+                 holdout_fraction: float = HOLDOUT_FRACTION, max_doc_len: int | None = None):
         n_seq = stream.numel() // seq_len
         if n_seq < 2:
             raise ValueError(f"the corpus has {stream.numel()} tokens: too few for two sequences of seq_len={seq_len}")
         self.sequences = stream[: n_seq * seq_len].view(n_seq, seq_len)
-        self.doc_starts, self.seq_len = doc_starts, seq_len
+        self.doc_starts, self.seq_len = cut_documents(doc_starts, stream.numel(), max_doc_len), seq_len
         self.n_train = max(1, int(n_seq * (1 - holdout_fraction)))
         self.seed = seed
 

@@ -2,13 +2,21 @@
 
 Spawning goes through ``torch.distributed.launcher.elastic_launch`` so that a crashed rank or
 Ctrl-C stops every rank (the elastic agent terminates the group) instead of leaving peers hanging
-in a collective.
+in a collective. A rank that is alive but makes no progress (frozen, deadlocked, stuck in a
+collective) is caught by a watchdog: every rank touches a heartbeat file after each step
+(:func:`heartbeat`); when one has not for ``timeout`` seconds, the launcher kills it, which ends the
+job, and names that rank. Under torchrun the process groups' own timeout (the same ``timeout``) ends
+a collective that waits on a dead peer.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import tempfile
+import threading
+import time
 import uuid
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -24,17 +32,83 @@ def _describe(failure) -> str:
     return str(message) or f"exit code {failure.exitcode}"
 
 
+HEARTBEAT_ENV = "CP_HANDLER_HEARTBEAT_DIR"
+
+
+def heartbeat() -> None:
+    """Record that this rank made progress (a file per rank holding its pid, in the launcher's
+    heartbeat folder; nothing when not started by :func:`launch`)."""
+    folder = os.environ.get(HEARTBEAT_ENV)
+    if folder:
+        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+            f.write(str(os.getpid()))
+
+
+class Watchdog(threading.Thread):
+    """Kills the first rank whose heartbeat is older than ``timeout`` seconds; ``stalled`` names it."""
+
+    def __init__(self, folder: str, nproc: int, timeout: float):
+        super().__init__(daemon=True)
+        self.folder, self.nproc, self.timeout = folder, nproc, timeout
+        self.stalled: int | None = None
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        started = time.time()
+        while not self.done.wait(min(1.0, self.timeout / 4)):
+            beats = {rank: self._last_beat(rank, started) for rank in range(self.nproc)}
+            stale = [rank for rank, last in beats.items() if time.time() - last > self.timeout]
+            if stale:
+                # A rank waiting in a collective on the stalled one goes stale too: blame a stopped or
+                # dead process first, else the one whose last heartbeat is oldest.
+                self.stalled = min(stale, key=lambda rank: (not self._stopped_or_dead(rank), beats[rank]))
+                self._kill(self.stalled)
+                return
+
+    def _path(self, rank: int) -> str:
+        return os.path.join(self.folder, f"rank{rank}")
+
+    def _last_beat(self, rank: int, started: float) -> float:
+        return os.path.getmtime(self._path(rank)) if os.path.exists(self._path(rank)) else started
+
+    def _pid(self, rank: int) -> int | None:
+        try:
+            with open(self._path(rank)) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def _stopped_or_dead(self, rank: int) -> bool:
+        """Linux: the process is stopped (state T/t), a zombie, or gone."""
+        pid = self._pid(rank)
+        if pid is None:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X")
+        except OSError:
+            return True
+
+    def _kill(self, rank: int) -> None:
+        pid = self._pid(rank)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass  # already gone: the elastic agent ends the job either way
+
+
 def under_torchrun() -> bool:
     """True when this process is one rank started by torchrun (or another env:// launcher)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(entrypoint, nproc: int, *args, program: str = "cp-train") -> dict:
+def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: float | None = None) -> dict:
     """Run ``entrypoint(*args)`` on ``nproc`` ranks; returns ``{rank: return value}``. ``program``
-    names the command in failure messages.
+    names the command in failure messages; ``timeout`` (seconds) arms the watchdog (see module doc).
 
     Raises:
-        SystemExit: a rank failed (the message names it and its error) or the run was interrupted.
+        SystemExit: a rank failed or stalled (the message names it and its error) or the run was interrupted.
     """
     if under_torchrun():
         return {int(os.environ["RANK"]): entrypoint(*args)}
@@ -43,10 +117,22 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train") -> dict:
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method="spawn",
     )
-    try:
-        return elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        raise SystemExit(f"{program}: rank {rank} failed; all ranks stopped.\n{_describe(failure)}") from None
-    except (KeyboardInterrupt, SignalException):
-        raise SystemExit(f"{program}: interrupted; all ranks stopped.") from None
+    with tempfile.TemporaryDirectory(prefix=f"{program}-heartbeat-") as folder:
+        os.environ[HEARTBEAT_ENV] = folder  # the spawned ranks inherit it
+        watchdog = Watchdog(folder, nproc, timeout) if timeout else None
+        if watchdog:
+            watchdog.start()
+        try:
+            return elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as err:
+            if watchdog and watchdog.stalled is not None:
+                raise SystemExit(f"{program}: rank {watchdog.stalled} made no progress for {timeout:g} s (--timeout); "
+                                 "it was killed and all ranks stopped.") from None
+            rank, failure = err.get_first_failure()
+            raise SystemExit(f"{program}: rank {rank} failed; all ranks stopped.\n{_describe(failure)}") from None
+        except (KeyboardInterrupt, SignalException):
+            raise SystemExit(f"{program}: interrupted; all ranks stopped.") from None
+        finally:
+            os.environ.pop(HEARTBEAT_ENV, None)
+            if watchdog:
+                watchdog.done.set()

@@ -13,6 +13,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..ops.collectives import all_gather_single
+
 CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
 """Set to ``0`` to skip the cross-rank agreement checks (default on); the handler argument
 ``check_ranks`` takes precedence."""
@@ -126,7 +128,7 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int
     local = torch.tensor([int(values[f]) for f in fields], dtype=torch.int64, device=device)
     size = dist.get_world_size(group)
     gathered = torch.empty(size * len(fields), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_single(gathered, local, group)
     rows = gathered.view(size, len(fields)).tolist()
     if any(row != rows[0] for row in rows):
         listing = "; ".join(f"rank {i}: " + ", ".join(f"{f}={v}" for f, v in zip(fields, row, strict=True))
