@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seqlen-per-rank", type=int, default=None,
                    help="token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank)")
     g.add_argument("--min-cp-size", type=int, default=1, help="min_dynamic_context_parallel_size (a power of two)")
+    g.add_argument("--max-cp-size", type=int, default=None,
+                   help="max_dynamic_context_parallel_size (a power of two; equal to --min-cp-size: static CP)")
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--moe-experts", type=int, default=0, help="experts per MoE layer (0: dense SwiGLU layers)")
     g.add_argument("--expert-parallel-size", type=int, default=1,
@@ -94,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "ffn_hidden_size", "eval_batches", "max_corpus_bytes", "min_cp_size",
-            "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every", "timeout")
+            "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every", "timeout")
 """Flags that must be >= 1 when given (``--timeout``: > 0); zero is never "the default"."""
 
 
@@ -215,8 +217,9 @@ def check_dynamic(args: argparse.Namespace, world: int) -> None:
         raise ValueError("--dynamic-cp chooses the CP size of every micro-batch: drop --cp-size")
     if args.eval_every or args.check_eval_cp or args.eval_cp_size:
         raise ValueError("--dynamic-cp does not run evaluation: drop --eval-every / --eval-cp-size / --check-eval-cp")
-    cp_size_for(args.seq_len, args.max_seqlen_per_rank, args.min_cp_size, world)  # the longest piece must fit
-    schedule_sequences([1], world, args.max_seqlen_per_rank, args.min_cp_size)  # checks --min-cp-size
+    largest = args.max_cp_size or world
+    cp_size_for(args.seq_len, args.max_seqlen_per_rank, args.min_cp_size, largest)  # the longest piece must fit
+    schedule_sequences([1], world, args.max_seqlen_per_rank, args.min_cp_size, None, args.max_cp_size)  # size rules
     args.packing = "thd"
 
 

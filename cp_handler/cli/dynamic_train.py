@@ -1,6 +1,6 @@
 """Dynamic CP in ``cp-train``: per global batch, schedule the documents onto aligned CP groups
-(:mod:`cp_handler.dynamic`), run each of this rank's micro-batches on its group's handler, and
-reduce gradients once over all DP x CP ranks. The loss is normalised by the global batch's loss
+(:mod:`cp_handler.dynamic`), run each pack of this rank's group in every micro-batch on a handler
+of that group, and reduce gradients once over all DP x CP ranks. The loss is normalised by the global batch's loss
 tokens (every document's length - 1, known from the schedule on every rank), so each token weighs
 the same whatever group it ran on. Ranks with an empty micro-batch skip it (their whole group is
 empty) and still take part in the gradient reduction.
@@ -40,16 +40,16 @@ def dynamic_step(model, args, documents: DocumentBatches, pool: GroupPool, handl
     def run(step: int):
         docs = documents.global_batch(step, args.batch_size * world)
         lengths = [d.numel() for d in docs]
-        schedule = schedule_sequences(lengths, world, args.max_seqlen_per_rank, args.min_cp_size)
+        schedule = schedule_sequences(lengths, world, args.max_seqlen_per_rank, args.min_cp_size,
+                                      max_dynamic_context_parallel_size=getattr(args, "max_cp_size", None))
         total = sum(n - 1 for n in lengths)
         loss = torch.zeros((), dtype=torch.float64, device=device)
         for group in schedule.for_rank(rank):
-            if not group.sequences:
-                continue
-            tokens, cu = _pack([docs[i] for i in group.sequences], device)
-            handler = handler_cls(cp_group=pool.group(group.size, group.first), qkv_format="thd", cu_seqlens=cu,
-                                  cp_comm_type=comm_type)
-            loss += _loss_share(model, handler, tokens, total)
+            for pack in group.packs:  # one forward/backward per pack, inside this rank's group
+                tokens, cu = _pack([docs[i] for i in pack], device)
+                handler = handler_cls(cp_group=pool.group(group.size, group.first), qkv_format="thd", cu_seqlens=cu,
+                                      cp_comm_type=comm_type)
+                loss += _loss_share(model, handler, tokens, total)
         all_reduce_grads(list(model.parameters()))
         return loss, sum(lengths)
     return run

@@ -1,7 +1,9 @@
-"""Dynamic context parallelism: each micro-batch gives every sequence the smallest CP group that fits it."""
+"""Dynamic context parallelism: each global batch scheduled onto CP groups of the sizes its sequences need,
+balanced by a cost model (:class:`Workload`: ``L^2 / cp``; :class:`CostModel`: fitted to a measured GPU)."""
 
+from .cost_model import CostModel
 from .groups import GroupPool
 from .scheduler import Group, MicroBatch, Schedule, schedule_sequences
 from .workload import Workload
 
-__all__ = ["Group", "GroupPool", "MicroBatch", "Schedule", "Workload", "schedule_sequences"]
+__all__ = ["CostModel", "Group", "GroupPool", "MicroBatch", "Schedule", "Workload", "schedule_sequences"]

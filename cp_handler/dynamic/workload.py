@@ -3,7 +3,7 @@
 ``a`` prices causal attention (quadratic in the sequence length ``L``), ``b`` everything linear
 (projections, MLP, norms, communication per token); both are split over the ``cp`` ranks of the
 group. Fit them on the running machine from measured step times with :meth:`Workload.fit`
-(least squares), e.g. from ``python -m cp_handler.bench.dynamic_cp --fit``.
+(least squares). It prices splitting as free; :class:`~.cost_model.CostModel` does not.
 """
 
 from __future__ import annotations
