@@ -64,16 +64,17 @@ def scheduler_quality(draws: int) -> list[dict]:
         for seed in range(draws):
             lengths = _draw(sizes, n, seed)
             bound = sum(x * x for x in lengths) / ranks
-            schedule, ms = _timed(lambda lengths=lengths: schedule_sequences(lengths, ranks, 4096, 1, square))
+            schedule, ms = _timed(lambda lengths=lengths, r=ranks: schedule_sequences(lengths, r, 4096, 1, square))
             ours.append((schedule.makespan / bound, ms))
             if megatron:
-                makespan, ms = _timed(lambda lengths=lengths: megatron_makespan(megatron, lengths, ranks, 4096))
+                makespan, ms = _timed(lambda lengths=lengths, r=ranks: megatron_makespan(megatron, lengths, r, 4096))
                 peer.append((makespan / bound, ms))
         row = {"ranks": ranks, "sequences": n, "ours_over_bound": statistics.median(r for r, _ in ours),
                "ours_worst": max(r for r, _ in ours), "ours_ms": statistics.median(t for _, t in ours)}
         if peer:
-            row.update(megatron_over_bound=statistics.median(r for r, _ in peer), megatron_worst=max(r for r, _ in peer),
-                       megatron_ms=statistics.median(t for _, t in peer), megatron_version=megatron_version())
+            row.update(megatron_over_bound=statistics.median(r for r, _ in peer),
+                       megatron_worst=max(r for r, _ in peer), megatron_ms=statistics.median(t for _, t in peer),
+                       megatron_version=megatron_version())
         else:
             row["megatron"] = f"not run: {reason}"
         rows.append(row)
@@ -93,17 +94,19 @@ def simulate(model: CostModel, ranks_list: list[int], budget: int, docs_per_rank
             for mode, (low, high) in (("dynamic", (1, None)), ("static", (fixed, fixed))):
                 times[mode].append(schedule_sequences(lengths, ranks, budget, low, model, high).makespan)
         dynamic, static = statistics.median(times["dynamic"]), statistics.median(times["static"])
-        rows.append({"budget": budget, "ranks": ranks, "static_cp": min(static_cp, ranks), "documents": docs_per_rank * ranks,
-                     "dynamic_ms": dynamic, "static_ms": static, "speedup": static / dynamic})
+        rows.append({"budget": budget, "ranks": ranks, "static_cp": min(static_cp, ranks),
+                     "documents": docs_per_rank * ranks, "dynamic_ms": dynamic, "static_ms": static,
+                     "speedup": static / dynamic})
     return rows
 
 
 def _cp_train(min_cp: int, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "m.json")
+        static = ["--max-cp-size", str(min_cp)] if min_cp > 1 else []
         subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--nproc", "4", "--dynamic-cp",
                         "--max-seqlen-per-rank", str(args.budget), "--seq-len", str(4 * args.budget), "--min-cp-size",
-                        str(min_cp), *(["--max-cp-size", str(min_cp)] if min_cp > 1 else []), "--steps", str(args.steps), "--batch-size", "4", "--metrics-out", out],
+                        str(min_cp), *static, "--steps", str(args.steps), "--batch-size", "4", "--metrics-out", out],
                        check=True, capture_output=True)
         with open(out) as f:
             return json.load(f)

@@ -3,7 +3,8 @@
 Only its scheduler module is loaded (``megatron/core/pipeline_parallel/hybrid_cp_schedule.py``,
 found inside the installed package), with the megatron modules it imports at module level
 (``megatron.core``, its ``parallel_state`` and ``rerun_state_machine``) replaced by empty stand-ins
-while it loads, so neither megatron.core's package initialisation nor a process group is needed. Nothing of it is copied here. Its ``BalancedCPScheduler.next_hdp_group`` forms one
+while it loads, so neither megatron.core's package initialisation nor a process group is needed.
+Nothing of it is copied here. Its ``BalancedCPScheduler.next_hdp_group`` forms one
 group (a barrier-free phase) at a time, as its ``get_groups_and_subsamples`` does; the makespan is
 the sum over groups of the busiest GPU's estimated time (its own ``L^2 / cp`` estimate).
 """

@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "ffn_hidden_size", "eval_batches", "max_corpus_bytes", "min_cp_size",
-            "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every", "timeout")
+            "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every",
+            "timeout")
 """Flags that must be >= 1 when given (``--timeout``: > 0); zero is never "the default"."""
 
 

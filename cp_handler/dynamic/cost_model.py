@@ -76,7 +76,8 @@ class CostModel:
         """One sequence alone (its own pack): what the measured tables time."""
         if cp == 1:
             return self.whole_overhead_ms + self.whole_quadratic_ms * seq_len**2
-        return self.step_overhead_ms * cp + self.quadratic_ms * seq_len**2 / cp + self.linear_attention_ms * seq_len / cp
+        return (self.step_overhead_ms * cp + self.quadratic_ms * seq_len**2 / cp
+                + self.linear_attention_ms * seq_len / cp)
 
     @classmethod
     def fit(cls, rows: list[tuple[int, int, float]], **fixed) -> CostModel:
