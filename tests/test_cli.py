@@ -208,3 +208,40 @@ def test_crashed_rank_stops_every_rank():
     assert result.returncode != 0
     assert "rank 1 failed; all ranks stopped" in result.stderr
     assert "injected failure on rank 1" in result.stderr
+
+
+def _hf_dir(tmp_path, weights: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    folder = tmp_path / ("model" if weights else "config")
+    if weights:
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "2"], ["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a"],
+                                   ["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2"]])
+def test_hugging_face_model_trains_with_parity(tmp_path, flags):
+    """cp-train drives an unmodified transformers model (Qwen2: q/k/v biases, GQA) through the integration."""
+    weights = "thd" in flags
+    source = ["--hf-model" if weights else "--hf-config", _hf_dir(tmp_path, weights)]
+    result = cp_train(*flags, *source, "--steps", "3", "--seq-len", "128", "--max-corpus-bytes", "2000000",
+                      "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+
+
+def test_hugging_face_flag_rules(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for flags, message in ((["--hf-config", str(empty)], f"--hf-config {empty}: no loadable Hugging Face config"),
+                           (["--hf-config", _hf_dir(tmp_path, False), "--moe-experts", "4"],
+                            "--moe-experts builds the reference GPT's MoE layers"),
+                           (["--hf-config", "a", "--hf-model", "b"], "--hf-config and --hf-model are exclusive")):
+        result = cp_train("--nproc", "2", *flags, timeout=60)
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert "cp-train: world" not in result.stderr

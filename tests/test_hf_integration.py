@@ -111,7 +111,8 @@ def _parity_worker(rank, world, names):
                     cp_group=group, cp_comm_type=comm, hierarchical_cp_groups=groups.hierarchical_cp_groups, **meta)
                 logits, got = cp_step(name, handler, batch, group)
                 label = f"{name} {fmt} {comm} cp={world}"
-                torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5, msg=lambda m, x=label: f"{x}: {m}")
+                torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, x=label: f"{x}: {m}")
                 assert_parity(got, want, label)
                 if world == 1:
                     break  # the comm type does not matter alone

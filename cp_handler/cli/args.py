@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 from models import GPTConfig
 
@@ -13,6 +14,7 @@ from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
+from ..integrations.transformers import check_transformers_version
 from ..ops.ulysses import check_a2a_heads
 from ..parallel_layout import ParallelLayout
 from .data import HOLDOUT_FRACTION, VOCAB_SIZE, collect_files
@@ -75,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--thd-max-doc-len", type=int, default=None,
                    help="thd: longest document in tokens (default seq_len // 4, so every sequence packs several)")
     g = p.add_argument_group("model")
+    g.add_argument("--hf-config", default=None, metavar="DIR",
+                   help="train a Hugging Face causal LM built from DIR/config.json (random init) through "
+                        "cp_handler.integrations.transformers; the GPT shape flags are then not used")
+    g.add_argument("--hf-model", default=None, metavar="DIR", help="as --hf-config, with the weights in DIR")
     g.add_argument("--hidden-size", type=int, default=128)
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--num-heads", type=int, default=4)
@@ -150,7 +156,9 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     check_seq_len(args.seq_len, cp_size, args.packing)
     parallel_layout(args, world, cp_size)
     get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
-    model = model_config(args)
+    if (args.hf_config or args.hf_model) and args.moe_experts:
+        raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
+    model = attention_shape(args)
     evaluation = eval_cp_config(args, config)
     try:
         check_eval_layout(world, evaluation, args.seq_len)
@@ -162,7 +170,8 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     return config
 
 
-def check_attention_rules(args: argparse.Namespace, model: GPTConfig, config: ContextParallelConfig, flag: str) -> None:
+def check_attention_rules(args: argparse.Namespace, model: SimpleNamespace, config: ContextParallelConfig,
+                          flag: str) -> None:
     """What the ranks' handlers would refuse, checked here: heads vs the a2a size, and the dtypes of
     the GPU backends (TE and MagiAttention run fp16/bf16 only under CP). Raises ValueError."""
     cp, heads, kv_heads = config.context_parallel_size, model.num_attention_heads, model.num_query_groups
@@ -253,6 +262,45 @@ def parallel_layout(args: argparse.Namespace, world: int, cp_size: int) -> Paral
                          "--eval-every / --eval-cp-size / --check-eval-cp")
     return ParallelLayout(world, context_parallel_size=cp_size, expert_model_parallel_size=args.expert_parallel_size,
                           hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
+
+
+def hf_config(args: argparse.Namespace):
+    """The Hugging Face config of ``--hf-config`` / ``--hf-model`` (``None`` without them).
+
+    Raises:
+        ValueError: both flags, a directory without a loadable config, a vocabulary under 256 byte tokens.
+        ImportError: transformers missing or outside the tested releases.
+    """
+    if args.hf_config and args.hf_model:
+        raise ValueError("--hf-config and --hf-model are exclusive: --hf-model DIR already has the config")
+    source = args.hf_model or args.hf_config
+    if source is None:
+        return None
+    flag = "--hf-model" if args.hf_model else "--hf-config"
+    check_transformers_version()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag} {source}: no loadable Hugging Face config ({err})") from None
+    if config.vocab_size < VOCAB_SIZE:
+        raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but cp-train feeds byte tokens "
+                         f"(0..{VOCAB_SIZE - 1})")
+    return config
+
+
+def attention_shape(args: argparse.Namespace) -> SimpleNamespace:
+    """Query heads, KV heads and head dim of the model cp-train will build (reference GPT or HF)."""
+    config = hf_config(args)
+    if config is None:
+        gpt = model_config(args)
+        return SimpleNamespace(num_attention_heads=gpt.num_attention_heads, num_query_groups=gpt.num_query_groups,
+                               kv_channels=gpt.kv_channels)
+    heads = config.num_attention_heads
+    return SimpleNamespace(num_attention_heads=heads,
+                           num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
+                           kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:

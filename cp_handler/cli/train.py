@@ -31,8 +31,9 @@ from ..config import ContextParallelConfig
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups, destroy_process_groups
 from ..handlers import MagiAttnContextParallelHandler, get_cp_handler_cls
+from ..integrations.transformers import CPCausalLM
 from ..training import global_token_count, masked_token_loss_sum, next_token_batch
-from .args import model_config, parallel_layout, parse, world_size_from
+from .args import attention_shape, hf_config, model_config, parallel_layout, parse, world_size_from
 from .data import Batch, SequenceBatches, collect_files, read_token_stream
 from .dynamic_train import dynamic_step, load_documents, reference_dynamic_step
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
@@ -41,9 +42,20 @@ from .moe_train import ExpertGroups
 from .parity import StepReference, parity_result
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> GPTModel:
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The reference GPT, or a Hugging Face causal LM (``--hf-config`` / ``--hf-model``) wrapped in
+    :class:`~cp_handler.integrations.transformers.CPCausalLM`: the same on every rank (seeded)."""
     torch.manual_seed(args.seed)
-    return GPTModel(model_config(args)).to(device=device, dtype=getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    if args.hf_model or args.hf_config:
+        from transformers import AutoModelForCausalLM
+
+        if args.hf_model:
+            model = AutoModelForCausalLM.from_pretrained(args.hf_model, local_files_only=True, torch_dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(hf_config(args), torch_dtype=dtype)
+        return CPCausalLM(model).to(device=device, dtype=dtype)
+    return GPTModel(model_config(args)).to(device=device, dtype=dtype)
 
 
 def load_batches(args: argparse.Namespace) -> SequenceBatches:
@@ -240,7 +252,7 @@ def _train_rank(args, cp_config: ContextParallelConfig, device: torch.device) ->
         ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         grad_scale, grad_norm_fn = float(world), None
     handler_cls = _inject_rope_bug(get_cp_handler_cls(cp_config.backend, cp_config.cp_comm_type), rank)
-    extra = model_shape_kwargs(handler_cls, model_config(args))
+    extra = model_shape_kwargs(handler_cls, attention_shape(args))
     make_handler = lambda **meta: handler_cls(cp_group=groups.cp_group, cp_comm_type=cp_config.cp_comm_type,
                                               hierarchical_cp_groups=groups.hierarchical_cp_groups, **extra, **meta)
     rows = slice(groups.dp_rank * args.batch_size, (groups.dp_rank + 1) * args.batch_size)
