@@ -37,7 +37,7 @@ from ..layout import ZigzagDocs
 from ..ops.ring import ring_attn
 from ..rope import apply_rotary
 from .base import ATTN_MASK_TYPES, ContextParallelHandler
-from .checks import check_dim, check_qkv, fingerprint
+from .checks import check_dim, check_qkv, check_shift, fingerprint
 from .requirements import import_backend, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
@@ -210,10 +210,10 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
 
     def roll_tensor(self, tensor, shifts=-1, dims=-1):
         """Roll in global order within each document; zero where the source leaves the document."""
+        shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
         if self.cp_size == 1:
             return _roll_alone(self, tensor, shifts, dims)
         self._require_key()
-        dims = dims % tensor.dim()
         tokens = tensor.movedim(dims, 0) if self.qkv_format == "thd" else tensor.movedim(dims, 1)[0]
         if hasattr(self.api, "roll"):
             rolled = self.api.roll(tokens, shifts, 0, self.key)
@@ -283,7 +283,6 @@ def _attn_alone(handler, q, k, v, scale, shape) -> torch.Tensor:
 def _roll_alone(handler, tensor, shifts, dims):
     from ..ops.roll import zigzag_roll
 
-    dims = dims % tensor.dim()
     layout = _alone_layout(handler) if handler.qkv_format == "thd" else ZigzagDocs.uniform(tensor.shape[dims], 1)
     rolled = zigzag_roll(tensor, shifts, dims, None, layout)
     return rolled, rolled.sum()
