@@ -2,7 +2,6 @@
 plus regressions for the bug classes found in the reference implementation's review."""
 
 import json
-import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_handler.cli.data import stdlib_files
+from cp_handler.bench.dynamic_cp import draw_lengths, stdlib_lengths
 from cp_handler.dynamic import CostModel, Workload
 from cp_handler.dynamic.scheduler import cp_size_for, padded_len, schedule_sequences
 
@@ -103,12 +102,6 @@ def test_static_cp_puts_every_sequence_at_the_static_size():
         schedule_sequences(lengths, 8, 1024, 4, max_dynamic_context_parallel_size=2)
 
 
-def _stdlib_draw(seed, n):
-    rng = random.Random(seed)
-    sizes = [p.stat().st_size for p in stdlib_files()]
-    return [max(1, min(32768, rng.choice(sizes))) for _ in range(n)]
-
-
 @pytest.mark.parametrize("ranks, sequences, bound", [(8, 512, 1.01), (32, 512, 1.01), (256, 2048, 1.02),
                                                      (1024, 4096, 1.02)])
 def test_schedule_quality_on_stdlib_lengths(ranks, sequences, bound):
@@ -117,7 +110,7 @@ def test_schedule_quality_on_stdlib_lengths(ranks, sequences, bound):
     draw. Megatron-LM's BalancedCPScheduler measured 1.000, 1.005, 1.013, 1.039 (median of 5)."""
     workload = Workload(quadratic=1.0, linear=0.0)
     for seed in range(3):
-        lengths = _stdlib_draw(seed, sequences)
+        lengths = draw_lengths(stdlib_lengths(32768), sequences, seed)
         schedule = schedule_sequences(lengths, ranks, 4096, 1, workload)
         check_schedule(lengths, ranks, 4096, 1, schedule, workload)
         assert schedule.makespan * ranks / sum(n * n for n in lengths) <= bound

@@ -63,19 +63,14 @@ def test_calls_partition_the_plan(lengths, cp, tile):
         assert sorted(seen) == sorted(plan)
 
 
-def _with_kernel(worker):
-    def run(rank, world, *args):
-        os.environ[ATTN_KERNEL_ENV] = "cpu_varlen"
-        worker(rank, world, *args)
-    return run
-
-
 def _thd_varlen(rank, world, patterns, sizes):
-    _with_kernel(test_thd._thd_worker)(rank, world, patterns, sizes)
+    os.environ[ATTN_KERNEL_ENV] = "cpu_varlen"
+    test_thd._thd_worker(rank, world, patterns, sizes)
 
 
 def _bshd_varlen(rank, world, patterns, heads):
-    _with_kernel(test_attn_patterns._flat_worker)(rank, world, patterns, heads)
+    os.environ[ATTN_KERNEL_ENV] = "cpu_varlen"
+    test_attn_patterns._flat_worker(rank, world, patterns, heads)
 
 
 @pytest.mark.parametrize("world, patterns, sizes", [

@@ -44,7 +44,8 @@ def stdlib_lengths(cap: int) -> list[int]:
     return [min(cap, p.stat().st_size + 1) for p in stdlib_files()]
 
 
-def _draw(sizes: list[int], n: int, seed: int) -> list[int]:
+def draw_lengths(sizes: list[int], n: int, seed: int) -> list[int]:
+    """``n`` lengths drawn (with replacement, seeded) from ``sizes``."""
     rng = random.Random(seed)
     return [rng.choice(sizes) for _ in range(n)]
 
@@ -62,7 +63,7 @@ def scheduler_quality(draws: int) -> list[dict]:
     for ranks, n in QUALITY_CASES:
         ours, peer = [], []
         for seed in range(draws):
-            lengths = _draw(sizes, n, seed)
+            lengths = draw_lengths(sizes, n, seed)
             bound = sum(x * x for x in lengths) / ranks
             schedule, ms = _timed(lambda lengths=lengths, r=ranks: schedule_sequences(lengths, r, 4096, 1, square))
             ours.append((schedule.makespan / bound, ms))
@@ -89,7 +90,7 @@ def simulate(model: CostModel, ranks_list: list[int], budget: int, docs_per_rank
     for ranks in ranks_list:
         times = {"dynamic": [], "static": []}
         for seed in range(draws):
-            lengths = _draw(sizes, docs_per_rank * ranks, seed)
+            lengths = draw_lengths(sizes, docs_per_rank * ranks, seed)
             fixed = min(static_cp, ranks)
             for mode, (low, high) in (("dynamic", (1, None)), ("static", (fixed, fixed))):
                 times[mode].append(schedule_sequences(lengths, ranks, budget, low, model, high).makespan)

@@ -54,11 +54,13 @@ class CostModel:
     budget: int = 16384
     fit_error: dict | None = None
 
-    def attention_ms(self, seq_len: int, cp: int) -> float:
-        """Compute time of the attention (no communication)."""
+    def attention_ms(self, seq_len: int, cp: int, overhead_share: float | None = None) -> float:
+        """Compute time of the attention (no communication). ``overhead_share``: the part of the
+        pack's fixed overhead this sequence pays (default: its tokens' share of a full pack; 1 for a
+        sequence alone)."""
+        share = (seq_len / cp) / self.budget if overhead_share is None else overhead_share
         if cp == 1:
-            return self.whole_overhead_ms * seq_len / self.budget + self.whole_quadratic_ms * seq_len**2
-        share = (seq_len / cp) / self.budget  # of the pack's per-step overhead
+            return self.whole_overhead_ms * share + self.whole_quadratic_ms * seq_len**2
         return (self.step_overhead_ms * cp * share + self.quadratic_ms * seq_len**2 / cp
                 + self.linear_attention_ms * seq_len / cp)
 
@@ -74,10 +76,7 @@ class CostModel:
 
     def rank_plan_ms(self, seq_len: int, cp: int) -> float:
         """One sequence alone (its own pack): what the measured tables time."""
-        if cp == 1:
-            return self.whole_overhead_ms + self.whole_quadratic_ms * seq_len**2
-        return (self.step_overhead_ms * cp + self.quadratic_ms * seq_len**2 / cp
-                + self.linear_attention_ms * seq_len / cp)
+        return self.attention_ms(seq_len, cp, overhead_share=1.0)
 
     @classmethod
     def fit(cls, rows: list[tuple[int, int, float]], **fixed) -> CostModel:

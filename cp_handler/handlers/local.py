@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 
 from ..config import CP_COMM_TYPES
 from ..ops.all_gather import all_gather_attn
-from ..ops.kernels import ATTN_KERNEL_ENV, KERNELS
+from ..ops.kernels import KERNELS, kernel_override
 from ..ops.ring import ring_attn
 from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
@@ -96,8 +95,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         causal = attn_mask_type == "causal"
         self.check_attention_inputs(q, k, v)
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
-        forced = self.attn_kernel or os.environ.get(ATTN_KERNEL_ENV)
-        if self.cp_size == 1 and self.thd_layout is None and not forced:
+        if self.cp_size == 1 and self.thd_layout is None and kernel_override(self.attn_kernel)[0] is None:
             out = F.scaled_dot_product_attention(
                 q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
             )

@@ -38,7 +38,7 @@ from ..ops.ring import ring_attn
 from ..rope import apply_rotary
 from .base import ATTN_MASK_TYPES, ContextParallelHandler
 from .checks import check_dim, check_qkv, check_shift, fingerprint
-from .requirements import import_backend, require_cuda, require_nccl
+from .requirements import import_backend, release, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
 DEFAULT_CHUNK_SIZE = 512
@@ -53,12 +53,7 @@ def magi_release(package, api) -> tuple[int, ...]:
     build without a version, the release whose API the key function has."""
     version = getattr(package, "__version__", None)
     if version:
-        parts = []
-        for part in str(version).split("."):
-            if not part.isdigit():
-                break
-            parts.append(int(part))
-        return tuple(parts)
+        return release(version)
     params = inspect.signature(api.magi_attn_varlen_key).parameters
     if "x" in params:
         return (1, 0, 0)

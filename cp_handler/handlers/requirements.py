@@ -12,6 +12,16 @@ import torch
 import torch.distributed as dist
 
 
+def release(version: str) -> tuple[int, ...]:
+    """The leading integers of a version string: ``"2.20.0.dev0"`` -> ``(2, 20, 0)``, ``"5.23.0"`` -> ``(5, 23, 0)``."""
+    parts = []
+    for part in str(version).split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
 def import_backend(module: str, package: str, hint: str):
     """Import ``module`` or raise ImportError naming ``package`` and how to install it."""
     try:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..config import CP_COMM_TYPES
 from .base import ATTN_MASK_TYPES
-from .requirements import import_backend, require_cuda
+from .requirements import import_backend, release, require_cuda
 from .zigzag import ZigzagContextParallelHandler
 
 TE_HINT = "install it on a CUDA machine: pip install transformer_engine[pytorch] (see docs/backends.md)"
@@ -47,16 +47,6 @@ TE_MODULE_NAME = "te_attention"
 THD_ALL_GATHER_SINCE = (2, 18)
 """First TE release whose KV all-gather CP takes thd (the assertion went in v2.18)."""
 _STREAM: list = []  # one CUDA stream per process for TE's ring overlap
-
-
-def te_version(te_package) -> tuple[int, ...]:
-    """``transformer_engine.__version__`` as a tuple of its leading integers (``"2.20.0.dev0"`` -> (2, 20, 0))."""
-    parts = []
-    for part in str(getattr(te_package, "__version__", "0")).split("."):
-        if not part.isdigit():
-            break
-        parts.append(int(part))
-    return tuple(parts)
 
 
 def _same_groups(a, b) -> bool:
@@ -90,7 +80,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.te = import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
-        self.te_version = te_version(import_backend("transformer_engine", "transformer_engine", TE_HINT))
+        self.te_version = release(getattr(import_backend("transformer_engine", "transformer_engine", TE_HINT),
+                                          "__version__", "0"))
         require_cuda("transformer_engine")
         if self.cp_size > 1:
             self._check_groups()

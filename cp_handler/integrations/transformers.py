@@ -38,6 +38,7 @@ from types import SimpleNamespace
 import torch
 
 from ..handlers.base import ContextParallelHandler
+from ..handlers.requirements import release
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
@@ -55,9 +56,8 @@ def check_transformers_version(version: str | None = None) -> None:
             raise ImportError("cp_handler.integrations.transformers needs transformers: pip install "
                               f"'transformers>={SUPPORTED[0][0]}.{SUPPORTED[0][1]}'") from err
         version = transformers.__version__
-    release = tuple(int(p) for p in version.split(".")[:2])
     low, high = SUPPORTED
-    if not low <= release <= high:
+    if not low <= release(version)[:2] <= high:
         raise ImportError(f"transformers {version} is installed; cp_handler's integration was tested with "
                           f"{low[0]}.{low[1]} to {high[0]}.{high[1]} (docs/huggingface.md)")
 

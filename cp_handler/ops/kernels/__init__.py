@@ -34,7 +34,14 @@ KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.C
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
 __all__ = ["ATTN_KERNEL_ENV", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward", "block_attn_forward",
-           "count_attn_work", "record_attn_work", "select_kernel"]
+           "count_attn_work", "kernel_override", "record_attn_work", "select_kernel"]
+
+
+def kernel_override(attn_kernel: str | None = None) -> tuple[str | None, str]:
+    """``(forced kernel name or None, where it came from)``: the argument, else ``CP_HANDLER_ATTN_KERNEL``."""
+    if attn_kernel is not None:
+        return attn_kernel, "attn_kernel"
+    return os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
 
 
 def select_kernel(q: torch.Tensor, attn_kernel: str | None = None) -> AttnKernel:
@@ -49,9 +56,7 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | None = None) -> AttnKernel
         ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason), or no
             verified kernel for this device and dtype.
     """
-    source = "attn_kernel"
-    if attn_kernel is None:
-        attn_kernel, source = os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
+    attn_kernel, source = kernel_override(attn_kernel)
     if attn_kernel is not None:
         if attn_kernel not in KERNELS:
             raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
