@@ -12,9 +12,7 @@ import pytest
 import torch
 
 from cp_handler.ops import kernels
-from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS, cuda_cudnn, cuda_efficient, cuda_flash, select_kernel
-
-CUDA_MODULES = {"flash": cuda_flash, "efficient": cuda_efficient, "cudnn": cuda_cudnn}
+from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS, cuda_flash, select_kernel
 
 
 def test_cpu_picks_cpu_flash_and_honours_the_override(monkeypatch):
@@ -33,8 +31,8 @@ def test_cpu_picks_cpu_flash_and_honours_the_override(monkeypatch):
 
 
 def test_automatic_choice_skips_unverified_and_unsupported(monkeypatch):
-    """The CUDA order (cudnn, flash, efficient) run on meta tensors: cudnn is unverified, so bf16 gets
-    flash, fp32 efficient; forcing cudnn is allowed (an explicit opt-in)."""
+    """The CUDA order (cudnn, flash_varlen, flash_gqa, flash, efficient) run on meta tensors: the first
+    three are unverified, so bf16 gets flash, fp32 efficient; forcing cudnn is allowed (an explicit opt-in)."""
     meta = {name: dataclasses.replace(k, device_type="meta") for name, k in KERNELS.items() if k.device_type == "cuda"}
     monkeypatch.setattr(kernels, "KERNELS", meta)
     monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
@@ -50,12 +48,13 @@ def test_automatic_choice_skips_unverified_and_unsupported(monkeypatch):
 
 
 @pytest.mark.parametrize("name, dtype", [("flash", torch.bfloat16), ("flash", torch.float16),
-                                         ("efficient", torch.float32), ("cudnn", torch.bfloat16)])
+                                         ("flash_gqa", torch.bfloat16), ("efficient", torch.float32),
+                                         ("cudnn", torch.bfloat16)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_kernel_calls_match_the_op_schemas(name, dtype, causal):
     """Forward and backward of each CUDA kernel on meta tensors, GQA 8/2: the aten ops parse every
     argument (names and types of this torch's schema) and return the documented shapes."""
-    module = CUDA_MODULES[name]
+    module = KERNELS[name]
     q = torch.empty(2, 8, 16, 64, device="meta", dtype=dtype)
     k = v = torch.empty(2, 2, 16, 64, device="meta", dtype=dtype)
     out, lse = module.forward(q, k, v, causal=causal, scale=0.125)
@@ -99,6 +98,20 @@ def test_flash_backward_passes_undefined_offsets(monkeypatch):
     assert forward[2] is None and forward[3] is None  # what the forward returns for a dense call
 
 
+@pytest.mark.parametrize("name, key_heads", [("flash", 4), ("flash_gqa", 2)])
+def test_flash_gqa_passes_kv_with_their_own_heads(monkeypatch, name, key_heads):
+    """``flash`` expands K/V to q's 4 heads before the op; ``flash_gqa`` hands the op the 2 KV heads
+    (no copies) and returns dk/dv with 2 heads either way."""
+    recorder = _RecordingAten()
+    monkeypatch.setattr(cuda_flash, "aten", recorder)
+    q = torch.randn(1, 4, 8, 16, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    dq, dk, dv = KERNELS[name].backward(q, q, k, k, q, torch.zeros(1, 4, 8), causal=True, scale=0.25)
+    (call,) = recorder.calls
+    assert call["key"].shape[1] == call["value"].shape[1] == key_heads
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
 def _reference(q, k, v, dout, causal, scale):
     q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, scale=scale,
@@ -114,6 +127,7 @@ def _relative_error(got, want):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name, dtype, tol", [("flash", torch.bfloat16, 1e-2), ("flash", torch.float16, 2e-3),
+                                              ("flash_gqa", torch.bfloat16, 1e-2), ("flash_gqa", torch.float16, 2e-3),
                                               ("efficient", torch.float32, 1e-5), ("cudnn", torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("causal", [True, False])
 def test_cuda_kernels_match_float64(name, dtype, tol, causal):

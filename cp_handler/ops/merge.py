@@ -3,7 +3,7 @@
 Two attentions of the same queries over disjoint key sets, ``(o1, lse1)`` and ``(o2, lse2)``,
 combine into the attention over the union:
 
-    out = o1 - sigmoid(lse2 - lse1) * (o1 - o2)
+    out = o1 + sigmoid(lse2 - lse1) * (o2 - o1)     (torch.lerp: one kernel)
     lse = logaddexp(lse1, lse2) = lse1 - logsigmoid(lse1 - lse2)
 
 Neither form exponentiates a large number, so both are stable for any lse gap (the forms of
@@ -28,9 +28,10 @@ def merge_attn_out_(
     """Merge ``(block_out (B,H,S,D), block_lse (B,H,S))`` into the accumulators, in place.
 
     ``out`` (B,H,S,D) and ``lse`` (B,H,S) are in :func:`acc_dtype` and may be views (row slices)
-    of larger accumulators. Not differentiable: called inside autograd.Function forwards.
+    of larger accumulators. Not differentiable: called inside autograd.Function forwards. Four
+    elementwise kernels (subtract, sigmoid, lerp, logaddexp), five when ``block_out`` needs a cast
+    to the accumulator dtype: small shards on CUDA are bound by kernel launches (issue 14).
     """
-    block_lse = block_lse.to(lse.dtype)
-    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-    out.sub_(weight * (out - block_out.to(out.dtype)))
+    weight = torch.sub(block_lse, lse).sigmoid_().unsqueeze(-1)
+    out.lerp_(block_out.to(out.dtype), weight)  # out + weight * (block_out - out), one kernel
     torch.logaddexp(lse, block_lse, out=lse)

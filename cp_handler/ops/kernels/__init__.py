@@ -4,8 +4,9 @@ Automatic choice, fastest first, among kernels that a GPU run has verified (:att
 
 * CPU: ``cpu_flash`` (any float dtype, GQA native); ``cpu_varlen`` (the packed interface on CPU,
   the reference of the batching: never automatic);
-* CUDA: ``cudnn`` and ``flash_varlen`` (not yet verified: opt-in), ``flash`` (FlashAttention-2,
-  fp16/bf16), ``efficient`` (memory-efficient, fp32).
+* CUDA: ``cudnn``, ``flash_varlen`` and ``flash_gqa`` (FlashAttention-2 with K/V at their own head
+  count; not yet verified: opt-in), ``flash`` (FlashAttention-2, fp16/bf16, K/V expanded for GQA),
+  ``efficient`` (memory-efficient, fp32).
 
 A packed kernel (:mod:`.varlen`) runs every block of a plan that shares a mask flag, and has
 disjoint query rows, in one call (:mod:`cp_handler.ops.packed_blocks`).
@@ -30,7 +31,8 @@ ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
 """Environment variable that forces a kernel by name (a key of :data:`KERNELS`)."""
 
 KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.CPU_VARLEN, cuda_cudnn.KERNEL,
-                                                      varlen.FLASH_VARLEN, cuda_flash.KERNEL, cuda_efficient.KERNEL)}
+                                                      varlen.FLASH_VARLEN, cuda_flash.GQA_KERNEL, cuda_flash.KERNEL,
+                                                      cuda_efficient.KERNEL)}
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
 __all__ = ["ATTN_KERNEL_ENV", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward", "block_attn_forward",

@@ -4,11 +4,23 @@ Every argument of the backward is named as in the op's schema and takes the valu
 returns for a dense (non-varlen) call: ``cum_seq_q`` / ``cum_seq_k`` undefined (``None``; a defined
 tensor there selects the varlen path, which wants int32 offsets: the bf16 crash of issue 13),
 ``max_q`` / ``max_k`` the block lengths. The philox state is read only when ``dropout_p > 0``;
-dropout is always 0 here, so an empty int64 tensor stands for it. GQA: K/V are expanded after
-communication (nothing extra on the wire) and dk/dv summed back.
+dropout is always 0 here, so an empty int64 tensor stands for it.
+
+GQA, two kernels:
+
+* ``flash``: K/V expanded to q's heads after communication (nothing extra on the wire), dk/dv
+  summed back: two copies in forward, two copies and two sums in backward per block.
+* ``flash_gqa``: K/V passed with their own ``Hkv`` heads. FlashAttention-2 handles ``H % Hkv == 0``
+  itself and returns dk/dv with ``Hkv`` heads; this is the path PyTorch's SDPA takes for
+  ``enable_gqa=True`` (its docs: GQA "works only for Flash_attention and math kernel on CUDA"), and
+  the op's meta kernel gives these shapes. No K/V copies, 96 fewer kernel launches per rank-step of
+  issue 14's 512-token shards (``cp-bench --modes launches``). Not yet run by this code on a GPU:
+  opt-in (``attn_kernel="flash_gqa"``) until a GPU run verifies it.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -17,15 +29,17 @@ from .base import AttnKernel, expand_kv, reduce_kv_grad
 aten = torch.ops.aten
 
 
-def forward(q, k, v, *, causal: bool, scale: float):
-    k, v = expand_kv(q, k), expand_kv(q, v)
+def forward(q, k, v, *, causal: bool, scale: float, native_gqa: bool = False):
+    if not native_gqa:
+        k, v = expand_kv(q, k), expand_kv(q, v)
     out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, native_gqa: bool = False):
     kv_heads = k.shape[1]
-    k, v = expand_kv(q, k), expand_kv(q, v)
+    if not native_gqa:
+        k, v = expand_kv(q, k), expand_kv(q, v)
     no_dropout = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
         grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse.contiguous(),
@@ -39,4 +53,8 @@ KERNEL = AttnKernel(
     "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, max_head_dim=256,
     verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): this call (undefined cum_seq_q/k) within "
                 "2-3e-3 (bf16) / 3e-4 (fp16) relative error of a float64 reference",
+)
+GQA_KERNEL = AttnKernel(
+    "flash_gqa", "cuda", (torch.float16, torch.bfloat16), functools.partial(forward, native_gqa=True),
+    functools.partial(backward, native_gqa=True), max_head_dim=256, verified_on=None,
 )
