@@ -9,7 +9,10 @@ Modes (``--modes``, default both):
   activation memory of one GPT training step per rank, and the cost of the handler at cp=1;
 * ``plan`` (only when asked for): :mod:`.plan`: one rank's compute of every pattern, bshd and thd,
   timed on ``--device`` (one GPU is enough; CPU is the emulation mode) without communication beside
-  the whole sequence on one device: per-rank compute efficiency.
+  the whole sequence on one device: per-rank compute efficiency;
+* ``launches`` (only when asked for): :mod:`.launches`: the same rank plans on ``meta`` tensors through
+  each of ``--launch-kernels`` (CUDA kernels), counting the operators (kernel launches) per rank-step;
+  no GPU needed, sizes from the plan flags (CUDA defaults).
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
 Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and prints the tables.
@@ -31,7 +34,8 @@ from tqdm import tqdm
 from ..cli.launch import launch
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
-from . import e2e, plan, report
+from ..ops.kernels import KERNELS
+from . import e2e, launches, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
 
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cp-bench", description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and plots go")
     p.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU")
-    p.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan"), default=["attn", "e2e"])
+    p.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches"), default=["attn", "e2e"])
     p.add_argument("--cp-sizes", type=int, nargs="+", default=None)
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths (tokens)")
     p.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None)
@@ -122,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan-head-dim", type=int, default=None)
     g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None)
     g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
+    g.add_argument("--launch-kernels", nargs="+", default=list(launches.DEFAULT_KERNELS),
+                   help="--modes launches: the CUDA kernels whose launches are counted")
     return p
 
 
@@ -133,13 +139,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """
     p = build_parser()
     args = p.parse_args(argv)
-    for key, value in {**(QUICK if args.quick else FULL), **PLAN[args.device]}.items():
+    plan_device = "cpu" if args.device == "cpu" and "plan" in args.modes else "cuda"  # launches counts CUDA plans
+    for key, value in {**(QUICK if args.quick else FULL), **PLAN[plan_device]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
-    if args.device == "cuda" and set(args.modes) - {"plan"}:
-        p.error("--device cuda runs --modes plan only (attn and e2e run on gloo CPU ranks)")
+    if args.device == "cuda" and set(args.modes) - {"plan", "launches"}:
+        p.error("--device cuda runs --modes plan and launches only (attn and e2e run on gloo CPU ranks)")
+    if "launches" in args.modes:
+        cuda_kernels = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
+        for name in args.launch_kernels:
+            if name not in cuda_kernels:
+                p.error(f"--launch-kernels: {name!r} is not a CUDA kernel; CUDA kernels: {cuda_kernels}")
     for cp in args.cp_sizes:
         if cp < 1:
             p.error(f"--cp-sizes: {cp} must be >= 1")
@@ -163,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         results["e2e"] = e2e.run(args)
     if "plan" in args.modes:
         results["plan"] = plan.run(args)
+    if "launches" in args.modes:
+        results["launches"] = launches.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

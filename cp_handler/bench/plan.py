@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..layout import ZigzagDocs
 from ..ops.all_gather import all_gather_blocks
 from ..ops.blocks import blocks_backward_, blocks_forward_, new_accumulators
-from ..ops.kernels import select_kernel
+from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.ring import ring_blocks
 
 
@@ -104,19 +104,21 @@ def _inputs(q_len, kv_len, heads, kv_heads, shape: PlanShape):
     return q, k, v
 
 
-def _rank_step(plan: RankPlan, shape: PlanShape):
+def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None):
+    """A function running ``plan`` forward + backward once on fresh inputs of ``shape`` (no
+    communication), with ``kernel`` or else ``shape.kernel`` (a name; ``None``: automatic)."""
     q, k, v = _inputs(plan.q_len, plan.kv_len, plan.heads, plan.kv_heads, shape)
     scale = shape.head_dim ** -0.5
-    select_kernel(q, shape.kernel)  # a forced kernel that cannot run fails here, before timing
+    kernel = select_kernel(q, kernel or shape.kernel)  # a forced kernel that cannot run fails here, before timing
 
     def run():
         out, lse = new_accumulators(q)
         for i, blocks in enumerate(plan.steps):
-            blocks_forward_(out, lse, q, k, v, blocks, scale, fresh=i == 0, attn_kernel=shape.kernel)
+            blocks_forward_(out, lse, q, k, v, blocks, scale, fresh=i == 0, attn_kernel=kernel)
         out = out.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         for blocks in plan.steps:
-            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse, blocks, scale, attn_kernel=shape.kernel)
+            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse, blocks, scale, attn_kernel=kernel)
     return run
 
 
@@ -150,7 +152,7 @@ def _flex_step(q, k, v, lengths):
 
 def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
     """Median forward+backward milliseconds of ``case`` (rank 0's plan, or the whole-sequence reference)."""
-    step = _whole_step(case, shape) if case.pattern == "whole" else _rank_step(rank_plan(case, shape), shape)
+    step = _whole_step(case, shape) if case.pattern == "whole" else rank_step(rank_plan(case, shape), shape)
     times = []
     for i in range(warmup + reps):
         stop = _timer(shape.device)

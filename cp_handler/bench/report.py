@@ -94,6 +94,8 @@ def markdown(results: dict) -> str:
         parts += ["## End to end (reference GPT)\n", e2e_tables(results["e2e"]), ""]
     if "plan" in results:
         parts += ["## Per-rank compute (plan mode)\n", plan_table(results["plan"]), ""]
+    if "launches" in results:
+        parts += ["## Kernel launches per rank-step (launches mode)\n", launches_table(results["launches"]), ""]
     return "\n".join(parts)
 
 
@@ -109,6 +111,20 @@ def plan_table(plan: dict) -> str:
             lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
                          f"| {r['seq_len'] // r['cp_size']} | {r['median_ms']:.2f} "
                          f"| {whole[(r['qkv_format'], r['seq_len'])]:.2f} | {r['efficiency']:.3f} |")
+    return "\n".join(lines)
+
+
+def launches_table(launches: dict) -> str:
+    """Operators (kernel launches, a lower bound) of one rank's fwd+bwd, per CUDA kernel."""
+    s, names = launches["shape"], launches["kernels"]
+    lines = [f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
+             f"causal fwd+bwd, thd mean document {s['thd_mean_doc']}\n",
+             "| format | S | pattern | cp | tokens/rank | blocks | " + " | ".join(names) + " |",
+             "|" + "---|" * (6 + len(names))]
+    for r in launches["rows"]:
+        lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
+                     f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | "
+                     + " | ".join(str(r["ops"][n]) for n in names) + " |")
     return "\n".join(lines)
 
 

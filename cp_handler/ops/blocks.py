@@ -65,7 +65,7 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False,
-                    attn_kernel: str | None = None) -> None:
+                    attn_kernel: str | AttnKernel | None = None) -> None:
     """Merge the attention of every block into ``out``/``lse`` (in place), with the kernel
     :func:`~.kernels.select_kernel` picks for ``q`` and ``attn_kernel``.
 
@@ -93,7 +93,7 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
 
 
 def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float,
-                     attn_kernel: str | None = None) -> None:
+                     attn_kernel: str | AttnKernel | None = None) -> None:
     """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse."""
     kernel = select_kernel(q, attn_kernel)
     if kernel.packed:

@@ -5,7 +5,9 @@ overlap go into one call (a greedy pass in plan order), their rows gathered into
 segment offsets ``cu_q`` / ``cu_k`` (FlashAttention-2's varlen layout). A call's output is merged
 into the accumulators at its rows by log-sum-exp (:mod:`.merge`) in one batched gather / merge /
 scatter, or copied when no earlier call wrote those rows into fresh accumulators. Backward runs the
-same calls and adds the packed gradients back with ``index_add_``. Per batch row: tensors are
+same calls and adds the packed gradients back with ``index_add_``. A call whose query (or key) rows
+are one range, as every bshd block is, reads and writes them through views instead: no gather,
+scatter or cast kernels (``cp-bench --modes launches`` counts them). Per batch row: tensors are
 ``(B, H, S, D)`` as in :mod:`.blocks`; the index tensors of a plan are built once per device.
 """
 
@@ -37,6 +39,8 @@ class PackedCall:
     fresh: bool  # no earlier call of the plan writes any of these query rows
     pairs: int  # score pairs per batch row and head
     blocks: int
+    q_span: tuple[int, int] | None  # q_index as one ascending range [start, stop), else None
+    kv_span: tuple[int, int] | None
 
 
 def _overlaps(rows: list[tuple[int, int]], start: int, stop: int) -> bool:
@@ -50,11 +54,16 @@ def _call(causal: bool, members: list[BlockKey], fresh: bool, device) -> PackedC
     def offsets(lengths):
         return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
-    q_len = [qe - qs for qs, qe, _, _, _ in members]
-    k_len = [ke - ks for _, _, ks, ke, _ in members]
-    return PackedCall(causal, indices([(m[0], m[1]) for m in members]), indices([(m[2], m[3]) for m in members]),
-                      offsets(q_len), offsets(k_len), max(q_len), max(k_len), fresh,
-                      sum(block_pairs(a, b, causal) for a, b in zip(q_len, k_len, strict=True)), len(members))
+    def span(pairs):  # adjacent ascending segments read and write as one view, no gather or scatter
+        adjacent = all(prev[1] == nxt[0] for prev, nxt in zip(pairs, pairs[1:], strict=False))
+        return (pairs[0][0], pairs[-1][1]) if adjacent else None
+
+    q_rows, kv_rows = [(m[0], m[1]) for m in members], [(m[2], m[3]) for m in members]
+    q_len = [qe - qs for qs, qe in q_rows]
+    k_len = [ke - ks for ks, ke in kv_rows]
+    return PackedCall(causal, indices(q_rows), indices(kv_rows), offsets(q_len), offsets(k_len), max(q_len),
+                      max(k_len), fresh, sum(block_pairs(a, b, causal) for a, b in zip(q_len, k_len, strict=True)),
+                      len(members), span(q_rows), span(kv_rows))
 
 
 @functools.lru_cache(maxsize=512)
@@ -83,38 +92,57 @@ def plan_key(blocks) -> tuple[BlockKey, ...]:
     return tuple((q.start, q.stop, kv.start, kv.stop, causal) for q, kv, causal in blocks)
 
 
-def _rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t (H, S, D)`` rows ``index`` as packed ``(T, H, D)`` (contiguous)."""
-    return t.transpose(0, 1).index_select(0, index)
+def _rows(t: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None) -> torch.Tensor:
+    """``t (H, S, ...)`` rows ``index`` as packed ``(T, H, ...)``: a view when they are one range
+    ``span`` (last dim contiguous, as the varlen kernels require), else a gathered copy."""
+    rows = t.transpose(0, 1)
+    return rows[span[0]:span[1]] if span else rows.index_select(0, index)
+
+
+def _add_rows_(acc: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | None, grad: torch.Tensor) -> None:
+    """Add packed ``grad (T, H, D)`` into rows ``index`` of ``acc (H, S, D)``."""
+    if span:
+        acc.transpose(0, 1)[span[0]:span[1]].add_(grad)
+    else:
+        acc.transpose(0, 1).index_add_(0, index, grad.to(acc.dtype))
 
 
 def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel: AttnKernel) -> None:
     """:func:`~.blocks.blocks_forward_` with a packed kernel."""
     for call in packed_calls(plan_key(blocks), q.device):
         record_attn_pairs(q.shape[0] * q.shape[1] * call.pairs, call.blocks)
+        qi, ki, qs, ks = call.q_index, call.kv_index, call.q_span, call.kv_span
         for b in range(q.shape[0]):
             block_out, block_lse = kernel.forward(
-                _rows(q[b], call.q_index), _rows(k[b], call.kv_index), _rows(v[b], call.kv_index),
+                _rows(q[b], qi, qs), _rows(k[b], ki, ks), _rows(v[b], ki, ks),
                 call.cu_q, call.cu_k, call.max_q, call.max_k, causal=call.causal, scale=scale)
             block_out = block_out.transpose(0, 1)  # (H, Tq, D)
-            if fresh and call.fresh:
-                out[b].index_copy_(1, call.q_index, block_out.to(out.dtype))
-                lse[b].index_copy_(1, call.q_index, block_lse.to(lse.dtype))
-                continue
-            acc_out, acc_lse = out[b].index_select(1, call.q_index), lse[b].index_select(1, call.q_index)
-            merge_attn_out_(acc_out, acc_lse, block_out, block_lse)
-            out[b].index_copy_(1, call.q_index, acc_out)
-            lse[b].index_copy_(1, call.q_index, acc_lse)
+            if qs:  # merge or copy in place, through views of the accumulators
+                acc_out, acc_lse = out[b][:, qs[0]:qs[1]], lse[b][:, qs[0]:qs[1]]
+                if fresh and call.fresh:
+                    acc_out.copy_(block_out)
+                    acc_lse.copy_(block_lse)
+                else:
+                    merge_attn_out_(acc_out, acc_lse, block_out, block_lse)
+            elif fresh and call.fresh:
+                out[b].index_copy_(1, qi, block_out.to(out.dtype))
+                lse[b].index_copy_(1, qi, block_lse.to(lse.dtype))
+            else:
+                acc_out, acc_lse = out[b].index_select(1, qi), lse[b].index_select(1, qi)
+                merge_attn_out_(acc_out, acc_lse, block_out, block_lse)
+                out[b].index_copy_(1, qi, acc_out)
+                lse[b].index_copy_(1, qi, acc_lse)
 
 
 def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks, scale: float, kernel: AttnKernel) -> None:
     """:func:`~.blocks.blocks_backward_` with a packed kernel."""
     for call in packed_calls(plan_key(blocks), q.device):
+        qi, ki, qs, ks = call.q_index, call.kv_index, call.q_span, call.kv_span
         for b in range(q.shape[0]):
-            qi, ki = call.q_index, call.kv_index
+            lse_rows = lse[b][:, qs[0]:qs[1]] if qs else lse[b].index_select(1, qi)
             grads = kernel.backward(
-                _rows(dout[b], qi), _rows(q[b], qi), _rows(k[b], ki), _rows(v[b], ki), _rows(out[b], qi),
-                lse[b].index_select(1, qi), call.cu_q, call.cu_k, call.max_q, call.max_k,
+                _rows(dout[b], qi, qs), _rows(q[b], qi, qs), _rows(k[b], ki, ks), _rows(v[b], ki, ks),
+                _rows(out[b], qi, qs), lse_rows, call.cu_q, call.cu_k, call.max_q, call.max_k,
                 causal=call.causal, scale=scale)
-            for acc, index, grad in ((dq, qi, grads[0]), (dk, ki, grads[1]), (dv, ki, grads[2])):
-                acc[b].transpose(0, 1).index_add_(0, index, grad.to(acc.dtype))
+            for acc, index, rows, grad in ((dq, qi, qs, grads[0]), (dk, ki, ks, grads[1]), (dv, ki, ks, grads[2])):
+                _add_rows_(acc[b], index, rows, grad)

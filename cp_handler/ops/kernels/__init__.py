@@ -46,26 +46,31 @@ def kernel_override(attn_kernel: str | None = None) -> tuple[str | None, str]:
     return os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
 
 
-def select_kernel(q: torch.Tensor, attn_kernel: str | None = None) -> AttnKernel:
+def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) -> AttnKernel:
     """The kernel for blocks shaped like ``q (B, H, S, D)``.
 
     Args:
         q: a query block (its device, dtype and head dim decide).
-        attn_kernel: force a kernel by name; ``None`` reads ``CP_HANDLER_ATTN_KERNEL``, and if that
-            is unset or empty picks the fastest verified kernel that can run.
+        attn_kernel: force a kernel by name (or pass one, e.g. a kernel re-labelled for ``meta``
+            tensors by ``cp-bench --modes launches``); ``None`` reads ``CP_HANDLER_ATTN_KERNEL``,
+            and if that is unset or empty picks the fastest verified kernel that can run.
 
     Raises:
         ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason), or no
             verified kernel for this device and dtype.
     """
-    attn_kernel, source = kernel_override(attn_kernel)
-    if attn_kernel is not None:
-        if attn_kernel not in KERNELS:
-            raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
-        reason = KERNELS[attn_kernel].cannot_run(q)
+    if isinstance(attn_kernel, AttnKernel):
+        forced, source = attn_kernel, "attn_kernel"
+    else:
+        name, source = kernel_override(attn_kernel)
+        if name is not None and name not in KERNELS:
+            raise ValueError(f"{source}={name!r} is not a known attention kernel; known: {list(KERNELS)}")
+        forced = KERNELS.get(name) if name is not None else None
+    if forced is not None:
+        reason = forced.cannot_run(q)
         if reason is not None:
-            raise ValueError(f"{source}={attn_kernel!r} cannot run this attention: {reason}")
-        return KERNELS[attn_kernel]
+            raise ValueError(f"{source}={forced.name!r} cannot run this attention: {reason}")
+        return forced
     reasons = []
     for kernel in KERNELS.values():
         reason = kernel.cannot_run(q) or (None if kernel.verified_on else "not yet verified on a GPU (opt-in)")

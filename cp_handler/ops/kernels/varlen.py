@@ -44,11 +44,18 @@ def flash_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal:
     return out, lse
 
 
+@functools.lru_cache(maxsize=16)
+def _rng_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's rng tensors for dropout 0 (read only when ``dropout_p > 0``, never written):
+    made once per device instead of two fills per call."""
+    (seed_shape, seed_dtype), (offset_shape, offset_dtype) = _rng_layout()
+    return (torch.zeros(seed_shape, dtype=seed_dtype, device=device),
+            torch.zeros(offset_shape, dtype=offset_dtype, device=device))
+
+
 def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
                           scale: float):
-    (seed_shape, seed_dtype), (offset_shape, offset_dtype) = _rng_layout()
-    rng_state = torch.zeros(seed_shape, dtype=seed_dtype, device=q.device)  # read only when dropout_p > 0
-    unused = torch.zeros(offset_shape, dtype=offset_dtype, device=q.device)
+    rng_state, unused = _rng_inputs(q.device)
     return aten._flash_attention_backward(
         grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse.contiguous(), cum_seq_q=cu_q, cum_seq_k=cu_k,
         max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal, rng_state=rng_state, unused=unused, scale=scale,

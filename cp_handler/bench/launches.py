@@ -1,0 +1,75 @@
+"""Kernel launches of one rank's plan, counted without a GPU (``cp-bench --modes launches``).
+
+Small shards on CUDA are bound by launches, not by math (issue 14: 1146 launches and 11 ms of CPU
+per rank-step for 4.5 ms of GPU work at 512 tokens per rank). This mode runs rank 0's plan of every
+pattern (:func:`~.plan.rank_plan`, forward + backward, exactly the code ``--modes plan`` times) on
+``meta`` tensors through a CUDA kernel's own Python code (the kernel re-labelled for ``meta``; the
+aten ops' meta kernels give every shape, so no GPU is needed) and counts the aten operators
+dispatched, views and allocations left out. Every counted operator launches at least one CUDA
+kernel (the flash backward launches several), so the count is a lower bound of a rank's launches,
+exact in what our code adds around the attention kernels; it does not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import asdict
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..ops.kernels import KERNELS
+from .plan import PlanShape, cases, rank_plan, rank_step
+
+ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+"""Operators that only allocate (no kernel on CUDA)."""
+
+DEFAULT_KERNELS = ("flash", "flash_gqa", "flash_varlen", "cudnn")
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts the dispatched aten operators that launch device work (not views, not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in ALLOCATIONS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Counter[str]:
+    """Operators of one forward + backward of rank 0's plan in ``case`` with CUDA kernel ``kernel_name``.
+
+    Raises:
+        ValueError: ``kernel_name`` is not a CUDA kernel of :data:`~cp_handler.ops.kernels.KERNELS`.
+    """
+    kernel = KERNELS.get(kernel_name)
+    if kernel is None or kernel.device_type != "cuda":
+        cuda = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
+        raise ValueError(f"--launch-kernels: {kernel_name!r} is not a CUDA kernel; CUDA kernels: {cuda}")
+    meta_shape = dataclasses.replace(shape, device="meta", kernel=None)
+    step = rank_step(rank_plan(case, meta_shape), meta_shape, dataclasses.replace(kernel, device_type="meta"))
+    step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
+    with LaunchCounter() as counter:
+        step()
+    return counter.ops
+
+
+def run(args) -> dict:
+    """``--modes launches``: every pattern's rank plan (the plan flags' sizes) for each of ``args.launch_kernels``."""
+    shape = PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads, head_dim=args.plan_head_dim,
+                      dtype=args.plan_dtype, thd_mean_doc=args.thd_mean_doc)
+    rows = []
+    for case in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats):
+        if case.pattern == "whole":
+            continue
+        plan = rank_plan(case, shape)
+        counts = {name: count_launches(case, shape, name) for name in args.launch_kernels}
+        rows.append({**asdict(case), "blocks": sum(len(s) for s in plan.steps),
+                     "ops": {name: sum(c.values()) for name, c in counts.items()},
+                     "by_operator": {name: dict(c.most_common()) for name, c in counts.items()}})
+    return {"shape": asdict(shape), "kernels": list(args.launch_kernels), "rows": rows}
