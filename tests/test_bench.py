@@ -133,3 +133,31 @@ def test_plan_mode_refuses_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--modes", "plan", "--device", "cuda"])
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
+
+
+def test_launches_mode_counts_each_kernels_operators(tmp_path):
+    """``--modes launches`` on meta tensors (no GPU): native GQA drops the K/V copies and the dk/dv
+    sums, packed calls cut thd's per-document launches, and bshd's packed calls read views where
+    their rows are one range (no gathers)."""
+    out = tmp_path / "launches"
+    assert main(["--modes", "launches", "--plan-seq-lens", "2048", "--plan-cp-sizes", "4", "--thd-mean-doc", "64",
+                 "--comm-types", "p2p", "all_gather", "--out-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["launches"]
+    rows = {(r["qkv_format"], r["pattern"]): r for r in results["rows"]}
+    assert set(rows) == {(f, p) for f in ("bshd", "thd") for p in ("p2p", "all_gather")}
+    for (fmt, pattern), r in rows.items():
+        ops, by_op = r["ops"], r["by_operator"]
+        assert ops["flash_gqa"] < ops["flash"] and "sum" not in by_op["flash_gqa"]
+        assert by_op["flash"]["_scaled_dot_product_flash_attention"] == r["blocks"]  # one forward call per block
+        if fmt == "thd":
+            assert ops["flash_varlen"] < ops["flash_gqa"] / 2, r
+        else:  # p2p: every call's rows are one range; all_gather's causal call gathers its two K/V chunks
+            assert ops["flash_varlen"] <= ops["flash_gqa"], r
+            assert ("index_select" in by_op["flash_varlen"]) == (pattern == "all_gather"), r
+    assert "| thd | 2048 | p2p | 4 | 512 |" in (out / "results.md").read_text()
+
+
+def test_launches_mode_refuses_a_cpu_kernel(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "launches", "--launch-kernels", "cpu_flash"])
+    assert "--launch-kernels: 'cpu_flash' is not a CUDA kernel" in capsys.readouterr().err

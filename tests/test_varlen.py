@@ -7,6 +7,7 @@ checked on CPU through ``cpu_varlen`` (the same packed interface, computed per s
 * Every pattern with ``CP_HANDLER_ATTN_KERNEL=cpu_varlen`` against the single-process / per-document
   reference: the thd parity test (cp 1, 2, 4; a2a+p2p at [2, 2]) and the bshd pattern test (cp 2),
   with the tolerances of those tests (float32 4e-6 * cp).
+* On CUDA (``-m gpu``): rank plans through ``flash_varlen`` against the same plans through ``flash``.
 """
 
 import os
@@ -19,9 +20,10 @@ from dist_utils import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
 from cp_handler.layout import ZigzagDocs
 from cp_handler.ops.all_gather import all_gather_blocks
-from cp_handler.ops.blocks import tile_causal
+from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV
 from cp_handler.ops.packed_blocks import packed_calls, plan_key
 from cp_handler.ops.ring import ring_blocks
@@ -84,3 +86,33 @@ def test_cpu_varlen_thd_matches_per_document(world, patterns, sizes):
 
 def test_cpu_varlen_bshd_matches_single_process():
     run_distributed(_bshd_varlen, 2, ["p2p", "all_gather", "a2a"], ["gqa"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pattern, fmt, cp", [("p2p", "thd", 1), ("p2p", "thd", 4), ("all_gather", "thd", 4),
+                                              ("a2a+p2p", "thd", 4), ("p2p", "bshd", 4), ("all_gather", "bshd", 4)])
+def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
+    """GPU check of the opt-in packed kernel (and of the packing's views, gathers and scatters on
+    CUDA): rank 0's whole plan (remote K/V stood in by local ones, as ``cp-bench --modes plan``
+    does) through ``flash_varlen`` against the same plan through the verified ``flash`` blocks, bf16,
+    outputs, lse and gradients. Tolerance: relative error 1e-2 (each is within 2-3e-3 of float64)."""
+    shape = PlanShape(num_heads=8, num_kv_heads=2, head_dim=64, device="cuda", thd_mean_doc=100)
+    plan = rank_plan(PlanCase(pattern, fmt, cp, 2048, a2a_size=2), shape)
+    torch.manual_seed(0)
+    q, dout = (torch.randn(1, plan.heads, plan.q_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, plan.kv_heads, plan.kv_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    results = {}
+    for kernel in ("flash", "flash_varlen"):
+        out, lse = new_accumulators(q)
+        for i, blocks in enumerate(plan.steps):
+            blocks_forward_(out, lse, q, k, v, blocks, 0.125, fresh=i == 0, attn_kernel=kernel)
+        out = out.to(q.dtype)
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+        for blocks in plan.steps:
+            blocks_backward_(*grads, dout, q, k, v, out, lse, blocks, 0.125, attn_kernel=kernel)
+        results[kernel] = (out, lse, *grads)
+    for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["flash_varlen"], results["flash"],
+                                strict=True):
+        error = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+        assert error < 1e-2, (label, error)
