@@ -34,7 +34,6 @@ from tqdm import tqdm
 from ..cli.launch import launch
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
-from ..ops.kernels import KERNELS
 from . import e2e, launches, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
@@ -148,10 +147,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device == "cuda" and set(args.modes) - {"plan", "launches"}:
         p.error("--device cuda runs --modes plan and launches only (attn and e2e run on gloo CPU ranks)")
     if "launches" in args.modes:
-        cuda_kernels = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
-        for name in args.launch_kernels:
-            if name not in cuda_kernels:
-                p.error(f"--launch-kernels: {name!r} is not a CUDA kernel; CUDA kernels: {cuda_kernels}")
+        try:
+            launches.check_kernels(args.launch_kernels)
+        except ValueError as err:
+            p.error(str(err))
     for cp in args.cp_sizes:
         if cp < 1:
             p.error(f"--cp-sizes: {cp} must be >= 1")

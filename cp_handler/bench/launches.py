@@ -41,18 +41,25 @@ class LaunchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def check_kernels(names) -> None:
+    """Raises ``ValueError`` (naming ``--launch-kernels``) for a name that is not a CUDA kernel of
+    :data:`~cp_handler.ops.kernels.KERNELS`."""
+    cuda = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
+    for name in names:
+        if name not in cuda:
+            raise ValueError(f"--launch-kernels: {name!r} is not a CUDA kernel; CUDA kernels: {cuda}")
+
+
 def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Counter[str]:
     """Operators of one forward + backward of rank 0's plan in ``case`` with CUDA kernel ``kernel_name``.
 
     Raises:
-        ValueError: ``kernel_name`` is not a CUDA kernel of :data:`~cp_handler.ops.kernels.KERNELS`.
+        ValueError: ``kernel_name`` is not a CUDA kernel (:func:`check_kernels`).
     """
-    kernel = KERNELS.get(kernel_name)
-    if kernel is None or kernel.device_type != "cuda":
-        cuda = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
-        raise ValueError(f"--launch-kernels: {kernel_name!r} is not a CUDA kernel; CUDA kernels: {cuda}")
+    check_kernels([kernel_name])
     meta_shape = dataclasses.replace(shape, device="meta", kernel=None)
-    step = rank_step(rank_plan(case, meta_shape), meta_shape, dataclasses.replace(kernel, device_type="meta"))
+    meta_kernel = dataclasses.replace(KERNELS[kernel_name], device_type="meta")
+    step = rank_step(rank_plan(case, meta_shape), meta_shape, meta_kernel)
     step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
     with LaunchCounter() as counter:
         step()
