@@ -157,7 +157,22 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path):
     assert "| thd | 2048 | p2p | 4 | 512 |" in (out / "results.md").read_text()
 
 
-def test_launches_mode_refuses_a_cpu_kernel(capsys):
+@pytest.mark.parametrize("flags, message", [
+    (["--modes", "launches", "--launch-kernels", "cpu_flash"], "--launch-kernels: 'cpu_flash' is not a CUDA kernel"),
+    (["--modes", "launches", "--plan-head-dim", "512"],
+     "--launch-kernels: 'flash' cannot run this shape: it takes head dims <= 256, q has 512"),
+    (["--modes", "launches", "--plan-dtype", "float32"], "--launch-kernels: 'flash' cannot run this shape: it takes"),
+    (["--modes", "launches", "--plan-heads", "30"], "--plan-heads 30 must be a multiple of --plan-kv-heads 8 (GQA)"),
+    (["--modes", "launches", "--plan-kv-heads", "0"], "--plan-kv-heads: 0 must be >= 1"),
+    (["--modes", "launches", "--plan-heads", "24", "--plan-cp-sizes", "16", "--comm-types", "a2a"],
+     "--plan-heads 24 must be divisible by the a2a size 16 (cp 16)"),
+    (["--modes", "plan", "--plan-seq-lens", "1000", "--plan-cp-sizes", "8"],
+     "--plan-seq-lens 1000 must be divisible by 2 * cp = 16"),
+    (["--modes", "plan", "--attn-kernel", "flash"], "--attn-kernel 'flash' cannot run this attention: it runs on cuda"),
+])
+def test_plan_and_launches_flags_are_checked_before_running(capsys, flags, message):
+    """Each rule of the plan / launches flags is one line naming the flag, before any case runs
+    (before: a silent skip of the length, nonsense GQA shapes counted, a traceback from the kernel)."""
     with pytest.raises(SystemExit):
-        parse_args(["--modes", "launches", "--launch-kernels", "cpu_flash"])
-    assert "--launch-kernels: 'cpu_flash' is not a CUDA kernel" in capsys.readouterr().err
+        parse_args(flags)
+    assert message in capsys.readouterr().err

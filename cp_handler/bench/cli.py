@@ -21,6 +21,7 @@ Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -130,6 +131,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules of the plan and launches modes' flags, each error naming its flag (before any run)."""
+    for flag in ("plan_heads", "plan_kv_heads", "plan_head_dim", "thd_mean_doc"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+    if args.plan_heads % args.plan_kv_heads:
+        p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
+    for cp in args.plan_cp_sizes:
+        if cp < 1:
+            p.error(f"--plan-cp-sizes: {cp} must be >= 1")
+        for seq_len in args.plan_seq_lens:
+            if seq_len % (2 * cp):
+                p.error(f"--plan-seq-lens {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+        a2a_sizes = ([cp] if cp > 1 and "a2a" in args.comm_types else []) + \
+                    ([2] if cp >= 4 and "a2a+p2p" in args.comm_types else [])  # the a2a sizes plan.cases runs
+        for size in a2a_sizes:
+            if args.plan_heads % size:
+                p.error(f"--plan-heads {args.plan_heads} must be divisible by the a2a size {size} (cp {cp})")
+    shape = plan.PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads,
+                           head_dim=args.plan_head_dim, dtype=args.plan_dtype)
+    try:
+        if "launches" in args.modes:
+            launches.check_kernels(args.launch_kernels, shape)
+        if "plan" in args.modes and args.attn_kernel is not None:
+            plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device))
+    except ValueError as err:
+        p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags, with the ``--quick`` or full defaults filled in for the ones not given.
 
@@ -146,11 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available here")
     if args.device == "cuda" and set(args.modes) - {"plan", "launches"}:
         p.error("--device cuda runs --modes plan and launches only (attn and e2e run on gloo CPU ranks)")
-    if "launches" in args.modes:
-        try:
-            launches.check_kernels(args.launch_kernels)
-        except ValueError as err:
-            p.error(str(err))
+    if {"plan", "launches"} & set(args.modes):
+        _check_plan_flags(p, args)
     for cp in args.cp_sizes:
         if cp < 1:
             p.error(f"--cp-sizes: {cp} must be >= 1")

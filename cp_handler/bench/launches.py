@@ -16,9 +16,10 @@ import collections
 import dataclasses
 from dataclasses import asdict
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..ops.kernels import KERNELS
+from ..ops.kernels import KERNELS, AttnKernel
 from .plan import PlanShape, cases, rank_plan, rank_step
 
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
@@ -41,13 +42,23 @@ class LaunchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def check_kernels(names) -> None:
+def meta_kernel(name: str) -> AttnKernel:
+    """CUDA kernel ``name`` re-labelled to run its code on ``meta`` tensors."""
+    return dataclasses.replace(KERNELS[name], device_type="meta")
+
+
+def check_kernels(names, shape: PlanShape | None = None) -> None:
     """Raises ``ValueError`` (naming ``--launch-kernels``) for a name that is not a CUDA kernel of
-    :data:`~cp_handler.ops.kernels.KERNELS`."""
+    :data:`~cp_handler.ops.kernels.KERNELS`, or one that cannot run ``shape`` (dtype, head dim)."""
     cuda = [name for name, k in KERNELS.items() if k.device_type == "cuda"]
     for name in names:
         if name not in cuda:
             raise ValueError(f"--launch-kernels: {name!r} is not a CUDA kernel; CUDA kernels: {cuda}")
+        if shape is not None:
+            probe = torch.empty(1, 1, 1, shape.head_dim, device="meta", dtype=getattr(torch, shape.dtype))
+            reason = meta_kernel(name).cannot_run(probe)
+            if reason:
+                raise ValueError(f"--launch-kernels: {name!r} cannot run this shape: {reason}")
 
 
 def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Counter[str]:
@@ -58,8 +69,7 @@ def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Coun
     """
     check_kernels([kernel_name])
     meta_shape = dataclasses.replace(shape, device="meta", kernel=None)
-    meta_kernel = dataclasses.replace(KERNELS[kernel_name], device_type="meta")
-    step = rank_step(rank_plan(case, meta_shape), meta_shape, meta_kernel)
+    step = rank_step(rank_plan(case, meta_shape), meta_shape, meta_kernel(kernel_name))
     step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
     with LaunchCounter() as counter:
         step()

@@ -104,6 +104,13 @@ def _inputs(q_len, kv_len, heads, kv_heads, shape: PlanShape):
     return q, k, v
 
 
+def check_kernel(attn_kernel: str, shape: PlanShape) -> None:
+    """Raises ``ValueError`` (from :func:`~cp_handler.ops.kernels.select_kernel`) when the forced
+    kernel cannot run blocks of ``shape`` on ``shape.device``."""
+    select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
+                              dtype=getattr(torch, shape.dtype)), attn_kernel)
+
+
 def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None):
     """A function running ``plan`` forward + backward once on fresh inputs of ``shape`` (no
     communication), with ``kernel`` or else ``shape.kernel`` (a name; ``None``: automatic)."""
@@ -164,13 +171,19 @@ def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
 
 
 def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
-    """The reference and every pattern's rank plan for each (format, seq_len, cp)."""
+    """The reference and every pattern's rank plan for each (format, seq_len, cp > 1).
+
+    Raises:
+        ValueError: a ``seq_len`` not divisible by ``2 * cp`` (the zigzag chunks).
+    """
     out = []
     for fmt in formats:
         for seq_len in seq_lens:
             out.append(PlanCase("whole", fmt, 1, seq_len))
             for cp in cp_sizes:
-                if cp == 1 or seq_len % (2 * cp):
+                if seq_len % (2 * cp):
+                    raise ValueError(f"seq_len {seq_len} is not divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+                if cp == 1:
                     continue
                 for comm in comm_types:
                     if comm == "a2a+p2p":
