@@ -164,7 +164,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags, with the ``--quick`` or full defaults filled in for the ones not given.
 
     Raises:
-        SystemExit: a cp size below 1 or a sequence length not divisible by ``2 * cp`` (zigzag).
+        SystemExit: a cp size below 1 or a sequence length not divisible by ``2 * cp`` (zigzag);
+            a plan / launches flag breaking its rule (:func:`_check_plan_flags`); ``--device cuda``
+            without CUDA or with modes other than plan and launches.
     """
     p = build_parser()
     args = p.parse_args(argv)
