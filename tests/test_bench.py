@@ -18,6 +18,7 @@ from dist_utils import new_cp_group, run_distributed
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
+from cp_handler.bench import torch_ring
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
 from cp_handler.ops.kernels.work import block_pairs
@@ -176,3 +177,39 @@ def test_plan_and_launches_flags_are_checked_before_running(capsys, flags, messa
     with pytest.raises(SystemExit):
         parse_args(flags)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpus, flags, message", [
+    (1, ["--cp-sizes", "1", "2", "--dtype", "bfloat16"],
+     "--cp-sizes up to 2 needs 2 GPUs (one per rank; NCCL refuses two ranks on one GPU), this machine has 1"),
+    (8, ["--cp-sizes", "2", "4"], "--dtype float32: use bfloat16 (PyTorch's ring runs FlashAttention-2)"),
+])
+def test_attn_mode_on_cuda_needs_a_gpu_per_rank_and_bf16(monkeypatch, capsys, gpus, flags, message):
+    """``--modes attn --device cuda`` (NCCL, one GPU per rank) is refused before any rank starts
+    when the machine has too few GPUs or the dtype is one PyTorch's flash ring cannot run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "attn", "--device", "cuda", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_e2e_mode_refuses_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "e2e", "--device", "cuda"])
+    assert "--device cuda runs --modes attn, plan and launches" in capsys.readouterr().err
+
+
+def test_torch_ring_cuda_ops_take_what_the_peer_passes():
+    """The CUDA peer's forward and backward calls (PyTorch's flash ops, with the arguments its own
+    ring-flash wrappers pass, the backward's extras taken from the forward's outputs) run through
+    the ops' meta kernels: every name and type matches this torch's schemas without a GPU."""
+    q = torch.empty(1, 4, 16, 8, device="meta", dtype=torch.bfloat16)
+    out, lse, *rest = torch_ring.forward_op(q, q, q, is_causal=True, dropout_p=0.0, scale=0.3)
+    extras = torch_ring.backward_extras("cuda", rest)
+    assert set(extras) == {"cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"}
+    dq, dk, dv = torch_ring.flash_ops("meta")[1](grad_out=out, query=q, key=q, value=q, out=out, logsumexp=lse,
+                                                 is_causal=True, dropout_p=0.0, scale=0.3, **extras)[:3]
+    assert dq.shape == dk.shape == dv.shape == q.shape
+    assert torch_ring.backward_extras("cpu", rest) == {}

@@ -40,13 +40,15 @@ PASSES = ("fwd", "fwd_bwd")
 
 @dataclass(frozen=True)
 class Shape:
-    """Attention shape of the benchmark: batch, query heads, KV heads, head dim, dtype name."""
+    """Attention shape of the benchmark: batch, query heads, KV heads, head dim, dtype name, and the
+    device type the ranks run on (``"cuda"``: one GPU per rank, NCCL)."""
 
     batch: int = 1
     num_heads: int = 8
     num_kv_heads: int = 8
     head_dim: int = 64
     dtype: str = "float32"
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class CaseRunner:
         dtype = getattr(torch, shape.dtype)
         heads = (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads, shape.num_heads)
         lead = (case.seq_len,) if case.qkv_format == "thd" else (shape.batch, case.seq_len)
-        tensors = [torch.randn(*lead, h, shape.head_dim, generator=g, dtype=dtype) for h in heads]
+        tensors = [torch.randn(*lead, h, shape.head_dim, generator=g, dtype=dtype).to(shape.device) for h in heads]
         seq_dim = 0 if case.qkv_format == "thd" else 1
         self.q, self.k, self.v, self.dout = (self.handler.dispatch(t, seq_dim).contiguous() for t in tensors)
         for t in (self.q, self.k, self.v):
@@ -134,8 +136,19 @@ class CaseRunner:
                 t.grad = None
 
 
+def _device() -> torch.device:
+    """Where this rank's collectives put their tensors: its GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _sync() -> None:
+    """Wait for this rank's queued GPU work (timings end when the kernels do, not when they are queued)."""
+    if dist.get_backend() == "nccl":
+        torch.cuda.synchronize()
+
+
 def _max_over(group, value: float) -> float:
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.item()
 
@@ -157,9 +170,11 @@ def time_interleaved(runs: list[CaseRunner], group, warmup: int, reps: int) -> l
     for _ in range(reps):
         for run, own in zip(runs, times, strict=True):
             torch.set_num_threads(run.case.threads)
+            _sync()
             dist.barrier(group=group)
             start = time.perf_counter()
             run()
+            _sync()
             dist.barrier(group=group)
             own.append(_max_over(group, time.perf_counter() - start))
     return times
@@ -193,7 +208,7 @@ def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress)
     Cases that differ only in implementation / comm type are timed interleaved."""
     size = dist.get_world_size()
     levels = hierarchical_sizes(size) if size > 1 else None
-    groups = build_dp_cp_groups(size, hierarchical_context_parallel_sizes=levels)
+    groups = build_dp_cp_groups(size, hierarchical_context_parallel_sizes=levels, device_type=_device().type)
     group, sub_groups = groups.cp_group, groups.hierarchical_cp_groups
     batches: dict[tuple, list[Case]] = {}
     for case in cases:

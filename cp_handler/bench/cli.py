@@ -4,7 +4,9 @@ Modes (``--modes``, default both):
 
 * ``attn``: :mod:`.attention` over implementation x ``cp_comm_type`` x cp size x sequence length x
   qkv_format x pass, with PyTorch's own ring (:mod:`.torch_ring`) beside ours and the
-  single-process reference on the same total threads (for CP efficiency);
+  single-process reference on the same total threads (for CP efficiency). With ``--device cuda``
+  the ranks run one per GPU over NCCL (at least as many GPUs as the largest cp size; bf16; not yet
+  run on GPUs);
 * ``e2e``: :mod:`.e2e`: ``cp-train --metrics-out`` at each cp size (tokens/s, peak RSS per rank),
   activation memory of one GPT training step per rank, and the cost of the handler at cp=1;
 * ``plan`` (only when asked for): :mod:`.plan`: one rank's compute of every pattern, bshd and thd,
@@ -78,7 +80,11 @@ def build_cases(args) -> dict[int, list[Case]]:
 
 
 def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
-    dist.init_process_group("gloo")
+    if shape.device == "cuda":  # one GPU per rank, NCCL
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    else:
+        dist.init_process_group("gloo")
     try:
         rank0 = dist.get_rank() == 0
         bar = tqdm(total=len(cases), desc=f"attn cp={dist.get_world_size()}", disable=not rank0, file=sys.stderr)
@@ -90,7 +96,8 @@ def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list
 
 
 def run_attn(args) -> list[dict]:
-    shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                  device=args.device)
     rows = []
     for world, cases in sorted(build_cases(args).items()):
         rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps, program="cp-bench")[0]
@@ -117,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--e2e-seq-len", type=int, default=None)
     p.add_argument("--e2e-steps", type=int, default=None)
     g = p.add_argument_group("plan mode (per-rank compute on one device)")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="plan: the device timed; attn: cuda runs one rank per GPU over NCCL")
     g.add_argument("--attn-kernel", default=None, help="force a block kernel (cp_handler.ops.kernels.KERNELS)")
     g.add_argument("--plan-seq-lens", type=int, nargs="+", default=None)
     g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None)
@@ -129,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--launch-kernels", nargs="+", default=list(launches.DEFAULT_KERNELS),
                    help="--modes launches: the CUDA kernels whose launches are counted")
     return p
+
+
+def _check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--modes attn --device cuda``: one GPU per rank (NCCL refuses two ranks on one GPU) and a
+    dtype FlashAttention-2 runs (PyTorch's ring, the peer, uses it)."""
+    gpus, need = torch.cuda.device_count(), max(args.cp_sizes)
+    if gpus < need:
+        p.error(f"--modes attn --device cuda: --cp-sizes up to {need} needs {need} GPUs (one per rank; "
+                f"NCCL refuses two ranks on one GPU), this machine has {gpus}; use --modes plan on one GPU")
+    if args.dtype != "bfloat16":
+        p.error(f"--modes attn --device cuda: --dtype {args.dtype}: use bfloat16 (PyTorch's ring runs FlashAttention-2)")
 
 
 def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -166,7 +185,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     Raises:
         SystemExit: a cp size below 1 or a sequence length not divisible by ``2 * cp`` (zigzag);
             a plan / launches flag breaking its rule (:func:`_check_plan_flags`); ``--device cuda``
-            without CUDA or with modes other than plan and launches.
+            without CUDA, with e2e, or for attn with fewer GPUs than the largest cp size or not bf16.
     """
     p = build_parser()
     args = p.parse_args(argv)
@@ -176,8 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
-    if args.device == "cuda" and set(args.modes) - {"plan", "launches"}:
-        p.error("--device cuda runs --modes plan and launches only (attn and e2e run on gloo CPU ranks)")
+    if args.device == "cuda" and "e2e" in args.modes:
+        p.error("--device cuda runs --modes attn, plan and launches (e2e runs cp-train on gloo CPU ranks)")
+    if args.device == "cuda" and "attn" in args.modes:
+        _check_cuda_attn_flags(p, args)
     if {"plan", "launches"} & set(args.modes):
         _check_plan_flags(p, args)
     for cp in args.cp_sizes:

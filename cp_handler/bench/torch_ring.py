@@ -5,7 +5,8 @@
 as an argument. Its public path only maps the CUDA flash / efficient / cuDNN ops, so on CPU we pass
 the CPU flash op (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) to the same
 templates: PyTorch's ring schedule, load balancing, merge and rotation, with the kernel our local
-backend also uses. Its load-balanced layout is the round-robin split of 2*cp chunks (rank ``r``
+backend also uses. On CUDA we pass the CUDA flash op with the arguments PyTorch's own ring-flash
+wrappers pass (``cp-bench --device cuda``, several GPUs; not yet run on GPUs). Its load-balanced layout is the round-robin split of 2*cp chunks (rank ``r``
 holds chunks ``r`` and ``2cp-1-r``), the same as our zigzag, so both take identical shards.
 
 Private PyTorch API (checked against torch 2.13): :func:`check_available` says why it cannot run
@@ -43,13 +44,29 @@ def check_available() -> str | None:
     return f"{_MODULE} lacks {missing} in torch {torch.__version__}" if missing else None
 
 
+def flash_ops(device_type: str):
+    """``(forward, backward)`` flash ops for ``device_type``: CPU's ``_for_cpu`` pair; on CUDA (and
+    ``meta``, where their schemas are checked without a GPU) FlashAttention-2, the op PyTorch's own
+    ``_scaled_dot_product_ring_flash_attention`` passes to its ring."""
+    if device_type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+    return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default
+
+
 def forward_op(query, key, value, *, is_causal, **kwargs):
-    """The CPU flash forward, with its work recorded as ours is (:func:`count_attn_work`)."""
+    """The flash forward of the tensors' device, with its work recorded as ours is (:func:`count_attn_work`)."""
     record_attn_work(query, key, is_causal)
-    return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, is_causal=is_causal, **kwargs)
+    return flash_ops(query.device.type)[0](query, key, value, is_causal=is_causal, **kwargs)
 
 
-backward_op = aten._scaled_dot_product_flash_attention_for_cpu_backward
+def backward_extras(device_type: str, forward_rest) -> dict:
+    """What the backward takes beyond grad_out/q/k/v/out/lse, from the forward's outputs after
+    ``(out, lse)``: nothing on CPU; on CUDA the offsets, lengths and rng state (as PyTorch's own
+    ``_scaled_dot_product_ring_flash_attention_backward`` passes them)."""
+    if device_type == "cpu":
+        return {}
+    names = ("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset")
+    return dict(zip(names, forward_rest[:6], strict=True))
 
 
 class _CountedRotater:
@@ -98,10 +115,11 @@ class _TorchRing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, rotate_method):
         with _options(causal, rotate_method) as mod:
-            out, lse, *_ = mod._templated_ring_attention(
+            out, lse, *rest = mod._templated_ring_attention(
                 group, 2, forward_op, query=q, key=k, value=v, is_causal=causal, dropout_p=0.0, scale=scale
             )
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.extra = backward_extras(q.device.type, rest)
         ctx.args = (group, causal, scale, rotate_method)
         return out
 
@@ -111,8 +129,8 @@ class _TorchRing(torch.autograd.Function):
         group, causal, scale, rotate_method = ctx.args
         with _options(causal, rotate_method) as mod:
             dq, dk, dv = mod._templated_ring_attention_backward(
-                group, 2, backward_op, grad_out=dout, grad_out_name="grad_out", query=q, key=k, value=v,
-                out=out, logsumexp=lse, is_causal=causal, dropout_p=0.0, scale=scale,
+                group, 2, flash_ops(q.device.type)[1], grad_out=dout, grad_out_name="grad_out", query=q, key=k,
+                value=v, out=out, logsumexp=lse, is_causal=causal, dropout_p=0.0, scale=scale, **ctx.extra,
             )[:3]
         return dq, dk, dv, None, None, None, None
 
@@ -125,17 +143,20 @@ def torch_ring_attn(
 
     ``rotate_method``: ``"allgather"`` (PyTorch's default: one all-gather of K/V) or ``"alltoall"``
     (K/V passed along a ring with permutes). Load balancing is on for causal attention (PyTorch
-    refuses it otherwise). CPU only (on CUDA PyTorch's public ``context_parallel`` runs as is).
+    refuses it otherwise). CPU: the CPU flash op; CUDA: FlashAttention-2 (fp16/bf16), the op and
+    arguments of PyTorch's own ``_scaled_dot_product_ring_flash_attention`` (not yet run on GPUs).
     Returns ``out (B,H,S_local,D)``.
 
     Raises:
-        ValueError: unknown ``rotate_method`` or a non-CPU tensor.
+        ValueError: unknown ``rotate_method``; a device other than CPU and CUDA; float32 on CUDA.
         RuntimeError: the templates are missing in this torch (:func:`check_available`).
     """
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"rotate_method={rotate_method!r} is not one of {ROTATE_METHODS}")
-    if q.device.type != "cpu":
-        raise ValueError(f"torch_ring_attn drives PyTorch's ring with the CPU flash op; got device {q.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"torch_ring_attn runs on CPU or CUDA; got device {q.device}")
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"torch_ring_attn on CUDA runs FlashAttention-2: fp16/bf16, got {q.dtype}")
     reason = check_available()
     if reason:
         raise RuntimeError(reason)
