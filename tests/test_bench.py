@@ -138,8 +138,8 @@ def test_plan_mode_refuses_cuda_without_a_gpu(capsys):
 
 def test_launches_mode_counts_each_kernels_operators(tmp_path):
     """``--modes launches`` on meta tensors (no GPU): native GQA drops the K/V copies and the dk/dv
-    sums, packed calls cut thd's per-document launches, and bshd's packed calls read views where
-    their rows are one range (no gathers)."""
+    sums, packed calls cut thd's per-document launches, bshd's packed calls read views where their
+    rows are one range (no gathers), and a ring's steps share their lse row copies."""
     out = tmp_path / "launches"
     assert main(["--modes", "launches", "--plan-seq-lens", "2048", "--plan-cp-sizes", "4", "--thd-mean-doc", "64",
                  "--comm-types", "p2p", "all_gather", "--out-dir", str(out)]) == 0
@@ -155,6 +155,8 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path):
         else:  # p2p: every call's rows are one range; all_gather's causal call gathers its two K/V chunks
             assert ops["flash_varlen"] <= ops["flash_gqa"], r
             assert ("index_select" in by_op["flash_varlen"]) == (pattern == "all_gather"), r
+        if (fmt, pattern) == ("bshd", "p2p"):  # the steps share two lse row ranges (LseRows): one copy each at most
+            assert by_op["flash_gqa"].get("clone", 0) <= 2, by_op["flash_gqa"]
     assert "| thd | 2048 | p2p | 4 | 512 |" in (out / "results.md").read_text()
 
 

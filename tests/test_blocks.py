@@ -9,7 +9,7 @@ from attn_reference import single_process_attention, zigzag_shard
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler.ops.all_gather import all_gather_attn
-from cp_handler.ops.blocks import CPU_CAUSAL_TILE, tile_causal
+from cp_handler.ops.blocks import CPU_CAUSAL_TILE, LseRows, tile_causal
 from cp_handler.ops.ring import ring_attn
 
 
@@ -51,3 +51,13 @@ def _long_worker(rank, world, algorithm):
 @pytest.mark.parametrize("algorithm", [ring_attn, all_gather_attn])
 def test_tiled_plans_match_single_process(algorithm):
     run_distributed(_long_worker, 2, algorithm)
+
+
+def test_lse_rows_copies_each_range_once():
+    """``LseRows``: a range's rows come back contiguous and equal to the slice, the same tensor on every
+    request (the ring's steps share one copy per range), a different range its own."""
+    lse = torch.randn(2, 3, 10)
+    lse_rows = LseRows(lse)
+    first = lse_rows(slice(4, 9))
+    assert first.is_contiguous() and torch.equal(first, lse[:, :, 4:9])
+    assert lse_rows(slice(4, 9)) is first and lse_rows(slice(0, 4)) is not first

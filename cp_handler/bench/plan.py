@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..layout import ZigzagDocs
 from ..ops.all_gather import all_gather_blocks
-from ..ops.blocks import blocks_backward_, blocks_forward_, new_accumulators
+from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.ring import ring_blocks
 
@@ -124,8 +124,9 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
             blocks_forward_(out, lse, q, k, v, blocks, scale, fresh=i == 0, attn_kernel=kernel)
         out = out.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        lse_rows = LseRows(lse)  # shared by the steps, as the ring's backward shares it
         for blocks in plan.steps:
-            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse, blocks, scale, attn_kernel=kernel)
+            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse_rows, blocks, scale, attn_kernel=kernel)
     return run
 
 

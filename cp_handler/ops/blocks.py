@@ -92,16 +92,33 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
             frontier = max(frontier, q_rows.stop)
 
 
-def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks: list[Block], scale: float,
+class LseRows:
+    """Row ranges of one merged ``lse (B, H, S)``, each made contiguous once. The backward kernels
+    take their rows' lse contiguous, and the blocks of a backward pass (every step of a ring) ask
+    for few distinct ranges: one copy per range instead of one per block."""
+
+    def __init__(self, lse: torch.Tensor):
+        self.lse, self._rows = lse, {}
+
+    def __call__(self, index: slice) -> torch.Tensor:
+        key = (index.start, index.stop)
+        if key not in self._rows:
+            self._rows[key] = rows(self.lse, index).contiguous()
+        return self._rows[key]
+
+
+def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows, blocks: list[Block], scale: float,
                      attn_kernel: str | AttnKernel | None = None) -> None:
-    """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse."""
+    """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse
+    (pass one :class:`LseRows` to every call of a backward pass to share its row copies)."""
     kernel = select_kernel(q, attn_kernel)
+    lse_rows = lse if isinstance(lse, LseRows) else LseRows(lse)
     if kernel.packed:
-        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse, _plan(blocks, kernel), scale, kernel)
+        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, _plan(blocks, kernel), scale, kernel)
     for q_rows, kv_rows, causal in _plan(blocks, kernel):
         dq_b, dk_b, dv_b = block_attn_backward(
             rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-            rows(out, q_rows), rows(lse, q_rows), causal=causal, scale=scale, kernel=kernel,
+            rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale, kernel=kernel,
         )
         rows(dq, q_rows).add_(dq_b)
         rows(dk, kv_rows).add_(dk_b)

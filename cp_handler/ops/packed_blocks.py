@@ -134,15 +134,15 @@ def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel
                 lse[b].index_copy_(1, qi, acc_lse)
 
 
-def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse, blocks, scale: float, kernel: AttnKernel) -> None:
-    """:func:`~.blocks.blocks_backward_` with a packed kernel."""
+def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, blocks, scale: float, kernel: AttnKernel) -> None:
+    """:func:`~.blocks.blocks_backward_` with a packed kernel (``lse_rows``: a :class:`~.blocks.LseRows`)."""
     for call in packed_calls(plan_key(blocks), q.device):
         qi, ki, qs, ks = call.q_index, call.kv_index, call.q_span, call.kv_span
         for b in range(q.shape[0]):
-            lse_rows = lse[b][:, qs[0]:qs[1]] if qs else lse[b].index_select(1, qi)
+            lse_b = lse_rows(slice(*qs))[b] if qs else lse_rows.lse[b].index_select(1, qi)
             grads = kernel.backward(
                 _rows(dout[b], qi, qs), _rows(q[b], qi, qs), _rows(k[b], ki, ks), _rows(v[b], ki, ks),
-                _rows(out[b], qi, qs), lse_rows, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                _rows(out[b], qi, qs), lse_b, call.cu_q, call.cu_k, call.max_q, call.max_k,
                 causal=call.causal, scale=scale)
             for acc, index, rows, grad in ((dq, qi, qs, grads[0]), (dk, ki, ks, grads[1]), (dv, ki, ks, grads[2])):
                 _add_rows_(acc[b], index, rows, grad)

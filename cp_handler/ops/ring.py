@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs
-from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
+from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
 
@@ -105,21 +105,22 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     head, tail = local_blocks_split(layout, comm.rank, causal)
+    lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
     kv_pending = comm.send_recv(torch.stack([k, v])) if comm.size > 1 else None
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, head, scale, attn_kernel)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, scale, attn_kernel)
     partial = None
     for step in range(1, comm.size):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < comm.size else None
         dkv_remote = torch.zeros_like(dkv)
-        blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse,
+        blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
                          ring_blocks(layout, step, comm.rank, causal), scale, attn_kernel)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse, tail, scale, attn_kernel)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, tail, scale, attn_kernel)
     if partial is not None:
         dkv += partial.wait()[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
