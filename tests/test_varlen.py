@@ -58,6 +58,9 @@ def test_calls_partition_the_plan(lengths, cp, tile):
                 members.append((q_rows[0], q_rows[-1] + 1, k_rows[0], k_rows[-1] + 1, call.causal))
             rows = call.q_index.tolist()
             assert len(rows) == len(set(rows)), "query rows overlap inside one call"
+            for span, index in ((call.q_span, rows), (call.kv_span, call.kv_index.tolist())):
+                assert (span is not None) == (index == list(range(index[0], index[-1] + 1)))  # a view iff one range
+                assert span is None or span == (index[0], index[-1] + 1)
             assert call.fresh == written.isdisjoint(rows)
             assert call.max_q == max(b - a for a, b, *_ in members) and call.blocks == len(members)
             written |= set(rows)
