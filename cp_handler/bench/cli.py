@@ -139,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_zigzag(p: argparse.ArgumentParser, cp_flag: str, cp_sizes, len_flag: str, seq_lens) -> None:
+    """Every cp size >= 1 and every sequence length divisible by ``2 * cp`` (the zigzag chunks)."""
+    for cp in cp_sizes:
+        if cp < 1:
+            p.error(f"{cp_flag}: {cp} must be >= 1")
+        for seq_len in seq_lens:
+            if seq_len % (2 * cp):
+                p.error(f"{len_flag} {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+
+
 def _check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--modes attn --device cuda``: one GPU per rank (NCCL refuses two ranks on one GPU) and a
     dtype FlashAttention-2 runs (PyTorch's ring, the peer, uses it)."""
@@ -157,12 +167,8 @@ def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
     if args.plan_heads % args.plan_kv_heads:
         p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
+    _check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
     for cp in args.plan_cp_sizes:
-        if cp < 1:
-            p.error(f"--plan-cp-sizes: {cp} must be >= 1")
-        for seq_len in args.plan_seq_lens:
-            if seq_len % (2 * cp):
-                p.error(f"--plan-seq-lens {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
         a2a_sizes = ([cp] if cp > 1 and "a2a" in args.comm_types else []) + \
                     ([2] if cp >= 4 and "a2a+p2p" in args.comm_types else [])  # the a2a sizes plan.cases runs
         for size in a2a_sizes:
@@ -201,12 +207,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         _check_cuda_attn_flags(p, args)
     if {"plan", "launches"} & set(args.modes):
         _check_plan_flags(p, args)
-    for cp in args.cp_sizes:
-        if cp < 1:
-            p.error(f"--cp-sizes: {cp} must be >= 1")
-        for seq_len in args.seq_lens:
-            if seq_len % (2 * cp):
-                p.error(f"--seq-lens {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+    _check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)
     return args
 
 
