@@ -15,10 +15,10 @@ import torch
 from attn_reference import single_process_attention, zigzag_shard
 from dist_utils import new_cp_group, run_distributed
 
+from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
-from cp_handler.bench import torch_ring
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
 from cp_handler.ops.kernels.work import block_pairs

@@ -157,7 +157,8 @@ def _check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace)
         p.error(f"--modes attn --device cuda: --cp-sizes up to {need} needs {need} GPUs (one per rank; "
                 f"NCCL refuses two ranks on one GPU), this machine has {gpus}; use --modes plan on one GPU")
     if args.dtype != "bfloat16":
-        p.error(f"--modes attn --device cuda: --dtype {args.dtype}: use bfloat16 (PyTorch's ring runs FlashAttention-2)")
+        p.error(f"--modes attn --device cuda: --dtype {args.dtype}: use bfloat16 "
+                "(PyTorch's ring runs FlashAttention-2)")
 
 
 def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

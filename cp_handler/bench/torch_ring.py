@@ -6,8 +6,9 @@ as an argument. Its public path only maps the CUDA flash / efficient / cuDNN ops
 the CPU flash op (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward) to the same
 templates: PyTorch's ring schedule, load balancing, merge and rotation, with the kernel our local
 backend also uses. On CUDA we pass the CUDA flash op with the arguments PyTorch's own ring-flash
-wrappers pass (``cp-bench --device cuda``, several GPUs; not yet run on GPUs). Its load-balanced layout is the round-robin split of 2*cp chunks (rank ``r``
-holds chunks ``r`` and ``2cp-1-r``), the same as our zigzag, so both take identical shards.
+wrappers pass (``cp-bench --device cuda``, several GPUs; not yet run on GPUs). Its load-balanced
+layout is the round-robin split of 2*cp chunks (rank ``r`` holds chunks ``r`` and ``2cp-1-r``),
+the same as our zigzag, so both take identical shards.
 
 Private PyTorch API (checked against torch 2.13): :func:`check_available` says why it cannot run
 instead of failing inside a timed loop.
@@ -49,7 +50,8 @@ def flash_ops(device_type: str):
     ``meta``, where their schemas are checked without a GPU) FlashAttention-2, the op PyTorch's own
     ``_scaled_dot_product_ring_flash_attention`` passes to its ring."""
     if device_type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return (aten._scaled_dot_product_flash_attention_for_cpu,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward)
     return aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_flash_attention_backward.default
 
 
