@@ -159,11 +159,15 @@ def _thd_worker(rank, world, patterns, sizes, case=CPU):
     run()
 
 
-@pytest.mark.parametrize("world, patterns, sizes", [
+THD_CASES = [
     (1, [], None),
     (2, ["p2p", "all_gather", "a2a"], None),
     (4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2]),
-])
+]
+"""``(world, patterns, hierarchical sizes)`` of the thd parity runs (also run with the packed kernel, test_varlen)."""
+
+
+@pytest.mark.parametrize("world, patterns, sizes", THD_CASES)
 def test_thd_matches_per_document_reference(world, patterns, sizes):
     run_distributed(_thd_worker, world, patterns, sizes)
 

@@ -78,11 +78,7 @@ def _bshd_varlen(rank, world, patterns, heads):
     test_attn_patterns._flat_worker(rank, world, patterns, heads)
 
 
-@pytest.mark.parametrize("world, patterns, sizes", [
-    (1, [], None),
-    (2, ["p2p", "all_gather", "a2a"], None),
-    (4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2]),
-])
+@pytest.mark.parametrize("world, patterns, sizes", test_thd.THD_CASES)
 def test_cpu_varlen_thd_matches_per_document(world, patterns, sizes):
     run_distributed(_thd_varlen, world, patterns, sizes)
 
