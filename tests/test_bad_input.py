@@ -53,13 +53,16 @@ def _one_rank_checks(rank, world):
         h.roll_tensor(x[:, :8], shifts=-1, dims=5)
     with pytest.raises(TypeError, match=r"roll_tensor shifts=True must be one int"):
         h.roll_tensor(x[:, :8], shifts=True, dims=1)
-    for bad, error, message in ((None, TypeError, r"cp_comm_type=None must be one of"),
+    for bad, error, message in ((3, TypeError, r"cp_comm_type=3 must be one of"),
                                 ([], ValueError, r"cp_comm_type=\[\] must name at least one"),
                                 ("ring", ValueError, r"cp_comm_type='ring' is not a valid communication type")):
         with pytest.raises(error, match=message):
             LocalContextParallelHandler(cp_group=group, cp_comm_type=bad)
         with pytest.raises(error, match=message):
             ContextParallelConfig(cp_comm_type=bad)
+    with pytest.raises(TypeError, match=r"cp_comm_type=None must be one of"):
+        ContextParallelConfig(cp_comm_type=None)
+    assert LocalContextParallelHandler(cp_group=group, cp_comm_type=None).cp_comm_type == "p2p"  # the default
     for dtype in (torch.uint8, torch.int8, torch.float32):
         with pytest.raises(TypeError, match=rf"cu_seqlens has dtype {dtype}; it must be int32"):
             LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor([0, 100, 120],

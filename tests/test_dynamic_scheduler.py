@@ -43,7 +43,7 @@ def check_schedule(lengths, ranks, budget, min_size, schedule, workload=None):
     assert all(len(schedule.for_rank(r)) == len(schedule.micro_batches) for r in (0, ranks - 1))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(lengths=LENGTHS, ranks=st.integers(1, 1024), budget=st.sampled_from([256, 1000, 4096]),
        min_log=st.integers(0, 2))
 def test_schedule_guarantees(lengths, ranks, budget, min_log):
@@ -149,7 +149,7 @@ def test_cost_model_from_plan_json(tmp_path):
     assert model.step_overhead_ms == pytest.approx(0.2) and model.quadratic_ms == pytest.approx(1e-6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(lengths=st.lists(st.integers(1, 131072), min_size=1, max_size=200), ranks=st.sampled_from([8, 24, 64, 256]))
 def test_schedule_guarantees_with_the_gpu_cost_model(lengths, ranks):
     model = CostModel.from_rank_times_csv(str(RANK_TIMES))

@@ -39,7 +39,7 @@ def _plans(lengths, cp):
                 yield all_gather_blocks(layout, rank, causal)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=12), cp=st.sampled_from([1, 2, 4]),
        tile=st.sampled_from([None, 8, 64]))
 def test_calls_partition_the_plan(lengths, cp, tile):

@@ -27,7 +27,8 @@ class ContextParallelHandler(ABC):
         cp_group: the CP process group; ``None`` means cp=1.
         qkv_format: layout of q, k, v given to :meth:`core_attn` (``"bshd"``, ``"sbhd"``, ``"thd"``).
         cp_comm_type: one of ``CP_COMM_TYPES``, or a list with one entry per layer (indexed by the
-            attention module's 1-based ``layer_number``, as in Megatron-LM).
+            attention module's 1-based ``layer_number``, as in Megatron-LM). Default: the comm type
+            the class was bound to by ``get_cp_handler_cls``, else ``"p2p"``.
         hierarchical_cp_groups: this rank's group at each hierarchical CP level, inner first
             (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
         cu_seqlens: for ``qkv_format="thd"``: int32 ``[num_docs + 1]`` offsets of the real
@@ -37,25 +38,29 @@ class ContextParallelHandler(ABC):
             the environment variable ``CP_HANDLER_CHECK_RANKS=0``.
 
     Raises:
-        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list;
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list, a
+            ``cp_comm_type`` other than the one the class was bound to by ``get_cp_handler_cls``;
             ``cu_seqlens`` missing for thd, given for bshd/sbhd, or malformed; this process not a
             rank of ``cp_group``.
         TypeError: ``cp_comm_type`` not a str or list of str; ``cu_seqlens`` not an int32/int64 tensor.
     """
+
+    bound_cp_comm_type: str | list[str] | None = None
+    """The comm type ``get_cp_handler_cls`` bound this class to (``None``: not bound, default ``"p2p"``)."""
 
     def __init__(
         self,
         *,
         cp_group: dist.ProcessGroup | None = None,
         qkv_format: str = "bshd",
-        cp_comm_type: str | list[str] = "p2p",
+        cp_comm_type: str | list[str] | None = None,
         hierarchical_cp_groups: list[dist.ProcessGroup] | None = None,
         cu_seqlens: torch.Tensor | None = None,
         check_ranks: bool | None = None,
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
-        check_comm_types(cp_comm_type)
+        cp_comm_type = self._resolve_comm_type(cp_comm_type)
         if (qkv_format == "thd") != (cu_seqlens is not None):
             raise ValueError(
                 f"qkv_format={qkv_format!r} with cu_seqlens={'given' if cu_seqlens is not None else None}: "
@@ -73,6 +78,16 @@ class ContextParallelHandler(ABC):
         self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+
+    def _resolve_comm_type(self, cp_comm_type):
+        bound = self.bound_cp_comm_type
+        if cp_comm_type is None:
+            return bound if bound is not None else "p2p"
+        check_comm_types(cp_comm_type)
+        if bound is not None and as_comm_type_list(cp_comm_type) != as_comm_type_list(bound):
+            raise ValueError(f"cp_comm_type={cp_comm_type!r}, but this class came from get_cp_handler_cls(..., "
+                             f"{bound!r}): build the handler with the class of the comm type it runs")
+        return cp_comm_type
 
     def agree(self, what: str, values: dict[str, int], device) -> None:
         """Once per handler and ``what``: check that every rank of the CP group has the same

@@ -6,6 +6,8 @@ call, from any package; no edit to models or to this file.
 
 from __future__ import annotations
 
+import functools
+
 from ..config import CP_COMM_TYPES, as_comm_type_list
 from .base import ContextParallelHandler
 
@@ -36,7 +38,11 @@ def registered_backends() -> list[str]:
 
 
 def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[ContextParallelHandler]:
-    """The handler class for ``backend`` and ``cp_comm_type`` (one value, or one entry per layer).
+    """The handler class for ``backend`` and ``cp_comm_type`` (one value, or one entry per layer),
+    bound to that comm type: ``get_cp_handler_cls("local", "a2a")(cp_group=g)`` runs a2a. The class
+    returned is a subclass of the registered one whose ``cp_comm_type`` defaults to the value given
+    here; passing another ``cp_comm_type`` to it is a ValueError (it would silently run another
+    algorithm than the one named).
 
     For a per-layer list, the class registered for every entry must be one class, or one class
     that derives from all the others (it then serves every layer).
@@ -57,8 +63,16 @@ def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[Cont
         classes.append(_REGISTRY[(backend, comm_type)])
     for candidate in classes:
         if all(issubclass(candidate, other) for other in classes):
-            return candidate
+            return _bound(candidate, cp_comm_type if isinstance(cp_comm_type, str) else tuple(types))
     raise ValueError(
         f"cp_comm_type={types} needs handlers {sorted({c.__name__ for c in classes})} of backend={backend!r}, "
         "and none of them serves every layer"
     )
+
+
+@functools.cache
+def _bound(cls: type[ContextParallelHandler], cp_comm_type: str | tuple[str, ...]) -> type[ContextParallelHandler]:
+    """``cls`` with ``cp_comm_type`` as its default (one subclass per pair, made once)."""
+    bound = cp_comm_type if isinstance(cp_comm_type, str) else list(cp_comm_type)
+    return type(cls.__name__, (cls,), {"bound_cp_comm_type": bound, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
