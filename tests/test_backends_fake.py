@@ -63,9 +63,9 @@ def _te_worker(rank, world, version):
 
     transformer_engine.__version__ = version
     groups = build_dp_cp_groups(world, "cpu", [2, world // 2])
-    te_cls, local_cls = get_cp_handler_cls("transformer_engine", "p2p"), get_cp_handler_cls("local", "a2a+p2p")
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
     for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+        te_cls, local_cls = get_cp_handler_cls("transformer_engine", comm), get_cp_handler_cls("local", comm)
         config = MHA if comm.startswith("a2a") else GQA  # TE's a2a needs KV heads divisible by the a2a size
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm,
                   "hierarchical_cp_groups": groups.hierarchical_cp_groups}
@@ -81,6 +81,7 @@ def _te_worker(rank, world, version):
                    for c in CALLS if c["call"] == "forward")
     thd_tokens, cu = thd_batch(tokens)
     for comm in ("p2p", "a2a", "all_gather") if version >= "2.18" else ("p2p", "a2a"):
+        te_cls, local_cls = get_cp_handler_cls("transformer_engine", comm), get_cp_handler_cls("local", comm)
         config = MHA if comm == "a2a" else GQA
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm, "qkv_format": "thd", "cu_seqlens": cu}
         CALLS.clear()
@@ -122,8 +123,8 @@ def _te_rebinds(groups, tokens):
     model = GPTModel(MHA).to(BF16)
     CALLS.clear()
     for _ in range(2):  # a2a+p2p: a new list of the same groups each call must not re-bind
-        handler = te_cls(cp_group=groups.cp_group, cp_comm_type="a2a+p2p",
-                         hierarchical_cp_groups=list(groups.hierarchical_cp_groups))
+        handler = get_cp_handler_cls("transformer_engine", "a2a+p2p")(cp_group=groups.cp_group,
+            hierarchical_cp_groups=list(groups.hierarchical_cp_groups))
         model(next_token_batch(handler, tokens)[0], cp_handler=handler)
     assert sum(c["call"] == "set_context_parallel_group" for c in CALLS) == MHA.num_layers
 

@@ -7,6 +7,7 @@ so outputs and gradients agree to float32 rounding of a few merges (atol 1e-5 on
 """
 
 import json
+import statistics
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
+from cp_handler.bench.report import IMPLEMENTATIONS, add_efficiency, attention_table, style
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
 from cp_handler.ops.kernels.work import block_pairs
@@ -215,3 +217,27 @@ def test_torch_ring_cuda_ops_take_what_the_peer_passes():
                                                  is_causal=True, dropout_p=0.0, scale=0.3, **extras)[:3]
     assert dq.shape == dk.shape == dv.shape == q.shape
     assert torch_ring.backward_extras("cpu", rest) == {}
+
+
+def _row(impl, comm_type, times):
+    return {"impl": impl, "comm_type": comm_type, "cp_size": 2, "seq_len": 256, "qkv_format": "bshd",
+            "pass_name": "fwd", "threads": 1, "times_ms": times, "median_ms": statistics.median(times),
+            "peak_memory_bytes": 1, "bytes_sent": 1, "load_balance": 1.0}
+
+
+def test_report_ratios_are_the_printed_medians_and_noisy_rows_get_no_verdict():
+    rows = add_efficiency([_row("single", "none", [100.0, 101.0, 102.0]), _row("local", "p2p", [50.0, 51.0, 52.0]),
+                           _row("local", "a2a", [40.0, 80.0, 41.0]),  # spread 98%: noisy
+                           _row("torch_ring", "allgather", [60.0, 61.0, 62.0])])
+    by_impl = {(r["impl"], r["comm_type"]): r for r in rows}
+    assert by_impl[("local", "p2p")]["cp_efficiency"] == 101.0 / 51.0
+    assert by_impl[("torch_ring", "allgather")]["ours_speedup"] == 61.0 / 51.0  # PyTorch's median / ours
+    assert by_impl[("local", "a2a")]["cp_efficiency"] is None and by_impl[("local", "a2a")]["noisy"]  # spread 98%
+    table = attention_table(rows)
+    assert "| 41.0 | 98% (noisy) | noisy |" in table and "| 61.0 | 3% | 1.656 | 1.196 |" in table
+
+
+def test_every_implementation_has_one_style_in_every_plot():
+    styles = [tuple(style(name).values()) for name in IMPLEMENTATIONS]
+    assert len(set(styles)) == len(styles)
+    assert style("p2p") == style("local p2p") and style("a2a+p2p") == style("local a2a+p2p")  # plan patterns

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from cp_handler.cli.args import build_parser, parse
+
 SMALL = ["--steps", "6", "--seq-len", "128", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--max-corpus-bytes", "2000000"]
 
@@ -88,51 +90,88 @@ def test_hierarchical_parity_and_group_log():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--nproc", "2", "--seq-len", "1001"], "seq_len=1001 is not divisible by 2 * context_parallel_size = 4"),
-        (["--nproc", "3", "--cp-size", "2"], "world size 3 is not a multiple of context_parallel_size=2"),
-        (["--nproc", "2", "--cp-comm-type", "ring"], "cp_comm_type='ring' is not a valid communication type"),
-        (["--nproc", "2", "--backend", "nope"], "backend='nope' is not registered"),
-        (["--nproc", "2", "--num-heads", "3"], "hidden_size=128 must be divisible by num_attention_heads=3"),
+        (["--nproc", "2", "--seq-len", "1001"], "--seq-len 1001 is not divisible by 2 * --cp-size = 4"),
+        (["--nproc", "3", "--cp-size", "2"], "--nproc 3 is not a multiple of --cp-size 2"),
+        (["--cp-size", "4"], "--cp-size 4 needs at least 4 ranks, but --nproc defaults to 1 outside torchrun: "
+                             "add --nproc 4"),
+        (["--nproc", "2", "--cp-comm-type", "ring"], "--cp-comm-type ring is not a valid communication type"),
+        (["--nproc", "2", "--backend", "nope"], "--backend nope is not registered"),
+        (["--nproc", "2", "--num-heads", "3"], "--hidden-size 128 must be divisible by --num-heads 3 (or set "
+                                               "--kv-channels)"),
         (["--nproc", "2", "--cp-comm-type", "p2p,p2p,p2p"],
-         "cp_comm_type has 3 entries but the model has num_layers=2"),
-        (["--nproc", "4", "--eval-cp-size", "3"],
-         "--eval-cp-size 3: world size 4 is not a multiple of context_parallel_size=3"),
+         "--cp-comm-type has 3 entries but the model has --num-layers 2"),
+        (["--nproc", "4", "--eval-cp-size", "3"], "--nproc 4 is not a multiple of --eval-cp-size 3"),
         (["--nproc", "2", "--cp-size", "0"], "--cp-size 0 must be >= 1"),
         (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "0"], "--eval-cp-size 0 must be >= 1"),
         (["--nproc", "0"], "--nproc 0 must be >= 1"),
-        (["--nproc", "2", "--timeout", "0"], "--timeout 0.0 must be > 0"),
+        (["--nproc", "2", "--timeout", "0"], "--timeout 0.0 must be a finite number > 0"),
+        (["--nproc", "2", "--timeout", "nan"], "--timeout nan must be a finite number > 0"),
+        (["--nproc", "2", "--lr", "nan"], "--lr nan must be a finite number > 0"),
+        (["--nproc", "2", "--lr", "inf"], "--lr inf must be a finite number > 0"),
+        (["--nproc", "2", "--rotary-base", "0"], "--rotary-base 0.0 must be a finite number > 0"),
+        (["--nproc", "2", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1.0 must be a finite number >= 0"),
         (["--nproc", "2", "--batch-size", "-1"], "--batch-size -1 must be >= 1"),
         (["--nproc", "2", "--data", "/no/such/place"], "--data /no/such/place: no such file or folder"),
+        (["--nproc", "2", "--hf-config", "/tmp"], "--hf-config /tmp: no config.json in it"),
         (["--nproc", "4", "--cp-comm-type", "a2a", "--num-heads", "6", "--num-kv-heads", "3", "--hidden-size", "96"],
          "--num-heads 6 / --num-kv-heads 3 with --cp-size 4: a2a needs query heads (6) divisible by the a2a size (4)"),
         (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--cp-comm-type", "a2a", "--num-heads", "6",
           "--num-kv-heads", "6", "--hidden-size", "96"], "with --eval-cp-size 4: a2a needs query heads (6)"),
         (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--seq-len", "100"],
-         "seq_len=100 is not divisible by 2 * context_parallel_size = 8"),
+         "--seq-len 100 is not divisible by 2 * --eval-cp-size = 8"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--eval-cp-size", "2"],
-         "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
-        (["--nproc", "4", "--cp-comm-type", "a2a+p2p"],
-         "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes"),
+         "--cp-comm-type a2a+p2p needs --eval-hierarchical-cp-sizes"),
+        (["--nproc", "4", "--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p needs --hierarchical-cp-sizes"),
         (["--nproc", "4", "--dynamic-cp"], "--dynamic-cp needs --max-seqlen-per-rank N"),
         (["--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "100", "--seq-len", "1024"],
-         "a sequence of 1024 tokens does not fit: max_seqlen_per_dp_cp_rank=100 on at most 2 ranks"),
+         "a sequence of 1024 tokens does not fit: --max-seqlen-per-rank 100 on at most 2 ranks"),
         (["--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "512", "--cp-size", "2"], "drop --cp-size"),
         (["--nproc", "4", "--dynamic-cp", "--max-seqlen-per-rank", "512", "--min-cp-size", "3"], "power of two"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
-         "hierarchical_context_parallel_sizes=[2, 3] multiply to 6, but context_parallel_size=4"),
+         "--hierarchical-cp-sizes 2 3 multiply to 6, but --cp-size 4"),
         (["--nproc", "4", "--cp-size", "2", "--moe-experts", "8", "--expert-parallel-size", "8"],
-         "expert_model_parallel_size=8 must divide dp * cp = 2 * 2 = 4"),
+         "--expert-parallel-size 8 must divide dp * cp = 2 * 2 = 4"),
         (["--nproc", "4", "--moe-experts", "6", "--expert-parallel-size", "4"],
          "--moe-experts 6 must be a multiple of --expert-parallel-size 4"),
         (["--nproc", "2", "--expert-parallel-size", "2"], "--expert-parallel-size 2 needs --moe-experts E"),
-        (["--nproc", "2", "--moe-experts", "4", "--moe-top-k", "5"], "moe_router_topk=5 must lie in"),
+        (["--nproc", "2", "--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 must lie in"),
     ],
 )
-def test_bad_flags_exit_before_training(flags, message):
-    result = cp_train(*flags, timeout=60)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "cp-train: world" not in result.stderr  # no rank was started
+def test_bad_flags_exit_before_training(flags, message, monkeypatch):
+    """Checked in the launcher (``parse``), before any rank exists; every error names the flags typed,
+    not the library's field names."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(flags)
+    assert message in str(exit_info.value)
+    for field in ("context_parallel_size", "hierarchical_context_parallel_sizes", "seq_len", "num_attention_heads",
+                  "kv_channels", "world size", "moe_router_topk", "max_seqlen_per_dp_cp_rank"):
+        assert field not in str(exit_info.value), str(exit_info.value)
+
+
+def test_help_shows_every_default_and_the_groups():
+    text = build_parser().format_help()
+    for group in ("layout (ranks and groups):", "context parallelism:", "model:", "data:", "training:", "checks:",
+                  "output:"):
+        assert group in text
+    for default in ("(default: p2p)", "(default: 512)", "(default: 0.003)", "(default: 300.0)", "(default: auto)"):
+        assert default in " ".join(text.split()), default
+    assert "same parameters" in text and "loss curves" not in text  # --check-parity as it works today
+
+
+def test_binary_data_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cases = {"zeros.bin": bytes(4096), "latin1.txt": "caf\xe9 ".encode("latin-1") * 500,
+             "controls.txt": bytes(range(1, 32)) * 200}
+    for name, data in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        with pytest.raises(SystemExit, match=rf"--data: {re.escape(str(path))} is not text"):
+            parse(["--data", str(path), "--seq-len", "8"])
+    text = tmp_path / "ok.txt"
+    text.write_text("d\u00e9j\u00e0 vu\n\tok\n" * 500, encoding="utf-8")
+    parse(["--data", str(text), "--seq-len", "8"])
 
 
 def test_data_errors_exit_before_any_rank(tmp_path):

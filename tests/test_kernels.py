@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from cp_handler.ops import kernels
-from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS, cuda_flash, select_kernel
+from cp_handler.ops.blocks import new_accumulators
+from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS, cuda_efficient, cuda_flash, select_kernel
 
 
 def test_cpu_picks_cpu_flash_and_honours_the_override(monkeypatch):
@@ -112,6 +113,72 @@ def test_flash_gqa_passes_kv_with_their_own_heads(monkeypatch, name, key_heads):
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
+class _EfficientLayoutAten:
+    """Stands in for ``torch.ops.aten`` in cuda_efficient: records the layout of ``out`` that the
+    memory-efficient backward gets and applies its kernel's rule (torch's kernel_backward.h: in
+    fp16/bf16 ``out`` is read with row stride ``head_dim * num_heads``, only its batch and head strides
+    taken from the tensor)."""
+
+    def __init__(self):
+        self.outs = []
+
+    def _scaled_dot_product_efficient_attention_backward(self, dout, q, k, v, bias, out, *args, **kwargs):
+        b, h, s, d = out.shape
+        if out.stride(2) != h * d or out.stride(1) != d:
+            raise RuntimeError(f"out strides {out.stride()} for shape {tuple(out.shape)}: the kernel would read "
+                               f"rows {h * d} apart")
+        self.outs.append(out)
+        return q, k, v, None
+
+
+@pytest.mark.parametrize("layout", ["sequence_major_rows", "head_chunk", "head_major"])
+def test_efficient_backward_gets_out_in_the_layout_its_kernel_reads(monkeypatch, layout):
+    """Regression (issue 23): the accumulators were (B, H, S, D) (row stride D), so the bf16/fp16
+    efficient backward read every head's rows at the wrong place. Each ``out`` a plan passes (a row
+    slice of the sequence-major accumulator, a KV-head chunk of all_gather, a head-major tensor) reaches
+    the kernel with row stride H * D."""
+    recorder = _EfficientLayoutAten()
+    monkeypatch.setattr(cuda_efficient, "aten", recorder)
+    out_full, _ = new_accumulators(torch.empty(1, 8, 32, 16, dtype=torch.bfloat16))
+    out = {"sequence_major_rows": out_full[:, :, 8:24], "head_chunk": out_full[:, 2:4],
+           "head_major": torch.zeros(1, 8, 32, 16)}[layout].to(torch.bfloat16)
+    q = torch.zeros(out.shape, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2 if out.shape[1] == 8 else 1, out.shape[2], 16, dtype=torch.bfloat16)
+    cuda_efficient.backward(q, q, kv, kv, out, torch.zeros(out.shape[:3]), causal=True, scale=0.25)
+    (seen,) = recorder.outs
+    torch.testing.assert_close(seen, out, atol=0, rtol=0)  # same values, readable with the kernel's strides
+    assert layout != "sequence_major_rows" or seen.data_ptr() == out.data_ptr()  # a plan's rows: no copy
+
+
+@pytest.mark.parametrize("name, dtype, head_dim, reason", [
+    ("flash", torch.bfloat16, 100, "multiples of 8"), ("flash", torch.bfloat16, 264, "head dims <= 256"),
+    ("cudnn", torch.bfloat16, 192, "head dims <= 128"), ("cudnn", torch.float16, 36, "multiples of 8"),
+    ("efficient", torch.float32, 30, "multiples of 4"), ("flash_varlen", torch.bfloat16, 12, "multiples of 8")])
+def test_each_kernel_states_its_head_dim_limits(name, dtype, head_dim, reason):
+    """A head dim a kernel cannot take is its own clear error when forced (not a failure inside the op)."""
+    meta = dataclasses.replace(KERNELS[name], device_type="meta")
+    assert reason in meta.cannot_run(torch.empty(1, 2, 4, head_dim, device="meta", dtype=dtype))
+    assert meta.cannot_run(torch.empty(1, 2, 4, 64, device="meta", dtype=dtype)) is None
+
+
+def test_half_efficient_is_opt_in_and_causal_blocks_must_be_square(monkeypatch):
+    """bf16 with head dim 264: flash cannot, efficient is not verified in bf16, so the automatic choice
+    is a clear error instead of an unverified kernel; a non-square causal block is refused at the kernel
+    entry (the kernels align such a mask differently)."""
+    meta = {name: dataclasses.replace(k, device_type="meta") for name, k in KERNELS.items() if k.device_type == "cuda"}
+    monkeypatch.setattr(kernels, "KERNELS", meta)
+    monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
+    q = torch.empty(1, 2, 4, 264, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"efficient: not yet verified on a GPU in torch.bfloat16 \(opt-in: "
+                                         r"attn_kernel='efficient'\)"):
+        select_kernel(q)
+    assert select_kernel(q, "efficient").name == "efficient"
+    assert select_kernel(q.float()).name == "efficient"  # verified in fp32
+    x = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="a causal block of 4 queries and 6 keys: causal blocks must be square"):
+        kernels.block_attn_forward(x, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), causal=True, scale=1.0)
+
+
 def _reference(q, k, v, dout, causal, scale):
     q64, k64, v64 = (t.detach().double().cpu().requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, scale=scale,
@@ -124,21 +191,51 @@ def _relative_error(got, want):
     return ((got.double().cpu() - want).abs().max() / want.abs().max()).item()
 
 
+GPU_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+BLOCK_KERNELS = [pytest.param(name, dtype, id=f"{name}-{str(dtype)[6:]}") for name, k in KERNELS.items()
+                 if k.device_type == "cuda" and not k.packed for dtype in k.dtypes]
+"""Every dense CUDA kernel in every dtype it claims (verified or opt-in)."""
+OUT_LAYOUTS = ("kernel", "head_major", "sequence_major_rows", "head_chunk")
+"""How ``out`` reaches a backward: as the kernel returned it; head-major (B, H, S, D) contiguous; a row
+slice of a plan's sequence-major accumulator (the ring); a KV-head chunk of it (all_gather)."""
+
+
+def _as_plan_passes(out: torch.Tensor, layout: str, rows: slice, heads: slice) -> torch.Tensor:
+    if layout == "kernel":
+        return out
+    if layout == "head_major":
+        return out.contiguous()
+    acc, _ = new_accumulators(torch.empty(out.shape[0], out.shape[1], out.shape[2] + 64, out.shape[3],
+                                          dtype=out.dtype, device=out.device))
+    acc = acc.to(out.dtype)
+    acc[:, :, rows] = out  # the block's rows inside a longer accumulator
+    view = acc[:, :, rows]
+    return view[:, heads] if layout == "head_chunk" else view
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name, dtype, tol", [("flash", torch.bfloat16, 1e-2), ("flash", torch.float16, 2e-3),
-                                              ("flash_gqa", torch.bfloat16, 1e-2), ("flash_gqa", torch.float16, 2e-3),
-                                              ("efficient", torch.float32, 1e-5), ("cudnn", torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("name, dtype", BLOCK_KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_cuda_kernels_match_float64(name, dtype, tol, causal):
-    """Each CUDA kernel's forward and backward (given its own out/lse, as the blocks are) vs float64.
-    Fails on the code before issue 13's fix: the bf16 flash backward raised."""
+def test_cuda_kernels_match_float64(name, dtype, causal):
+    """Each CUDA kernel's forward and backward (given its own out/lse, as the blocks are) vs float64, in
+    every dtype it claims, 8 query heads over 2 KV heads, with ``out`` in every layout a plan passes (a
+    head chunk: the chunk's 4 query heads over 1 KV head). Fails on the code before issue 13's fix (the
+    bf16 flash backward raised) and before issue 23's (bf16/fp16 efficient read out rows D apart)."""
     torch.manual_seed(0)
+    tol = GPU_TOL[dtype]
     q, dout = (torch.randn(2, 8, 256, 64, device="cuda", dtype=dtype) for _ in range(2))
     k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=dtype) for _ in range(2))
     kernel = select_kernel(q, name)
     out, lse = kernel.forward(q, k, v, causal=causal, scale=0.125)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=0.125)
-    for label, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv),
-                                _reference(q, k, v, dout, causal, 0.125), strict=True):
-        assert _relative_error(got, want.detach()) < tol, (label, _relative_error(got, want.detach()))
+    want = _reference(q, k, v, dout, causal, 0.125)
+    assert _relative_error(out, want[0].detach()) < tol, ("out", _relative_error(out, want[0].detach()))
+    for layout in OUT_LAYOUTS:
+        heads, kv_heads = (slice(4, 8), slice(1, 2)) if layout == "head_chunk" else (slice(None), slice(None))
+        out_passed = _as_plan_passes(out, layout, slice(32, 288), heads)
+        dq, dk, dv = kernel.backward(dout[:, heads], q[:, heads], k[:, kv_heads], v[:, kv_heads], out_passed,
+                                     lse[:, heads].contiguous(), causal=causal, scale=0.125)
+        expected = _reference(q[:, heads], k[:, kv_heads], v[:, kv_heads], dout[:, heads], causal, 0.125)
+        for label, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), expected[1:], strict=True):
+            error = _relative_error(got, ref)
+            assert error < tol, (layout, label, error)

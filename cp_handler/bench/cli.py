@@ -32,9 +32,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
+from ..cli.flag_names import HelpFormatter
 from ..cli.launch import launch
+from ..cli.progress import Progress
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
 from . import e2e, launches, plan, report
@@ -87,8 +88,9 @@ def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list
         dist.init_process_group("gloo")
     try:
         rank0 = dist.get_rank() == 0
-        bar = tqdm(total=len(cases), desc=f"attn cp={dist.get_world_size()}", disable=not rank0, file=sys.stderr)
-        rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(1))
+        bar = Progress(len(cases), f"cp-bench: attn cp={dist.get_world_size()} case", enabled=rank0)
+        rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
+            case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
         bar.close()
         return rows if rank0 else None
     finally:
@@ -104,35 +106,61 @@ def run_attn(args) -> list[dict]:
     return report.add_efficiency(rows)
 
 
+def _quick_default(what: str, key: str, table_quick=QUICK, table_full=FULL) -> str:
+    return f"{what} (default: {table_quick[key]} with --quick, else {table_full[key]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-bench", description=__doc__.splitlines()[0])
-    p.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and plots go")
-    p.add_argument("--quick", action="store_true", help="small sizes: a few minutes on a 2-core CPU")
-    p.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches"), default=["attn", "e2e"])
-    p.add_argument("--cp-sizes", type=int, nargs="+", default=None)
-    p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="global sequence lengths (tokens)")
-    p.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None)
-    p.add_argument("--formats", nargs="+", choices=("bshd", "thd"), default=["bshd", "thd"])
-    p.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--num-heads", type=int, default=None)
-    p.add_argument("--num-kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions (median reported)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores shared by the ranks")
-    p.add_argument("--e2e-seq-len", type=int, default=None)
-    p.add_argument("--e2e-steps", type=int, default=None)
-    g = p.add_argument_group("plan mode (per-rank compute on one device)")
+    """The flags of cp-bench, in groups: run, attention, end to end, plan and launches."""
+    p = argparse.ArgumentParser(prog="cp-bench", formatter_class=HelpFormatter,
+                                description=__doc__.split("\n\n")[0] + " Tables and plots: docs/benchmarks.md.")
+    g = p.add_argument_group("run")
+    g.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and the plots go")
+    g.add_argument("--quick", action="store_true",
+                   help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
+                        f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
+                        f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
+    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches"), default=["attn", "e2e"],
+                   help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
+                        "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed)")
+    g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                   help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="plan: the device timed; attn: cuda runs one rank per GPU over NCCL")
-    g.add_argument("--attn-kernel", default=None, help="force a block kernel (cp_handler.ops.kernels.KERNELS)")
-    g.add_argument("--plan-seq-lens", type=int, nargs="+", default=None)
-    g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None)
-    g.add_argument("--plan-heads", type=int, default=None)
-    g.add_argument("--plan-kv-heads", type=int, default=None)
-    g.add_argument("--plan-head-dim", type=int, default=None)
-    g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+                   help="attn: cuda runs one rank per GPU over NCCL; plan: the device timed")
+    g = p.add_argument_group("attention (--modes attn)")
+    g.add_argument("--cp-sizes", type=int, nargs="+", default=None, help="CP sizes (default: 1 2 4)")
+    g.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                   help=_quick_default("global sequence lengths in tokens, each divisible by 2 * cp", "seq_lens"))
+    g.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None,
+                   help="cp_comm_type values (default: all four)")
+    g.add_argument("--formats", nargs="+", choices=("bshd", "thd"), default=["bshd", "thd"],
+                   help="qkv formats (thd: packs of stdlib documents)")
+    g.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES), help="timed passes")
+    g.add_argument("--num-heads", type=int, default=None, help=_quick_default("query heads", "num_heads"))
+    g.add_argument("--num-kv-heads", type=int, default=None, help=_quick_default("KV heads", "num_kv_heads"))
+    g.add_argument("--head-dim", type=int, default=64, help="head dim")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="q/k/v dtype")
+    g.add_argument("--reps", type=int, default=None, help=_quick_default("timed repetitions, median reported", "reps"))
+    g.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
+    g = p.add_argument_group("end to end (--modes e2e)")
+    g.add_argument("--e2e-seq-len", type=int, default=None,
+                   help=_quick_default("cp-train --seq-len", "e2e_seq_len", e2e.QUICK, e2e.FULL))
+    g.add_argument("--e2e-steps", type=int, default=None,
+                   help=_quick_default("cp-train --steps", "e2e_steps", e2e.QUICK, e2e.FULL))
+    g = p.add_argument_group("plan and launches (--modes plan / launches: one rank's compute, no communication)")
+    g.add_argument("--attn-kernel", default=None,
+                   help="plan: force a block kernel (a name of cp_handler.ops.kernels.KERNELS; default: automatic)")
+    g.add_argument("--plan-seq-lens", type=int, nargs="+", default=None,
+                   help=f"global sequence lengths (default: {PLAN['cuda']['plan_seq_lens']} on CUDA, "
+                        f"{PLAN['cpu']['plan_seq_lens']} on CPU)")
+    g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None,
+                   help=f"CP sizes (default: {PLAN['cuda']['plan_cp_sizes']} on CUDA, "
+                        f"{PLAN['cpu']['plan_cp_sizes']} on CPU)")
+    g.add_argument("--plan-heads", type=int, default=None, help="query heads (default: 32 on CUDA, 8 on CPU)")
+    g.add_argument("--plan-kv-heads", type=int, default=None, help="KV heads (default: 8 on CUDA, 2 on CPU)")
+    g.add_argument("--plan-head-dim", type=int, default=None, help="head dim (default: 128 on CUDA, 64 on CPU)")
+    g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
     g.add_argument("--launch-kernels", nargs="+", default=list(launches.DEFAULT_KERNELS),
                    help="--modes launches: the CUDA kernels whose launches are counted")

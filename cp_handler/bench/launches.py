@@ -25,6 +25,21 @@ from .plan import PlanShape, cases, rank_plan, rank_step
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 """Operators that only allocate (no kernel on CUDA)."""
 
+HIDDEN_COPIES = {"_scaled_dot_product_flash_attention_backward": True, "_flash_attention_backward": False}
+"""FlashAttention backward ops that copy ``grad_out`` and ``out`` inside (their CUDA code calls
+``.contiguous()`` on them: ``_flash_attention_backward`` in torch's attention_backward.cu, which the SDPA
+form reaches with the tensors transposed to ``(B, S, H, D)``; ``True`` marks that transpose). The meta
+kernels do not, so the counter adds one ``contiguous (inside the op)`` per such argument that is not
+already contiguous: the copies the accumulator layout decides."""
+
+
+def hidden_copies(name: str, func, args, kwargs) -> int:
+    """Copies ``func`` (one of :data:`HIDDEN_COPIES`) makes of its ``grad_out`` / ``out`` arguments."""
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    transposed = HIDDEN_COPIES[name]
+    return sum(not (t.transpose(1, 2) if transposed else t).is_contiguous() for t in (bound["grad_out"], bound["out"]))
+
 DEFAULT_KERNELS = ("flash", "flash_gqa", "flash_varlen", "cudnn")
 
 
@@ -39,6 +54,8 @@ class LaunchCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if not func.is_view and name not in ALLOCATIONS:
             self.ops[name] += 1
+        if name in HIDDEN_COPIES:
+            self.ops["contiguous (inside the op)"] += hidden_copies(name, func, args, kwargs or {})
         return func(*args, **(kwargs or {}))
 
 

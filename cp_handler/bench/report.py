@@ -11,52 +11,99 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the non-interactive backend
 
 MIB = 1 << 20
+NOISY_SPREAD = 0.10
+"""A row whose repetitions spread more than this ((max - min) / median) gets no ratio verdict."""
+
+IMPLEMENTATIONS = ("local p2p", "local all_gather", "local a2a", "local a2a+p2p", "torch_ring allgather",
+                   "torch_ring alltoall", "single none")
+"""Every implementation a plot can show, in the order of their fixed styles."""
+_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def style(name: str) -> dict:
+    """The colour and marker of implementation ``name`` (``"local p2p"``, ``"torch_ring allgather"``; a
+    plan pattern ``"p2p"`` is ``"local p2p"``): the same in every panel and every figure."""
+    if name in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+        name = f"local {name}"
+    i = IMPLEMENTATIONS.index(name) if name in IMPLEMENTATIONS else len(IMPLEMENTATIONS)
+    return {"color": _COLOURS[i % len(_COLOURS)] if i < len(IMPLEMENTATIONS) else "black",
+            "marker": _MARKERS[i % len(_MARKERS)] if i < len(IMPLEMENTATIONS) else "*"}
+
+
+def plain_log_axis(ax, values) -> None:
+    """A log-scale x axis with a plain tick label at each value (2048, 4096, ... not 2x10^3)."""
+    ticks = sorted(set(values))
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(v) for v in ticks])
+    ax.minorticks_off()
 
 
 def _key(row: dict, *fields: str) -> tuple:
     return tuple(row[f] for f in fields)
 
 
-def _paired(numerator: list[float], denominator: list[float]) -> float:
-    """Median of per-round ratios: repetitions were interleaved, so round ``i`` of both ran together."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
+def spread(times_ms: list[float]) -> float:
+    """``(max - min) / median`` of a row's repetitions."""
+    return (max(times_ms) - min(times_ms)) / statistics.median(times_ms)
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:
-    """Add ``cp_efficiency`` (single-process time on the same total threads / CP time) and, for
-    ``torch_ring`` rows, ``ours_speedup`` (PyTorch's time / our p2p ring's time), each the median
-    of per-round ratios of interleaved repetitions. A ``single`` row's ``cp_size`` is the CP size
+    """Add ``spread`` to every row, ``cp_efficiency`` (single-process median on the same total threads
+    / this row's median) and, for ``torch_ring`` rows, ``ours_speedup`` (PyTorch's median / our p2p
+    ring's median): each ratio from the medians the table prints beside it. A ratio involving a row
+    whose spread exceeds :data:`NOISY_SPREAD` is ``None`` and the row is marked ``noisy`` (no
+    verdict from a run that disagrees with itself). A ``single`` row's ``cp_size`` is the CP size
     whose launch (and total threads) it ran in."""
-    single = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r["times_ms"]
-              for r in rows if r["impl"] == "single"}
-    ring = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r["times_ms"]
+    for r in rows:
+        r["spread"] = spread(r["times_ms"])
+    single = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r for r in rows if r["impl"] == "single"}
+    ring = {_key(r, "cp_size", "seq_len", "qkv_format", "pass_name"): r
             for r in rows if r["impl"] == "local" and r["comm_type"] == "p2p"}
     for r in rows:
         if r["impl"] == "single":
             continue
         key = _key(r, "cp_size", "seq_len", "qkv_format", "pass_name")
-        base = single.get(key)
-        r["cp_efficiency"] = _paired(base, r["times_ms"]) if base else None
-        ours = ring.get(key)
-        if r["impl"] == "torch_ring" and ours:
-            r["ours_speedup"] = _paired(r["times_ms"], ours)
+        r["cp_efficiency"] = _ratio(single.get(key), r)
+        if r["impl"] == "torch_ring":
+            r["ours_speedup"] = _ratio(r, ring.get(key))
+        r["noisy"] = any(other is not None and other["spread"] > NOISY_SPREAD
+                         for other in (r, single.get(key), ring.get(key) if r["impl"] == "torch_ring" else None))
     return rows
+
+
+def _ratio(numerator: dict | None, denominator: dict | None) -> float | None:
+    """``numerator median / denominator median``, ``None`` when a row is missing or noisy."""
+    if numerator is None or denominator is None or max(numerator["spread"], denominator["spread"]) > NOISY_SPREAD:
+        return None
+    return numerator["median_ms"] / denominator["median_ms"]
 
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _spread_cell(row: dict) -> str:
+    return f"{100 * row['spread']:.0f}%" + (" (noisy)" if row["spread"] > NOISY_SPREAD else "")
+
+
+def _verdict(row: dict, key: str) -> str:
+    """A ratio cell: the value, ``noisy`` when a row it needs spread over 10%, ``-`` when not applicable."""
+    if key not in row:
+        return "-"
+    return "noisy" if row[key] is None and row.get("noisy") else _fmt(row[key], ".3f")
+
+
 def attention_table(rows: list[dict]) -> str:
-    head = ("| impl | comm | cp | S | format | pass | threads/rank | median ms | CP eff. | vs ours p2p "
-            "| peak MiB/rank | MiB sent/rank | load balance |\n|" + "---|" * 13)
+    head = ("| impl | comm | cp | S | format | pass | threads/rank | median ms | spread | CP eff. | vs ours p2p "
+            "| peak MiB/rank | MiB sent/rank | load balance |\n|" + "---|" * 14)
     lines = [head]
     for r in sorted(rows, key=lambda r: _key(r, "pass_name", "qkv_format", "seq_len", "cp_size", "impl", "comm_type")):
         lines.append(
             f"| {r['impl']} | {r['comm_type']} | {r['cp_size']} | {r['seq_len']} | {r['qkv_format']} "
             f"| {r['pass_name']} "
-            f"| {r['threads']} | {r['median_ms']:.1f} | {_fmt(r.get('cp_efficiency'), '.3f')} "
-            f"| {_fmt(r.get('ours_speedup'), '.3f')} | {r['peak_memory_bytes'] / MIB:.1f} "
+            f"| {r['threads']} | {r['median_ms']:.1f} | {_spread_cell(r)} | {_verdict(r, 'cp_efficiency')} "
+            f"| {_verdict(r, 'ours_speedup')} | {r['peak_memory_bytes'] / MIB:.1f} "
             f"| {r['bytes_sent'] / MIB:.1f} | {_fmt(r['load_balance'], '.4f')} |"
         )
     return "\n".join(lines)
@@ -137,9 +184,10 @@ def plan_plot(plan: dict, out_dir: str) -> str:
             points = sorted((r["seq_len"] // r["cp_size"], r["efficiency"]) for r in plan["rows"]
                             if r["qkv_format"] == fmt and r["pattern"] == pattern)
             if points:
-                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", linestyle="", label=pattern)
-        ax.set(title=f"{fmt}: per-rank compute efficiency", xscale="log", xlabel="tokens per rank",
+                ax.plot([x for x, _ in points], [y for _, y in points], linestyle="", label=pattern, **style(pattern))
+        ax.set(title=f"{fmt}: per-rank compute efficiency", xlabel="tokens per rank",
                ylabel="T(whole) / (cp T(rank))")
+        plain_log_axis(ax, [r["seq_len"] // r["cp_size"] for r in plan["rows"] if r["pattern"] != "whole"])
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, "plan_efficiency.png")
@@ -169,12 +217,15 @@ def plots(results: dict, out_dir: str) -> list[str]:
             for col, cp in enumerate(cps):
                 for name, points in _series(rows, pass_name, fmt, cp).items():
                     xs = [s for s, _ in points]
-                    axes[0][col].plot(xs, [r["median_ms"] for _, r in points], marker="o", label=name)
-                    axes[1][col].plot(xs, [r.get("cp_efficiency") or float("nan") for _, r in points], marker="o",
-                                      label=name)
-                axes[0][col].set(title=f"{pass_name} {fmt} cp={cp}", xscale="log", yscale="log", ylabel="median ms")
-                axes[1][col].set(xscale="log", xlabel="sequence length (tokens)", ylabel="CP efficiency")
-                axes[0][col].legend(fontsize=7)
+                    axes[0][col].plot(xs, [r["median_ms"] for _, r in points], label=name, **style(name))
+                    axes[1][col].plot(xs, [r.get("cp_efficiency") or float("nan") for _, r in points], label=name,
+                                      **style(name))
+                axes[0][col].set(title=f"{pass_name} {fmt} cp={cp}", yscale="log", ylabel="median ms")
+                axes[1][col].set(xlabel="sequence length (tokens)", ylabel="CP efficiency (noisy rows: gaps)")
+                for ax in axes[:, col]:
+                    plain_log_axis(ax, [r["seq_len"] for r in rows])
+                    if ax.lines:
+                        ax.legend(fontsize=7)
             fig.tight_layout()
             path = os.path.join(out_dir, f"attn_{pass_name}_{fmt}.png")
             fig.savefig(path, dpi=90)

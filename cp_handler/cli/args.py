@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -17,106 +18,134 @@ from ..handlers import get_cp_handler_cls
 from ..integrations.transformers import check_transformers_version
 from ..ops.ulysses import check_a2a_heads
 from ..parallel_layout import ParallelLayout
-from .data import HOLDOUT_FRACTION, VOCAB_SIZE, collect_files
+from .data import HOLDOUT_FRACTION, VOCAB_SIZE, check_text_files, collect_files
+from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
+from .launch import under_torchrun
 
 DTYPES = ("float32", "bfloat16")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags of cp-train, in groups: layout, context parallelism, model, data, training, checks, output."""
     p = argparse.ArgumentParser(
-        prog="cp-train",
-        description="Train the reference GPT context-parallel on real text (byte-level tokens). "
-        "Spawns --nproc ranks itself, or runs as one rank under torchrun.",
+        prog="cp-train", formatter_class=HelpFormatter,
+        description="Train the reference GPT (or a Hugging Face causal LM) context-parallel on real text "
+        "(byte-level tokens). Spawns --nproc ranks itself, or runs as one rank under torchrun. Every rule "
+        "between the flags is checked before any rank starts (docs/cp-train.md).",
     )
-    g = p.add_argument_group("parallelism")
+    g = p.add_argument_group("layout (ranks and groups)")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
-    g.add_argument("--cp-size", type=int, default=None, help="context_parallel_size (default: all ranks)")
+    g.add_argument("--cp-size", type=int, default=None,
+                   help="context_parallel_size: ranks one sequence is split over (default: all ranks); "
+                        "world = dp x cp, CP groups on adjacent ranks")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="expert_model_parallel_size: ranks sharing one copy of the experts (divides dp x cp)")
+    g.add_argument("--print-layout", action="store_true", help="print the rank layout of every group kind")
     g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a rank that makes no progress for this long (frozen, dead, or stuck in a collective) ends "
                         "every rank; also the process groups' collective timeout")
+    g = p.add_argument_group("context parallelism")
     g.add_argument("--backend", default="auto",
                    help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
                         "local, transformer_engine, magi, or any registered name")
-    g.add_argument("--cp-comm-type", default="p2p", help=f"one of {CP_COMM_TYPES}, or a comma-separated list per layer")
+    g.add_argument("--cp-comm-type", default="p2p",
+                   help=f"one of {', '.join(CP_COMM_TYPES)}, or a comma-separated list with one per layer")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
-                   help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first: e.g. 2 2")
-    g = p.add_argument_group("dynamic context parallelism")
+                   help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first, e.g. 2 2; "
+                        "required by a2a+p2p")
     g.add_argument("--dynamic-cp", action="store_true",
                    help="each micro-batch gives every document the smallest CP group that fits it "
-                        "(documents = files, cut at --seq-len tokens)")
+                        "(documents = files, cut at --seq-len tokens; docs/dynamic_cp.md)")
     g.add_argument("--max-seqlen-per-rank", type=int, default=None,
-                   help="token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank)")
-    g.add_argument("--min-cp-size", type=int, default=1, help="min_dynamic_context_parallel_size (a power of two)")
+                   help="--dynamic-cp: token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank); "
+                        "required with --dynamic-cp, no default")
+    g.add_argument("--min-cp-size", type=int, default=1,
+                   help="--dynamic-cp: min_dynamic_context_parallel_size (a power of two)")
     g.add_argument("--max-cp-size", type=int, default=None,
-                   help="max_dynamic_context_parallel_size (a power of two; equal to --min-cp-size: static CP)")
-    g = p.add_argument_group("mixture of experts")
-    g.add_argument("--moe-experts", type=int, default=0, help="experts per MoE layer (0: dense SwiGLU layers)")
-    g.add_argument("--expert-parallel-size", type=int, default=1,
-                   help="expert_model_parallel_size: ranks sharing one copy of the experts (divides dp x cp)")
-    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (moe_router_topk)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient")
-    g.add_argument("--print-layout", action="store_true", help="print the rank layout of every group kind")
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-cp-size", type=int, default=None, help="CP size of evaluation (default: training's)")
+                   help="--dynamic-cp: max_dynamic_context_parallel_size (a power of two; equal to --min-cp-size: "
+                        "static CP; default: the largest power of two <= the world)")
+    g.add_argument("--eval-cp-size", type=int, default=None,
+                   help="CP size of evaluation (default: training's)")
     g.add_argument("--eval-hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
                    help="hierarchical sizes at the evaluation CP size (a2a+p2p)")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps (0: never)")
-    g.add_argument("--eval-batches", type=int, default=2, help="held-out batches per evaluation")
-    g.add_argument("--check-eval-cp", action="store_true",
-                   help="after training, evaluate one held-out batch at training's and at the evaluation CP size "
-                        "and fail unless the losses agree")
+    g = p.add_argument_group("model")
+    g.add_argument("--hf-config", default=None, metavar="DIR",
+                   help="train a Hugging Face causal LM built from DIR/config.json (random init) through "
+                        "cp_handler.integrations.transformers; the GPT shape flags below are then not used")
+    g.add_argument("--hf-model", default=None, metavar="DIR", help="as --hf-config, with the weights in DIR")
+    g.add_argument("--hidden-size", type=int, default=128, help="reference GPT: hidden size")
+    g.add_argument("--num-layers", type=int, default=2, help="reference GPT: transformer layers")
+    g.add_argument("--num-heads", type=int, default=4, help="reference GPT: query heads (num_attention_heads)")
+    g.add_argument("--num-kv-heads", type=int, default=2,
+                   help="reference GPT: KV heads (num_query_groups, GQA; divides --num-heads)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="reference GPT: head dim (kv_channels; default --hidden-size / --num-heads)")
+    g.add_argument("--ffn-hidden-size", type=int, default=352, help="reference GPT: SwiGLU hidden size")
+    g.add_argument("--rotary-base", type=float, default=10000.0, help="reference GPT: RoPE base (theta)")
+    g.add_argument("--moe-experts", type=int, default=0,
+                   help="reference GPT: experts per MoE layer (0: dense SwiGLU layers)")
+    g.add_argument("--moe-top-k", type=int, default=2, help="experts per token (moe_router_topk)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter and activation dtype")
     g = p.add_argument_group("data")
-    g.add_argument("--data", nargs="*", default=None, help="files or folders (default: the Python stdlib sources)")
+    g.add_argument("--data", nargs="*", default=None,
+                   help="UTF-8 text files or folders (default: the Python stdlib sources)")
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
-    g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global)")
+    g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global, before CP sharding)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
     g.add_argument("--packing", choices=("bshd", "thd"), default="bshd",
                    help="bshd: fixed-length sequences; thd: files cut into documents of at most --thd-max-doc-len "
                         "tokens, packed into each sequence with cu_seqlens")
     g.add_argument("--thd-max-doc-len", type=int, default=None,
-                   help="thd: longest document in tokens (default seq_len // 4, so every sequence packs several)")
-    g = p.add_argument_group("model")
-    g.add_argument("--hf-config", default=None, metavar="DIR",
-                   help="train a Hugging Face causal LM built from DIR/config.json (random init) through "
-                        "cp_handler.integrations.transformers; the GPT shape flags are then not used")
-    g.add_argument("--hf-model", default=None, metavar="DIR", help="as --hf-config, with the weights in DIR")
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-layers", type=int, default=2)
-    g.add_argument("--num-heads", type=int, default=4)
-    g.add_argument("--num-kv-heads", type=int, default=2)
-    g.add_argument("--ffn-hidden-size", type=int, default=352)
-    g.add_argument("--rotary-base", type=float, default=10000.0)
+                   help="thd: longest document in tokens (default --seq-len // 4, so every sequence packs several)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batch order")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=50)
-    g.add_argument("--lr", type=float, default=3e-3)
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (finite, > 0)")
+    g = p.add_argument_group("checks")
     g.add_argument("--check-parity", action="store_true",
-                   help="also train the same steps on one process and fail unless the loss curves agree")
-    g.add_argument("--metrics-out", default=None, help="write JSON metrics (config, per-step loss, tokens/s, memory)")
+                   help="before every optimizer step, rank 0 runs the same global batch on one process from the "
+                        "same parameters and compares the loss and the whole gradient (relative difference, "
+                        "tolerance 1e-5 in float32, 2e-2 in bfloat16); non-zero exit if any step differs")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate held-out batches every K steps (0: never)")
+    g.add_argument("--eval-batches", type=int, default=2, help="held-out batches per evaluation")
+    g.add_argument("--check-eval-cp", action="store_true",
+                   help="after training, evaluate one held-out batch at training's and at the evaluation CP size "
+                        "and fail unless the losses agree")
+    g = p.add_argument_group("output")
+    g.add_argument("--metrics-out", default=None, metavar="FILE",
+                   help="write JSON metrics (config, per-step loss, tokens/s, memory), atomically")
     g.add_argument("--log-every", type=int, default=None,
-                   help="progress line every N steps when stderr is not a terminal (default: steps // 10)")
+                   help="progress line every N steps when stderr is not a terminal (default: --steps // 10)")
     return p
 
 
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
-            "num_heads", "num_kv_heads", "ffn_hidden_size", "eval_batches", "max_corpus_bytes", "min_cp_size",
-            "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k", "thd_max_doc_len", "log_every",
-            "timeout")
-"""Flags that must be >= 1 when given (``--timeout``: > 0); zero is never "the default"."""
+            "num_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size", "eval_batches", "max_corpus_bytes",
+            "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
+            "thd_max_doc_len", "log_every")
+"""Integer flags that must be >= 1 when given; zero is never "the default"."""
+POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
+"""Float flags that must be finite and > 0 (``--lr nan`` would train on NaN)."""
 
 
 def check_positive(args: argparse.Namespace) -> None:
-    """Raises ValueError naming the first size flag below 1 (``--eval-every`` and ``--moe-experts``: below 0)."""
+    """Raises ValueError naming the first size flag below 1 (``--eval-every`` and ``--moe-experts``: below 0),
+    or a float flag that is not finite and positive (``--moe-aux-loss-coeff``: finite and >= 0)."""
     for name in POSITIVE:
         value = getattr(args, name)
-        if value is not None and (value <= 0 if name == "timeout" else value < 1):
-            rule = "> 0" if name == "timeout" else ">= 1"
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be {rule}")
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
     for name in ("eval_every", "moe_experts"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    for name in POSITIVE_FLOATS:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
+    if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
+        raise ValueError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
 
 
 def world_size_from(args: argparse.Namespace) -> int:
@@ -140,10 +169,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     if args.dynamic_cp:
         check_dynamic(args, world)
     cp_size = args.cp_size if args.cp_size is not None else world
-    try:
-        check_world_divisible(world, cp_size)
-    except ValueError as err:
-        raise ValueError(f"--cp-size {cp_size}: {err}") from None
+    check_rank_count(args, world, cp_size)
     args.backend = resolve_backend(args.backend)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
@@ -159,15 +185,24 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     if (args.hf_config or args.hf_model) and args.moe_experts:
         raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
     model = attention_shape(args)
-    evaluation = eval_cp_config(args, config)
-    try:
+    with flags_in_errors(EVAL_FLAGS):
+        evaluation = eval_cp_config(args, config)
         check_eval_layout(world, evaluation, args.seq_len)
-    except ValueError as err:
-        raise ValueError(f"--eval-cp-size {evaluation.context_parallel_size}: {err}") from None
     for cp_config, flag in ((config, "--cp-size"), (evaluation, "--eval-cp-size")):
         check_attention_rules(args, model, cp_config, flag)
     check_data(args, world // evaluation.context_parallel_size)
     return config
+
+
+def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:
+    """The world holds whole CP groups; a forgotten ``--nproc`` is named as such. Raises ValueError."""
+    if cp_size > world and args.nproc is None and not under_torchrun():
+        raise ValueError(f"--cp-size {cp_size} needs at least {cp_size} ranks, but --nproc defaults to 1 outside "
+                         f"torchrun: add --nproc {cp_size} (or a multiple of it for data parallelism)")
+    try:
+        check_world_divisible(world, cp_size)
+    except ValueError as err:
+        raise ValueError(f"--cp-size {cp_size}: {err}") from None
 
 
 def check_attention_rules(args: argparse.Namespace, model: SimpleNamespace, config: ContextParallelConfig,
@@ -187,7 +222,7 @@ def check_attention_rules(args: argparse.Namespace, model: SimpleNamespace, conf
                 raise ValueError(f"transformer_engine {comm_type}: query heads ({heads}) and KV heads ({kv_heads}) "
                                  f"must both be divisible by the a2a size ({a2a})")
         except ValueError as err:
-            raise ValueError(f"--num-heads {heads} / --num-kv-heads {kv_heads} with {flag} {cp}: {err}") from None
+            raise ValueError(f"{model.heads_source} with {flag} {cp}: {err}") from None
     if config.backend in ("transformer_engine", "magi") and args.dtype not in ("bfloat16",):
         raise ValueError(f"--dtype {args.dtype} with --backend {config.backend} at cp={cp}: the backend attends in "
                          "float16/bfloat16 only under context parallelism; use --dtype bfloat16")
@@ -200,6 +235,8 @@ def check_data(args: argparse.Namespace, eval_dp_size: int) -> None:
         files = collect_files(args.data)
     except FileNotFoundError as err:
         raise ValueError(str(err)) from None
+    if args.data:
+        check_text_files(files, args.max_corpus_bytes)
     tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
     source = f"--data {' '.join(args.data)}" if args.data else "the stdlib corpus"
     if args.dynamic_cp:
@@ -277,6 +314,9 @@ def hf_config(args: argparse.Namespace):
     if source is None:
         return None
     flag = "--hf-model" if args.hf_model else "--hf-config"
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(f"{flag} {source}: no config.json in it (a Hugging Face model directory holds config.json"
+                         f"{' and the weights' if args.hf_model else ''})")
     check_transformers_version()
     from transformers import AutoConfig
 
@@ -296,11 +336,15 @@ def attention_shape(args: argparse.Namespace) -> SimpleNamespace:
     if config is None:
         gpt = model_config(args)
         return SimpleNamespace(num_attention_heads=gpt.num_attention_heads, num_query_groups=gpt.num_query_groups,
-                               kv_channels=gpt.kv_channels)
+                               kv_channels=gpt.kv_channels,
+                               heads_source=f"--num-heads {gpt.num_attention_heads} / --num-kv-heads "
+                                            f"{gpt.num_query_groups}")
     heads = config.num_attention_heads
-    return SimpleNamespace(num_attention_heads=heads,
-                           num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
-                           kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return SimpleNamespace(num_attention_heads=heads, num_query_groups=kv_heads,
+                           kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                           heads_source=f"{heads} query heads / {kv_heads} KV heads of "
+                                        f"{args.hf_model or args.hf_config}/config.json")
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -308,7 +352,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(
         vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
-        ffn_hidden_size=args.ffn_hidden_size, rotary_base=args.rotary_base, num_moe_experts=args.moe_experts,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, rotary_base=args.rotary_base,
+        num_moe_experts=args.moe_experts,
         moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
     )
 
@@ -320,7 +365,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, ContextPar
     try:
         config = validate(args)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
-        raise SystemExit(f"cp-train: error: {err}") from None
+        raise SystemExit(f"cp-train: error: {to_flags(str(err))}") from None
     if requested == "auto" and os.environ.get("RANK", "0") == "0":  # once per job, also under torchrun
         print(f"cp-train: --backend auto picked {args.backend!r}", file=sys.stderr)
     return args, config

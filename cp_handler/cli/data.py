@@ -12,6 +12,7 @@ documents, at its boundaries) in it. Sampling is deterministic in the seed.
 
 from __future__ import annotations
 
+import codecs
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,46 @@ def collect_files(paths: list[str] | None) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"--data {paths}: no files found")
     return files
+
+
+CONTROL_FRACTION = 0.01
+"""Largest share of control characters (other than tab, newlines, form feed, escape) in a text file."""
+TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")
+
+
+def text_file_problem(data: bytes, truncated: bool) -> str | None:
+    """Why ``data`` (a file's first bytes; ``truncated``: the file goes on) is not UTF-8 text, or None."""
+    if END_OF_DOCUMENT in data:
+        return f"it holds NUL bytes (the first at byte {data.index(END_OF_DOCUMENT)}), which end a document here"
+    try:
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=not truncated)
+    except UnicodeDecodeError as err:
+        return f"it is not UTF-8 (byte {err.start}: {err.reason})"
+    controls = sum(ch < " " and ch not in TEXT_CONTROLS for ch in text)
+    if controls > CONTROL_FRACTION * max(1, len(text)):
+        return f"{controls} of its {len(text)} characters are control characters (more than {CONTROL_FRACTION:.0%})"
+    return None
+
+
+def check_text_files(files: list[Path], max_bytes: int) -> None:
+    """The bytes :func:`read_token_stream` will read from ``files`` are UTF-8 text (checked for
+    ``--data``: a binary file would train silently on noise).
+
+    Raises:
+        ValueError: naming the first file that is not text and why.
+    """
+    total = 0
+    for path in files:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            data = f.read(max_bytes - total)
+        problem = text_file_problem(data, truncated=len(data) < size)
+        if problem:
+            raise ValueError(f"--data: {path} is not text: {problem}; cp-train trains on UTF-8 text files "
+                             "(byte-level tokens)")
+        total += len(data) + 1
+        if total >= max_bytes:
+            return
 
 
 def read_token_stream(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from models import GPTModel
 
@@ -40,6 +39,7 @@ from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_e
 from .launch import heartbeat, launch
 from .moe_train import ExpertGroups
 from .parity import StepReference, parity_result
+from .progress import Progress
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -113,10 +113,8 @@ def train_steps(model, args, run_step, count_group, progress: bool, after_step=N
     Each step ends with a heartbeat for the launcher's watchdog (:func:`.launch.heartbeat`)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     records = []
-    progress_bar = progress and sys.stderr.isatty()
-    every = args.log_every or max(1, args.steps // 10)
-    bar = tqdm(range(args.steps), desc="cp-train", disable=not progress_bar, file=sys.stderr)
-    for step in bar:
+    bar = Progress(args.steps, "cp-train: step", enabled=progress, every=args.log_every)
+    for step in range(args.steps):
         start = time.perf_counter()
         loss, tokens = run_step(step)
         grad_norm = (grad_norm_fn or local_grad_norm)(model)
@@ -134,10 +132,8 @@ def train_steps(model, args, run_step, count_group, progress: bool, after_step=N
         heartbeat()
         shown = {"loss": f"{reported.item():.4f}", "tok_s": f"{records[-1]['tokens_per_s']:.0f}",
                  **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {})}
-        bar.set_postfix(**shown)
-        if progress and not progress_bar and ((step + 1) % every == 0 or step + 1 == args.steps):
-            print(f"cp-train: step {step + 1}/{args.steps} " + " ".join(f"{k} {v}" for k, v in shown.items()),
-                  file=sys.stderr, flush=True)
+        bar.update(**shown)
+    bar.close()
     return records
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ..layout import ZigzagDocs, zigzag_chunk_ids
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
+from .kernels.base import seq_major
 from .merge import acc_dtype
 from .ring import default_layout
 
@@ -97,6 +98,7 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: boo
     blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     dtype = acc_dtype(q.dtype)
+    dout = seq_major(dout)  # as out: the kernels take its rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     groups = q.shape[1] // k.shape[1]

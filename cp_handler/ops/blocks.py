@@ -57,9 +57,12 @@ def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
 
 
 def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out, lse)``: zeros and -inf, which the first merge replaces exactly."""
+    """Empty ``(out (B, H, S, D), lse (B, H, S))``: zeros and -inf, which the first merge replaces
+    exactly. ``out`` is sequence-major (a view of ``(B, S, H, D)`` memory, :func:`~.kernels.base.seq_major`):
+    the layout the CUDA backward kernels take without copies."""
     dtype = acc_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    b, h, s, d = q.shape
+    out = torch.zeros((b, s, h, d), dtype=dtype, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     return out, lse
 

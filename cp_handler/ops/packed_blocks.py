@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import AttnKernel
+from .kernels.base import check_causal_square
 from .kernels.work import block_pairs, record_attn_pairs
 from .merge import merge_attn_out_
 
@@ -61,6 +62,8 @@ def _call(causal: bool, members: list[BlockKey], fresh: bool, device) -> PackedC
     q_rows, kv_rows = [(m[0], m[1]) for m in members], [(m[2], m[3]) for m in members]
     q_len = [qe - qs for qs, qe in q_rows]
     k_len = [ke - ks for ks, ke in kv_rows]
+    for a, b in zip(q_len, k_len, strict=True):
+        check_causal_square(a, b, causal)
     return PackedCall(causal, indices(q_rows), indices(kv_rows), offsets(q_len), offsets(k_len), max(q_len),
                       max(k_len), fresh, sum(block_pairs(a, b, causal) for a, b in zip(q_len, k_len, strict=True)),
                       len(members), span(q_rows), span(kv_rows))

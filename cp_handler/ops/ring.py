@@ -5,8 +5,9 @@ zigzag / DualChunkSwap layout of Megatron-LM and Transformer Engine: every rank 
 ``r`` and ``2cp-1-r`` of the sequence, so each causal ring step costs every rank the same work.
 K and V travel around the ring; each step's transfer is posted before that step's block is
 computed (overlap). Partial results are merged with the log-sum-exp rule (:mod:`.merge`).
-Backward runs the same ring: dQ stays home, dK/dV accumulators travel with their K/V and arrive
-back at their owner after the last step. GQA: K/V keep their own (fewer) heads on the wire.
+Backward runs the same ring of K/V: dQ stays home, and the partial dK/dV of each remote block is
+sent straight to the rank that owns that K/V (:func:`ring_attn_backward`). GQA: K/V keep their own
+(fewer) heads on the wire.
 
 Causal blocks at ring step ``i`` on rank ``r`` (K/V from rank ``src = (r - i) mod cp``):
   * ``i == 0``:   all local queries vs all local keys, causal (local order is global order);
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..layout import ZigzagDocs
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
+from .kernels.base import seq_major
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
 
@@ -102,6 +104,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
     """
     comm = RingComm(group)
     dtype = acc_dtype(q.dtype)
+    dout = seq_major(dout)  # once per call: the kernels then take every block's rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     head, tail = local_blocks_split(layout, comm.rank, causal)

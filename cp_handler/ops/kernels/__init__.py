@@ -6,7 +6,11 @@ Automatic choice, fastest first, among kernels that a GPU run has verified (:att
   the reference of the batching: never automatic);
 * CUDA: ``cudnn``, ``flash_varlen`` and ``flash_gqa`` (FlashAttention-2 with K/V at their own head
   count; not yet verified: opt-in), ``flash`` (FlashAttention-2, fp16/bf16, K/V expanded for GQA),
-  ``efficient`` (memory-efficient, fp32).
+  ``efficient`` (memory-efficient; verified in fp32, opt-in in fp16/bf16).
+
+Each kernel states its limits (dtypes, largest head dim, head-dim multiple by dtype) and
+:meth:`AttnKernel.cannot_run` checks them, so the automatic choice moves on to the next kernel and a
+forced kernel fails with a ``ValueError`` naming the limit instead of an error inside the op.
 
 A packed kernel (:mod:`.varlen`) runs every block of a plan that shares a mask flag, and has
 disjoint query rows, in one call (:mod:`cp_handler.ops.packed_blocks`).
@@ -24,7 +28,7 @@ import os
 import torch
 
 from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, varlen
-from .base import AttnKernel
+from .base import AttnKernel, check_causal_square
 from .work import WorkCounter, count_attn_work, record_attn_work
 
 ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
@@ -73,7 +77,8 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) 
         return forced
     reasons = []
     for kernel in KERNELS.values():
-        reason = kernel.cannot_run(q) or (None if kernel.verified_on else "not yet verified on a GPU (opt-in)")
+        unverified = f"not yet verified on a GPU in {q.dtype} (opt-in: attn_kernel={kernel.name!r})"
+        reason = kernel.cannot_run(q) or (None if kernel.verified_for(q.dtype) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")
@@ -90,6 +95,7 @@ def block_attn_forward(q, k, v, *, causal: bool, scale: float, kernel: AttnKerne
     (a block kernel, not a packed one) default :func:`select_kernel`. Records the work
     (:func:`count_attn_work`)."""
     _check_nonempty(q, k)
+    check_causal_square(q.shape[-2], k.shape[-2], causal)
     record_attn_work(q, k, causal)
     return (kernel or select_kernel(q)).forward(q, k, v, causal=causal, scale=scale)
 
@@ -97,4 +103,5 @@ def block_attn_forward(q, k, v, *, causal: bool, scale: float, kernel: AttnKerne
 def block_attn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, kernel: AttnKernel | None = None):
     """Gradients ``(dq, dk, dv)`` of one block, given the merged ``out`` and ``lse`` of q's rows."""
     _check_nonempty(q, k)
+    check_causal_square(q.shape[-2], k.shape[-2], causal)
     return (kernel or select_kernel(q)).backward(dout, q, k, v, out, lse, causal=causal, scale=scale)

@@ -4,8 +4,17 @@ All tensors are ``(B, H, S, D)`` (heads before sequence, as the aten SDPA ops ta
 have ``Hkv`` heads with ``H % Hkv == 0`` (GQA). ``lse`` is ``(B, H, Sq)`` in float32 (float64 for
 float64 inputs), natural log. The backward takes the *merged* (whole-sequence) ``out`` and ``lse``
 of q's rows: with them, the flash backward of one block gives exactly that block's share of dq,
-dk, dv (FlashAttention-2, Dao 2023). dk/dv come back with ``Hkv`` heads. ``causal`` is top-left
-aligned and only used with ``Sq == Sk``. Zero-length blocks are never passed (callers skip them).
+dk, dv (FlashAttention-2, Dao 2023). dk/dv come back with ``Hkv`` heads. Zero-length blocks are
+never passed (callers skip them).
+
+Causal blocks are square (``Sq == Sk``), checked at the kernel entry points (:func:`check_causal_square`):
+the kernels disagree on where a non-square causal mask sits (FlashAttention and its varlen form align
+it bottom-right, cuDNN and the memory-efficient kernel top-left), so a non-square causal block would
+give kernel-dependent answers; for square blocks every alignment is the same mask.
+
+Layout: the accumulators (:func:`~cp_handler.ops.blocks.new_accumulators`) are sequence-major, i.e.
+``(B, H, S, D)`` views of ``(B, S, H, D)`` memory, the layout the CUDA kernels take without copies
+(they transpose to ``(B, S, H, D)`` and make that contiguous); :func:`seq_major` converts other tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ class AttnKernel:
         backward: ``(dout, q, k, v, out, lse, *, causal, scale) -> (dq, dk, dv)``.
         verified_on: where a GPU run checked it against a float64 reference (device, torch,
             result), or ``None``: an unverified CUDA kernel is never chosen automatically.
+        verified_dtypes: the dtypes that run verified (default: all of ``dtypes`` once ``verified_on``
+            is set); in the others the kernel is opt-in only.
         max_head_dim: largest head dim it runs (``None``: any).
+        head_dim_multiple: head dims it runs are multiples of this, by dtype (``{dtype: m}``; absent: any).
         packed: forward/backward take packed segments instead of one block (:mod:`.varlen`):
             ``(q (Tq,H,D), k, v (Tk,Hkv,D), cu_q, cu_k, max_q, max_k, *, causal, scale)``, lse ``(H, Tq)``.
     """
@@ -44,6 +56,12 @@ class AttnKernel:
     verified_on: str | None
     max_head_dim: int | None = None
     packed: bool = False
+    head_dim_multiple: tuple[tuple[torch.dtype, int], ...] = ()
+    verified_dtypes: tuple[torch.dtype, ...] | None = None
+
+    def verified_for(self, dtype: torch.dtype) -> bool:
+        """Whether a GPU run verified this kernel in ``dtype`` (CPU kernels: verified by the suite)."""
+        return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes)
 
     def cannot_run(self, q: torch.Tensor) -> str | None:
         """Why this kernel cannot take ``q``, or ``None`` if it can."""
@@ -53,7 +71,24 @@ class AttnKernel:
             return f"it takes {[str(d) for d in self.dtypes]}, q is {q.dtype}"
         if self.max_head_dim is not None and q.shape[-1] > self.max_head_dim:
             return f"it takes head dims <= {self.max_head_dim}, q has {q.shape[-1]}"
+        multiple = dict(self.head_dim_multiple).get(q.dtype, 1)
+        if q.shape[-1] % multiple:
+            return f"it takes head dims that are multiples of {multiple} in {q.dtype}, q has {q.shape[-1]}"
         return None
+
+
+def check_causal_square(q_len: int, k_len: int, causal: bool) -> None:
+    """Raises ValueError for a causal block that is not square (see the module doc: the kernels'
+    causal alignments differ; every plan of cp_handler makes square causal blocks)."""
+    if causal and q_len != k_len:
+        raise ValueError(f"a causal block of {q_len} queries and {k_len} keys: causal blocks must be square (the "
+                         "kernels align a non-square causal mask differently); this is a bug in the block plan")
+
+
+def seq_major(t: torch.Tensor) -> torch.Tensor:
+    """``t (B, H, S, D)`` as a view of ``(B, S, H, D)``-contiguous memory: ``t`` itself when it
+    already is one (no copy), else one copy."""
+    return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def expand_kv(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,10 @@ issue 14). Not yet run by this code on a GPU: never chosen automatically, only b
 The forward returns lse as ``(B, H, Sq, 1)`` on some torch versions and ``(B, H, Sq)`` on others;
 the backward wants the forward's layout, which is read off the op's meta kernel (same shapes as
 the device kernel, no GPU needed). Dense call: ``cum_seq_q`` / ``cum_seq_k`` undefined, no bias,
-dropout 0 (the philox tensors are not read). GQA by expanding K/V.
+dropout 0 (the philox tensors are not read). GQA by expanding K/V. Head dims: multiples of 8, at
+most 128, torch's rule for cuDNN attention (``check_cudnn_tensor_shapes``; 256 only on sm90 with
+cuDNN >= 9.10, not taken here). The backward copies dout/q/k/v/out contiguous per block: kept as it
+is until a GPU run shows which layouts cuDNN takes without them (docs/performance.md, pending).
 """
 
 from __future__ import annotations
@@ -48,4 +51,5 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
 
 
-KERNEL = AttnKernel("cudnn", "cuda", (torch.float16, torch.bfloat16), forward, backward, verified_on=None)
+KERNEL = AttnKernel("cudnn", "cuda", (torch.float16, torch.bfloat16), forward, backward, verified_on=None,
+                    max_head_dim=128, head_dim_multiple=((torch.float16, 8), (torch.bfloat16, 8)))

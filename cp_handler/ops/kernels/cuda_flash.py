@@ -4,7 +4,10 @@ Every argument of the backward is named as in the op's schema and takes the valu
 returns for a dense (non-varlen) call: ``cum_seq_q`` / ``cum_seq_k`` undefined (``None``; a defined
 tensor there selects the varlen path, which wants int32 offsets: the bf16 crash of issue 13),
 ``max_q`` / ``max_k`` the block lengths. The philox state is read only when ``dropout_p > 0``;
-dropout is always 0 here, so an empty int64 tensor stands for it.
+dropout is always 0 here, so an empty int64 tensor stands for it. The op transposes ``grad_out``
+and ``out`` to ``(B, S, H, D)`` and makes them contiguous: they are passed sequence-major
+(:func:`~.base.seq_major`), so that is no copy for a plan's accumulators (batch 1) and an explicit,
+counted one otherwise.
 
 GQA, two kernels:
 
@@ -24,7 +27,7 @@ import functools
 
 import torch
 
-from .base import AttnKernel, expand_kv, reduce_kv_grad
+from .base import AttnKernel, expand_kv, reduce_kv_grad, seq_major
 
 aten = torch.ops.aten
 
@@ -42,19 +45,22 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, native_gqa:
         k, v = expand_kv(q, k), expand_kv(q, v)
     no_dropout = torch.empty(0, device=q.device, dtype=torch.int64)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-        grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse.contiguous(),
+        grad_out=seq_major(dout), query=q, key=k, value=v, out=seq_major(out), logsumexp=lse.contiguous(),
         cum_seq_q=None, cum_seq_k=None, max_q=q.shape[-2], max_k=k.shape[-2], dropout_p=0.0,
         is_causal=causal, philox_seed=no_dropout, philox_offset=no_dropout, scale=scale,
     )
     return dq, reduce_kv_grad(dk, kv_heads), reduce_kv_grad(dv, kv_heads)
 
 
+HEAD_DIMS = {"max_head_dim": 256, "head_dim_multiple": ((torch.float16, 8), (torch.bfloat16, 8))}
+"""FlashAttention-2's head dims: at most 256, multiples of 8 (``head_size_og % 8 == 0`` in flash_api.cpp)."""
+
 KERNEL = AttnKernel(
-    "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, max_head_dim=256,
+    "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, **HEAD_DIMS,
     verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): this call (undefined cum_seq_q/k) within "
                 "2-3e-3 (bf16) / 3e-4 (fp16) relative error of a float64 reference",
 )
 GQA_KERNEL = AttnKernel(
     "flash_gqa", "cuda", (torch.float16, torch.bfloat16), functools.partial(forward, native_gqa=True),
-    functools.partial(backward, native_gqa=True), max_head_dim=256, verified_on=None,
+    functools.partial(backward, native_gqa=True), **HEAD_DIMS, verified_on=None,
 )

@@ -26,6 +26,7 @@ import torch
 
 from . import cpu_flash
 from .base import AttnKernel
+from .cuda_flash import HEAD_DIMS
 
 aten = torch.ops.aten
 
@@ -92,7 +93,7 @@ def cpu_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: 
 
 
 FLASH_VARLEN = AttnKernel("flash_varlen", "cuda", (torch.float16, torch.bfloat16), flash_varlen_forward,
-                          flash_varlen_backward, verified_on=None, max_head_dim=256, packed=True)
+                          flash_varlen_backward, verified_on=None, packed=True, **HEAD_DIMS)
 CPU_VARLEN = AttnKernel("cpu_varlen", "cpu", (torch.float16, torch.bfloat16, torch.float32, torch.float64),
                         cpu_varlen_forward, cpu_varlen_backward, verified_on="CPU (tests/test_varlen.py)",
                         packed=True)

@@ -1,0 +1,87 @@
+"""Flags as the user sees them: library field names -> the cp-train flags a user typed, in one
+place; the help formatter of cp-train and cp-bench (every default shown).
+
+The library's errors name its fields (``hierarchical_context_parallel_sizes=[2, 3]``), as they
+should: they are raised from the library. Under ``cp-train`` the user typed flags, so the CLI
+rewrites every error it reports through :func:`to_flags`: ``field=value`` becomes ``--flag value``
+(lists in the flag's own syntax, ``2 3``) and a bare field name becomes the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+
+TRAIN_FLAGS = {
+    "context_parallel_size": "--cp-size",
+    "cp_comm_type": "--cp-comm-type",
+    "hierarchical_context_parallel_sizes": "--hierarchical-cp-sizes",
+    "qkv_format": "--packing",
+    "backend": "--backend",
+    "seq_len": "--seq-len",
+    "world_size": "--nproc",
+    "world size": "--nproc",
+    "num_ranks": "--nproc",
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-heads",
+    "num_query_groups": "--num-kv-heads",
+    "kv_channels": "--kv-channels",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_moe_experts": "--moe-experts",
+    "moe_router_topk": "--moe-top-k",
+    "expert_model_parallel_size": "--expert-parallel-size",
+    "max_seqlen_per_dp_cp_rank": "--max-seqlen-per-rank",
+    "min_dynamic_context_parallel_size": "--min-cp-size",
+    "max_dynamic_context_parallel_size": "--max-cp-size",
+    "attn_kernel": "--attn-kernel",
+}
+"""Field (or phrase) of the library -> cp-train flag."""
+
+ASSIGNED_ONLY = {"backend"}
+"""Fields that are also plain words: rewritten only in the ``field=value`` form."""
+
+EVAL_FLAGS = {"context_parallel_size": "--eval-cp-size",
+              "hierarchical_context_parallel_sizes": "--eval-hierarchical-cp-sizes"}
+"""The evaluation config's fields name the evaluation flags."""
+
+_VALUE = r"(\[[^\]]*\]|'[^']*'|[^\s,;:)]+)"
+
+
+def _flag_value(value: str) -> str:
+    if value.startswith("["):
+        return " ".join(part.strip().strip("'") for part in value[1:-1].split(",") if part.strip())
+    return value.strip("'")
+
+
+def to_flags(message: str, fields: dict[str, str] = TRAIN_FLAGS) -> str:
+    """``message`` with every library field of ``fields`` written as its flag (see module doc)."""
+    for field in sorted(fields, key=len, reverse=True):  # longest first: a name may contain another
+        flag = fields[field]
+        pattern = re.escape(field)
+        message = re.sub(rf"(?<![\w-]){pattern}={_VALUE}", lambda m, f=flag: f"{f} {_flag_value(m[1])}",
+                         message)
+        if field not in ASSIGNED_ONLY:
+            message = re.sub(rf"(?<![\w-]){pattern}(?![\w])", flag, message)
+    return message
+
+
+@contextlib.contextmanager
+def flags_in_errors(fields: dict[str, str]):
+    """Re-raise a ValueError / TypeError of the block with its fields written as ``fields``' flags."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        raise type(err)(to_flags(str(err), fields)) from None
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default shown, except where the help already says what the default is (or there
+    is none: ``None`` / ``False``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)

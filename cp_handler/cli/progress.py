@@ -1,0 +1,43 @@
+"""Progress of cp-train and cp-bench: a tqdm bar on a terminal, plain lines in a log.
+
+A redrawn bar writes ``\r`` into a file; when stderr is not a terminal each update every ``every``
+items (and the last) prints one line instead: ``<program>: <what> k/N key value ...``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+
+class Progress:
+    """Progress over ``total`` items.
+
+    Args:
+        total: number of items.
+        label: the line prefix (``"cp-train: step"``); the bar shows its last word.
+        enabled: ``False`` prints nothing (ranks other than 0).
+        every: plain lines every this many items (default: a tenth of ``total``).
+    """
+
+    def __init__(self, total: int, label: str, enabled: bool = True, every: int | None = None, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.label, self.enabled = total, label, enabled
+        self.every = every or max(1, total // 10)
+        self.terminal = enabled and self.stream.isatty()
+        self.bar = tqdm(total=total, desc=label.split(": ")[0], disable=not self.terminal, file=self.stream)
+        self.done = 0
+
+    def update(self, **shown) -> None:
+        """One more item done; ``shown`` (name -> text) goes after the bar or on the line."""
+        self.done += 1
+        if self.terminal:
+            self.bar.set_postfix(**shown, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            fields = "".join(f" {k} {v}" for k, v in shown.items())
+            print(f"{self.label} {self.done}/{self.total}{fields}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
