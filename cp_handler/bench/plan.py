@@ -152,8 +152,9 @@ def _flex_step(q, k, v, lengths):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device))
+    # _compile: build the block mask blockwise; the eager form materialises an S x S bool mask (17 GB at 131072)
     mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, q.shape[2], q.shape[2],
-                             device=q.device)
+                             device=q.device, _compile=True)
     flex = torch.compile(flex_attention)
     return lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()
 

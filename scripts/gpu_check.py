@@ -1,0 +1,101 @@
+"""The pending GPU checks, in stages that each fit one command on a lent GPU machine.
+
+    python3 scripts/gpu_check.py kernels    # every CUDA kernel vs float64 (every dtype it claims, H > 1, the
+                                            # out layouts the plans pass), the packed varlen kernel
+    python3 scripts/gpu_check.py opt_in     # every pattern (bshd, thd) in bf16 through each opt-in kernel
+    python3 scripts/gpu_check.py plan       # cp-bench --modes plan: 16k, 4k, 1k tokens per rank (cp 4), per kernel
+    python3 scripts/gpu_check.py patterns   # pytest -m gpu: patterns, thd, layout ops, automatic kernel, 3 dtypes
+    python3 scripts/gpu_check.py gpt        # pytest -m gpu: the GPT step and the TE / MagiAttention handlers
+
+Run in this order (by value). Estimated from the CPU suite (the same multi-rank cases take 3-13 s each on
+2 CPU cores; on the GPU machine add CUDA start-up per rank): kernels 1-2 min (one process), opt_in 3-5 min
+(9 launches of 4 ranks), plan 2-4 min (FlexAttention's compile dominates), patterns 3-6 min (11 launches),
+gpt 2-3 min (6 launches). The machine: one GPU, torch 2.11+cu130, ``python3``, nothing installed
+(run from source: ``PYTHONPATH=.``), 10 minutes per command, at most 8 files back. So each stage stops
+starting parts once ``--budget`` seconds (default 420) are spent, gives each part the time left as its
+timeout, prints the elapsed time of every part, and writes two files to ``$OUT`` (else ``runs/gpu_check``):
+``gpu_check_<stage>.json`` (per part: status, seconds, the last lines; plan rows) and ``gpu_check_<stage>.log``.
+A kernel's ``verified_on`` is set only after its parts pass here (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu"]
+BENCH = [sys.executable, "-m", "cp_handler.bench.cli", "--modes", "plan", "--device", "cuda", "--plan-cp-sizes", "4",
+         "--plan-seq-lens", "65536", "16384", "4096", "--reps", "5", "--warmup", "2"]
+OPT_IN = ("flash_gqa", "flash_varlen", "cudnn")
+
+
+def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
+    """Each stage's parts: ``(name, command, extra environment)``."""
+    patterns = ["tests/test_attn_patterns.py", "tests/test_thd.py"]
+    return {
+        "kernels": [("kernels_vs_float64", [*PYTEST, "tests/test_kernels.py", "tests/test_varlen.py"], {})],
+        "opt_in": [(f"patterns_{k}", [*PYTEST, "-k", "bf16", *patterns], {"CP_HANDLER_ATTN_KERNEL": k})
+                   for k in OPT_IN],
+        "plan": [(f"plan_{k}", [*BENCH, "--attn-kernel", k, "--formats", fmt, "--out-dir", str(scratch / k)], {})
+                 for k, fmt in (("flash", "bshd"), ("flash_gqa", "bshd"), ("flash_varlen", "thd"), ("cudnn", "bshd"))],
+        "patterns": [("patterns", [*PYTEST, *patterns, "tests/test_handler_layout.py"], {})],
+        "gpt": [("gpt", [*PYTEST, "tests/test_gpt_parity.py", "tests/test_gpu_backends.py"], {})],
+    }
+
+
+def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> dict:
+    started = time.monotonic()
+    log.write(f"\n===== {name}: {' '.join(command)} (timeout {timeout:.0f} s)\n")
+    log.flush()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                              stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        status = "PASS" if done.returncode == 0 else f"FAIL (exit {done.returncode})"
+    except subprocess.TimeoutExpired:
+        status = f"FAIL (stopped after {timeout:.0f} s)"
+    seconds = time.monotonic() - started
+    print(f"gpu_check: {name}: {status} in {seconds:.0f} s", flush=True)
+    return {"part": name, "status": status, "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("stage", choices=("kernels", "opt_in", "plan", "patterns", "gpt"))
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds the stage may spend (default 420)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here", file=sys.stderr)
+        return 2
+    out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    device = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d")}
+    started, results = time.monotonic(), []
+    with tempfile.TemporaryDirectory() as scratch, open(out / f"gpu_check_{args.stage}.log", "w") as log:
+        for name, command, env in stages(Path(scratch))[args.stage]:
+            left = args.budget - (time.monotonic() - started)
+            if left < 30:
+                results.append({"part": name, "status": "NOT RUN (stage budget spent)", "seconds": 0})
+                continue
+            results.append(run_part(name, command, env, left, log))
+            bench = Path(scratch) / name.removeprefix("plan_") / "results.json"
+            if bench.exists():
+                results[-1]["plan"] = json.loads(bench.read_text())["plan"]
+    summary = {"stage": args.stage, **device, "seconds": round(time.monotonic() - started, 1), "parts": results}
+    (out / f"gpu_check_{args.stage}.json").write_text(json.dumps(summary, indent=2))
+    print(f"gpu_check {args.stage}: " + ", ".join(f"{r['part']}={r['status']}" for r in results)
+          + f" ({device['device']}, torch {device['torch']}, {summary['seconds']:.0f} s)")
+    return 0 if all(r["status"] == "PASS" for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
