@@ -274,13 +274,36 @@ def test_hugging_face_model_trains_with_parity(tmp_path, flags):
     assert "parity passed" in result.stderr
 
 
-def test_hugging_face_flag_rules(tmp_path):
+def test_hugging_face_flag_rules(tmp_path, monkeypatch):
+    """Checked in the launcher before any rank starts (in-process ``parse``)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / "config.json").write_text("{}")
     for flags, message in ((["--hf-config", str(empty)], f"--hf-config {empty}: no loadable Hugging Face config"),
                            (["--hf-config", _hf_dir(tmp_path, False), "--moe-experts", "4"],
                             "--moe-experts builds the reference GPT's MoE layers"),
                            (["--hf-config", "a", "--hf-model", "b"], "--hf-config and --hf-model are exclusive")):
-        result = cp_train("--nproc", "2", *flags, timeout=60)
-        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
-        assert "cp-train: world" not in result.stderr
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            parse(["--nproc", "2", *flags])
+
+
+HF_REFUSED = [("mamba", {}, "is a convolution over the sequence"),
+              ("gemma2", {"attn_logit_softcapping": 30.0}, "the model passed softcap=30.0 to attention"),
+              ("roberta", {"is_decoder": True}, "differ from its own defaults"),
+              ("bloom", {}, "did not run cp_handler's attention")]
+
+
+@pytest.mark.parametrize("model_type, fields, message", HF_REFUSED, ids=[r[0] for r in HF_REFUSED])
+def test_hugging_face_architecture_the_guard_refuses_is_refused_before_spawning(tmp_path, monkeypatch, model_type,
+                                                                                 fields, message):
+    """The same refusal as every rank would raise (the guard on the config, a small model built on CPU)."""
+    from transformers import AutoConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, n_layer=2, n_head=4, max_position_embeddings=512, pad_token_id=0)
+    AutoConfig.for_model(model_type, **shape, **fields).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=rf"cp-train: error: --hf-config {re.escape(str(tmp_path))}: .*"
+                                         rf"{re.escape(message)}"):
+        parse(["--nproc", "2", "--hf-config", str(tmp_path)])

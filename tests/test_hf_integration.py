@@ -9,6 +9,7 @@ tests/gpt_reference.py (loss rtol 1e-6, gradients atol 1e-6 + rtol 1e-4).
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from cp_handler.integrations.transformers import (
     CPCausalLM,
     check_transformers_version,
     cp_attention,
-    local_position_ids,
+    cp_attention_forward,
+    cp_model_inputs,
     register,
 )
 from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
@@ -125,32 +127,131 @@ def test_hf_models_match_the_unmodified_model(world):
 
 def test_handler_reaches_attention_per_batch_and_errors():
     """The handler comes from the forward's kwargs or the context manager, and nothing stays active
-    after the block; no handler, dropout or a short sliding window are errors."""
-    model = build("llama", register())
+    after the block; no handler, an unchecked model and dropout are errors."""
+    model = build("llama", "sdpa")
+    register(model)
     reference = build("llama", "sdpa")
     tokens = torch.randint(0, 256, (1, 16))
     handler = get_cp_handler_cls("local", "p2p")(cp_group=None)
-    positions = local_position_ids(handler, tokens)
     want = reference(tokens).logits
-    torch.testing.assert_close(model(tokens, position_ids=positions, cp_handler=handler, use_cache=False).logits,
-                               want, atol=0, rtol=0)
+    inputs = cp_model_inputs(handler, tokens)
+    torch.testing.assert_close(model(tokens, **inputs, cp_handler=handler).logits, want, atol=1e-6, rtol=1e-6)
     with cp_attention(handler):
-        torch.testing.assert_close(model(tokens, position_ids=positions, use_cache=False).logits, want, atol=0,
-                                   rtol=0)
+        torch.testing.assert_close(model(tokens, **inputs).logits, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match=r"needs a handler: pass cp_handler=handler"):
-        model(tokens, use_cache=False)
+        model(tokens)
+    unchecked = build("llama", register())  # attn_implementation set, register(model) never called
+    with pytest.raises(ValueError, match=r"this model was not checked for context parallelism: call "
+                                         r"cp_handler.integrations.transformers.register\(model\)"):
+        unchecked(tokens, cp_handler=handler)
     model.train()
-    model.config.attention_dropout = 0.1
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
     with pytest.raises(ValueError, match=r"attention dropout=0.1 is not supported"), cp_attention(handler):
-        model(tokens, use_cache=False)
-    mistral = build("mistral", register())
-    mistral.config.sliding_window = 8
-    for layer in mistral.model.layers:
-        layer.self_attn.sliding_window = 8
-    with pytest.raises(ValueError, match=r"attn_mod.window_size=\(7, 0\): the local backend has no sliding-window"):
-        CPCausalLM(mistral)(tokens)
+        model(tokens, **inputs)
+
+
+def _tiny(model_type, **fields):
+    from transformers import AutoConfig
+
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    return AutoConfig.for_model(model_type, **{**shape, **fields})
+
+
+REFUSED = [
+    ("gemma2", {"attn_logit_softcapping": 30.0}, r"the model passed softcap=30.0 to attention"),
+    ("gpt_oss", {"num_local_experts": 4}, r"the model passed s_aux \(attention sinks\)"),
+    ("llama4_text", {"attention_chunk_size": 4, "num_local_experts": 2}, r"asks for chunked attention \(chunks of 4 "
+                                                                        r"positions\): not supported"),
+    ("mistral", {"sliding_window": 4}, r"attn_mod.window_size=\(3, 0\): the local backend has no sliding-window"),
+    ("jamba", {"attn_layer_period": 2, "attn_layer_offset": 1, "use_mamba_kernels": False},
+     r"module 'model.layers.0.mamba.conv1d' is a convolution over the sequence \(kernel 4\)"),
+]
+
+
+@pytest.mark.parametrize("model_type, fields, message", REFUSED, ids=[r[0] for r in REFUSED])
+def test_features_that_do_not_run_under_cp_are_refused_by_name(model_type, fields, message):
+    """Before the guard these produced output silently wrong (issue 24); now each is a ValueError
+    naming the feature, from register(model) or the first forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_tiny(model_type, **fields)).eval()
+    with pytest.raises(ValueError, match=message):
+        CPCausalLM(model)(torch.randint(0, 256, (1, 16)))
+
+
+def test_attention_refuses_what_it_does_not_implement():
+    """Unknown arguments (a future release's), a materialised mask and output_attentions are refused by name."""
+    model = build("llama", "sdpa")
+    register(model)
+    handler = get_cp_handler_cls("local", "p2p")(cp_group=None)
+    tokens = torch.randint(0, 256, (1, 16))
+    attn = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 16, 16)
+    kv = torch.randn(1, 2, 16, 16)
+    with pytest.raises(ValueError, match=r"attention arguments cp_handler does not implement: new_feature=3"):
+        cp_attention_forward(attn, q, kv, kv, None, cp_handler=handler, new_feature=3)
+    with pytest.raises(ValueError, match=r"output_attentions=True"):
+        cp_attention_forward(attn, q, kv, kv, None, cp_handler=handler, output_attentions=True)
+    with pytest.raises(ValueError, match=r"a materialised attention mask \(Tensor \(1, 1, 16, 16\)\)"):
+        cp_attention_forward(attn, q, kv, kv, torch.ones(1, 1, 16, 16, dtype=torch.bool), cp_handler=handler)
+    with pytest.raises(ValueError, match=r"the attention_mask marks padding tokens"):
+        model(tokens, position_ids=cp_model_inputs(handler, tokens)["position_ids"], cp_handler=handler,
+              attention_mask=torch.tensor([[0] * 4 + [1] * 12]))
+
+
+def test_from_config_with_attn_implementation_after_register():
+    from transformers import AutoModelForCausalLM
+
+    register()
+    config = _tiny("llama")
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cp_handler")
+    register(model)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(CPCausalLM(model)(tokens), reference(tokens).logits, atol=1e-6, rtol=1e-6)
+
+
+LENGTH_DEPENDENT = {
+    "dynamic NTK": ("llama", {"max_position_embeddings": 16, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                                   "rope_theta": 10000.0}}),
+    "LongRoPE": ("phi3", {"max_position_embeddings": 64, "original_max_position_embeddings": 24, "pad_token_id": 0,
+                          "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                              "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
+                                              "original_max_position_embeddings": 24}}),
+    "Llama 4 temperature tuning": ("llama4_text", {"attn_temperature_tuning": True, "floor_scale": 4,
+                                                   "attn_scale": 0.5, "no_rope_layers": [1, 0],
+                                                   "num_local_experts": 2}),
+}
+"""Models whose math reads the sequence length or the absolute position (32 tokens, beyond the
+original context of the RoPE configs): each rank must see the global length / positions. Llama 4's
+temperature tuning reads the *local* length inside the model (transformers 5.23): refused at cp > 1."""
+LENGTH_DEPENDENT_OUTCOMES = {"dynamic NTK": "exact", "LongRoPE": "exact",
+                             "Llama 4 temperature tuning": "refused: layer 1: Llama 4's attention temperature tuning"}
+
+
+def _length_dependent_worker(rank, world, out):
+    import hf_zoo
+
+    group = dist.new_group(list(range(world)))
+    outcomes = {name: hf_zoo.run_case(_tiny(model_type, **fields), group)
+                for name, (model_type, fields) in LENGTH_DEPENDENT.items()}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(outcomes, f)
+
+
+def test_length_dependent_rope_exact_and_temperature_tuning_refused(tmp_path):
+    """Logits and every gradient equal the unmodified model at cp 2, p2p and a2a (tests/hf_zoo.py); the
+    rotary modules see the global length (without it, dynamic NTK and LongRoPE differ: checked by hand)."""
+    out = tmp_path / "outcomes.json"
+    run_distributed(_length_dependent_worker, 2, str(out))
+    outcomes = json.loads(out.read_text())
+    for name, expected in LENGTH_DEPENDENT_OUTCOMES.items():
+        assert outcomes[name].startswith(expected), (name, outcomes[name])
 
 
 def test_transformers_version_range():

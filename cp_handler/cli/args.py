@@ -15,7 +15,7 @@ from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
-from ..integrations.transformers import check_transformers_version
+from ..integrations.transformers import check_architecture, check_transformers_version
 from ..ops.ulysses import check_a2a_heads
 from ..parallel_layout import ParallelLayout
 from .data import HOLDOUT_FRACTION, VOCAB_SIZE, check_text_files, collect_files
@@ -184,6 +184,7 @@ def validate(args: argparse.Namespace) -> ContextParallelConfig:
     get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
     if (args.hf_config or args.hf_model) and args.moe_experts:
         raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
+    check_hf_architecture(args)
     model = attention_shape(args)
     with flags_in_errors(EVAL_FLAGS):
         evaluation = eval_cp_config(args, config)
@@ -324,10 +325,27 @@ def hf_config(args: argparse.Namespace):
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"{flag} {source}: no loadable Hugging Face config ({err})") from None
-    if config.vocab_size < VOCAB_SIZE:
+    if getattr(config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
         raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but cp-train feeds byte tokens "
                          f"(0..{VOCAB_SIZE - 1})")
     return config
+
+
+def check_hf_architecture(args: argparse.Namespace) -> None:
+    """The Hugging Face guard on ``--hf-config`` / ``--hf-model``'s architecture, before any rank starts
+    (:func:`~cp_handler.integrations.transformers.check_architecture`: the ranks' own message).
+
+    Raises:
+        ValueError: ``--hf-config DIR: <the guard's refusal>``.
+    """
+    config = hf_config(args)
+    if config is None:
+        return
+    try:
+        check_architecture(config)
+    except ValueError as err:
+        raise ValueError(f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}: "
+                         f"{err}") from None
 
 
 def attention_shape(args: argparse.Namespace) -> SimpleNamespace:
@@ -339,10 +357,11 @@ def attention_shape(args: argparse.Namespace) -> SimpleNamespace:
                                kv_channels=gpt.kv_channels,
                                heads_source=f"--num-heads {gpt.num_attention_heads} / --num-kv-heads "
                                             f"{gpt.num_query_groups}")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return SimpleNamespace(num_attention_heads=heads, num_query_groups=kv_heads,
-                           kv_channels=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                           kv_channels=getattr(text, "head_dim", None) or text.hidden_size // heads,
                            heads_source=f"{heads} query heads / {kv_heads} KV heads of "
                                         f"{args.hf_model or args.hf_config}/config.json")
 

@@ -1,50 +1,77 @@
 """Context parallelism for unmodified Hugging Face causal LMs, through transformers' attention registry.
 
-``register()`` adds an attention function ``"cp_handler"`` to ``transformers.AttentionInterface``
-(no monkeypatching); a model whose ``attn_implementation`` is ``"cp_handler"`` then runs every
-attention layer through the active handler's ``core_attn``. The handler reaches it per batch: the
-``cp_handler=`` keyword of the model's forward (transformers passes forward kwargs down to the
-attention function), or ``with cp_attention(handler):`` (a context variable, reset on exit, so
-nothing leaks from one batch to the next). No handler active is an error, never plain attention.
+``register(model)`` adds an attention function and a mask function, ``"cp_handler"``, to
+transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (no monkeypatching), switches the
+model to them, checks it and watches its forwards (:mod:`.hf_model`). Every attention layer then runs
+through the active handler's ``core_attn``; the handler reaches it per batch: the ``cp_handler=``
+keyword of the model's forward, or ``with cp_attention(handler):``. No handler is an error, never
+plain attention::
 
-The rest of the model is untouched: the tokens and ``position_ids`` are dispatched by the handler
-(:func:`local_position_ids` gives every local token its global position, restarting per document
-for thd), so the model's own rotary code rotates at the right positions; labels come from
-``handler.roll_tensor`` and the loss is token-weighted over the CP group
-(:mod:`cp_handler.training`). :class:`CPCausalLM` wraps a model so that
-``model(input_ids, cp_handler=h)`` does all of it and returns local logits (what cp-train uses)::
-
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=register())
+    model = AutoModelForCausalLM.from_config(config)
+    register(model)
     h = get_cp_handler_cls("local", "p2p")(cp_group=group)
     input_ids, labels, loss_mask = next_token_batch(h, tokens)
-    logits = model(input_ids, position_ids=local_position_ids(h, input_ids), cp_handler=h).logits
+    logits = model(input_ids, **cp_model_inputs(h, input_ids), cp_handler=h).logits
     loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)
 
-Mapping to the handler: q/k/v ``(B, H, S, D)`` -> bshd (thd: a batch of one pack); the module's
-``scaling`` is the softmax scale, ``layer_idx + 1`` the layer number (a per-layer ``cp_comm_type``),
-``is_causal`` the mask type. A sliding window (Mistral, Qwen2 sliding layers: keys within the last
-``W`` positions) is passed as ``window_size = (W - 1, 0)``; the local backend refuses windows shorter
-than the sequence with a ValueError (Transformer Engine takes them with a2a / all_gather). Attention
-dropout is refused; generation with a KV cache is not supported (a decoding step's q and k lengths
-differ: the handler's check raises). Tested transformers releases: :data:`SUPPORTED`.
+``cp_model_inputs`` gives the model every local token's global position (``position_ids`` and
+``cache_position``; thd: restarting per document), so the model's own RoPE and anything reading
+positions are exact, and an all-ones ``attention_mask``, so transformers does not re-derive
+documents from the zigzag's jumps in ``position_ids``. :class:`CPCausalLM` does all of it
+(``model(input_ids, cp_handler=h)`` returns local logits: what cp-train uses).
+
+**Exact or refused** (the guard; docs/huggingface.md): the attention function implements every
+argument it accepts, and refuses the others by name (:data:`HARMLESS`, :func:`check_arguments`): a
+soft-cap, attention sinks, attention dropout, attention weights output, cross-attention, a position
+bias, an unknown argument of a future release. The mask comes from the model's own mask function,
+classified at global positions (:mod:`.hf_mask`): causal, bidirectional and sliding windows run;
+chunked attention, padding, image-token blocks and anything unrecognised are refused. The model
+checks (:mod:`.hf_model`) refuse sequence convolutions and non-attention layers, and a forward in
+which a decoder layer did not run cp_handler's attention. Tested transformers releases: :data:`SUPPORTED`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from types import SimpleNamespace
 
 import torch
 
 from ..handlers.base import ContextParallelHandler
 from ..handlers.requirements import release
+from .hf_mask import CPMask, cp_mask
+from .hf_model import (
+    active_handler,
+    cp_model_inputs,
+    handler_context,
+    prepare_model,
+    record_attention_call,
+)
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
 """First and last transformers releases (major, minor) the integration was tested with (inclusive)."""
 
-_active: contextvars.ContextVar[ContextParallelHandler | None] = contextvars.ContextVar("cp_handler", default=None)
+HARMLESS = {
+    "position_ids": lambda v: True,  # the handler's layout has the positions
+    "cache_position": lambda v: True,
+    "use_cache": lambda v: True,  # the cache update happens before attention; q/k lengths are checked
+    "output_router_logits": lambda v: True,  # MoE routing, not attention
+    "logits_to_keep": lambda v: True,  # the LM head's slice, not attention
+    "output_attentions": lambda v: not v,
+    "encoder_hidden_states": lambda v: v is None,
+    "past_key_values": lambda v: v is None,
+    "past_key_value": lambda v: v is None,
+    "head_mask": lambda v: v is None,
+    "block_indices": lambda v: v is None,
+    "position_bias": lambda v: v is None,
+    "cu_seq_lens_q": lambda v: v is None,
+    "cu_seq_lens_k": lambda v: v is None,
+    "max_length_q": lambda v: v is None,
+    "max_length_k": lambda v: v is None,
+}
+"""Keyword arguments transformers passes to attention functions that change nothing here when their
+value passes the test; any other value, and any other argument, is refused by name."""
 
 
 def check_transformers_version(version: str | None = None) -> None:
@@ -62,74 +89,155 @@ def check_transformers_version(version: str | None = None) -> None:
                           f"{low[0]}.{low[1]} to {high[0]}.{high[1]} (docs/huggingface.md)")
 
 
-def register() -> str:
-    """Register the attention function (idempotent); returns its name for ``attn_implementation``.
+def register(model: torch.nn.Module | None = None) -> str:
+    """Register the attention and mask functions (idempotent) and return their name. With ``model``:
+    also switch it to them and check and watch it (:func:`.hf_model.prepare_model`).
 
     Raises:
         ImportError: transformers missing or outside the tested releases.
+        ValueError: ``model`` has a token mixer that cannot run context-parallel (see :mod:`.hf_model`).
     """
     check_transformers_version()
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, cp_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cp_mask)
+    if model is not None:
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+        prepare_model(model)
     return ATTN_IMPLEMENTATION
+
+
+FULL_CHECK_PARAMETERS = 100_000_000
+"""Largest model :func:`check_architecture` instantiates on CPU to run every check (larger: static only)."""
+
+
+def check_architecture(config) -> None:
+    """The guard on a config alone, as ``cp-train --hf-config`` runs it before spawning: the model is
+    built on the ``meta`` device for the static checks (:func:`.hf_model.check_model`); when it has at
+    most :data:`FULL_CHECK_PARAMETERS` parameters it is also built on CPU and given to
+    :func:`register` (the cp=1 forward checks too), so the error is the one every rank would raise.
+
+    Raises:
+        ValueError: the guard's refusal.
+    """
+    from transformers import AutoModelForCausalLM
+
+    register()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    prepare_model(model)  # weights on meta: static checks only
+    if sum(p.numel() for p in model.parameters()) <= FULL_CHECK_PARAMETERS:
+        register(AutoModelForCausalLM.from_config(config))
 
 
 @contextlib.contextmanager
 def cp_attention(handler: ContextParallelHandler):
     """Route the attention of ``"cp_handler"`` models through ``handler`` inside the block."""
-    token = _active.set(handler)
-    try:
+    with handler_context(handler):
         yield handler
-    finally:
-        _active.reset(token)
 
 
-def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
-    """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document),
-    as the model's rotary embedding takes them."""
-    local_len = input_ids.shape[1]
-    positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
-    return handler.get_emb_on_this_cp_rank(positions).view(1, -1).expand(input_ids.shape[0], -1)
+def check_arguments(kwargs: dict) -> None:
+    """Raises ValueError naming every argument that is not :data:`HARMLESS` with its value."""
+    refused = {k: v for k, v in kwargs.items() if k not in HARMLESS or not HARMLESS[k](v)}
+    if refused:
+        shown = ", ".join(f"{k}={v if not isinstance(v, torch.Tensor) else 'tensor ' + str(tuple(v.shape))}"
+                          for k, v in refused.items())
+        raise ValueError(f"the model passed attention arguments cp_handler does not implement: {shown}; they are "
+                         "refused instead of dropped (docs/huggingface.md lists what runs under CP)")
+
+
+def check_local_index_scaling(module, handler: ContextParallelHandler, local_len: int) -> None:
+    """Llama 4's attention temperature tuning scales the queries of its NoPE layers by a function of
+    ``torch.arange(local length)`` inside the model (not of ``position_ids``), so under CP every rank
+    would use its shard's local indices. Exact when the tuning is the identity for this batch (every
+    global position below ``floor_scale - 1``); otherwise refused (ValueError)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    longest = handler.get_rotary_seq_len(local_len)
+    if handler.cp_size > 1 and longest >= module.floor_scale:
+        raise ValueError(f"layer {module.layer_idx}: Llama 4's attention temperature tuning (NoPE layer, floor_scale="
+                         f"{module.floor_scale}) derives positions from the local sequence length inside the model, "
+                         f"which under context parallelism are this shard's; refused for sequences of >= floor_scale "
+                         f"tokens (this batch: {longest})")
+
+
+def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tuple[str, int | None]:
+    """``(attn_mask_type, window)`` of this layer from its mask (see :mod:`.hf_mask`)."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is None:
+        return ("causal" if causal else "no_mask"), None
+    if not isinstance(attention_mask, CPMask):
+        raise ValueError(f"a materialised attention mask ({type(attention_mask).__name__} "
+                         f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
+                         "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
+    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
+    spec = attention_mask.spec(longest)
+    if spec.kind == "causal":
+        return "causal", None
+    if spec.kind == "bidirectional":
+        return "no_mask", None
+    if spec.kind == "sliding":
+        return "causal", spec.size
+    raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} asks for {spec.describe()}: not supported under "
+                     "context parallelism by cp_handler yet")
 
 
 def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                         is_causal=None, sliding_window=None, cp_handler=None, **kwargs):
+                         is_causal=None, sliding_window=None, softcap=None, s_aux=None, cp_handler=None, **kwargs):
     """transformers attention function: ``query (B, H, S_local, D)``, ``key``/``value`` with the KV
-    heads -> ``(B, S_local, H, D)`` from ``handler.core_attn`` (the mask comes from the handler's
-    layout, not ``attention_mask``).
+    heads -> ``(B, S_local, H, D)`` from ``handler.core_attn``. The mask is the model's own mask
+    function classified at global positions (``attention_mask`` is a :class:`~.hf_mask.CPMask`).
 
     Raises:
-        RuntimeError: no handler active. ValueError: attention dropout, (local backend) a sliding
-            window shorter than the sequence; q and k of different lengths (a decoding step with a cache).
+        RuntimeError: no handler active. ValueError: an argument or a mask cp_handler does not
+            implement (see the module doc); q and k of different lengths (a decoding step with a cache).
     """
-    handler = cp_handler or _active.get()
+    handler = cp_handler or active_handler()
     if handler is None:
         raise RuntimeError("attn_implementation='cp_handler' needs a handler: pass cp_handler=handler to the "
                            "model's forward or run it inside `with cp_attention(handler):`")
+    if not getattr(module, "_cp_handler_prepared", False):
+        raise ValueError(f"{type(module).__name__}: this model was not checked for context parallelism: call "
+                         "cp_handler.integrations.transformers.register(model) once before running it")
+    check_arguments(kwargs)
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported under context parallelism; set the "
-                         "config's attention_dropout to 0")
+                         "config's attention_dropout to 0 (or put the model in eval mode)")
+    for name, value_ in (("softcap", softcap), ("s_aux (attention sinks)", s_aux)):
+        if value_ is not None:
+            raise ValueError(f"the model passed {name}={value_ if not isinstance(value_, torch.Tensor) else 'tensor'} "
+                             "to attention: not supported under context parallelism by cp_handler yet")
+    record_attention_call(module)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    check_local_index_scaling(module, handler, q.shape[1])
+    mask_type, window = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
+    window = window or (sliding_window if sliding_window is not None else getattr(module, "sliding_window", None))
     longest = handler.get_rotary_seq_len(q.shape[1])
     attn = SimpleNamespace(softmax_scale=scaling, layer_number=getattr(module, "layer_idx", 0) + 1,
                            window_size=(window - 1, 0) if window and window < longest else None)
-    out = handler.core_attn(attn, q, k, v, attn_mask_type="causal" if causal else "no_mask")
-    return out, None
+    out = handler.core_attn(attn, q, k, v, attn_mask_type=mask_type)
+    return out.contiguous(), None  # (B, S, H, D) as transformers' own attention functions return it
 
 
 class CPCausalLM(torch.nn.Module):
     """A Hugging Face causal LM driven by a CP handler: ``forward(input_ids (B, S_local), cp_handler,
     moe_handler=None) -> logits (B, S_local, V)`` (the interface of :class:`models.GPTModel`, so
-    cp-train, evaluation and dynamic CP run it unchanged). Sets the model's attention to
-    ``"cp_handler"``; parameters and ``state_dict`` are the wrapped model's (``self.model``).
+    cp-train, evaluation and dynamic CP run it unchanged). ``register(model)`` is applied (checks and
+    hooks); parameters and ``state_dict`` are the wrapped model's (``self.model``).
+
+    Raises:
+        ValueError: the model cannot run context-parallel (:func:`register`).
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        model.config._attn_implementation = register()
+        register(model)
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
@@ -141,5 +249,4 @@ class CPCausalLM(torch.nn.Module):
 
             cp_handler = LocalContextParallelHandler(cp_group=None)
         with cp_attention(cp_handler):
-            return self.model(input_ids=input_ids, position_ids=local_position_ids(cp_handler, input_ids),
-                              use_cache=False).logits
+            return self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits

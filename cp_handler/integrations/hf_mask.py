@@ -1,0 +1,220 @@
+"""What mask a Hugging Face model asks for, read off its mask function: the guard of the mask half of
+attention under CP.
+
+transformers builds every attention mask (causal, sliding window, chunked, bidirectional, image-token
+blocks, packed documents, padding) through one interface, keyed by ``attn_implementation``:
+``create_causal_mask`` / ``create_sliding_window_causal_mask`` / ``create_chunked_causal_mask`` /
+... compose a *mask function* ``f(batch_idx, head_idx, q_idx, kv_idx) -> bool`` and hand it to the
+implementation's mask function (``transformers.masking_utils``). For ``"cp_handler"`` that is
+:func:`cp_mask`: it materialises nothing and returns a :class:`CPMask` holding ``f``, which the
+model passes on to the attention function like any mask. There, with the handler known,
+:meth:`CPMask.spec` evaluates ``f`` at *global* positions (the whole sequence, or the longest
+document for thd) and classifies it as one of the masks the handler computes:
+
+* ``causal``: ``kv <= q``;
+* ``sliding``: ``q - W < kv <= q`` (window ``W``: transformers' convention, ``W`` keys including the
+  query's own);
+* ``chunked``: causal within chunks of ``C`` positions;
+* ``bidirectional``: every pair.
+
+Anything else (a mask that reads per-token tensors, e.g. image-token blocks or packed-document ids
+derived from position ids; padding; an offset from a KV cache; a pattern none of the four fits) is
+``unknown`` with the reason, and the attention refuses it. So a mask feature added by a future
+transformers release is refused, not dropped: the check reads what the mask *is*, not which config
+field made it.
+
+The probe: every query position ``P < n`` against keys ``P - d`` for ``d`` in a fixed set (-2..64,
+powers of two +-1 up to ``n``), plus whole rows at the last and a few other positions; each candidate
+then has to match at every probed pair. Cost ``O(n * 100)`` mask evaluations, once per forward and
+mask kind (the model builds a mask per forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SMALL_DISTANCES = range(-2, 65)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """A mask the handler computes: ``kind`` in causal / sliding / chunked / bidirectional / unknown;
+    ``size`` the window or chunk; ``reason`` why an unknown mask is not one of them."""
+
+    kind: str
+    size: int | None = None
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "sliding":
+            return f"a sliding window of {self.size} positions"
+        if self.kind == "chunked":
+            return f"chunked attention (chunks of {self.size} positions)"
+        if self.kind == "unknown":
+            return f"a mask cp_handler cannot express ({self.reason})"
+        return f"a {self.kind} mask"
+
+
+class MaskUsedAsTensor(ValueError, AttributeError):
+    """A model used the attention mask as a tensor (it builds or edits masks itself)."""
+
+
+class CPMask:
+    """The mask a model asked for, as transformers' mask function: what ``cp_mask`` returns and the
+    attention function receives as ``attention_mask``. Not a tensor: nothing ``S x S`` is built, and a
+    model that reads it as one (slices it, adds to it, asks its dtype) gets :class:`MaskUsedAsTensor`
+    (a ValueError) naming what it tried: such a model edits masks itself and is not supported."""
+
+    def __init__(self, mask_function, q_offset: int, kv_offset: int, padding_mask: torch.Tensor | None):
+        self.mask_function, self.q_offset, self.kv_offset = mask_function, q_offset, kv_offset
+        self.padding = padding_mask is not None and not bool(padding_mask.all())
+        self._specs: dict[int, MaskSpec] = {}
+
+    def _refuse(self, what: str):
+        raise MaskUsedAsTensor(f"the model used its attention mask as a tensor ({what}): it builds or edits masks "
+                               "itself, which cp_handler cannot carry across ranks; the model is not supported under "
+                               "context parallelism")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse(f"attribute {name!r}")
+
+    def __getitem__(self, index):
+        self._refuse("indexing")
+
+    def __add__(self, other):
+        self._refuse("+")
+
+    __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = __add__
+
+    def spec(self, n: int) -> MaskSpec:
+        """The mask over global positions ``[0, n)`` (memoised per ``n``)."""
+        if n not in self._specs:
+            self._specs[n] = self._classify(n)
+        return self._specs[n]
+
+    def _classify(self, n: int) -> MaskSpec:
+        if self.padding:
+            return MaskSpec("unknown", reason="the attention_mask marks padding tokens; pack documents with "
+                                              "qkv_format='thd' instead of padding them")
+        if self.q_offset or self.kv_offset:
+            return MaskSpec("unknown", reason=f"query/key offsets {self.q_offset}/{self.kv_offset} (a KV cache)")
+        per_token = _per_token_tensors(self.mask_function)
+        if per_token:
+            return MaskSpec("unknown", reason=f"it reads per-token tensors of shapes {per_token} (image-token "
+                                              "blocks, or documents re-derived from position ids: pass "
+                                              "cp_model_inputs(handler, input_ids) to the model)")
+        return classify(self.mask_function, n)
+
+
+def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
+            attention_mask=None, **kwargs) -> CPMask:
+    """transformers mask function of ``attn_implementation="cp_handler"`` (``AttentionMaskInterface``):
+    returns a :class:`CPMask` (the other keyword arguments are transformers' sizing hints for
+    materialised masks, which are not built)."""
+    return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask)
+
+
+def _per_token_tensors(mask_function) -> list[tuple[int, ...]]:
+    """Shapes of the tensors with two or more dims that ``mask_function`` (and the functions it
+    composes) close over: a mask that indexes per-token data by position."""
+    found, seen, stack = [], set(), [mask_function]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.dim() >= 2:
+                found.append(tuple(item.shape))
+        elif callable(item) and getattr(item, "__closure__", None):
+            stack += [cell.cell_contents for cell in item.__closure__ if _filled(cell)]
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+    return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - raises for an empty cell
+    except ValueError:
+        return False
+    return True
+
+
+def _device(mask_function) -> torch.device:
+    """Where the mask function's tensors live (positions are probed there), else CPU."""
+    stack, seen = [mask_function], set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            return item.device
+        if callable(item) and getattr(item, "__closure__", None):
+            stack += [cell.cell_contents for cell in item.__closure__ if _filled(cell)]
+        elif isinstance(item, (list, tuple)):
+            stack += list(item)
+    return torch.device("cpu")
+
+
+def _distances(n: int) -> list[int]:
+    powers = {p + e for k in range(1, max(2, n.bit_length() + 1)) for p in (1 << k,) for e in (-1, 0, 1)}
+    return sorted(d for d in {*_SMALL_DISTANCES, *powers, n - 1} if -n < d < n)
+
+
+def classify(mask_function, n: int) -> MaskSpec:
+    """Classify ``mask_function`` over global positions ``[0, n)`` (see the module doc). A function
+    that cannot be evaluated on position tensors is ``unknown``."""
+    device = _device(mask_function)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    positions = torch.arange(n, device=device)
+
+    def f(q, kv):
+        return torch.as_tensor(mask_function(zero, zero, q, kv), device=device).expand(q.shape).cpu()
+
+    pairs = [(positions[max(d, 0): n + min(d, 0)], d) for d in _distances(n)]
+    pairs = [(q, q - d) for q, d in pairs]
+    pairs += [(torch.full((n,), p, device=device), positions) for p in sorted({n - 1, n // 2, n // 3})]
+    try:
+        probes = [(q.cpu(), kv.cpu(), f(q, kv)) for q, kv in pairs]
+    except Exception as err:  # noqa: BLE001 - any failure means the mask is not a function of positions alone
+        return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
+    last_row = probes[-1][2]  # the query at n - 1 against every key (the rows are probed last, in order)
+    candidates = [MaskSpec("causal"), MaskSpec("bidirectional")]
+    window = int(last_row.flip(0).long().cumprod(0).sum())  # keys the last query sees up to its diagonal
+    if 0 < window < n:
+        candidates.append(MaskSpec("sliding", window))
+    step = f(positions[1:], positions[:-1])  # may each query see the position just before it?
+    if not bool(step.all()):
+        candidates.append(MaskSpec("chunked", int(torch.nonzero(~step)[0]) + 1))
+    for spec in candidates:
+        if all(torch.equal(got, expected(spec, q, kv)) for q, kv, got in probes):
+            return spec
+    return MaskSpec("unknown", reason=_difference(probes))
+
+
+def expected(spec: MaskSpec, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """``spec`` at query positions ``q`` and key positions ``kv`` (bool)."""
+    if spec.kind == "bidirectional":
+        return torch.ones_like(q, dtype=torch.bool)
+    causal = kv <= q
+    if spec.kind == "sliding":
+        return causal & (kv > q - spec.size)
+    if spec.kind == "chunked":
+        return causal & (kv // spec.size == q // spec.size)
+    return causal
+
+
+def _difference(probes) -> str:
+    for q, kv, got in probes:
+        bad = torch.nonzero(got != expected(MaskSpec("causal"), q, kv))
+        if len(bad):
+            i = int(bad[0])
+            return (f"it {'allows' if bool(got[i]) else 'masks'} query {int(q[i])} -> key {int(kv[i])}, which fits "
+                    "no causal, sliding-window, chunked or bidirectional mask")
+    return "it fits none of the masks"

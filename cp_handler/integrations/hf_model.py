@@ -1,0 +1,259 @@
+"""The model half of the Hugging Face guard: a model is checked once and watched at every forward, so
+that under a handler every token-mixing layer goes through CP, or the forward raises.
+
+:func:`prepare_model` (called by ``register(model)`` and :class:`~.transformers.CPCausalLM`):
+
+* **Static checks** (:func:`check_model`), before any forward: a convolution over the sequence
+  (``nn.Conv1d`` with a kernel longer than 1: short-conv and Mamba mixers) or a ``config.layer_types``
+  entry that is not an attention layer (``mamba``, ``linear_attention``, ``conv``, ...) is refused,
+  naming the module or layer: such a mixer would see only this rank's shard.
+* **Every forward** (hooks on the model, public ``register_forward_pre_hook`` / ``register_forward_hook``
+  APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword (removed before the
+  model sees it, so a decoder layer that drops extra kwargs, as StableLM's does, still reaches CP) or
+  from an active ``cp_attention(handler)`` and made the active handler for the forward; the attention
+  calls are recorded, and when the forward ends every decoder layer must have called cp_handler's
+  attention (a layer that bypasses the attention registry, or a non-attention mixer missed by the
+  static checks, raises naming the layers).
+* **The route's inputs change nothing at cp=1** (:func:`check_route_inputs`, once, when the weights
+  are real): the model run alone on 16 tokens gives the same logits with :func:`cp_model_inputs`
+  (positions ``0..S-1``, an all-ones mask) as with its own defaults. A model that derives positions
+  otherwise (RoBERTa's start after ``padding_idx``) would be silently wrong under CP: refused.
+* **RoPE that reads the sequence length** (dynamic NTK, LongRoPE: ``max(position_ids) + 1``): each
+  rotary-embedding module gets, for the forward, one extra position appended to ``position_ids``, the
+  largest *global* position of the batch (the handler knows it), and its output row for that position
+  dropped. Every rank then derives the same frequencies as one process over the whole sequence; the
+  positions themselves are untouched, so every RoPE type stays exact, including ones added later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..handlers.base import ContextParallelHandler
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+"""``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
+
+_active: contextvars.ContextVar[ContextParallelHandler | None] = contextvars.ContextVar("cp_handler", default=None)
+_record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
+
+
+def active_handler() -> ContextParallelHandler | None:
+    """The handler of the forward running now (keyword or context manager), if any."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def handler_context(handler: ContextParallelHandler):
+    """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
+    token = _active.set(handler)
+    try:
+        yield handler
+    finally:
+        _active.reset(token)
+
+
+@dataclass
+class ForwardRecord:
+    """The attention layers that went through cp_handler during one forward of a prepared model."""
+
+    layers: set = field(default_factory=set)
+
+
+def record_attention_call(module: nn.Module) -> None:
+    """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
+    one counts by identity)."""
+    record = _record.get()
+    if record is not None:
+        layer = getattr(module, "layer_idx", None)
+        record.layers.add(layer if isinstance(layer, int) else f"module {id(module)}")
+
+
+def text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_model(model: nn.Module) -> None:
+    """The static checks of the module doc.
+
+    Raises:
+        ValueError: naming the sequence convolution or the non-attention layer types.
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            raise ValueError(f"{type(model).__name__}: module {name!r} is a convolution over the sequence (kernel "
+                             f"{module.kernel_size[0]}): under context parallelism it would see only this rank's "
+                             "shard; models with short-convolution or state-space mixers are not supported")
+    layer_types = getattr(text_config(model), "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(f"{type(model).__name__}: config.layer_types has {other} layers: only softmax attention "
+                         f"layers ({sorted(ATTENTION_LAYER_TYPES)}) run context-parallel; a {other[0]} token mixer "
+                         "would see only this rank's shard")
+
+
+def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
+    """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document,
+    0 at the padding slots the handler adds), as the model's rotary embedding takes them."""
+    local_len = input_ids.shape[1]
+    positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
+    local = handler.get_emb_on_this_cp_rank(positions)
+    layout = getattr(handler, "thd_layout", None)
+    if layout is not None:
+        local = torch.where(layout.real_mask(handler.cp_rank).to(local.device), local, 0)
+    return local.view(1, -1).expand(input_ids.shape[0], -1)
+
+
+def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) -> dict:
+    """The keyword arguments a model's forward takes under ``handler``: ``position_ids`` and
+    ``cache_position`` (global positions, :func:`local_position_ids`) and an all-ones
+    ``attention_mask`` (so transformers does not re-derive documents from the zigzag's jumps in the
+    positions; the handler's layout is the mask)."""
+    positions = local_position_ids(handler, input_ids)
+    return {"position_ids": positions, "cache_position": positions[0],
+            "attention_mask": torch.ones(input_ids.shape, dtype=torch.long, device=input_ids.device)}
+
+
+def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None:
+    """At cp=1 (module doc): the model gives the same logits with :func:`cp_model_inputs` as with its
+    own default inputs, and other logits when the positions passed jump by ``gap`` halfway, as a
+    zigzag shard's do (so it takes its positions from ``position_ids`` / ``cache_position``, which
+    carry the global ones under CP; a uniform shift would not tell, RoPE being relative). Skipped for
+    weights on the ``meta`` device.
+
+    Raises:
+        ValueError: naming which of the two failed and by how much.
+    """
+    from ..handlers.local import LocalContextParallelHandler
+
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return
+    vocab = min(int(getattr(text_config(model), "vocab_size", 100) or 100), 100)
+    ids = torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(weight.device)
+    handler, was_training = LocalContextParallelHandler(cp_group=None), model.training
+    inputs = cp_model_inputs(handler, ids)
+    jump = torch.arange(tokens, device=ids.device) >= tokens // 2
+    shifted = {**inputs, "position_ids": inputs["position_ids"] + gap * jump,
+               "cache_position": inputs["cache_position"] + gap * jump}
+    model.eval()
+    try:
+        with torch.no_grad(), handler_context(handler):
+            own, routed, moved = (model(input_ids=ids, **kwargs, use_cache=False).logits.float()
+                                  for kwargs in ({}, inputs, shifted))
+    finally:
+        model.train(was_training)
+    difference = (own - routed).abs().max().item()  # the same computation when the route is right: ~0
+    if difference > 1e-4 * own.abs().max().item():
+        raise ValueError(f"{type(model).__name__}: alone, its logits with cp_handler's inputs (positions 0..S-1, no "
+                         f"padding) differ from its own defaults by {difference:.3g}: it derives positions or masks "
+                         "from its inputs another way (e.g. RoBERTa's positions start after padding_idx), which a "
+                         "sharded sequence cannot reproduce; the model is not supported under context parallelism")
+    if torch.equal(moved, routed):  # bitwise: the jump changed nothing the model computed
+        raise ValueError(f"{type(model).__name__}: its logits do not change when position_ids jump: it takes "
+                         "positions from the input length (e.g. BART-style learned positions) rather than from "
+                         "position_ids, so a rank would use its shard's local positions; the model is not supported "
+                         "under context parallelism")
+
+
+def global_max_position(handler: ContextParallelHandler, local_len: int) -> int:
+    """The largest position of a real token in the global batch (thd: the longest document's last)."""
+    longest = getattr(handler, "max_seqlen", None)
+    return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("RotaryEmbedding")
+
+
+def _rotary_pre_hook(module, args, kwargs):
+    handler = _active.get()
+    if handler is None:
+        return None
+    if "position_ids" in kwargs:
+        position_ids = kwargs["position_ids"]
+    else:
+        position_ids = args[1]
+    extra = torch.full((*position_ids.shape[:-1], 1), global_max_position(handler, position_ids.shape[-1]),
+                       dtype=position_ids.dtype, device=position_ids.device)
+    widened = torch.cat([position_ids, extra], dim=-1)
+    module._cp_rows = position_ids.shape[-1]
+    if "position_ids" in kwargs:
+        return args, {**kwargs, "position_ids": widened}
+    return (args[0], widened, *args[2:]), kwargs
+
+
+def _rotary_hook(module, args, kwargs, output):
+    rows = module.__dict__.pop("_cp_rows", None)
+    if rows is None:
+        return None
+
+    def strip(t):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == rows + 1:
+            return t.narrow(-2, 0, rows)
+        raise ValueError(f"{type(module).__name__} returned {tuple(getattr(t, 'shape', ()))}: cp_handler expects "
+                         f"rotary tables with {rows + 1} positions along dim -2")
+    return tuple(strip(t) for t in output) if isinstance(output, tuple) else strip(output)
+
+
+def _model_pre_hook(model, args, kwargs):
+    handler = kwargs.pop("cp_handler", None) or _active.get()
+    if handler is None:
+        return args, kwargs
+    model._cp_tokens = (_active.set(handler), _record.set(ForwardRecord()))
+    return args, kwargs
+
+
+def _model_hook(model, args, kwargs, output):
+    tokens = model.__dict__.pop("_cp_tokens", None)
+    if tokens is None:
+        return None
+    seen = _record.get().layers
+    _record.reset(tokens[1])
+    _active.reset(tokens[0])
+    if output is None:  # the forward raised: its own error propagates
+        return None
+    layers = text_config(model).num_hidden_layers
+    if len(seen) < layers:
+        missing = sorted(set(range(layers)) - seen) if all(isinstance(x, int) for x in seen) else \
+            f"{layers - len(seen)} of them"
+        raise ValueError(f"{type(model).__name__}: of its {layers} layers, {missing} did not run cp_handler's "
+                         "attention in this forward: their token mixer (a layer outside transformers' attention "
+                         "registry, or a non-attention mixer) saw only this rank's shard; the model is not "
+                         "supported under context parallelism")
+    return None
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Check ``model`` and install the forward hooks of the module doc (idempotent); returns it.
+
+    Raises:
+        ValueError: :func:`check_model`, :func:`check_route_inputs`, or the per-forward checks of
+            the module doc failing on the cp=1 forward of :func:`check_route_inputs`.
+    """
+    if getattr(model, "_cp_handler_checked", False):
+        return model
+    check_model(model)
+    handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True),
+               model.register_forward_hook(_model_hook, with_kwargs=True, always_call=True)]
+    for module in model.modules():
+        module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
+        if _is_rotary(module):
+            handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
+                        module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]
+    try:
+        check_route_inputs(model)  # a forward at cp=1: also runs the per-forward checks once
+    except BaseException:
+        for handle in handles:
+            handle.remove()
+        for module in model.modules():
+            module.__dict__.pop("_cp_handler_prepared", None)
+        raise
+    model._cp_handler_checked = True
+    return model

@@ -1,0 +1,164 @@
+"""The Hugging Face zoo: every causal-LM architecture the installed transformers ships, built from a tiny
+config, run through the documented route at cp 2 and compared with the unmodified model.
+
+:func:`tiny_config` shrinks a model type's default config generically (the standard field names,
+and the extra fields in :data:`OVERRIDES`); :func:`run_case` returns what happened to one model type
+as one string, which tests/test_hf_zoo.py compares with its table:
+
+* ``exact``: logits and every gradient equal the unmodified model's (its default attention, one
+  process, the whole sequence) for p2p and a2a;
+* ``refused: <message>``: the guard raised (cp_handler's error, before or during the first forward);
+* ``mismatch: <what>``: a CP result differs (the guard failed to refuse: a silent wrong answer);
+* ``error: <exception>``: something else raised under CP (an unclear error);
+* ``not built: <exception>``: the tiny config does not build or run the unmodified model.
+
+Tolerances as tests/test_hf_integration.py: logits atol = rtol = 1e-5, loss rtol 1e-6, gradients
+atol 1e-6 + rtol 1e-4 (float32; CP only reorders sums).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cp_handler import get_cp_handler_cls
+from cp_handler.integrations.transformers import cp_model_inputs, register
+from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
+
+SEQ_LEN = 32
+VOCAB = 128
+TINY = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "num_experts": 4,
+        "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "n_group": 1, "topk_group": 1,
+        "kv_lora_rank": 16, "q_lora_rank": 16,
+        "rotary_dim": 4, "d_model": 32, "decoder_layers": 2, "encoder_layers": 2, "decoder_attention_heads": 4,
+        "encoder_attention_heads": 4, "decoder_ffn_dim": 64, "encoder_ffn_dim": 64, "num_decoder_layers": 2,
+        "num_encoder_layers": 2, "use_cache": False}
+"""Standard config fields set wherever a config has them (and can be set)."""
+
+_MLA = {"num_key_value_heads": 4}  # multi-head latent attention: as many KV heads as query heads
+OVERRIDES: dict[str, dict] = {
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # its short-convolution layers, as LFM2 ships them
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
+                     "youtu", "axk1", "axk2", "minicpm3"), _MLA),
+}
+"""Extra fields per model type, where the defaults would not show the architecture's mixers."""
+
+
+def _settable(config, name: str) -> bool:
+    prop = getattr(type(config), name, None)
+    return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def tiny_config(model_type: str):
+    """The model type's config built with :data:`TINY` and :data:`OVERRIDES` (the fields its default
+    config has; passed to the constructor so that derived fields follow), no dropout."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    wanted = {**TINY, **OVERRIDES.get(model_type, {})}
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in wanted.items() if _settable(default, k)})
+    try:
+        text = config.get_text_config()
+    except ValueError:  # several text configs (e.g. MusicGen): the top-level one is shrunk only
+        text = config
+    for target in {id(config): config, id(text): text}.values():
+        for name, value in wanted.items():
+            if _settable(target, name) and getattr(target, name) != value and target is text and text is not config:
+                setattr(target, name, value)
+        for name in list(vars(target)):
+            if name.endswith(("dropout", "_pdrop", "dropout_prob", "dropout_rate")) and \
+                    isinstance(getattr(target, name), float):
+                setattr(target, name, 0.0)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(getattr(target, name, None), int) and getattr(target, name) >= VOCAB:
+                setattr(target, name, 0)
+    return config
+
+
+def build(config):
+    """The unmodified model of ``config`` (a config, or a model type: its :func:`tiny_config`) with its
+    default attention implementation, eval mode, seed 0."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(config) if isinstance(config, str) else config).eval()
+
+
+def reference(model, tokens):
+    """Logits, loss and gradients of the unmodified model on the whole sequence."""
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens).logits
+    loss = F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:])
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                            if p.grad is not None}
+
+
+def cp_run(model, tokens, comm_type: str, group, model_inputs=cp_model_inputs):
+    """The documented route at this rank: logits (combined), loss and gradients summed over ``group``."""
+    model.zero_grad(set_to_none=True)
+    handler = get_cp_handler_cls("local", comm_type)(cp_group=group)
+    input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+    logits = model(input_ids, **model_inputs(handler, input_ids), cp_handler=handler).logits
+    loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss = loss.detach().float()
+    for t in [loss, *grads.values()]:
+        dist.all_reduce(t, group=group)
+    return handler.combine(logits.detach(), 1), loss, grads
+
+
+def _compare(got, want) -> str | None:
+    (logits, loss, grads), (want_logits, want_loss, want_grads) = got, want
+    if not torch.allclose(logits, want_logits, atol=1e-5, rtol=1e-5):
+        return f"logits differ by {(logits - want_logits).abs().max().item():.2e}"
+    if not torch.allclose(loss, want_loss.float(), rtol=1e-6, atol=0):
+        return f"loss {loss.item():.6f} vs {want_loss.item():.6f}"
+    if grads.keys() != want_grads.keys():
+        return f"gradients of {sorted(set(grads) ^ set(want_grads))[:3]} missing on one side"
+    for name in want_grads:
+        if not torch.allclose(grads[name], want_grads[name], rtol=1e-4, atol=1e-6):
+            return f"gradient {name} differs by {(grads[name] - want_grads[name]).abs().max().item():.2e}"
+    return None
+
+
+def run_case(config, group, model_inputs=cp_model_inputs) -> str:
+    """What happens to a model type (or a config; see the module doc). Every rank of ``group`` calls it;
+    ``model_inputs`` replaces the route's model inputs (the negative control)."""
+    tokens = torch.randint(0, VOCAB, (1, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    try:
+        model = build(config)
+        want = reference(model, tokens)
+    except Exception as err:  # noqa: BLE001 - the zoo records every failure as an outcome
+        return f"not built: {type(err).__name__}: {str(err)[:200]}"
+    try:
+        cp_model = build(config)  # the same weights (seed 0), switched to cp_handler below
+        register(cp_model)
+        for comm_type in ("p2p", "a2a"):
+            problem = _compare(cp_run(cp_model, tokens, comm_type, group, model_inputs), want)
+            if problem:
+                return f"mismatch: {comm_type}: {problem}"
+    except ValueError as err:
+        return f"refused: {err}"
+    except Exception as err:  # noqa: BLE001
+        return f"error: {type(err).__name__}: {str(err)[:300]}"
+    return "exact"
+
+
+def support_matrix(zoo: dict[str, str], not_attempted: str) -> str:
+    """docs/huggingface.md's support matrix: one row per model type of ``zoo`` (tests/test_hf_zoo.py)."""
+    from transformers import __version__
+
+    rows = [f"Generated from tests/test_hf_zoo.py's table (transformers {__version__}): exact = logits and every "
+            "gradient equal the unmodified model at cp 2 (p2p, a2a); refused = the guard's error names the reason.",
+            "", "| model type | under CP |", "|---|---|"]
+    for name, outcome in sorted(zoo.items()):
+        shown = {"not built": "not built from the generic tiny config (untested)",
+                 "not attempted": f"not attempted: {not_attempted}"}.get(outcome, outcome)
+        rows.append(f"| {name} | {shown} |")
+    return "\n".join(rows)
