@@ -43,16 +43,21 @@ def _one_rank_checks(rank, world):
         q = torch.randint(0, 5, (1, 8, 4, 16))
         with pytest.raises(TypeError, match=r"core_attn q has dtype torch.int64; attention takes floating tensors"):
             h.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
-    h = LocalContextParallelHandler(cp_group=group)
     x = torch.zeros(2, 8 * world)
+
+    def dispatched():  # a handler per batch, which dispatched the batch
+        h = LocalContextParallelHandler(cp_group=group)
+        h.dispatch(x, seq_dim=1)
+        return h
+
     with pytest.raises(ValueError, match=r"seq_dim=2 is out of range for a 2-D tensor \(valid: -2..1\)"):
-        h.dispatch(x, seq_dim=2)
+        LocalContextParallelHandler(cp_group=group).dispatch(x, seq_dim=2)
     with pytest.raises(ValueError, match=r"seq_dim=-3 is out of range"):
-        h.combine(x[:, :8], seq_dim=-3)
+        dispatched().combine(x[:, :8], seq_dim=-3)
     with pytest.raises(ValueError, match=r"roll_tensor dims=5 is out of range for a 2-D tensor"):
-        h.roll_tensor(x[:, :8], shifts=-1, dims=5)
+        dispatched().roll_tensor(x[:, :8], shifts=-1, dims=5)
     with pytest.raises(TypeError, match=r"roll_tensor shifts=True must be one int"):
-        h.roll_tensor(x[:, :8], shifts=True, dims=1)
+        dispatched().roll_tensor(x[:, :8], shifts=True, dims=1)
     for bad, error, message in ((3, TypeError, r"cp_comm_type=3 must be one of"),
                                 ([], ValueError, r"cp_comm_type=\[\] must name at least one"),
                                 ("ring", ValueError, r"cp_comm_type='ring' is not a valid communication type")):
@@ -95,16 +100,18 @@ def _cross_rank(rank, world):
     cu = torch.tensor([0, 4, 8] if rank == 0 else [0, 2, 8], dtype=torch.int32)  # same length, other documents
     h = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu)
     local = torch.randn(h.thd_layout.local_len, 4, 16)
-    with pytest.raises(ValueError, match=r"core_attn: the ranks of the CP group disagree \(rank 0: local_len=4, "
-                                         r".*layout=\d+; rank 1: .*\)"):
+    with pytest.raises(ValueError, match=r"core_attn: the ranks of the CP group disagree \(rank 0: handler serial="
+                                         r"\d+, local_len=4, .*layout=\d+; rank 1: .*\)"):
         h.core_attn(ATTN, local, local[:, :2], local[:, :2])
     with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
         h.roll_tensor(local[:, 0], shifts=-1, dims=0)
     bshd = LocalContextParallelHandler(cp_group=group)
     q = torch.randn(1, 8 if rank == 0 else 12, 4, 16)  # different global lengths
-    with pytest.raises(ValueError, match=r"rank 0: local_len=8.*rank 1: local_len=12"):
+    with pytest.raises(ValueError, match=r"rank 0: handler serial=\d+, local_len=8.*rank 1: handler serial=\d+, "
+                                         r"local_len=12"):
         bshd.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
-    with pytest.raises(ValueError, match=r"combine: the ranks of the CP group disagree"):
+    with pytest.raises(ValueError, match=r"combine: the inputs of some ranks of the CP group were refused \(rank 0: "
+                                         r"ValueError: combine: this handler dispatched nothing"):
         bshd.combine(q, seq_dim=1)
     with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
         bshd.roll_tensor(q[..., 0, 0], shifts=-1, dims=1)

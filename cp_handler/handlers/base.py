@@ -8,16 +8,57 @@ the identity or plain attention, so one model file runs alone and context-parall
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
 
 from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
-from .checks import check_cu_seqlens, check_member, check_ranks_agree, ranks_check_enabled
+from .checks import RanksRefused, check_cu_seqlens, check_member, check_ranks_agree, ranks_check_enabled
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
+
+GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
+"""Methods after whose failure a handler refuses every further call on this rank (it is poisoned)."""
+
+_serials: dict[str, int] = {}
+
+
+def next_serial(group: dist.ProcessGroup | None) -> int:
+    """How many handlers this process built on ``group`` before (compared across ranks by the
+    agreement check: ranks that build their handlers in different orders would pair collectives of
+    different batches)."""
+    if group is None:
+        return 0
+    name = getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
+    _serials[name] = _serials.get(name, -1) + 1
+    return _serials[name]
+
+
+def _poisoning(method):
+    """``method`` that refuses to run on a handler whose earlier call failed on this rank, and marks
+    the handler failed when it raises at cp > 1 (except a :class:`~.checks.RanksRefused`, which every
+    rank raised at the same point). After such a failure the ranks' collectives may no longer be paired
+    (another rank may be inside one): reusing the handler could pair them with the wrong ones."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if self.failure is not None:
+            raise RuntimeError(f"{type(self).__name__}.{method.__name__}: an earlier call of this handler failed on "
+                               f"this rank ({self.failure}); its ranks' collectives may be out of step, so it refuses "
+                               "every further call: build a new handler on every rank (docs/architecture.md)")
+        try:
+            return method(self, *args, **kwargs)
+        except RanksRefused:  # every rank raised it at the same point: still in step
+            raise
+        except BaseException as err:
+            if self.failure is None and self.cp_size > 1:
+                self.failure = f"{method.__name__}: {type(err).__name__}: {err}"
+            raise
+
+    return guarded
 
 
 class ContextParallelHandler(ABC):
@@ -78,6 +119,14 @@ class ContextParallelHandler(ABC):
         self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.serial = next_serial(cp_group)
+        self.failure: str | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in GUARDED_METHODS:
+            if name in cls.__dict__:
+                setattr(cls, name, _poisoning(cls.__dict__[name]))
 
     def _resolve_comm_type(self, cp_comm_type):
         bound = self.bound_cp_comm_type
@@ -89,14 +138,28 @@ class ContextParallelHandler(ABC):
                              f"{bound!r}): build the handler with the class of the comm type it runs")
         return cp_comm_type
 
-    def agree(self, what: str, values: dict[str, int], device) -> None:
-        """Once per handler and ``what``: check that every rank of the CP group has the same
-        ``values`` (raises ValueError on every rank, listing each rank's); skipped at cp=1 or when
-        ``check_ranks`` is off."""
+    def agree(self, what: str, values: dict[str, int], device, error: Exception | None = None) -> None:
+        """Once per handler and ``what``: check that every rank of the CP group passed its local checks
+        (``error`` is this rank's failure) and has the same ``values`` and handler serial (raises the same
+        ValueError on every rank); skipped at cp=1, when ``check_ranks`` is off, or after the first call
+        of this kind (then a local ``error`` is raised on this rank alone)."""
         if self.cp_size == 1 or not self.check_ranks or what in self._agreed:
+            if error is not None:
+                raise error
             return
-        check_ranks_agree(self.cp_group, what, values, device)
+        check_ranks_agree(self.cp_group, what, {"handler serial": self.serial, **values}, device, error)
         self._agreed.add(what)
+
+    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int]:
+        """Run ``local_checks() -> {field: int}`` (this rank's checks, no collective) and fold its
+        pass/fail into :meth:`agree`: a rank whose checks fail still joins the agreement, so every rank
+        raises the same error instead of the others entering a collective alone."""
+        try:
+            values, error = local_checks(), None
+        except (ValueError, TypeError) as err:
+            values, error = dict.fromkeys(fields, 0), err
+        self.agree(what, values, device, error)
+        return values
 
     @classmethod
     def check_available(cls) -> None:

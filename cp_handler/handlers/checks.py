@@ -7,6 +7,7 @@ never a gloo abort, an ATen error from deep inside a kernel, or a silently wrong
 
 from __future__ import annotations
 
+import math
 import os
 import zlib
 
@@ -106,6 +107,41 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, h
                          "(GQA)")
 
 
+def softmax_scale(attn_mod, head_dim: int) -> float:
+    """``attn_mod.softmax_scale`` (``None`` or absent: ``head_dim ** -0.5``; ``0.0`` is not "unset").
+
+    Raises:
+        TypeError: not a number. ValueError: not finite and > 0 (at 0 PyTorch's causal kernels return
+            NaN: the masked ``-inf`` scores are multiplied by the scale).
+    """
+    scale = getattr(attn_mod, "softmax_scale", None)
+    if scale is None:
+        return head_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"attn_mod.softmax_scale={scale!r} must be a number (or None for head_dim ** -0.5)")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"attn_mod.softmax_scale={scale} must be a finite number > 0 (None: head_dim ** -0.5)")
+    return float(scale)
+
+
+def window_size(attn_mod) -> tuple[int, int] | None:
+    """``attn_mod.window_size`` as Transformer Engine's ``(left, right)`` pair of ints (``-1``: unbounded), or None.
+
+    Raises:
+        TypeError: not a pair of ints. ValueError: a bound below -1.
+    """
+    window = getattr(attn_mod, "window_size", None)
+    if window is None:
+        return None
+    if not (isinstance(window, (tuple, list)) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise TypeError(f"attn_mod.window_size={window!r} must be a (left, right) pair of ints, -1 for unbounded "
+                        "(Transformer Engine's convention), or None")
+    if min(window) < -1:
+        raise ValueError(f"attn_mod.window_size={tuple(window)}: each bound must be >= -1 (-1: unbounded)")
+    return tuple(window)
+
+
 def fingerprint(*parts) -> int:
     """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
     return zlib.crc32(repr(parts).encode())
@@ -118,20 +154,42 @@ def ranks_check_enabled(check_ranks: bool | None) -> bool:
     return os.environ.get(CHECK_RANKS_ENV, "1") not in ("0", "false", "False")
 
 
-def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int], device) -> None:
-    """All-gather ``values`` (small ints) over ``group``; every rank raises the same ValueError,
-    listing every rank's values, when they differ.
+class RanksRefused(ValueError):
+    """Raised by :func:`check_ranks_agree` on every rank of the group at the same point, before any
+    collective of the call: the ranks stay in step (the handler is not poisoned)."""
 
-    Cost: one all-gather of ``len(values)`` int64 per call (docs/architecture.md has the measured time).
+
+class RanksRefusedType(RanksRefused, TypeError):
+    """:class:`RanksRefused` where every failing rank's own error was a TypeError (a wrong type)."""
+
+
+def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int], device,
+                      error: Exception | None = None) -> None:
+    """All-gather ``values`` (small ints) and this rank's pass/fail over ``group``: when any rank
+    failed its local checks (``error``), every rank raises the same ValueError quoting each failing
+    rank's message; when the values differ, every rank raises the same ValueError listing them.
+
+    Cost: one all-gather of ``len(values) + 1`` int64 per call (docs/architecture.md has the measured
+    time), plus one object all-gather when a rank failed.
     """
     fields = list(values)
-    local = torch.tensor([int(values[f]) for f in fields], dtype=torch.int64, device=device)
+    local = torch.tensor([int(error is not None), *(int(values[f]) for f in fields)], dtype=torch.int64,
+                         device=device)
     size = dist.get_world_size(group)
-    gathered = torch.empty(size * len(fields), dtype=torch.int64, device=device)
+    gathered = torch.empty(size * len(local), dtype=torch.int64, device=device)
     all_gather_single(gathered, local, group)
-    rows = gathered.view(size, len(fields)).tolist()
+    rows = gathered.view(size, len(local)).tolist()
+    if any(row[0] for row in rows):
+        messages = [None] * size
+        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        failed = "; ".join(f"rank {i}: {m}" for i, m in enumerate(messages) if m is not None)
+        kind = RanksRefusedType if all(m.startswith("TypeError") for m in messages if m) else RanksRefused
+        raise kind(f"{what}: the inputs of some ranks of the CP group were refused ({failed}); every rank "
+                         "stops here, before any collective of this call")
+    rows = [row[1:] for row in rows]
     if any(row != rows[0] for row in rows):
         listing = "; ".join(f"rank {i}: " + ", ".join(f"{f}={v}" for f, v in zip(fields, row, strict=True))
                             for i, row in enumerate(rows))
-        raise ValueError(f"{what}: the ranks of the CP group disagree ({listing}); every rank must pass the same "
-                         "batch layout (sequence length, cu_seqlens, dtype, heads)")
+        raise RanksRefused(f"{what}: the ranks of the CP group disagree ({listing}); every rank must pass the same "
+                         "batch layout (sequence length, cu_seqlens, dtype, heads) and build its handlers in the same "
+                         "order (serial)")

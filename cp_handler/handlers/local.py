@@ -14,6 +14,7 @@ from ..ops.kernels import KERNELS, kernel_override
 from ..ops.ring import ring_attn
 from ..ops.ulysses import a2a_attn
 from .base import ATTN_MASK_TYPES
+from .checks import softmax_scale, window_size
 from .zigzag import ZigzagContextParallelHandler
 
 
@@ -87,11 +88,11 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        window = getattr(attn_mod, "window_size", None)
-        if window is not None and tuple(window) not in ((-1, 0), (-1, -1)):
-            raise ValueError(f"attn_mod.window_size={tuple(window)}: the local backend has no sliding-window "
+        window = window_size(attn_mod)
+        if window is not None and window not in ((-1, 0), (-1, -1)):
+            raise ValueError(f"attn_mod.window_size={window}: the local backend has no sliding-window "
                              "attention; use backend='transformer_engine' with cp_comm_type 'a2a' or 'all_gather'")
-        scale = getattr(attn_mod, "softmax_scale", None) or q.shape[-1] ** -0.5
+        scale = softmax_scale(attn_mod, q.shape[-1])
         causal = attn_mask_type == "causal"
         self.check_attention_inputs(q, k, v)
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
@@ -139,6 +140,18 @@ class HierarchicalContextParallelHandler(LocalContextParallelHandler):
             raise ValueError(
                 f"hierarchical_cp_groups have sizes {sizes} multiplying to {math.prod(sizes)}, "
                 f"but the CP group has {self.cp_size} ranks"
+            )
+        a2a = sizes[0]
+        cp_ranks = {r: i for i, r in enumerate(dist.get_process_group_ranks(self.cp_group))}
+        members = [sorted(cp_ranks.get(r, -1) for r in dist.get_process_group_ranks(g)) for g in groups]
+        inner = list(range(self.cp_rank - self.cp_rank % a2a, self.cp_rank - self.cp_rank % a2a + a2a))
+        outer = list(range(self.cp_rank % a2a, self.cp_size, a2a))
+        if -1 in members[0] + members[1] or members != [inner, outer]:
+            raise ValueError(
+                f"hierarchical_cp_groups: this rank (CP rank {self.cp_rank}) got levels with CP ranks {members}, "
+                f"expected the a2a level on adjacent ranks {inner} first and the p2p level {outer} second (were the "
+                "levels passed in the wrong order? build them with build_dp_cp_groups(..., "
+                "hierarchical_context_parallel_sizes=[a2a, p2p]))"
             )
 
     def attention(self, comm_type: str, q, k, v, *, causal: bool, scale: float):

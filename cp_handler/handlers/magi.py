@@ -37,7 +37,7 @@ from ..layout import ZigzagDocs
 from ..ops.ring import ring_attn
 from ..rope import apply_rotary
 from .base import ATTN_MASK_TYPES, ContextParallelHandler
-from .checks import check_dim, check_qkv, check_shift, fingerprint
+from .checks import check_dim, check_qkv, check_shift, fingerprint, softmax_scale
 from .requirements import import_backend, release, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
@@ -240,7 +240,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         if attn_mask_type not in ATTN_MASK_TYPES or (attn_mask_type == "causal") != self.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} must match the handler's key (causal={self.causal})")
         check_qkv(q, k, v, seq_dim=1 if q.dim() == 4 else 0)
-        shape, scale = q.shape, getattr(attn_mod, "softmax_scale", None)
+        shape, scale = q.shape, softmax_scale(attn_mod, q.shape[-1])
         q, k, v = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (T_local, H, D)
         if self.cp_size == 1:
             return _attn_alone(self, q, k, v, scale, shape).reshape(shape)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..config import CP_COMM_TYPES
 from .base import ATTN_MASK_TYPES
+from .checks import softmax_scale, window_size
 from .requirements import import_backend, release, require_cuda
 from .zigzag import ZigzagContextParallelHandler
 
@@ -126,7 +127,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             raise ValueError(f"transformer_engine: q has dtype {q.dtype}, but TE has no {q.dtype} attention backend "
                              "under context parallelism (float16 or bfloat16 only); cast the model to bfloat16 or "
                              "use backend='local', which runs any float dtype")
-        window = getattr(attn_mod, "window_size", None)
+        window = window_size(attn_mod)
         if window not in (None, (-1, 0), (-1, -1)) and comm_type in ("p2p", "a2a+p2p"):
             raise ValueError(f"transformer_engine: sliding window attention (window_size={window}) is not supported "
                              f"with cp_comm_type={comm_type!r}; use 'a2a' or 'all_gather'")
@@ -155,12 +156,12 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         module = getattr(attn_mod, TE_MODULE_NAME, None)
         if module is None:
             kwargs = {}
-            if getattr(attn_mod, "window_size", None) is not None:
-                kwargs["window_size"] = tuple(attn_mod.window_size)
+            if window_size(attn_mod) is not None:
+                kwargs["window_size"] = window_size(attn_mod)
             module = self.te.DotProductAttention(
                 num_attention_heads=heads, kv_channels=head_dim, num_gqa_groups=kv_heads,
                 qkv_format=self.qkv_format, attn_mask_type=_te_mask_type("causal", self.qkv_format),
-                softmax_scale=getattr(attn_mod, "softmax_scale", None),
+                softmax_scale=softmax_scale(attn_mod, head_dim),
                 layer_number=getattr(attn_mod, "layer_number", None), **kwargs,
             )
             attn_mod.add_module(TE_MODULE_NAME, module)
@@ -197,8 +198,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         module = self.te_module(attn_mod, heads, kv_heads, head_dim)
         self.bind(module, comm_type)
         kwargs = {"qkv_format": self.qkv_format, "attn_mask_type": _te_mask_type(attn_mask_type, self.qkv_format)}
-        if getattr(attn_mod, "window_size", None) is not None:
-            kwargs["window_size"] = tuple(attn_mod.window_size)
+        if window_size(attn_mod) is not None:
+            kwargs["window_size"] = window_size(attn_mod)
         if self.qkv_format == "thd":
             cu_seqlens = self.cu_seqlens.to(device=q.device, dtype=torch.int32)
             padded = self.cu_seqlens_padded.to(q.device)

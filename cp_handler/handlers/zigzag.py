@@ -27,8 +27,11 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.thd_layout = None
+        self.global_seq_len: int | None = None
+        """bshd/sbhd: the sequence length this handler dispatched (a handler is per batch); thd: from cu_seqlens."""
         if self.qkv_format == "thd":
             self.thd_layout = ZigzagDocs.from_cu_seqlens(self.cu_seqlens, self.cp_size)
+            self.global_seq_len = sum(self.thd_layout.lengths)
 
     @property
     def cu_seqlens_padded(self) -> torch.Tensor | None:
@@ -55,7 +58,15 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
                 chunks); thd: a length that is not the padded local length of this batch (at cp=1:
                 ``cu_seqlens[-1]``).
         """
+        if local_len < 1:
+            raise ValueError(f"a local sequence of {local_len} tokens: every rank holds at least one token (the global "
+                             f"sequence must have at least 2 * cp = {2 * self.cp_size} tokens)")
         if self.thd_layout is None:
+            if self.global_seq_len is not None and local_len * self.cp_size != self.global_seq_len:
+                per_rank = self.global_seq_len // self.cp_size
+                raise ValueError(f"a local tensor of {local_len} tokens along its sequence dim, but this handler "
+                                 f"dispatched sequences of {self.global_seq_len} tokens ({per_rank} per rank): a "
+                                 "handler is built per batch, with one sequence length")
             if self.cp_size > 1 and local_len % 2:
                 raise ValueError(f"local sequence length {local_len} is odd: under the zigzag layout every rank holds "
                                  f"two equal chunks (global length {local_len} * cp must divide by 2 * cp = "
@@ -76,16 +87,21 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         Raises:
             ValueError / TypeError: naming the tensors, their shapes or dtypes, and the rule.
         """
-        dims = (3, 4) if self.qkv_format == "thd" else (4,)
-        if q.dim() not in dims or (q.dim() == 4 and self.qkv_format == "thd" and q.shape[0] != 1):
-            raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format={self.qkv_format!r} takes "
-                             f"{'(T, H, D) or (1, T, H, D)' if self.qkv_format == 'thd' else 'a 4-D tensor'}")
-        seq_dim = 0 if self.qkv_format == "sbhd" or q.dim() == 3 else 1
-        check_qkv(q, k, v, seq_dim)
-        self.layout(q.shape[seq_dim])
-        self.agree("core_attn", {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
-                                 "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
-                                 "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint}, q.device)
+        fields = ("local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout")
+
+        def local_checks():
+            dims = (3, 4) if self.qkv_format == "thd" else (4,)
+            if q.dim() not in dims or (q.dim() == 4 and self.qkv_format == "thd" and q.shape[0] != 1):
+                raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format={self.qkv_format!r} takes "
+                                 f"{'(T, H, D) or (1, T, H, D)' if self.qkv_format == 'thd' else 'a 4-D tensor'}")
+            seq_dim = 0 if self.qkv_format == "sbhd" or q.dim() == 3 else 1
+            check_qkv(q, k, v, seq_dim)
+            self.layout(q.shape[seq_dim])
+            return {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
+                    "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
+                    "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint}
+
+        self.checked("core_attn", getattr(q, "device", "cpu"), fields, local_checks)
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.
@@ -94,9 +110,17 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``.
         """
         seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
-        if self.thd_layout is not None and tensor.shape[seq_dim] != sum(self.thd_layout.lengths):
-            raise ValueError(f"thd tensor has {tensor.shape[seq_dim]} tokens along dim {seq_dim}, "
-                             f"cu_seqlens[-1] = {sum(self.thd_layout.lengths)}")
+        length = tensor.shape[seq_dim]
+        if self.thd_layout is not None and length != self.global_seq_len:
+            raise ValueError(f"thd tensor has {length} tokens along dim {seq_dim}, cu_seqlens[-1] = "
+                             f"{self.global_seq_len}")
+        if length < 1:
+            raise ValueError(f"dispatch: a sequence of {length} tokens along dim {seq_dim}: nothing to shard")
+        if self.global_seq_len is not None and length != self.global_seq_len:
+            raise ValueError(f"dispatch: a tensor of {length} tokens along dim {seq_dim}, but this handler dispatched "
+                             f"sequences of {self.global_seq_len} tokens: it is a shard already, or from another batch "
+                             "(a handler is built per batch)")
+        self.global_seq_len = length
         if self.cp_size == 1:
             return tensor
         if self.thd_layout is None:
@@ -114,11 +138,21 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
         Backward keeps this rank's slice of the gradient (the combined tensor is assumed to feed
         the same computation on every CP rank).
         """
-        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
-        layout = self.layout(tensor.shape[seq_dim])
         if self.cp_size == 1:
+            check_dim("seq_dim", seq_dim, tensor.dim())
             return tensor
-        self.agree("combine", {"local_len": tensor.shape[seq_dim], "layout": self.layout_fingerprint}, tensor.device)
+
+        def local_checks():
+            if self.global_seq_len is None:
+                raise ValueError(f"combine: this handler dispatched nothing, so a tensor {tuple(tensor.shape)} cannot "
+                                 "be known to be a shard; dispatch the batch with this handler first (one handler "
+                                 "per batch)")
+            self.layout(tensor.shape[check_dim("seq_dim", seq_dim, tensor.dim())])
+            return {"local_len": tensor.shape[seq_dim], "layout": self.layout_fingerprint}
+
+        self.checked("combine", tensor.device, ("local_len", "layout"), local_checks)
+        seq_dim = seq_dim % tensor.dim()
+        layout = self.layout(tensor.shape[seq_dim])
         index = layout.gathered_index(real_only=True).to(tensor.device)
         return all_gather_seq(tensor, seq_dim, self.cp_group).index_select(seq_dim, index)
 
@@ -131,11 +165,13 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             ValueError: ``dims`` out of range; ``|shifts|`` larger than a zigzag chunk; ranks of the
                 CP group with different lengths, layouts or shifts.
         """
-        shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
-        layout = self.layout(tensor.shape[dims])
-        self.agree("roll_tensor", {"local_len": tensor.shape[dims], "layout": self.layout_fingerprint,
-                                   "shifts": shifts}, tensor.device)
-        rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, layout)
+        def local_checks():
+            self.layout(tensor.shape[check_dim("roll_tensor dims", dims, tensor.dim())])
+            return {"local_len": tensor.shape[dims], "layout": self.layout_fingerprint, "shifts": check_shift(shifts)}
+
+        self.checked("roll_tensor", tensor.device, ("local_len", "layout", "shifts"), local_checks)
+        dims = dims % tensor.dim()
+        rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, self.layout(tensor.shape[dims]))
         return rolled, rolled.sum()
 
     def get_rotary_seq_len(self, local_seq_len: int) -> int:

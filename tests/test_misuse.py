@@ -1,0 +1,132 @@
+"""Misuse of the handler API (issue 25): each case that used to give a silent wrong answer, an abort or an
+unclear error now ends as a clear error on every rank, or an exact result.
+
+Cases: a tensor dispatched twice, a combine of a tensor never dispatched, a sequence of 0 tokens, a
+reused handler given another length by one rank, hierarchical levels passed in the wrong order,
+``softmax_scale = 0.0`` (it ran at ``D ** -0.5``: now refused, as PyTorch's causal kernels give NaN at 0;
+another explicit scale is exact against the single process), ``window_size = 8``,
+one rank failing its input check while the caller catches the error and goes on (every rank raises the
+same error, the next batch is exact, the failed handler refuses further calls). The handler serial of
+the agreement check catches ranks whose handlers pair with another batch's.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import new_cp_group, run_distributed
+
+from cp_handler import HierarchicalContextParallelHandler, LocalContextParallelHandler, build_dp_cp_groups
+from cp_handler.handlers.checks import RanksRefused
+
+
+class Attn:
+    softmax_scale = None
+    layer_number = 1
+
+
+def _qkv(seed: int, length: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, length, 4, 8, generator=g) for _ in range(3))
+
+
+def _dispatch_combine_worker(rank, world):
+    group = new_cp_group()
+    x = torch.randn(1, 16, 4)
+    h = LocalContextParallelHandler(cp_group=group)
+    local = h.dispatch(x, 1)
+    with pytest.raises(ValueError, match=r"dispatch: a tensor of 8 tokens along dim 1, but this handler dispatched "
+                                         r"sequences of 16 tokens: it is a shard already"):
+        h.dispatch(local, 1)
+    with pytest.raises(ValueError, match=r"combine: .*this handler dispatched nothing, so a tensor \(1, 8, 4\) cannot "
+                                         r"be known to be a shard"):
+        LocalContextParallelHandler(cp_group=group).combine(local, 1)  # on every rank, before any collective
+    with pytest.raises(ValueError, match=r"dispatch: a sequence of 0 tokens along dim 1"):
+        LocalContextParallelHandler(cp_group=group).dispatch(torch.zeros(1, 0, 4), 1)
+    with pytest.raises(ValueError, match=r"a local sequence of 0 tokens"):
+        LocalContextParallelHandler(cp_group=group).core_attn(Attn(), *(torch.zeros(1, 0, 4, 8),) * 3)
+    reused = LocalContextParallelHandler(cp_group=group)
+    reused.dispatch(x, 1)
+    if rank == 1:  # this rank's second batch is longer: refused on it before any collective
+        with pytest.raises(ValueError, match=r"this handler dispatched sequences of 16 tokens"):
+            reused.dispatch(torch.randn(1, 24, 4), 1)
+
+
+def test_dispatch_and_combine_refuse_what_cannot_be_a_batch_or_a_shard():
+    run_distributed(_dispatch_combine_worker, 2)
+
+
+def _levels_worker(rank, world):
+    groups = build_dp_cp_groups(world, "cpu", [2, 2])
+    a2a, p2p = groups.hierarchical_cp_groups
+    with pytest.raises(ValueError, match=r"expected the a2a level on adjacent ranks \[\d, \d\] first and the p2p "
+                                         r"level \[\d, \d\] second \(were the levels passed in the wrong order"):
+        HierarchicalContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p",
+                                           hierarchical_cp_groups=[p2p, a2a])
+
+
+def test_hierarchical_levels_in_the_wrong_order_are_refused():
+    run_distributed(_levels_worker, 4)
+
+
+def _scale_worker(rank, world):
+    group = new_cp_group()
+    q, k, v = _qkv(0)
+    attn = Attn()
+    attn.softmax_scale = 0.0  # falsy: it used to run at the default scale
+    with pytest.raises(ValueError, match=r"attn_mod.softmax_scale=0.0 must be a finite number > 0"):
+        LocalContextParallelHandler(cp_group=group).core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
+    attn.softmax_scale = 0.9  # not the default D ** -0.5 = 0.35
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=0.9)
+    for comm in ("p2p", "all_gather", "a2a"):
+        h = LocalContextParallelHandler(cp_group=group, cp_comm_type=comm)
+        out = h.combine(h.core_attn(attn, *(h.dispatch(t, 1) for t in (q, k, v))), 1)
+        torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)  # float32, reordered sums
+    attn.softmax_scale, attn.window_size = None, 8
+    with pytest.raises(TypeError, match=r"attn_mod.window_size=8 must be a \(left, right\) pair of ints"):
+        LocalContextParallelHandler(cp_group=group).core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
+
+
+def test_softmax_scale_is_used_as_given_and_bad_options_are_refused():
+    run_distributed(_scale_worker, 2)
+
+
+def _one_rank_fails_worker(rank, world):
+    group = new_cp_group()
+    q, k, v = _qkv(1)
+    bad = LocalContextParallelHandler(cp_group=group)
+    local = [bad.dispatch(t, 1) for t in (q, k, v)]
+    if rank == 1:
+        local[0] = local[0].double()  # only this rank's inputs are wrong
+    with pytest.raises(RanksRefused, match=r"core_attn: the inputs of some ranks of the CP group were refused "
+                                           r"\(rank 1: TypeError: core_attn q, k, v must share one dtype"):
+        bad.core_attn(Attn(), *local)  # every rank raises the same error, no rank entered the ring
+    h = LocalContextParallelHandler(cp_group=group)  # the caller goes on to the next batch
+    out = h.combine(h.core_attn(Attn(), *(h.dispatch(t, 1) for t in (q, k, v))), 1)
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)
+    broken = LocalContextParallelHandler(cp_group=group)
+    with pytest.raises(ValueError, match=r"seq_len=7 is not divisible"):
+        broken.dispatch(torch.zeros(1, 7, 4), 1)  # a local failure (no agreement): this rank's handler is done
+    with pytest.raises(RuntimeError, match=r"an earlier call of this handler failed on this rank \(dispatch: "):
+        broken.dispatch(q, 1)
+
+
+def test_one_rank_failing_is_every_ranks_error_and_the_next_batch_is_exact():
+    run_distributed(_one_rank_fails_worker, 2)
+
+
+def _serial_worker(rank, world):
+    group = new_cp_group()
+    if rank == 0:
+        LocalContextParallelHandler(cp_group=group)  # rank 0 built one handler more (e.g. skipped a batch)
+    h = LocalContextParallelHandler(cp_group=group)
+    q, k, v = (h.dispatch(t, 1) for t in _qkv(2))
+    with pytest.raises(RanksRefused, match=r"the ranks of the CP group disagree \(rank 0: handler serial=(\d+).*"
+                                           r"rank 1: handler serial=(?!\1)"):
+        h.core_attn(Attn(), q, k, v)
+    dist.barrier()
+
+
+def test_handlers_built_out_of_step_are_refused():
+    run_distributed(_serial_worker, 2)
