@@ -9,8 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-"""The ``cp_comm_type`` values of Transformer Engine and Megatron-LM."""
+from .ops.patterns import PATTERNS
+
+CP_COMM_TYPES = tuple(PATTERNS)
+"""The ``cp_comm_type`` values: ``p2p``, ``all_gather``, ``a2a``, ``a2a+p2p`` (Transformer Engine's and
+Megatron-LM's names), one per entry of :data:`~cp_handler.ops.patterns.PATTERNS`."""
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 """Tensor layouts: s = sequence, b = batch, h = heads, d = head dim, t = packed tokens."""
@@ -40,6 +43,21 @@ def check_comm_types(cp_comm_type) -> list[str]:
         if comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}")
     return types
+
+
+def check_hierarchical_sizes(sizes, context_parallel_size: int) -> None:
+    """The one rule of hierarchical CP sizes: integers >= 1 (inner level first) whose product is the
+    CP size.
+
+    Raises:
+        ValueError: naming the sizes, their product and the CP size.
+    """
+    if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+        raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes) if sizes else sizes!r} must be a "
+                         "non-empty list of integers >= 1")
+    if math.prod(sizes) != context_parallel_size:
+        raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {math.prod(sizes)}, but "
+                         f"context_parallel_size={context_parallel_size}; their product must be equal")
 
 
 def check_per_layer_comm_types(cp_comm_type: str | list[str], num_layers: int | None) -> None:
@@ -94,21 +112,14 @@ class ContextParallelConfig:
     def _check_hierarchy(self) -> None:
         sizes = self.hierarchical_context_parallel_sizes
         if sizes is None:
-            if "a2a+p2p" in self.comm_types:
+            needing = [t for t in self.comm_types if PATTERNS[t].hierarchical]
+            if needing:
                 raise ValueError(
-                    "cp_comm_type='a2a+p2p' needs hierarchical_context_parallel_sizes=[a2a_size, p2p_size] "
+                    f"cp_comm_type={needing[0]!r} needs hierarchical_context_parallel_sizes=[a2a_size, p2p_size] "
                     f"whose product is context_parallel_size={self.context_parallel_size}"
                 )
             return
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-            raise ValueError(
-                f"hierarchical_context_parallel_sizes={sizes!r} must be a non-empty list of integers >= 1"
-            )
-        if math.prod(sizes) != self.context_parallel_size:
-            raise ValueError(
-                f"hierarchical_context_parallel_sizes={sizes} multiply to {math.prod(sizes)}, but "
-                f"context_parallel_size={self.context_parallel_size}; their product must be equal"
-            )
+        check_hierarchical_sizes(sizes, self.context_parallel_size)
 
     @property
     def comm_types(self) -> list[str]:

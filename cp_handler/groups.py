@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .config import check_hierarchical_sizes
 from .parallel_layout import ParallelGroups, ParallelLayout
 
 logger = logging.getLogger("cp_handler")
@@ -92,11 +93,8 @@ def build_dp_cp_groups(
     world = dist.get_world_size()
     check_world_divisible(world, context_parallel_size)
     sizes = hierarchical_context_parallel_sizes
-    if sizes is not None and math.prod(sizes) != context_parallel_size:
-        raise ValueError(
-            f"hierarchical_context_parallel_sizes={list(sizes)} multiply to {math.prod(sizes)}, but "
-            f"context_parallel_size={context_parallel_size}; their product must be equal"
-        )
+    if sizes is not None:
+        check_hierarchical_sizes(sizes, context_parallel_size)
     built = ParallelLayout(world, context_parallel_size=context_parallel_size,
                            hierarchical_context_parallel_sizes=sizes).build(device_type)
     return data_context_parallel_groups(built)

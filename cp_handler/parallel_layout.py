@@ -27,13 +27,14 @@ dims). :func:`ParallelLayout.build` needs an initialised default process group (
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import check_hierarchical_sizes
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
 
@@ -92,12 +93,8 @@ class ParallelLayout:
             )
         levels = self.hierarchical_context_parallel_sizes
         if levels is not None:
+            check_hierarchical_sizes(levels, self.context_parallel_size)
             object.__setattr__(self, "hierarchical_context_parallel_sizes", tuple(levels))
-            if any(s < 1 for s in levels) or math.prod(levels) != self.context_parallel_size:
-                raise ValueError(
-                    f"hierarchical_context_parallel_sizes={list(levels)} must be sizes >= 1 multiplying to "
-                    f"context_parallel_size={self.context_parallel_size}"
-                )
 
     @property
     def expert_data_parallel_size(self) -> int:

@@ -125,7 +125,7 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
     assert (out / "plan_efficiency.png").exists() and "| bshd | 128 | a2a+p2p | 4 |" in (out / "results.md").read_text()
     shape = PlanShape(num_heads=4, num_kv_heads=2)
     for pattern, cp in (("p2p", 4), ("all_gather", 4), ("a2a", 2), ("a2a+p2p", 4)):
-        plan = rank_plan(PlanCase(pattern, "bshd", cp, 128, a2a_size=2), shape)
+        plan = rank_plan(PlanCase(pattern, "bshd", cp, 128), shape)
         pairs = sum(block_pairs(q.stop - q.start, k.stop - k.start, c) for step in plan.steps for q, k, c in step)
         assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
 

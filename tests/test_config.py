@@ -54,12 +54,14 @@ def test_factory_errors():
     with pytest.raises(ValueError, match=r"backend='nope' is not registered; registered backends: \[.*'local'"):
         get_cp_handler_cls("nope", "p2p")
     assert get_cp_handler_cls("local", "a2a").__bases__ == (LocalContextParallelHandler,)
-    assert get_cp_handler_cls("local", "a2a+p2p").__bases__ == (HierarchicalContextParallelHandler,)
+    assert get_cp_handler_cls("local", "a2a+p2p").__bases__ == (LocalContextParallelHandler,)
     both = get_cp_handler_cls("local", ["p2p", "a2a+p2p"])  # one class serves both
-    assert both.__bases__ == (HierarchicalContextParallelHandler,) and both.bound_cp_comm_type == ["p2p", "a2a+p2p"]
+    assert both.__bases__ == (LocalContextParallelHandler,) and both.bound_cp_comm_type == ["p2p", "a2a+p2p"]
     assert get_cp_handler_cls("local", "a2a") is get_cp_handler_cls("local", "a2a")  # bound once
-    with pytest.raises(ValueError, match=r"does not implement cp_comm_type='a2a\+p2p'"):
-        LocalContextParallelHandler(cp_comm_type="a2a+p2p")
+    assert HierarchicalContextParallelHandler is LocalContextParallelHandler  # the old name of the same class
+    with pytest.raises(ValueError, match=r"backend='magi' has no handler for cp_comm_type='a2a'; it supports "
+                                         r"\['p2p'\]"):
+        get_cp_handler_cls("magi", "a2a")  # MagiAttention plans its own communication: one entry, not four
 
 
 def test_factory_rejects_a_list_no_single_class_serves():
@@ -69,7 +71,10 @@ def test_factory_rejects_a_list_no_single_class_serves():
     register_cp_handler("split_backend", LocalContextParallelHandler, ["p2p"])
     register_cp_handler("split_backend", OnlyA2A, ["a2a"])
     assert get_cp_handler_cls("split_backend", ["p2p", "a2a"]).__bases__ == (OnlyA2A,)  # derives from the other
-    register_cp_handler("split_backend", HierarchicalContextParallelHandler, ["a2a+p2p"])
+    class Unrelated(LocalContextParallelHandler):
+        pass
+
+    register_cp_handler("split_backend", Unrelated, ["a2a+p2p"])
     with pytest.raises(ValueError, match="none of them serves every layer"):
         get_cp_handler_cls("split_backend", ["a2a", "a2a+p2p"])
     with pytest.raises(ValueError, match=r"has no handler for cp_comm_type='all_gather'; it supports"):

@@ -97,7 +97,7 @@ def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
     does) through ``flash_varlen`` against the same plan through the verified ``flash`` blocks, bf16,
     outputs, lse and gradients. Tolerance: relative error 1e-2 (each is within 2-3e-3 of float64)."""
     shape = PlanShape(num_heads=8, num_kv_heads=2, head_dim=64, device="cuda", thd_mean_doc=100)
-    plan = rank_plan(PlanCase(pattern, fmt, cp, 2048, a2a_size=2), shape)
+    plan = rank_plan(PlanCase(pattern, fmt, cp, 2048), shape)
     torch.manual_seed(0)
     q, dout = (torch.randn(1, plan.heads, plan.q_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, plan.kv_heads, plan.kv_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))

@@ -32,6 +32,7 @@ from ..groups import build_dp_cp_groups
 from ..handlers.local import HierarchicalContextParallelHandler, from_bhsd, to_bhsd
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
+from .plan import hierarchical_sizes
 from .torch_ring import torch_ring_attn
 
 IMPLS = ("single", "local", "torch_ring")
@@ -83,11 +84,6 @@ def stdlib_document_lengths(seq_len: int, seed: int = 0, pieces: int = 8) -> lis
         if total == seq_len:
             return lengths
     raise ValueError(f"seq_len={seq_len} exceeds the stdlib corpus ({total} tokens)")
-
-
-def hierarchical_sizes(cp_size: int) -> list[int]:
-    """Two levels for ``a2a+p2p``: a2a over pairs of adjacent ranks, the ring across them."""
-    return [2, cp_size // 2] if cp_size % 2 == 0 else [cp_size, 1]
 
 
 class CaseRunner:

@@ -38,6 +38,7 @@ from ..cli.launch import launch
 from ..cli.progress import Progress
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
+from ..ops.patterns import PATTERNS
 from . import e2e, launches, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
@@ -71,7 +72,7 @@ def build_cases(args) -> dict[int, list[Case]]:
                                                             threads * cp))
                     if cp == 1:
                         continue
-                    impls = [("local", c) for c in args.comm_types if c != "a2a+p2p" or cp >= 4]
+                    impls = [("local", c) for c in args.comm_types if not PATTERNS[c].hierarchical or cp >= 4]
                     if peer and fmt == "bshd":
                         impls += [("torch_ring", m) for m in ROTATE_METHODS]
                     by_world.setdefault(cp, []).extend(
@@ -198,9 +199,9 @@ def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
     _check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
     for cp in args.plan_cp_sizes:
-        a2a_sizes = ([cp] if cp > 1 and "a2a" in args.comm_types else []) + \
-                    ([2] if cp >= 4 and "a2a+p2p" in args.comm_types else [])  # the a2a sizes plan.cases runs
-        for size in a2a_sizes:
+        patterns = {case.pattern for case in plan.cases([2 * cp], [cp], args.comm_types, ["bshd"])} - {"whole"}
+        a2a_sizes = {PATTERNS[name].a2a_size(cp, plan.hierarchical_sizes(cp)) for name in patterns} - {None}
+        for size in sorted(a2a_sizes):
             if args.plan_heads % size:
                 p.error(f"--plan-heads {args.plan_heads} must be divisible by the a2a size {size} (cp {cp})")
     shape = plan.PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads,

@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import ZigzagDocs
-from ..ops.all_gather import all_gather_blocks
 from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
-from ..ops.ring import ring_blocks
+from ..ops.patterns import PATTERNS
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,6 @@ class PlanCase:
     qkv_format: str
     cp_size: int
     seq_len: int
-    a2a_size: int = 1  # a2a+p2p: the inner (a2a) size
 
 
 @dataclass(frozen=True)
@@ -71,21 +69,20 @@ class RankPlan:
     steps: list
 
 
+def hierarchical_sizes(cp_size: int) -> list[int]:
+    """The levels cp-bench runs a hierarchical pattern on: a2a over pairs of adjacent ranks, the ring
+    across them (``[cp, 1]`` for an odd cp)."""
+    return [2, cp_size // 2] if cp_size % 2 == 0 else [cp_size, 1]
+
+
 def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
-    """Rank 0's work in ``case``."""
+    """Rank 0's work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`)."""
     lengths = [case.seq_len] if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
     layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
-    h, hkv, cp = shape.num_heads, shape.num_kv_heads, case.cp_size
-    if case.pattern == "p2p":
-        steps = [ring_blocks(layout, s, 0, True) for s in range(cp)]
-        return RankPlan(layout.local_len, layout.local_len, h, hkv, steps)
-    if case.pattern == "all_gather":
-        total = int(layout.cu_seqlens_padded[-1])
-        return RankPlan(layout.local_len, total, h, hkv, [all_gather_blocks(layout, 0, True)])
-    a2a = cp if case.pattern == "a2a" else case.a2a_size
-    inner = layout.inner(a2a)
-    return RankPlan(inner.local_len, inner.local_len, h // a2a, max(1, hkv // a2a),
-                    [ring_blocks(inner, s, 0, True) for s in range(inner.size)])
+    pattern = PATTERNS[case.pattern]
+    plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1)
+    heads = (shape.num_heads // plan.head_divisor, max(1, shape.num_kv_heads // plan.head_divisor))
+    return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps)
 
 
 def _timer(device: str):
@@ -187,12 +184,8 @@ def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
                     raise ValueError(f"seq_len {seq_len} is not divisible by 2 * cp = {2 * cp} (zigzag chunks)")
                 if cp == 1:
                     continue
-                for comm in comm_types:
-                    if comm == "a2a+p2p":
-                        if cp >= 4:
-                            out.append(PlanCase(comm, fmt, cp, seq_len, a2a_size=2))
-                    else:
-                        out.append(PlanCase(comm, fmt, cp, seq_len))
+                out += [PlanCase(comm, fmt, cp, seq_len) for comm in comm_types
+                        if not PATTERNS[comm].hierarchical or cp >= 4]  # two levels of at least 2 ranks
     return out
 
 

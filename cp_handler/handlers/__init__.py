@@ -7,10 +7,9 @@ from .registry import get_cp_handler_cls, register_cp_handler, registered_backen
 from .transformer_engine import TEContextParallelHandler
 from .zigzag import ZigzagContextParallelHandler
 
-register_cp_handler("local", LocalContextParallelHandler, LocalContextParallelHandler.supported_comm_types)
-register_cp_handler("local", HierarchicalContextParallelHandler, ["a2a+p2p"])
-register_cp_handler("transformer_engine", TEContextParallelHandler)
-register_cp_handler("magi", MagiAttnContextParallelHandler)
+register_cp_handler("local", LocalContextParallelHandler)
+register_cp_handler("transformer_engine", TEContextParallelHandler, ("p2p", "all_gather", "a2a", "a2a+p2p"))
+register_cp_handler("magi", MagiAttnContextParallelHandler, ("p2p",))  # MagiAttention plans its own communication
 
 __all__ = [
     "ContextParallelHandler",

@@ -39,12 +39,20 @@ KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.C
                                                       cuda_efficient.KERNEL)}
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
-__all__ = ["ATTN_KERNEL_ENV", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward", "block_attn_forward",
-           "count_attn_work", "kernel_override", "record_attn_work", "select_kernel"]
+__all__ = ["ATTN_KERNEL_ENV", "AUTOMATIC", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward",
+           "block_attn_forward", "count_attn_work", "kernel_override", "record_attn_work", "select_kernel"]
+
+
+AUTOMATIC = "automatic"
+"""``attn_kernel`` value of a choice already resolved to "the fastest verified kernel" (handlers pass
+it after reading ``CP_HANDLER_ATTN_KERNEL`` once, at construction; the block calls do not read it)."""
 
 
 def kernel_override(attn_kernel: str | None = None) -> tuple[str | None, str]:
-    """``(forced kernel name or None, where it came from)``: the argument, else ``CP_HANDLER_ATTN_KERNEL``."""
+    """``(forced kernel name or None, where it came from)``: the argument, else ``CP_HANDLER_ATTN_KERNEL``
+    (read now), ``None`` for the automatic choice."""
+    if attn_kernel == AUTOMATIC:
+        return None, "attn_kernel"
     if attn_kernel is not None:
         return attn_kernel, "attn_kernel"
     return os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
@@ -56,8 +64,8 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) 
     Args:
         q: a query block (its device, dtype and head dim decide).
         attn_kernel: force a kernel by name (or pass one, e.g. a kernel re-labelled for ``meta``
-            tensors by ``cp-bench --modes launches``); ``None`` reads ``CP_HANDLER_ATTN_KERNEL``,
-            and if that is unset or empty picks the fastest verified kernel that can run.
+            tensors by ``cp-bench --modes launches``); :data:`AUTOMATIC`: the fastest verified kernel
+            that can run; ``None``: ``CP_HANDLER_ATTN_KERNEL`` if set, else automatic.
 
     Raises:
         ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason), or no

@@ -1,0 +1,87 @@
+"""The communication patterns (``cp_comm_type``) as a registry, like the kernels' ``KERNELS``.
+
+One :class:`CommPattern` per pattern: how its attention runs on a rank (the algorithm of its ops
+file), the block plan one rank computes (what ``cp-bench --modes plan`` times and the launch counter
+counts), and what it needs (hierarchical groups; heads divisible by an all-to-all size). The local
+handler, the config's rules, ``cp-train``'s checks and ``cp-bench`` all read this table, so a new
+pattern is its ops file plus one entry in :data:`PATTERNS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..layout import ZigzagDocs
+from .all_gather import all_gather_attn, all_gather_blocks
+from .blocks import Block
+from .ring import ring_attn, ring_blocks
+from .ulysses import a2a_attn
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    """One rank's compute under a pattern: local query and K/V lengths (rows), the factor its heads
+    are divided by (all-to-all over heads), and the block plan of each step (the first one fresh)."""
+
+    q_len: int
+    kv_len: int
+    head_divisor: int
+    steps: list[list[Block]]
+
+
+@dataclass(frozen=True)
+class CommPattern:
+    """One ``cp_comm_type``.
+
+    Attributes:
+        name: the ``cp_comm_type`` value.
+        attention: ``(q, k, v, cp_group, levels, *, causal, scale, layout, attn_kernel) -> out`` on
+            ``(B, H, S_local, D)`` tensors; ``levels``: ``[a2a_group, p2p_group]`` when hierarchical.
+        rank_steps: ``(layout, rank, a2a_size) -> RankSteps``: the causal plan of ``rank`` (no
+            communication), ``layout`` over the whole CP group.
+        hierarchical: runs on two levels of groups (``hierarchical_context_parallel_sizes``).
+        splits_heads: divides heads over an all-to-all group (the whole CP group, or the inner level).
+    """
+
+    name: str
+    attention: Callable
+    rank_steps: Callable[[ZigzagDocs, int, int], RankSteps]
+    hierarchical: bool = False
+    splits_heads: bool = False
+
+    def a2a_size(self, cp_size: int, hierarchical_sizes: list[int] | None) -> int | None:
+        """The all-to-all size its heads are divided over (``None``: heads are not divided)."""
+        if not self.splits_heads:
+            return None
+        return (hierarchical_sizes or [1])[0] if self.hierarchical else cp_size
+
+
+def _ring_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
+    return RankSteps(layout.local_len, layout.local_len, 1, [ring_blocks(layout, s, rank, True)
+                                                             for s in range(layout.size)])
+
+
+def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
+    return RankSteps(layout.local_len, int(layout.cu_seqlens_padded[-1]), 1, [all_gather_blocks(layout, rank, True)])
+
+
+def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
+    inner = layout.inner(a2a_size)  # after the all-to-all: a ring over the outer ranks (rank 0's position)
+    return RankSteps(inner.local_len, inner.local_len, a2a_size,
+                     [ring_blocks(inner, s, rank // a2a_size, True) for s in range(inner.size)])
+
+
+PATTERNS: dict[str, CommPattern] = {p.name: p for p in (
+    CommPattern("p2p", lambda q, k, v, cp_group, levels, **kw: ring_attn(q, k, v, group=cp_group, **kw)[0],
+                _ring_steps),
+    CommPattern("all_gather", lambda q, k, v, cp_group, levels, **kw: all_gather_attn(q, k, v, group=cp_group,
+                                                                                      **kw)[0],
+                _all_gather_steps),
+    CommPattern("a2a", lambda q, k, v, cp_group, levels, **kw: a2a_attn(q, k, v, group=cp_group, **kw)[0],
+                lambda layout, rank, a2a_size: _a2a_steps(layout, rank, layout.size), splits_heads=True),
+    CommPattern("a2a+p2p", lambda q, k, v, cp_group, levels, **kw: a2a_attn(q, k, v, group=levels[0],
+                                                                             inner_group=levels[1], **kw)[0],
+                _a2a_steps, hierarchical=True, splits_heads=True),
+)}
+"""Every communication pattern by ``cp_comm_type`` (Transformer Engine's and Megatron-LM's names)."""
