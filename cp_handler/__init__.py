@@ -8,7 +8,7 @@ methods (see DESIGN.md):
     full = h.combine(logits, seq_dim=1)
 """
 
-from .config import CP_COMM_TYPES, QKV_FORMATS, ContextParallelConfig, check_seq_len
+from .config import CP_COMM_TYPES, QKV_FORMATS, AttentionShape, ContextParallelConfig, check_seq_len
 from .groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
 from .handlers import (
     ContextParallelHandler,
@@ -17,6 +17,7 @@ from .handlers import (
     MagiAttnContextParallelHandler,
     TEContextParallelHandler,
     ZigzagContextParallelHandler,
+    build_cp_handler,
     get_cp_handler_cls,
     register_cp_handler,
     registered_backends,
@@ -27,6 +28,7 @@ from .parallel_layout import ParallelGroups, ParallelLayout
 __all__ = [
     "CP_COMM_TYPES",
     "QKV_FORMATS",
+    "AttentionShape",
     "ContextParallelConfig",
     "DataContextParallelGroups",
     "ExpertParallelHandler",
@@ -40,6 +42,7 @@ __all__ = [
     "MagiAttnContextParallelHandler",
     "TEContextParallelHandler",
     "ZigzagContextParallelHandler",
+    "build_cp_handler",
     "check_seq_len",
     "get_cp_handler_cls",
     "register_cp_handler",

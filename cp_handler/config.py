@@ -69,6 +69,16 @@ def check_per_layer_comm_types(cp_comm_type: str | list[str], num_layers: int | 
         )
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention shape a backend's rules and plans may need (head counts under an all-to-all,
+    MagiAttention's key)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @dataclass
 class ContextParallelConfig:
     """Context-parallel settings (field names as in Megatron-LM's ``TransformerConfig``)."""
@@ -125,14 +135,6 @@ class ContextParallelConfig:
     def comm_types(self) -> list[str]:
         """The distinct communication types this config uses."""
         return sorted(set(as_comm_type_list(self.cp_comm_type)))
-
-    def check_seq_len(self, seq_len: int) -> None:
-        """Check that a batch of ``seq_len`` tokens can be split over the CP group.
-
-        Raises:
-            ValueError: see :func:`check_seq_len`.
-        """
-        check_seq_len(seq_len, self.context_parallel_size, self.qkv_format)
 
 
 def check_seq_len(seq_len: int, context_parallel_size: int, qkv_format: str = "bshd") -> None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import ContextParallelConfig, check_seq_len
+from .config import AttentionShape, ContextParallelConfig, check_seq_len
 from .groups import DataContextParallelGroups, build_dp_cp_groups, check_world_divisible
-from .handlers import get_cp_handler_cls
+from .handlers import build_cp_handler
 from .training import masked_token_loss_sum, next_token_batch
 
 
@@ -75,9 +75,11 @@ class EvalContextParallel:
 
     groups: DataContextParallelGroups
     config: ContextParallelConfig
+    attn_shape: AttentionShape | None = None
 
     @classmethod
-    def build(cls, config: ContextParallelConfig, device_type: str = "cpu") -> EvalContextParallel:
+    def build(cls, config: ContextParallelConfig, device_type: str = "cpu",
+              attn_shape: AttentionShape | None = None) -> EvalContextParallel:
         """Build the evaluation (dp, cp) groups once; every rank must call it.
 
         Raises:
@@ -86,13 +88,12 @@ class EvalContextParallel:
         check_world_divisible(dist.get_world_size(), config.context_parallel_size)
         groups = build_dp_cp_groups(config.context_parallel_size, device_type,
                                     config.hierarchical_context_parallel_sizes)
-        return cls(groups, config)
+        return cls(groups, config, attn_shape)
 
     def handler(self, **batch_metadata):
         """A handler on the evaluation groups for one batch (``qkv_format``, ``cu_seqlens``, ...)."""
-        cls = get_cp_handler_cls(self.config.backend, self.config.cp_comm_type)
-        return cls(cp_group=self.groups.cp_group, cp_comm_type=self.config.cp_comm_type,
-                   hierarchical_cp_groups=self.groups.hierarchical_cp_groups, **batch_metadata)
+        return build_cp_handler(self.config, self.groups.cp_group, self.groups.hierarchical_cp_groups,
+                                self.attn_shape, **batch_metadata)
 
     def my_rows(self, num_sequences: int) -> list[int]:
         """Sequences of a batch that this rank's DP replica evaluates (``i % dp == dp_rank``)."""

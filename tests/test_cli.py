@@ -17,6 +17,12 @@ SMALL = ["--steps", "6", "--seq-len", "128", "--hidden-size", "64", "--ffn-hidde
          "--max-corpus-bytes", "2000000"]
 
 
+PLUGINS = {"CP_HANDLER_PLUGINS": "faulty_backends",
+           "PYTHONPATH": os.pathsep.join([os.path.join(os.path.dirname(__file__), "plugins"),
+                                          os.environ.get("PYTHONPATH", "")])}
+"""Loads tests/plugins/faulty_backends.py (faulty backends for the failure tests) into cp-train's ranks."""
+
+
 def cp_train(*flags, env=None, timeout=240):
     return subprocess.run(
         [sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
@@ -193,18 +199,21 @@ def test_data_errors_exit_before_any_rank(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_check_parity_holds_at_any_length_and_catches_a_rope_bug():
-    """Each step against one process from the same parameters: 200 correct steps pass; a RoPE position
-    off by one on rank 1 fails at once."""
+def test_check_parity_holds_at_any_length_and_catches_bugs_its_reference_cannot_share():
+    """Each step against one process from the same parameters, computed with no cp_handler code
+    (cp_handler.training.reference): 200 correct steps pass; a RoPE position off by one on rank 1 fails
+    at once, and so does a bug present at every cp (attention scaled by 1.001), which the old reference
+    (the same handler at cp=1) shared and passed."""
     tiny = ["--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64", "--max-corpus-bytes", "2000000"]
     result = cp_train("--nproc", "2", "--steps", "200", *tiny, "--check-parity", timeout=300)
     assert result.returncode == 0 and "parity passed: each of 200 steps" in result.stderr, result.stderr[-2000:]
-    result = cp_train("--nproc", "2", "--steps", "3", *tiny, "--check-parity", env={"CP_TRAIN_ROPE_BUG_RANK": "1"})
-    assert result.returncode == 1 and "parity FAILED" in result.stderr, result.stderr[-2000:]
+    for backend in ("rope_bug", "soft_bug"):
+        result = cp_train("--nproc", "2", "--steps", "3", *tiny, "--check-parity", "--backend", backend, env=PLUGINS)
+        assert result.returncode == 1 and "parity FAILED" in result.stderr, (backend, result.stderr[-2000:])
 
 
 def test_frozen_rank_ends_the_job_naming_it():
-    result = cp_train("--nproc", "2", "--timeout", "8", *SMALL, env={"CP_TRAIN_FREEZE_RANK": "1"}, timeout=120)
+    result = cp_train("--nproc", "2", "--timeout", "8", *SMALL, "--backend", "freeze_rank", env=PLUGINS, timeout=120)
     assert result.returncode != 0
     assert "rank 1 made no progress for 8 s (--timeout); it was killed and all ranks stopped." in result.stderr
 
@@ -243,7 +252,7 @@ def test_one_backend_line_per_job_under_torchrun():
 
 
 def test_crashed_rank_stops_every_rank():
-    result = cp_train("--nproc", "2", *SMALL, env={"CP_TRAIN_FAIL_RANK": "1"}, timeout=120)
+    result = cp_train("--nproc", "2", *SMALL, "--backend", "fail_rank", env=PLUGINS, timeout=120)
     assert result.returncode != 0
     assert "rank 1 failed; all ranks stopped" in result.stderr
     assert "injected failure on rank 1" in result.stderr
@@ -307,3 +316,70 @@ def test_hugging_face_architecture_the_guard_refuses_is_refused_before_spawning(
     with pytest.raises(SystemExit, match=rf"cp-train: error: --hf-config {re.escape(str(tmp_path))}: .*"
                                          rf"{re.escape(message)}"):
         parse(["--nproc", "2", "--hf-config", str(tmp_path)])
+
+
+def test_non_finite_loss_stops_the_run_and_fails_parity():
+    """A NaN loss stops the run naming the step (it trained on for 2 more steps with parity "passed"
+    before: Python's max() skips NaN); parity_result fails on any non-finite value."""
+    from cp_handler.training.parity import parity_result
+
+    result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS, timeout=120)
+    assert result.returncode != 0 and "step 0: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
+    steps = [{"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "reference_grad_norm": 1.0},
+             {"loss": float("nan"), "reference_loss": float("nan"), "grad_rel_diff": float("nan"),
+              "reference_grad_norm": float("nan")}]
+    assert not parity_result(steps, "float32")["passed"]
+
+
+def _silent_listener():
+    """A socket that accepts connections and never answers (the port of a hung program)."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    return listener
+
+
+def test_startup_obeys_timeout_and_a_port_in_use_is_named():
+    """Under torchrun (RANK / WORLD_SIZE set), a rendezvous that never completes ends after --timeout
+    (it ran on past 120 s before) and a MASTER_PORT already in use is one clear line."""
+    listener = _silent_listener()
+    port = str(listener.getsockname()[1])
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1"}
+    try:
+        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "1"}, timeout=90)
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert f"rank 1 could not join the process group in 5 s (--timeout): the rendezvous at MASTER_ADDR:" \
+               f"MASTER_PORT = 127.0.0.1:{port} did not complete" in result.stderr
+        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "0"}, timeout=90)
+        assert result.returncode == 1 and f"127.0.0.1:{port}: the port is already in use" in result.stderr, \
+            result.stderr[-2000:]
+        assert "Traceback" not in result.stderr
+    finally:
+        listener.close()
+
+
+def test_metrics_out_unwritable_before_spawn_and_a_full_disk_named(tmp_path, monkeypatch, capsys):
+    """--metrics-out that cannot be written is refused before any rank starts; a failed write after
+    training (a full disk) names the file and keeps the previous one."""
+    import cp_handler.cli.train as train_cli
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit, match=rf"--metrics-out {re.escape(str(blocker))}/m.json: cannot write in"):
+        parse(["--metrics-out", str(blocker / "m.json")])
+    out = tmp_path / "m.json"
+    out.write_text('{"previous": true}')
+
+    def disk_full(path, data):
+        raise OSError(28, "No space left on device")
+
+    fake = {"steps": [{"loss": 1.0}], "tokens_per_s_mean": 1.0}
+    monkeypatch.setattr(train_cli, "run_training", lambda config: fake)
+    monkeypatch.setattr(train_cli, "write_json_atomically", disk_full)
+    assert train_cli.main(["--metrics-out", str(out), "--steps", "1"]) == 1
+    assert json.loads(out.read_text()) == {"previous": True}
+    assert f"could not write --metrics-out {out}: No space left on device; the previous file" in capsys.readouterr().err

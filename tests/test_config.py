@@ -45,7 +45,7 @@ def test_seq_len_rule():
     check_seq_len(1024, 4)
     check_seq_len(1001, 2, "thd")  # thd pads per document
     with pytest.raises(ValueError, match=r"seq_len=1001 is not divisible by 2 \* context_parallel_size = 4"):
-        ContextParallelConfig(context_parallel_size=2).check_seq_len(1001)
+        check_seq_len(1001, 2)
     with pytest.raises(ValueError, match="seq_len=0"):
         check_seq_len(0, 1)
 

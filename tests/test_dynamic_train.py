@@ -1,10 +1,9 @@
 """Dynamic CP training step at 4 ranks: loss and every gradient (reduced once over all ranks) equal
-one process training on the same global batch; the schedule mixes group sizes 1, 2 and 4 and
+one process training on the same global batch (the parity reference: no cp_handler code); the
+schedule mixes group sizes 1, 2 and 4 and
 leaves some ranks with empty micro-batches. Group pool: every aligned group, looked up by
 (size, first rank). Tolerances: see gpt_reference.py.
 """
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,9 +11,10 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from gpt_reference import CONFIG
 
-from cp_handler import get_cp_handler_cls
-from cp_handler.cli.dynamic_train import dynamic_step, reference_dynamic_step
+from cp_handler import AttentionShape, ContextParallelConfig
 from cp_handler.dynamic import GroupPool, schedule_sequences
+from cp_handler.training import DynamicCP, TrainConfig
+from cp_handler.training.steps import dynamic_step, gpt_logits, reference_step
 from models import GPTModel
 
 LENGTHS = [120, 7, 60, 33, 1, 250, 15, 18]  # budget 64: needs CP sizes 4, 1, 1, 1, 1, 4(+), 1, 1
@@ -40,17 +40,19 @@ def _dynamic_worker(rank, world):
     assert dist.get_process_group_ranks(pool.group(4, 0)) == [0, 1, 2, 3]
     with pytest.raises(KeyError):
         pool.group(2, (rank // 2 * 2 + 2) % 4)
-    args = SimpleNamespace(batch_size=2, max_seqlen_per_rank=64, min_cp_size=1)
+    cp = ContextParallelConfig(context_parallel_size=world, qkv_format="thd")
+    shape = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)
+    config = TrainConfig(world_size=world, cp=cp, eval_cp=cp, attn_shape=shape, model=CONFIG, batch_size=2,
+                         dynamic=DynamicCP(max_seqlen_per_rank=64))
     schedule = schedule_sequences(LENGTHS, world, 64, 1)
     assert {g.size for mb in schedule.micro_batches for g in mb.groups if g.sequences} >= {1, 4}
-    handler_cls = get_cp_handler_cls("local", "p2p")
     torch.manual_seed(0)
     model = GPTModel(CONFIG)
-    loss, _ = dynamic_step(model, args, FixedDocuments(), pool, handler_cls, "p2p", "cpu")(0)
+    loss, _ = dynamic_step(model, config, FixedDocuments(), pool, "cpu")(0)
     dist.all_reduce(loss)
     torch.manual_seed(0)
-    reference = GPTModel(CONFIG)
-    ref_loss, _ = reference_dynamic_step(reference, args, FixedDocuments(), handler_cls, "cpu")(0)
+    reference = GPTModel(CONFIG)  # plain PyTorch attention, the documents as one pack (training.reference)
+    ref_loss, _ = reference_step(reference, config, gpt_logits, FixedDocuments())(0)
     torch.testing.assert_close(loss, ref_loss.to(loss.dtype), rtol=1e-6, atol=0)
     for (name, _), got, want in zip(model.named_parameters(), _grads(model), _grads(reference), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"grad {n}: {m}")

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..cli.data import stdlib_files
 from ..groups import build_dp_cp_groups
 from ..handlers.local import HierarchicalContextParallelHandler, from_bhsd, to_bhsd
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
+from ..training.data import stdlib_files
 from .plan import hierarchical_sizes
 from .torch_ring import torch_ring_attn
 

@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ..cli.flag_names import HelpFormatter
-from ..cli.launch import launch
-from ..cli.progress import Progress
 from ..config import CP_COMM_TYPES
 from ..groups import destroy_process_groups
+from ..launch import launch
 from ..ops.patterns import PATTERNS
+from ..progress import Progress
 from . import e2e, launches, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available

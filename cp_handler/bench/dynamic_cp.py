@@ -29,9 +29,9 @@ import tempfile
 import time
 from dataclasses import replace
 
-from ..cli.data import stdlib_files
 from ..dynamic import CostModel, Workload, schedule_sequences
 from ..dynamic.scheduler import cp_size_for
+from ..training.data import stdlib_files
 from .megatron_peer import load_balanced_cp_scheduler, megatron_makespan, megatron_version
 
 RANK_TIMES = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks", "results",

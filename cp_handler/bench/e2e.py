@@ -1,7 +1,8 @@
 """End-to-end figures for ``cp-bench --modes e2e``: training throughput, activation memory, cp=1 cost.
 
-* ``train``: ``cp-train --metrics-out`` at each cp size (one sequence per step, ``--nproc cp``):
-  mean tokens/s after the first step and peak RSS per rank, from its metrics file.
+* ``train``: a training run (:func:`~cp_handler.training.run.run_training`, what ``cp-train`` calls)
+  at each cp size (one sequence per step, ``cp`` ranks): mean tokens/s after the first step and
+  peak RSS per rank, from its metrics.
 * ``memory``: one GPT training step (forward + backward of the local shard) under
   ``MemTracker`` on every rank: peak bytes live by category; ``activation_bytes`` is the peak
   minus parameters, gradients and optimizer state, the part context parallelism divides.
@@ -13,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -25,12 +25,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from models import GPTConfig, GPTModel
 
-from ..cli.launch import launch
-from ..cli.train import main as train_main
+from ..config import AttentionShape, ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.local import LocalContextParallelHandler
+from ..launch import launch
 from ..rope import apply_rotary
-from ..training import masked_token_loss_sum, next_token_batch
+from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
+from ..training.data import VOCAB_SIZE
+from ..training.run import run_training
 
 QUICK = {"e2e_seq_len": 2048, "e2e_steps": 6}
 FULL = {"e2e_seq_len": 8192, "e2e_steps": 10}
@@ -117,18 +119,18 @@ def overhead(seq_len: int, reps: int) -> dict:
 
 
 def train(args, cp_size: int) -> dict:
-    """``cp-train`` at ``cp_size``; its metrics file's throughput and memory."""
-    path = os.path.join(args.out_dir, f"e2e_train_cp{cp_size}.json")
-    argv = ["--nproc", str(cp_size), "--cp-size", str(cp_size), "--seq-len", str(args.e2e_seq_len),
-            "--batch-size", "1", "--steps", str(args.e2e_steps), "--hidden-size", str(MODEL["hidden_size"]),
-            "--num-heads", str(MODEL["num_attention_heads"]), "--num-kv-heads", str(MODEL["num_query_groups"]),
-            "--ffn-hidden-size", str(MODEL["ffn_hidden_size"]), "--metrics-out", path]
-    if train_main(argv) != 0:
-        raise SystemExit(f"cp-bench: cp-train {' '.join(argv)} failed")
-    with open(path) as f:
-        metrics = json.load(f)
-    return {"cp_size": cp_size, "seq_len": args.e2e_seq_len, "steps": args.e2e_steps,
-            "command": "cp-train " + " ".join(argv),
+    """A training run at ``cp_size`` (the equivalent ``cp-train`` command is recorded); its throughput
+    and memory."""
+    model = GPTConfig(vocab_size=VOCAB_SIZE, **MODEL)
+    cp = ContextParallelConfig(context_parallel_size=cp_size, num_layers=model.num_layers)
+    shape = AttentionShape(model.num_attention_heads, model.num_query_groups, model.kv_channels)
+    config = TrainConfig(world_size=cp_size, cp=cp, eval_cp=cp, model=model, attn_shape=shape, seq_len=args.e2e_seq_len,
+                         batch_size=1, steps=args.e2e_steps)
+    command = (f"cp-train --nproc {cp_size} --cp-size {cp_size} --seq-len {args.e2e_seq_len} --batch-size 1 --steps "
+               f"{args.e2e_steps} --hidden-size {MODEL['hidden_size']} --num-heads {MODEL['num_attention_heads']} "
+               f"--num-kv-heads {MODEL['num_query_groups']} --ffn-hidden-size {MODEL['ffn_hidden_size']}")
+    metrics = run_training(config)
+    return {"cp_size": cp_size, "seq_len": args.e2e_seq_len, "steps": args.e2e_steps, "command": command,
             "tokens_per_s": metrics["tokens_per_s_mean"], "memory_kind": metrics["memory_kind"],
             "peak_memory_bytes_per_rank": metrics["peak_memory_bytes_per_rank"]}
 

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from models import GPTConfig, GPTModel
 
-from ..cli.launch import launch
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config
 from ..groups import destroy_process_groups
+from ..launch import launch
 
 
 class _Rows:

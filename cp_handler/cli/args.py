@@ -6,21 +6,26 @@ import argparse
 import math
 import os
 import sys
-from types import SimpleNamespace
+import tempfile
+from dataclasses import replace
+
+import torch
 
 from models import GPTConfig
 
-from ..config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
+from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig, check_seq_len
 from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
+from ..handlers.registry import load_plugins
 from ..integrations.transformers import check_architecture, check_transformers_version
-from ..ops.ulysses import check_a2a_heads
+from ..launch import under_torchrun
+from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
-from .data import HOLDOUT_FRACTION, VOCAB_SIZE, check_text_files, collect_files
+from ..training import DynamicCP, TrainConfig
+from ..training.data import HOLDOUT_FRACTION, VOCAB_SIZE, check_text_files, collect_files
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
-from .launch import under_torchrun
 
 DTYPES = ("float32", "bfloat16")
 
@@ -160,39 +165,59 @@ def comm_type_arg(text: str) -> str | list[str]:
     return parts[0] if len(parts) == 1 else parts
 
 
-def validate(args: argparse.Namespace) -> ContextParallelConfig:
-    """Check every rule; returns the CP config. Raises ValueError naming the flag and the rule."""
+def validate(args: argparse.Namespace) -> TrainConfig:
+    """Check every rule and build the run's frozen :class:`~cp_handler.training.TrainConfig`.
+
+    Raises:
+        ValueError / TypeError / ImportError / RuntimeError: naming the flag and the rule.
+    """
     check_positive(args)
     world = world_size_from(args)
     if args.nproc is not None and args.nproc != world:
         raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
-    if args.dynamic_cp:
-        check_dynamic(args, world)
+    dynamic = check_dynamic(args, world) if args.dynamic_cp else None
     cp_size = args.cp_size if args.cp_size is not None else world
     check_rank_count(args, world, cp_size)
-    args.backend = resolve_backend(args.backend)
+    packing = "thd" if dynamic else args.packing
+    model, attn_shape, heads_source = model_shape(args)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),
         hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes,
-        backend=args.backend,
-        qkv_format=args.packing,
-        num_layers=args.num_layers,
+        backend=resolve_backend(args.backend),
+        qkv_format=packing,
+        num_layers=model.num_layers if model else hf_layers(args),
     )
-    check_seq_len(args.seq_len, cp_size, args.packing)
-    parallel_layout(args, world, cp_size)
-    get_cp_handler_cls(config.backend, config.cp_comm_type).check_available()
-    if (args.hf_config or args.hf_model) and args.moe_experts:
-        raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
-    check_hf_architecture(args)
-    model = attention_shape(args)
+    check_seq_len(args.seq_len, cp_size, packing)
+    check_moe_flags(args)
+    ParallelLayout(world, context_parallel_size=cp_size, expert_model_parallel_size=args.expert_parallel_size,
+                   hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
+    handler_cls = get_cp_handler_cls(config.backend, config.cp_comm_type)
+    handler_cls.check_available()
     with flags_in_errors(EVAL_FLAGS):
-        evaluation = eval_cp_config(args, config)
+        evaluation = eval_config(config, args.eval_cp_size or cp_size, args.eval_hierarchical_cp_sizes)
         check_eval_layout(world, evaluation, args.seq_len)
-    for cp_config, flag in ((config, "--cp-size"), (evaluation, "--eval-cp-size")):
-        check_attention_rules(args, model, cp_config, flag)
-    check_data(args, world // evaluation.context_parallel_size)
-    return config
+    if dynamic:
+        sizes = [(replace(config, context_parallel_size=n), "a --dynamic-cp group of")
+                 for n in dynamic_sizes(dynamic, world)]
+    else:
+        sizes = [(config, "--cp-size"), (evaluation, "--eval-cp-size")]
+    for cp_config, flag in sizes:
+        try:
+            handler_cls.check_config(cp_config, attn_shape, getattr(torch, args.dtype))
+        except ValueError as err:
+            raise ValueError(f"{heads_source} with {flag} {cp_config.context_parallel_size}: {err}") from None
+    check_data(args, world // evaluation.context_parallel_size, dynamic is not None)
+    check_writable(args.metrics_out)
+    return TrainConfig(
+        world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model,
+        hf_source=args.hf_model or args.hf_config, hf_weights=bool(args.hf_model), dynamic=dynamic,
+        expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
+        data=tuple(args.data) if args.data else None, max_corpus_bytes=args.max_corpus_bytes, seq_len=args.seq_len,
+        batch_size=args.batch_size, thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
+        steps=args.steps, lr=args.lr, check_parity=args.check_parity, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
+    )
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:
@@ -206,30 +231,21 @@ def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None
         raise ValueError(f"--cp-size {cp_size}: {err}") from None
 
 
-def check_attention_rules(args: argparse.Namespace, model: SimpleNamespace, config: ContextParallelConfig,
-                          flag: str) -> None:
-    """What the ranks' handlers would refuse, checked here: heads vs the a2a size, and the dtypes of
-    the GPU backends (TE and MagiAttention run fp16/bf16 only under CP). Raises ValueError."""
-    cp, heads, kv_heads = config.context_parallel_size, model.num_attention_heads, model.num_query_groups
-    if cp == 1:
+def check_writable(path: str | None) -> None:
+    """``--metrics-out`` can be written (its folder exists or can be made, and takes a new file), checked
+    before any rank starts instead of failing after training. Raises ValueError."""
+    if path is None:
         return
-    for comm_type in config.comm_types:
-        a2a = {"a2a": cp, "a2a+p2p": (config.hierarchical_context_parallel_sizes or [1])[0]}.get(comm_type)
-        if a2a is None or a2a == 1:
-            continue
-        try:
-            check_a2a_heads(heads, kv_heads, a2a)
-            if config.backend == "transformer_engine" and (heads % a2a or kv_heads % a2a):
-                raise ValueError(f"transformer_engine {comm_type}: query heads ({heads}) and KV heads ({kv_heads}) "
-                                 f"must both be divisible by the a2a size ({a2a})")
-        except ValueError as err:
-            raise ValueError(f"{model.heads_source} with {flag} {cp}: {err}") from None
-    if config.backend in ("transformer_engine", "magi") and args.dtype not in ("bfloat16",):
-        raise ValueError(f"--dtype {args.dtype} with --backend {config.backend} at cp={cp}: the backend attends in "
-                         "float16/bfloat16 only under context parallelism; use --dtype bfloat16")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cp-train-check-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"--metrics-out {path}: cannot write in {folder} ({err.strerror or err})") from None
 
 
-def check_data(args: argparse.Namespace, eval_dp_size: int) -> None:
+def check_data(args: argparse.Namespace, eval_dp_size: int, dynamic: bool = False) -> None:
     """The corpus exists and holds enough sequences for training (and for evaluation when it is on).
     Raises ValueError naming --data / --seq-len / --eval-batches."""
     try:
@@ -240,7 +256,7 @@ def check_data(args: argparse.Namespace, eval_dp_size: int) -> None:
         check_text_files(files, args.max_corpus_bytes)
     tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
     source = f"--data {' '.join(args.data)}" if args.data else "the stdlib corpus"
-    if args.dynamic_cp:
+    if dynamic:
         if len(files) < 2:
             raise ValueError(f"{source}: --dynamic-cp needs at least two documents (files), found {len(files)}")
         return
@@ -257,24 +273,29 @@ def check_data(args: argparse.Namespace, eval_dp_size: int) -> None:
                              "use fewer or a larger corpus")
 
 
-def check_dynamic(args: argparse.Namespace, world: int) -> None:
-    """Rules of --dynamic-cp (raises ValueError); packing becomes thd."""
+def check_dynamic(args: argparse.Namespace, world: int) -> DynamicCP:
+    """Rules of --dynamic-cp (packing becomes thd). Raises ValueError."""
     if args.max_seqlen_per_rank is None or args.max_seqlen_per_rank < 1:
         raise ValueError("--dynamic-cp needs --max-seqlen-per-rank N (N >= 1)")
     if args.cp_size is not None:
         raise ValueError("--dynamic-cp chooses the CP size of every micro-batch: drop --cp-size")
     if args.eval_every or args.check_eval_cp or args.eval_cp_size:
         raise ValueError("--dynamic-cp does not run evaluation: drop --eval-every / --eval-cp-size / --check-eval-cp")
+    hierarchical = [t for t in comm_type_arg(args.cp_comm_type) if t in PATTERNS and PATTERNS[t].hierarchical]
+    if hierarchical or args.hierarchical_cp_sizes:
+        raise ValueError(f"--dynamic-cp builds groups of several sizes: a hierarchical --cp-comm-type "
+                         f"({hierarchical or 'a2a+p2p'}) / --hierarchical-cp-sizes has no levels for them; use p2p, "
+                         "all_gather or a2a")
     largest = args.max_cp_size or world
     cp_size_for(args.seq_len, args.max_seqlen_per_rank, args.min_cp_size, largest)  # the longest piece must fit
     schedule_sequences([1], world, args.max_seqlen_per_rank, args.min_cp_size, None, args.max_cp_size)  # size rules
-    args.packing = "thd"
+    return DynamicCP(args.max_seqlen_per_rank, args.min_cp_size, args.max_cp_size)
 
 
-def eval_cp_config(args: argparse.Namespace, train: ContextParallelConfig) -> ContextParallelConfig:
-    """The evaluation CP config from ``--eval-cp-size`` (default: training's). Raises ValueError."""
-    size = args.eval_cp_size if args.eval_cp_size is not None else train.context_parallel_size
-    return eval_config(train, size, args.eval_hierarchical_cp_sizes)
+def dynamic_sizes(dynamic: DynamicCP, world: int) -> list[int]:
+    """Every CP group size dynamic CP may build (powers of two from the smallest to the largest)."""
+    largest = dynamic.max_cp_size or 1 << (world.bit_length() - 1)
+    return [1 << k for k in range(largest.bit_length()) if dynamic.min_cp_size <= 1 << k <= largest]
 
 
 def resolve_backend(backend: str) -> str:
@@ -288,8 +309,8 @@ def resolve_backend(backend: str) -> str:
         return "local"
 
 
-def parallel_layout(args: argparse.Namespace, world: int, cp_size: int) -> ParallelLayout:
-    """The run's :class:`ParallelLayout` and the MoE flag rules. Raises ValueError."""
+def check_moe_flags(args: argparse.Namespace) -> None:
+    """The MoE flags' rules (the expert layout itself is checked by ParallelLayout). Raises ValueError."""
     if args.expert_parallel_size != 1 and not args.moe_experts:
         raise ValueError(f"--expert-parallel-size {args.expert_parallel_size} needs --moe-experts E")
     if args.moe_experts < 0 or (args.moe_experts and args.moe_experts % args.expert_parallel_size):
@@ -298,8 +319,8 @@ def parallel_layout(args: argparse.Namespace, world: int, cp_size: int) -> Paral
     if args.moe_experts and (args.dynamic_cp or args.eval_every or args.check_eval_cp or args.eval_cp_size):
         raise ValueError("--moe-experts runs with a static CP layout and no evaluation: drop --dynamic-cp / "
                          "--eval-every / --eval-cp-size / --check-eval-cp")
-    return ParallelLayout(world, context_parallel_size=cp_size, expert_model_parallel_size=args.expert_parallel_size,
-                          hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
+    if (args.hf_config or args.hf_model) and args.moe_experts:
+        raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
 
 
 def hf_config(args: argparse.Namespace):
@@ -331,39 +352,48 @@ def hf_config(args: argparse.Namespace):
     return config
 
 
-def check_hf_architecture(args: argparse.Namespace) -> None:
+def check_hf_architecture(args: argparse.Namespace):
     """The Hugging Face guard on ``--hf-config`` / ``--hf-model``'s architecture, before any rank starts
-    (:func:`~cp_handler.integrations.transformers.check_architecture`: the ranks' own message).
+    (:func:`~cp_handler.integrations.transformers.check_architecture`: the ranks' own message); returns
+    the config (``None`` without the flags).
 
     Raises:
         ValueError: ``--hf-config DIR: <the guard's refusal>``.
     """
     config = hf_config(args)
     if config is None:
-        return
+        return None
     try:
         check_architecture(config)
     except ValueError as err:
         raise ValueError(f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}: "
                          f"{err}") from None
+    return config
 
 
-def attention_shape(args: argparse.Namespace) -> SimpleNamespace:
-    """Query heads, KV heads and head dim of the model cp-train will build (reference GPT or HF)."""
-    config = hf_config(args)
+def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionShape, str]:
+    """``(reference GPT config or None for a Hugging Face model, its attention shape, the words that
+    name where the heads come from)``; a Hugging Face architecture is checked by the guard first.
+
+    Raises:
+        ValueError: a GPT shape rule, or the guard's refusal (:func:`check_hf_architecture`).
+    """
+    config = check_hf_architecture(args)
     if config is None:
         gpt = model_config(args)
-        return SimpleNamespace(num_attention_heads=gpt.num_attention_heads, num_query_groups=gpt.num_query_groups,
-                               kv_channels=gpt.kv_channels,
-                               heads_source=f"--num-heads {gpt.num_attention_heads} / --num-kv-heads "
-                                            f"{gpt.num_query_groups}")
+        return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels), \
+            f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return SimpleNamespace(num_attention_heads=heads, num_query_groups=kv_heads,
-                           kv_channels=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                           heads_source=f"{heads} query heads / {kv_heads} KV heads of "
-                                        f"{args.hf_model or args.hf_config}/config.json")
+    shape = AttentionShape(heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return None, shape, f"{heads} query heads / {kv_heads} KV heads of {args.hf_model or args.hf_config}/config.json"
+
+
+def hf_layers(args: argparse.Namespace) -> int:
+    """Decoder layers of the ``--hf-config`` / ``--hf-model`` model (a per-layer comm type list's length)."""
+    config = hf_config(args)
+    return (config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers
 
 
 def model_config(args: argparse.Namespace) -> GPTConfig:
@@ -377,14 +407,15 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     )
 
 
-def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, ContextParallelConfig]:
-    """Parse and validate; a broken rule exits with status 2 and ``cp-train: error: <rule>``."""
+def parse(argv: list[str] | None = None) -> tuple[TrainConfig, str | None]:
+    """Parse and validate: ``(the run's config, --metrics-out)``; a broken rule exits with status 1 and
+    one line ``cp-train: error: <rule>`` naming the flags."""
     args = build_parser().parse_args(argv)
-    requested = args.backend
     try:
+        load_plugins()
         config = validate(args)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         raise SystemExit(f"cp-train: error: {to_flags(str(err))}") from None
-    if requested == "auto" and os.environ.get("RANK", "0") == "0":  # once per job, also under torchrun
-        print(f"cp-train: --backend auto picked {args.backend!r}", file=sys.stderr)
-    return args, config
+    if args.backend == "auto" and os.environ.get("RANK", "0") == "0":  # once per job, also under torchrun
+        print(f"cp-train: --backend auto picked {config.cp.backend!r}", file=sys.stderr)
+    return config, args.metrics_out

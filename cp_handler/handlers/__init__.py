@@ -3,7 +3,7 @@
 from .base import ContextParallelHandler
 from .local import HierarchicalContextParallelHandler, LocalContextParallelHandler
 from .magi import MagiAttnContextParallelHandler
-from .registry import get_cp_handler_cls, register_cp_handler, registered_backends
+from .registry import build_cp_handler, get_cp_handler_cls, register_cp_handler, registered_backends
 from .transformer_engine import TEContextParallelHandler
 from .zigzag import ZigzagContextParallelHandler
 
@@ -18,6 +18,7 @@ __all__ = [
     "MagiAttnContextParallelHandler",
     "TEContextParallelHandler",
     "ZigzagContextParallelHandler",
+    "build_cp_handler",
     "get_cp_handler_cls",
     "register_cp_handler",
     "registered_backends",

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
+from ..ops.patterns import PATTERNS
+from ..ops.ulysses import check_a2a_heads
 from .checks import RanksRefused, check_cu_seqlens, check_member, check_ranks_agree, ranks_check_enabled
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
@@ -160,6 +162,37 @@ class ContextParallelHandler(ABC):
             values, error = dict.fromkeys(fields, 0), err
         self.agree(what, values, device, error)
         return values
+
+    @classmethod
+    def check_config(cls, config, attn_shape=None, dtype: torch.dtype | None = None) -> None:
+        """This backend's rules for a run, checked before any rank starts (``cp-train`` calls it for the
+        training and the evaluation configs). Base rule: heads divisible by every all-to-all size of the
+        config's patterns (:func:`~cp_handler.ops.ulysses.check_a2a_heads`).
+
+        Args:
+            config: a :class:`~cp_handler.config.ContextParallelConfig`.
+            attn_shape: the model's :class:`~cp_handler.config.AttentionShape`, when known.
+            dtype: the dtype attention will run in, when known.
+
+        Raises:
+            ValueError: naming the rule.
+        """
+        cp = config.context_parallel_size
+        if attn_shape is None or cp == 1:
+            return
+        for comm_type in config.comm_types:
+            size = PATTERNS[comm_type].a2a_size(cp, config.hierarchical_context_parallel_sizes)
+            if size and size > 1:
+                check_a2a_heads(attn_shape.num_heads, attn_shape.num_kv_heads, size)
+
+    @classmethod
+    def from_config(cls, config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):
+        """A handler of this class for one batch of a run described by ``config`` (see
+        :func:`~cp_handler.handlers.registry.build_cp_handler`); ``batch``: ``cu_seqlens`` (and
+        ``qkv_format``, default the config's), and any argument this class takes."""
+        batch.setdefault("qkv_format", config.qkv_format)
+        return cls(cp_group=cp_group, cp_comm_type=config.cp_comm_type, hierarchical_cp_groups=hierarchical_cp_groups,
+                   **batch)
 
     @classmethod
     def check_available(cls) -> None:

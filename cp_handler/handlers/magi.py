@@ -32,7 +32,6 @@ import inspect
 
 import torch
 
-from ..config import CP_COMM_TYPES
 from ..layout import ZigzagDocs
 from ..ops.ring import ring_attn
 from ..rope import apply_rotary
@@ -106,8 +105,6 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         a non-NCCL group. ValueError: missing head shape, head_dim > 128.
     """
 
-    supported_comm_types = CP_COMM_TYPES
-
     def __init__(self, *, num_heads_q: int | None = None, num_heads_kv: int | None = None,
                  head_dim: int | None = None, causal: bool = True, **kwargs):
         super().__init__(**kwargs)
@@ -129,6 +126,26 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
             if self.heads[2] > MAX_HEAD_DIM:
                 raise ValueError(f"backend='magi': head_dim={self.heads[2]} must be <= {MAX_HEAD_DIM} "
                                  "(MagiAttention's FFA kernels)")
+
+    @classmethod
+    def check_config(cls, config, attn_shape=None, dtype=None) -> None:
+        """MagiAttention's rules that need no rank: fp16/bf16 under CP; head_dim <= 128 (FFA)."""
+        if config.context_parallel_size == 1:
+            return
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"backend='magi' attends in float16/bfloat16 only under context parallelism "
+                             f"(cp={config.context_parallel_size}), not {dtype}")
+        if attn_shape is not None and attn_shape.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"backend='magi': head_dim={attn_shape.head_dim} must be <= {MAX_HEAD_DIM} "
+                             "(MagiAttention's FFA kernels)")
+
+    @classmethod
+    def from_config(cls, config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):
+        """As the base class, with the attention shape MagiAttention's key plans with."""
+        if attn_shape is not None:
+            batch = {"num_heads_q": attn_shape.num_heads, "num_heads_kv": attn_shape.num_kv_heads,
+                     "head_dim": attn_shape.head_dim, **batch}
+        return super().from_config(config, cp_group, hierarchical_cp_groups, **batch)
 
     @classmethod
     def check_available(cls) -> None:

@@ -7,11 +7,32 @@ call, from any package; no edit to models or to this file.
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 
 from ..config import CP_COMM_TYPES, as_comm_type_list
 from .base import ContextParallelHandler
 
 _REGISTRY: dict[tuple[str, str], type[ContextParallelHandler]] = {}
+
+PLUGINS_ENV = "CP_HANDLER_PLUGINS"
+"""Comma-separated modules that ``cp-train`` imports (in the launcher and in every rank) before it
+checks flags or builds handlers: a module registering its own backend makes ``--backend NAME`` work."""
+
+
+def load_plugins() -> list[str]:
+    """Import the modules named in ``CP_HANDLER_PLUGINS`` (idempotent); returns their names.
+
+    Raises:
+        ImportError: naming the module and the variable.
+    """
+    names = [n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(",") if n.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ImportError(f"{PLUGINS_ENV}: cannot import plugin module {name!r} ({err})") from err
+    return names
 
 
 def register_cp_handler(
@@ -76,3 +97,24 @@ def _bound(cls: type[ContextParallelHandler], cp_comm_type: str | tuple[str, ...
     bound = cp_comm_type if isinstance(cp_comm_type, str) else list(cp_comm_type)
     return type(cls.__name__, (cls,), {"bound_cp_comm_type": bound, "__module__": cls.__module__,
                                        "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+
+
+def build_cp_handler(config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):
+    """The one way the library builds a handler: the class of ``config.backend`` and
+    ``config.cp_comm_type`` (:func:`get_cp_handler_cls`), built by its ``from_config`` with the run's
+    groups and this batch's metadata (used by cp-train, dynamic CP, evaluation at another CP degree,
+    cp-bench and the Hugging Face integration).
+
+    Args:
+        config: a :class:`~cp_handler.config.ContextParallelConfig` (backend, comm type, qkv_format).
+        cp_group: this rank's CP group (``None``: cp=1).
+        hierarchical_cp_groups: this rank's groups per hierarchical level, inner first.
+        attn_shape: the model's :class:`~cp_handler.config.AttentionShape` (MagiAttention plans with it).
+        **batch: ``cu_seqlens`` for thd, ``qkv_format`` to override the config's, backend arguments.
+
+    Raises:
+        ValueError / TypeError: the factory's or the handler's checks.
+    """
+    cls = get_cp_handler_cls(config.backend, config.cp_comm_type)
+    return cls.from_config(config, cp_group=cp_group, hierarchical_cp_groups=hierarchical_cp_groups,
+                           attn_shape=attn_shape, **batch)

@@ -36,7 +36,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from ..config import CP_COMM_TYPES
+from ..ops.patterns import PATTERNS
 from .base import ATTN_MASK_TYPES
 from .checks import softmax_scale, window_size
 from .requirements import import_backend, release, require_cuda
@@ -76,8 +76,6 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         ValueError: a TE restriction (see module doc), before any collective.
     """
 
-    supported_comm_types = CP_COMM_TYPES
-
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.te = import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
@@ -91,6 +89,22 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def check_available(cls) -> None:
         import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)
         require_cuda("transformer_engine")
+
+    @classmethod
+    def check_config(cls, config, attn_shape=None, dtype=None) -> None:
+        """TE's rules that need no rank (see the module doc): fp16/bf16 under CP; query and KV heads
+        both divisible by the a2a size (TE does not replicate KV heads)."""
+        cp = config.context_parallel_size
+        if cp == 1:
+            return
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"transformer_engine attends in float16/bfloat16 only under context parallelism "
+                             f"(cp={cp}), not {dtype}")
+        for comm_type in config.comm_types:
+            size = PATTERNS[comm_type].a2a_size(cp, config.hierarchical_context_parallel_sizes)
+            if attn_shape is not None and size and (attn_shape.num_heads % size or attn_shape.num_kv_heads % size):
+                raise ValueError(f"transformer_engine {comm_type}: query heads ({attn_shape.num_heads}) and KV heads "
+                                 f"({attn_shape.num_kv_heads}) must both be divisible by the a2a size ({size})")
 
     def _thd_comm_types(self) -> tuple[str, ...]:
         return ("p2p", "a2a", "all_gather") if self.te_version >= THD_ALL_GATHER_SINCE else ("p2p", "a2a")

@@ -250,3 +250,12 @@ class CPCausalLM(torch.nn.Module):
             cp_handler = LocalContextParallelHandler(cp_group=None)
         with cp_attention(cp_handler):
             return self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits
+
+
+class HFReference(torch.nn.Module):
+    """The unmodified model under :class:`CPCausalLM`'s parameter names (``model.*``): the reference
+    of ``cp-train --check-parity`` for Hugging Face models (their own attention implementation)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model

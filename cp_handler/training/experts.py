@@ -1,4 +1,4 @@
-"""MoE pieces of ``cp-train``: expert groups, the per-step handler, gradient reduction and norm.
+"""MoE pieces of a training run: expert groups, the per-step handler, gradient reduction and norm.
 
 Without DDP (each rank holds different experts): after backward, dense gradients are summed over
 every rank and expert gradients over the ranks holding the same experts (expert data parallel),
@@ -17,7 +17,7 @@ from models.moe import MoEFeedForward
 
 from ..moe import ExpertParallelHandler
 from ..parallel_layout import ParallelGroups
-from ..training import all_reduce_grads
+from .loss import all_reduce_grads
 
 
 def expert_parameters(model: torch.nn.Module) -> set[int]:

@@ -6,19 +6,28 @@ in a collective. A rank that is alive but makes no progress (frozen, deadlocked,
 collective) is caught by a watchdog: every rank touches a heartbeat file after each step
 (:func:`heartbeat`); when one has not for ``timeout`` seconds, the launcher kills it, which ends the
 job, and names that rank. Under torchrun the process groups' own timeout (the same ``timeout``) ends
-a collective that waits on a dead peer.
+a collective that waits on a dead peer, and :func:`init_process_group_bounded` ends a rendezvous that
+does not complete (a peer that never comes, a port held by a program that never answers).
+
+Why our own watchdog and not ``torch.distributed.elastic.timer`` (``FileTimerServer`` / ``expires``):
+that kills each rank whose own timer expires, so every rank waiting in a collective on a stalled one
+expires too and the failure names no cause; ours kills and names the rank that stalled (a stopped or
+dead process before the ranks that only wait on it), and covers the time before the first step.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
 import uuid
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -98,6 +107,42 @@ class Watchdog(threading.Thread):
                 pass  # already gone: the elastic agent ends the job either way
 
 
+class RendezvousError(RuntimeError):
+    """A rank could not join the process group (reported as one line, not a traceback)."""
+
+
+def init_process_group_bounded(backend: str, timeout: float, program: str = "cp-train", **kwargs) -> None:
+    """``torch.distributed.init_process_group`` (env:// rendezvous) that ends within ``timeout``
+    seconds: the collective timeout is ``timeout``, and if the rendezvous itself has not completed by
+    then (e.g. ``MASTER_PORT`` held by a program that accepts connections and never answers), this
+    process prints which address it waited for and exits with status 1.
+
+    Raises:
+        RendezvousError: the rendezvous failed (e.g. ``MASTER_PORT`` already in use), naming the address.
+    """
+    address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    rank = os.environ.get("RANK", "0")
+    done = threading.Event()
+
+    def give_up() -> None:
+        if not done.wait(timeout):
+            print(f"{program}: rank {rank} could not join the process group in {timeout:g} s (--timeout): the "
+                  f"rendezvous at MASTER_ADDR:MASTER_PORT = {address} did not complete (a rank missing, or the port "
+                  "held by another program)", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    threading.Thread(target=give_up, daemon=True, name="cp-handler-rendezvous").start()
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    except (RuntimeError, OSError) as err:  # DistNetworkError / DistStoreError derive from RuntimeError
+        in_use = "EADDRINUSE" in str(err) or "address already in use" in str(err).lower()
+        reason = "the port is already in use; choose a free one (torchrun --master-port)" if in_use else err
+        raise RendezvousError(f"{program}: rank {rank} could not join the process group at MASTER_ADDR:MASTER_PORT "
+                              f"= {address}: {reason}") from None
+    finally:
+        done.set()
+
+
 def under_torchrun() -> bool:
     """True when this process is one rank started by torchrun (or another env:// launcher)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -111,7 +156,10 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
         SystemExit: a rank failed or stalled (the message names it and its error) or the run was interrupted.
     """
     if under_torchrun():
-        return {int(os.environ["RANK"]): entrypoint(*args)}
+        try:
+            return {int(os.environ["RANK"]): entrypoint(*args)}
+        except RendezvousError as err:
+            raise SystemExit(str(err)) from None
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures below
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",

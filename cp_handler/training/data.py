@@ -1,4 +1,4 @@
-"""Real text for ``cp-train``: byte-level tokens from source files.
+"""Real text for training runs (``cp-train``): byte-level tokens from source files.
 
 By default the corpus is the Python standard library's own ``.py`` files (located with
 ``sysconfig``; ``site-packages`` excluded), so every machine with Python has it. Files are read
@@ -182,6 +182,12 @@ class SequenceBatches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         index = torch.randint(0, self.n_train, (global_batch_size,), generator=generator)
         return Batch(self.sequences[index].long(), [self.cu_seqlens(int(i)) for i in index])
+
+    def documents_per_sequence(self, global_batch_size: int, steps: int) -> str:
+        """Documents per sequence over the first (up to 10) global batches, for the thd log line."""
+        counts = [cu.numel() - 1 for step in range(min(steps, 10))
+                  for cu in self.global_batch(step, global_batch_size).cu_seqlens]
+        return f"{sum(counts) / len(counts):.1f} documents per sequence (min {min(counts)}, max {max(counts)})"
 
 
 class DocumentBatches:

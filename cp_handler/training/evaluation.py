@@ -1,11 +1,11 @@
-"""Evaluation in ``cp-train``: held-out loss at ``--eval-cp-size`` and the ``--check-eval-cp`` check."""
+"""Evaluation during training: held-out loss at the evaluation CP degree and the eval-CP check."""
 
 from __future__ import annotations
 
 import sys
 
 from ..eval_cp import EvalContextParallel
-from .args import eval_cp_config
+from .config import TrainConfig
 
 EVAL_CP_RTOL = {"float32": 1e-5, "bfloat16": 5e-3}
 """Max relative difference of one batch's loss evaluated at training's and at the evaluation CP
@@ -13,31 +13,30 @@ degree. Only the attention sums are reordered (float32: ~1e-7 relative per op, a
 deep; bfloat16 keeps 8 mantissa bits)."""
 
 
-def build_evaluators(args, cp_config, groups, device_type):
+def build_evaluators(config: TrainConfig, groups, device_type: str):
     """``(at training's degree, at the evaluation degree)``; new groups only if the degrees differ."""
-    at_train = EvalContextParallel(groups, cp_config)
-    config = eval_cp_config(args, cp_config)
-    if config.context_parallel_size == cp_config.context_parallel_size:
+    at_train = EvalContextParallel(groups, config.cp, config.attn_shape)
+    if config.eval_cp.context_parallel_size == config.cp.context_parallel_size:
         return at_train, at_train
-    return at_train, EvalContextParallel.build(config, device_type)
+    return at_train, EvalContextParallel.build(config.eval_cp, device_type, config.attn_shape)
 
 
-def periodic_eval(args, evaluator, model, heldout, inputs):
-    """Callback for the training loop: the held-out loss every ``--eval-every`` steps."""
+def periodic_eval(config: TrainConfig, evaluator, model, heldout, inputs):
+    """Callback for the training loop: the held-out loss every ``eval_every`` steps."""
     def after_step(step: int) -> dict | None:
-        if not args.eval_every or (step + 1) % args.eval_every:
+        if not config.eval_every or (step + 1) % config.eval_every:
             return None
         return {"eval_loss": evaluator.evaluate(model, heldout, inputs),
                 "eval_cp_size": evaluator.config.context_parallel_size}
     return after_step
 
 
-def check_eval_cp(args, at_train, at_eval, model, batch, inputs) -> dict:
+def check_eval_cp(config: TrainConfig, at_train, at_eval, model, batch, inputs) -> dict:
     """Evaluate ``batch`` at both degrees; ``passed`` if the losses agree within :data:`EVAL_CP_RTOL`."""
     train_loss = at_train.evaluate(model, [batch], inputs)
     eval_loss = at_eval.evaluate(model, [batch], inputs)
     rel = abs(train_loss - eval_loss) / abs(train_loss)
-    rtol = EVAL_CP_RTOL[args.dtype]
+    rtol = EVAL_CP_RTOL[config.dtype]
     result = {"train_cp_size": at_train.config.context_parallel_size,
               "eval_cp_size": at_eval.config.context_parallel_size,
               "train_cp_loss": train_loss, "eval_cp_loss": eval_loss, "rel_diff": rel, "rtol": rtol,

@@ -1,8 +1,10 @@
 """``cp-train --check-parity``: every CP step against one single-process step from the same parameters.
 
 Before each optimizer step, rank 0 loads the CP model's current parameters into a full model (MoE:
-the expert shards gathered from every rank) and runs one step of the same global batch on its own
-at cp=1 (the whole batch in one process). The CP step's loss and its whole (reduced) gradient are
+the expert shards gathered from every rank) and runs one step of the same global batch on its own,
+through code that shares nothing with the CP path (:mod:`.reference`: plain PyTorch attention for the
+reference GPT, the unmodified model's own attention for Hugging Face models). The CP step's loss and
+its whole (reduced) gradient are
 compared with that reference step's: ``|loss - ref| / |ref|`` and ``|g - g_ref| / |g_ref|`` over
 every parameter rank 0 holds. Both steps start from the same parameters, so the two runs cannot drift
 apart the way two independent training runs do (two fp32 Adam runs separate by ~1e-2 in loss after
@@ -18,6 +20,7 @@ Tolerances (max relative difference over all steps, loss and gradient alike):
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -80,16 +83,23 @@ def gradient_difference(cp_model: torch.nn.Module, reference: torch.nn.Module) -
     return (diff / norm).item()
 
 
+def _worst(value: float) -> float:
+    """A difference for comparisons: NaN counts as infinitely bad (Python's ``max`` would skip it)."""
+    return math.inf if math.isnan(value) else value
+
+
 def parity_result(records: list[dict], dtype: str) -> dict:
-    """Compare every step's loss and gradient norm with its reference; prints the verdict."""
-    rel = [abs(r["loss"] - r["reference_loss"]) / abs(r["reference_loss"]) for r in records]
-    grad = [r["grad_rel_diff"] for r in records]
+    """Compare every step's loss and gradient with its reference; prints the verdict. Any non-finite
+    value (loss, reference, difference) fails the check."""
+    rel = [_worst(abs(r["loss"] - r["reference_loss"]) / abs(r["reference_loss"])) for r in records]
+    grad = [_worst(r["grad_rel_diff"]) for r in records]
     rtol = PARITY_RTOL[dtype]
     worst = max(range(len(records)), key=lambda i: max(rel[i], grad[i]))
+    finite = all(math.isfinite(x) for r in records for x in (r["loss"], r["reference_loss"], r["grad_rel_diff"]))
     result = {"rtol": rtol, "max_rel_diff": max(rel), "max_grad_rel_diff": max(grad), "worst_step": worst,
               "reference_loss": [r["reference_loss"] for r in records],
               "reference_grad_norm": [r["reference_grad_norm"] for r in records],
-              "passed": max(rel) <= rtol and max(grad) <= rtol}
+              "passed": finite and max(rel) <= rtol and max(grad) <= rtol}
     verdict = "passed" if result["passed"] else "FAILED"
     print(f"cp-train: parity {verdict}: each of {len(records)} steps vs one process from the same parameters: max "
           f"relative difference loss {max(rel):.2e}, gradient {max(grad):.2e} (tolerance {rtol:.0e}; worst at step "

@@ -1,0 +1,71 @@
+"""TrainConfig: everything one context-parallel training run needs, validated and frozen.
+
+``cp-train`` (:mod:`cp_handler.cli.args`) builds it from its flags after checking every rule; the
+ranks receive it as is (it is pickled to spawned ranks) and never change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models import GPTConfig
+
+from ..config import AttentionShape, ContextParallelConfig
+
+
+@dataclass(frozen=True)
+class DynamicCP:
+    """Dynamic CP: every document on the smallest CP group that fits it (docs/dynamic_cp.md)."""
+
+    max_seqlen_per_rank: int
+    """Token budget of one rank in one micro-batch (``max_seqlen_per_dp_cp_rank``)."""
+    min_cp_size: int = 1
+    max_cp_size: int | None = None
+    """Largest group (a power of two); ``None``: the largest power of two <= the world."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Sizes are in tokens (``seq_len``, ``max_corpus_bytes`` bytes = byte tokens)."""
+
+    world_size: int
+    cp: ContextParallelConfig
+    """Training's CP settings (size, comm type, hierarchical sizes, backend, qkv_format = packing)."""
+    eval_cp: ContextParallelConfig
+    """Evaluation's CP settings (another degree or the same)."""
+    attn_shape: AttentionShape
+    model: GPTConfig | None = None
+    """The reference GPT's shape; ``None`` with a Hugging Face model."""
+    hf_source: str | None = None
+    """A Hugging Face model directory (config.json; with the weights when ``hf_weights``)."""
+    hf_weights: bool = False
+    dynamic: DynamicCP | None = None
+    expert_parallel_size: int = 1
+    print_layout: bool = False
+    timeout: float = 300.0
+    """Seconds a rank may go without progress (and the process groups' collective timeout)."""
+    data: tuple[str, ...] | None = None
+    """Text files or folders; ``None``: the Python standard library's sources."""
+    max_corpus_bytes: int = 32 << 20
+    seq_len: int = 512
+    batch_size: int = 2
+    """Sequences per data-parallel rank and step (dynamic CP: documents per rank and step)."""
+    thd_max_doc_len: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    steps: int = 50
+    lr: float = 3e-3
+    check_parity: bool = False
+    eval_every: int = 0
+    eval_batches: int = 2
+    check_eval_cp: bool = False
+    log_every: int | None = None
+
+    @property
+    def packing(self) -> str:
+        """``"bshd"`` (fixed-length sequences) or ``"thd"`` (documents packed with cu_seqlens)."""
+        return self.cp.qkv_format
+
+    @property
+    def moe_experts(self) -> int:
+        return self.model.num_moe_experts if self.model is not None else 0

@@ -1,0 +1,81 @@
+"""The optimizer loop of a training run: steps, gradient norm, the parity reference, evaluation,
+progress, the launcher's heartbeat, and a stop at the first non-finite loss."""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..launch import heartbeat
+from ..progress import Progress
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss of a step is NaN or infinite: the run stops instead of training on it."""
+
+
+def adamw(params, lr: float) -> torch.optim.Optimizer:
+    """The default optimizer of ``cp-train``: AdamW without weight decay."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+def default_optimizer(lr: float):
+    """A picklable optimizer factory ``params -> Optimizer`` (AdamW at ``lr``)."""
+    return functools.partial(adamw, lr=lr)
+
+
+def local_grad_norm(model) -> float:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+
+
+def train_steps(model, steps: int, run_step, optimizer, count_group, progress: bool, log_every: int | None = None,
+                after_step=None, grad_norm_fn=None, reference=None) -> list[dict]:
+    """Run ``steps`` optimizer steps.
+
+    Args:
+        model: the (possibly DDP-wrapped) model.
+        run_step: ``run_step(step) -> (this rank's share of the loss, global tokens)``: the forward and
+            backward, gradients reduced when it returns (:mod:`.steps`).
+        optimizer: ``params -> torch.optim.Optimizer`` (:func:`default_optimizer`).
+        count_group: ranks whose loss shares sum to the global loss.
+        progress: show progress (rank 0); ``log_every``: plain lines every N steps in a log.
+        after_step: ``after_step(step) -> dict | None`` merged into the step's record (evaluation).
+        grad_norm_fn: replaces the local gradient norm (sharded experts).
+        reference: ``reference(step, model) -> dict`` (``--check-parity``), before the optimizer step.
+
+    Returns:
+        Per step: loss (token-weighted over the global batch), global gradient norm, time, tokens/s
+        and what the callbacks added.
+
+    Raises:
+        NonFiniteLoss: a step's loss is not finite (on every rank: the reduced loss is the same).
+    """
+    optim = optimizer(model.parameters())
+    records = []
+    bar = Progress(steps, "cp-train: step", enabled=progress, every=log_every)
+    for step in range(steps):
+        start = time.perf_counter()
+        loss, tokens = run_step(step)
+        reported = loss.double()
+        if count_group is not None:
+            dist.all_reduce(reported, group=count_group)
+        if not math.isfinite(reported.item()):
+            bar.close()
+            raise NonFiniteLoss(f"step {step}: the loss is {reported.item()}; the run stops before the optimizer step "
+                                "(lower --lr, check the data or the model)")
+        grad_norm = (grad_norm_fn or local_grad_norm)(model)
+        checked = reference(step, model) if reference else {}
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+        records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "step_time_s": elapsed,
+                        "tokens_per_s": tokens / elapsed, **checked, **((after_step and after_step(step)) or {})})
+        heartbeat()
+        bar.update(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
+                   **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
+    bar.close()
+    return records

@@ -1,0 +1,84 @@
+"""The single-process reference of ``--check-parity``: it shares no code with the CP path under test.
+
+A check whose reference runs the same handler at cp=1 cannot find a bug both share (a dropped
+soft-cap passed the old check). Here the reference GPT runs with :class:`PlainAttention`, a handler
+stand-in written with plain PyTorch (rotate-half RoPE inline, ``F.scaled_dot_product_attention`` with
+an explicit document-causal mask for packed batches; no cp_handler layout, rope, kernel or attention
+code), and a Hugging Face model runs as the unmodified model with its own attention implementation
+(``sdpa``; packed documents through transformers' own position-id detection). The loss is the plain
+next-token cross-entropy within each sequence / document, token-weighted over the whole global batch,
+computed from one forward of the whole batch (so MoE router statistics cover it, as in the CP step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def document_positions(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(document id, position inside the document)`` of every token of a pack (int64 ``[T]``)."""
+    lengths = torch.diff(cu_seqlens.long().cpu())
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.repeat_interleave(cu_seqlens[:-1].long().cpu(), lengths)
+    return docs, torch.arange(len(docs)) - starts
+
+
+class PlainAttention:
+    """What one process computes for the reference GPT (the four handler methods it calls): the whole
+    batch ``(B, S)``, or one pack ``(1, T)`` of the documents of ``cu_seqlens`` (positions restart
+    and attention stays inside each document)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor | None = None):
+        self.docs = self.positions = None
+        if cu_seqlens is not None:
+            self.docs, self.positions = document_positions(cu_seqlens)
+
+    def get_rotary_seq_len(self, local_seq_len: int) -> int:
+        return local_seq_len
+
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        return emb if self.positions is None else emb[self.positions.to(emb.device)]
+
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of ``t (B, S, H, D)`` by the angles ``freqs (S, D)``, in float32."""
+        cos, sin = freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+        first, second = t.float().chunk(2, dim=-1)
+        return (t.float() * cos + torch.cat([-second, first], dim=-1) * sin).to(t.dtype)
+
+    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
+        causal = attn_mask_type == "causal"
+        mask = None
+        if self.docs is not None:
+            docs = self.docs.to(q.device)
+            mask = docs[:, None] == docs[None, :]
+            if causal:
+                mask = mask & torch.ones_like(mask).tril()
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=causal and mask is None, scale=attn_mod.softmax_scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy (float32) over the batch: each row of ``tokens (B, S)``, or each
+    document of a pack ``(1, T)``, predicts its own next tokens (the last token of each predicts none)."""
+    flat_logits, flat_tokens = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)
+    if cu_seqlens is None:
+        keep = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        keep[:, -1] = False
+        keep = keep.reshape(-1)
+    else:
+        docs, _ = document_positions(cu_seqlens)
+        keep = torch.cat([docs[1:] == docs[:-1], torch.tensor([False])]).to(tokens.device)
+    index = torch.nonzero(keep).squeeze(1)
+    return F.cross_entropy(flat_logits[index].float(), flat_tokens[index + 1])
+
+
+def hf_logits(model, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The unmodified Hugging Face model's logits; a pack gets positions restarting per document, from
+    which transformers derives the document mask itself."""
+    if cu_seqlens is None:
+        return model(input_ids=tokens, use_cache=False).logits
+    _, positions = document_positions(cu_seqlens)
+    return model(input_ids=tokens, position_ids=positions.to(tokens.device)[None], use_cache=False).logits

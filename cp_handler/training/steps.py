@@ -1,0 +1,126 @@
+"""One training step's forward and backward: at a fixed CP layout, with dynamic CP, and the
+single-process reference of ``--check-parity`` (:mod:`.reference`).
+
+Each ``*_step`` returns ``run(step) -> (loss, tokens)``: the forward/backward of global batch
+``step`` (drawn the same on every rank, :mod:`.data`) with gradients reduced when it returns; ``loss``
+is this rank's share of the global batch's loss (the shares sum to it), ``tokens`` the global batch's.
+
+Dynamic CP (:func:`dynamic_step`): per global batch, the documents are scheduled onto aligned CP
+groups (:mod:`cp_handler.dynamic`); each pack of this rank's group runs on a handler of that group,
+and gradients are reduced once over all ranks. The loss is normalised by the global batch's loss
+tokens (every document's length - 1, known from the schedule on every rank), so each token weighs the
+same whatever group it ran on. Ranks with an empty micro-batch skip it and still join the reduction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..dynamic import GroupPool, schedule_sequences
+from ..handlers import build_cp_handler
+from .config import TrainConfig
+from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
+from .experts import ExpertGroups
+from .loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
+from .reference import PlainAttention, next_token_loss
+
+
+def load_batches(config: TrainConfig) -> SequenceBatches:
+    """The corpus cut into ``seq_len`` sequences (thd: documents of at most ``thd_max_doc_len``)."""
+    stream, doc_starts = read_token_stream(collect_files(config.data), config.max_corpus_bytes)
+    max_doc_len = (config.thd_max_doc_len or max(1, config.seq_len // 4)) if config.packing == "thd" else None
+    return SequenceBatches(stream, doc_starts, config.seq_len, config.seed, max_doc_len=max_doc_len)
+
+
+def load_documents(config: TrainConfig) -> DocumentBatches:
+    """The corpus as whole documents cut at ``seq_len`` (dynamic CP)."""
+    stream, doc_starts = read_token_stream(collect_files(config.data), config.max_corpus_bytes)
+    return DocumentBatches(stream, doc_starts, config.seq_len, config.seed)
+
+
+def handler_inputs(batch: Batch, packing: str, device) -> tuple[torch.Tensor, dict]:
+    """Global tokens of a batch's rows and the handler's batch metadata (thd: ``cu_seqlens``)."""
+    if packing == "thd":
+        tokens, cu_seqlens = batch.packed()
+        return tokens.to(device), {"qkv_format": "thd", "cu_seqlens": cu_seqlens.to(device)}
+    return batch.tokens.to(device), {"qkv_format": "bshd"}
+
+
+def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group,
+                grad_scale: float, device, experts: ExpertGroups | None = None):
+    """A fixed CP layout: this DP replica's rows of the global batch on ``groups`` (a
+    :class:`~cp_handler.groups.DataContextParallelGroups`). MoE models add their load-balancing loss
+    and reduce gradients with ``experts``."""
+    rows = slice(groups.dp_rank * config.batch_size, (groups.dp_rank + 1) * config.batch_size)
+
+    def run(step: int):
+        tokens, metadata = handler_inputs(batches.global_batch(step, global_batch).rows(rows), config.packing, device)
+        handler = build_cp_handler(config.cp, groups.cp_group, groups.hierarchical_cp_groups, config.attn_shape,
+                                   **metadata)
+        moe = experts.handler() if experts else None
+        input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+        loss_sum = masked_token_loss_sum(model(input_ids, cp_handler=handler, moe_handler=moe), labels, loss_mask)
+        loss = loss_sum / global_token_count(loss_mask, count_group) + (sum(moe.aux_losses) if moe else 0.0)
+        (loss * grad_scale).backward()
+        if experts:
+            experts.reduce_gradients(model)
+        return loss.detach(), global_batch * config.seq_len
+    return run
+
+
+def _pack(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([d.numel() for d in docs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    return torch.cat(docs).view(1, -1).to(device), cu.to(device)
+
+
+def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
+    """Dynamic CP (see the module doc): every rank holds a full model (gradients reduced here)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def run(step: int):
+        docs = documents.global_batch(step, config.batch_size * world)
+        lengths = [d.numel() for d in docs]
+        schedule = schedule_sequences(lengths, world, config.dynamic.max_seqlen_per_rank, config.dynamic.min_cp_size,
+                                      max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
+        total = sum(n - 1 for n in lengths)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        for group in schedule.for_rank(rank):
+            for pack in group.packs:  # one forward/backward per pack, inside this rank's group
+                tokens, cu = _pack([docs[i] for i in pack], device)
+                handler = build_cp_handler(config.cp, pool.group(group.size, group.first), attn_shape=config.attn_shape,
+                                           qkv_format="thd", cu_seqlens=cu)
+                input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+                share = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask) / total
+                share.backward()
+                loss += share.detach()
+        all_reduce_grads(list(model.parameters()))
+        return loss, sum(lengths)
+    return run
+
+
+def reference_step(model, config: TrainConfig, logits_of, source, global_batch: int | None = None):
+    """``--check-parity``: the whole global batch of every step on one process through ``logits_of
+    (model, tokens, cu_seqlens, moe_handler) -> logits`` (:mod:`.reference`: no cp_handler code);
+    ``source``: the run's batches (:func:`load_batches`), or for dynamic CP its documents
+    (:func:`load_documents`), run as one pack."""
+    device = next(model.parameters()).device
+    experts = ExpertGroups.local(config.moe_experts) if config.moe_experts else None
+
+    def run(step: int):
+        if config.dynamic:
+            tokens, cu = _pack(source.global_batch(step, config.batch_size * dist.get_world_size()), device)
+        else:
+            tokens, metadata = handler_inputs(source.global_batch(step, global_batch), config.packing, device)
+            cu = metadata.get("cu_seqlens")
+        moe = experts.handler() if experts else None
+        loss = next_token_loss(logits_of(model, tokens, cu, moe), tokens, cu) + (sum(moe.aux_losses) if moe else 0.0)
+        loss.backward()
+        return loss.detach(), tokens.numel()
+    return run
+
+
+def gpt_logits(model, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None, moe_handler) -> torch.Tensor:
+    """The reference GPT on the whole batch with :class:`~.reference.PlainAttention`."""
+    return model(tokens, cp_handler=PlainAttention(cu_seqlens), moe_handler=moe_handler)
