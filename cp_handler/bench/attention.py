@@ -27,10 +27,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups
-from ..handlers.local import HierarchicalContextParallelHandler, from_bhsd, to_bhsd
+from ..handlers import build_cp_handler
+from ..handlers.local import from_bhsd, to_bhsd
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
+from ..ops.patterns import PATTERNS
 from ..training.data import stdlib_files
 from .plan import hierarchical_sizes
 from .torch_ring import torch_ring_attn
@@ -96,11 +99,15 @@ class CaseRunner:
         if case.qkv_format == "thd":
             lengths = stdlib_document_lengths(case.seq_len)
             cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        self.handler = HierarchicalContextParallelHandler(
-            cp_group=group if case.impl != "single" and case.cp_size > 1 else None, qkv_format=case.qkv_format,
-            cp_comm_type=case.comm_type if case.impl == "local" else "p2p",
-            hierarchical_cp_groups=sub_groups if case.comm_type == "a2a+p2p" else None, cu_seqlens=cu_seqlens,
-        )
+        distributed = case.impl != "single" and case.cp_size > 1
+        comm_type = case.comm_type if case.impl == "local" else "p2p"
+        hierarchical = PATTERNS[comm_type].hierarchical
+        config = ContextParallelConfig(
+            context_parallel_size=case.cp_size if distributed else 1, cp_comm_type=comm_type,
+            qkv_format=case.qkv_format, hierarchical_context_parallel_sizes=(
+                hierarchical_sizes(case.cp_size) if hierarchical and distributed else None))
+        self.handler = build_cp_handler(config, group if distributed else None,
+                                        sub_groups if hierarchical else None, cu_seqlens=cu_seqlens)
         g = torch.Generator().manual_seed(case.seq_len)
         dtype = getattr(torch, shape.dtype)
         heads = (shape.num_heads, shape.num_kv_heads, shape.num_kv_heads, shape.num_heads)

@@ -7,8 +7,8 @@
   ``MemTracker`` on every rank: peak bytes live by category; ``activation_bytes`` is the peak
   minus parameters, gradients and optimizer state, the part context parallelism divides.
 * ``overhead``: at cp=1 in one process, the reference GPT's forward + backward through our
-  cp=1 handler vs through :class:`PlainSDPA`, the same model with RoPE and
-  ``F.scaled_dot_product_attention`` called directly; interleaved repetitions; the overhead is the
+  cp=1 handler vs through :class:`~cp_handler.training.reference.PlainAttention`, the same model with
+  RoPE and ``F.scaled_dot_product_attention`` called directly; interleaved repetitions; the overhead is the
   median of the per-round time ratios minus one.
 """
 
@@ -27,34 +27,16 @@ from models import GPTConfig, GPTModel
 
 from ..config import AttentionShape, ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
-from ..handlers.local import LocalContextParallelHandler
+from ..handlers import build_cp_handler
 from ..launch import launch
-from ..rope import apply_rotary
 from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
 from ..training.data import VOCAB_SIZE
+from ..training.reference import PlainAttention
 from ..training.run import run_training
 
 QUICK = {"e2e_seq_len": 2048, "e2e_steps": 6}
 FULL = {"e2e_seq_len": 8192, "e2e_steps": 10}
 MODEL = {"hidden_size": 256, "num_layers": 2, "num_attention_heads": 8, "num_query_groups": 4, "ffn_hidden_size": 704}
-
-
-class PlainSDPA:
-    """The model's attention calls without context parallelism: the baseline of the cp=1 overhead."""
-
-    def get_rotary_seq_len(self, seq_len: int) -> int:
-        return seq_len
-
-    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
-        return emb
-
-    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(t, freqs, "bshd")
-
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=attn_mod.softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
 
 
 def _model() -> GPTModel:
@@ -77,7 +59,8 @@ def memory_worker(seq_len: int) -> list[dict]:
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
         groups = build_dp_cp_groups(dist.get_world_size())
-        handler = LocalContextParallelHandler(cp_group=groups.cp_group if groups.cp_size > 1 else None)
+        handler = build_cp_handler(ContextParallelConfig(context_parallel_size=groups.cp_size),
+                                   groups.cp_group if groups.cp_size > 1 else None)
         model, tokens = _model(), _tokens(seq_len)
         _train_step(model, handler, tokens)  # warm-up: lazily built state is not an activation
         model.zero_grad(set_to_none=True)
@@ -101,8 +84,8 @@ def memory_worker(seq_len: int) -> list[dict]:
 def overhead(seq_len: int, reps: int) -> dict:
     """cp=1 handler vs plain SDPA: median forward+backward ms of the reference GPT, one process."""
     model, tokens = _model(), _tokens(seq_len)
-    ours = LocalContextParallelHandler(cp_group=None)
-    variants = {"handler_cp1": ours, "plain_sdpa": PlainSDPA()}
+    ours = build_cp_handler(ContextParallelConfig())
+    variants = {"handler_cp1": ours, "plain_sdpa": PlainAttention()}
     times = {name: [] for name in variants}
     for rep in range(reps + 1):
         for name, handler in variants.items():

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
+from ..handlers.registry import build_cp_handler
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
@@ -130,14 +132,12 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
     Raises:
         ValueError: naming which of the two failed and by how much.
     """
-    from ..handlers.local import LocalContextParallelHandler
-
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type == "meta":
         return
     vocab = min(int(getattr(text_config(model), "vocab_size", 100) or 100), 100)
     ids = torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(weight.device)
-    handler, was_training = LocalContextParallelHandler(cp_group=None), model.training
+    handler, was_training = build_cp_handler(ContextParallelConfig()), model.training
     inputs = cp_model_inputs(handler, ids)
     jump = torch.arange(tokens, device=ids.device) >= tokens // 2
     shifted = {**inputs, "position_ids": inputs["position_ids"] + gap * jump,

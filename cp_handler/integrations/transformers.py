@@ -37,7 +37,9 @@ from types import SimpleNamespace
 
 import torch
 
+from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
+from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
 from .hf_mask import CPMask, cp_mask
 from .hf_model import (
@@ -245,9 +247,7 @@ class CPCausalLM(torch.nn.Module):
         if moe_handler is not None:
             raise ValueError("CPCausalLM: Hugging Face models route their own experts; moe_handler is not used")
         if cp_handler is None:
-            from ..handlers.local import LocalContextParallelHandler
-
-            cp_handler = LocalContextParallelHandler(cp_group=None)
+            cp_handler = build_cp_handler(ContextParallelConfig())
         with cp_attention(cp_handler):
             return self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits
 
