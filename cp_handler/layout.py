@@ -27,6 +27,36 @@ def zigzag_chunk_owner(chunk: int, cp_size: int) -> tuple[int, int]:
     return 2 * cp_size - 1 - chunk, 1
 
 
+def check_cu_seqlens(cu_seqlens) -> None:
+    """``cu_seqlens``: a 1-D int32/int64 tensor ``[num_docs + 1]`` from 0, strictly increasing
+    (documents of at least one token).
+
+    Raises:
+        TypeError: not a tensor, or another dtype (uint8/int8 wrap around). ValueError: the shape,
+        the start or the order.
+    """
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens has dtype {cu_seqlens.dtype}; it must be int32 (or int64): smaller integer "
+                        "types wrap around")
+    values = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+    if values is None or len(values) < 2 or values[0] != 0:
+        raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got shape {tuple(cu_seqlens.shape)}"
+                         f"{'' if values is None else f' and values {values[:8]}'}")
+    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad - 1}]="
+                         f"{values[bad - 1]}, cu_seqlens[{bad}]={values[bad]}")
+
+
+def padded_length(seq_len: int, cp_size: int) -> int:
+    """Tokens of a sequence (document) padded to a multiple of ``2 * cp`` (none at cp=1): the one rule
+    of the zigzag padding (:class:`ZigzagDocs`, the dynamic CP scheduler's budgets)."""
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    return -(-seq_len // multiple) * multiple
+
+
 def _arange(start: int, length: int) -> torch.Tensor:
     return torch.arange(start, start + length)
 
@@ -58,25 +88,17 @@ class ZigzagDocs:
         lengths = tuple(int(n) for n in lengths)
         if not lengths or min(lengths) < 1:
             raise ValueError(f"document lengths {list(lengths)[:8]}... must be >= 1 (and at least one document)")
-        multiple = 2 * size if size > 1 else 1
-        return cls(lengths, tuple(-(-n // multiple) * multiple for n in lengths), size)
+        return cls(lengths, tuple(padded_length(n, size) for n in lengths), size)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, size: int) -> ZigzagDocs:
-        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, increasing).
+        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, strictly increasing).
 
         Raises:
-            TypeError: not an integer tensor. ValueError: not 1-D, not starting at 0, or not
-            strictly increasing (a document of length 0).
+            TypeError / ValueError: :func:`check_cu_seqlens`.
         """
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point:
-            raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens)}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0:
-            raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got {cu_seqlens.tolist()[:8]}")
-        lengths = torch.diff(cu_seqlens.cpu()).tolist()
-        if min(lengths) < 1:
-            raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): {lengths[:8]}")
-        return cls.from_lengths(lengths, size)
+        check_cu_seqlens(cu_seqlens)
+        return cls.from_lengths(torch.diff(cu_seqlens.cpu()).tolist(), size)
 
     @classmethod
     def uniform(cls, seq_len: int, size: int) -> ZigzagDocs:

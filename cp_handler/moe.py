@@ -21,23 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ops.collectives import all_to_all_single
-
-
-class _AllToAllUneven(torch.autograd.Function):
-    """``x (sum(send_splits), ...)`` -> ``(sum(recv_splits), ...)``; split lists are row counts per rank."""
-
-    @staticmethod
-    def forward(ctx, x, send_splits: list[int], recv_splits: list[int], group):
-        ctx.args = (send_splits, recv_splits, group)
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        all_to_all_single(out, x.contiguous(), group, output_split_sizes=recv_splits, input_split_sizes=send_splits)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        send_splits, recv_splits, group = ctx.args
-        return _AllToAllUneven.apply(grad, recv_splits, send_splits, group), None, None, None
+from .ops.collectives import all_to_all, all_to_all_single
 
 
 class ExpertParallelHandler:
@@ -104,7 +88,7 @@ class ExpertParallelHandler:
         received = torch.empty_like(per_rank)
         all_to_all_single(received, per_rank.contiguous(), self.ep_group)  # [source rank][my local expert]
         send_splits, recv_splits = per_rank.sum(1).tolist(), received.sum(1).tolist()
-        arrived = _AllToAllUneven.apply(sorted_tokens, send_splits, recv_splits, self.ep_group)
+        arrived = all_to_all(sorted_tokens, self.ep_group, send_splits, recv_splits)
         by_expert = self._source_major_to_expert_major(received)
         state = (order, (send_splits, recv_splits, by_expert))
         return arrived.index_select(0, by_expert), received.sum(0).tolist(), state
@@ -125,5 +109,5 @@ class ExpertParallelHandler:
         if exchange is not None:
             send_splits, recv_splits, by_expert = exchange
             source_major = torch.empty_like(expert_out).index_copy(0, by_expert, expert_out)
-            expert_out = _AllToAllUneven.apply(source_major, recv_splits, send_splits, self.ep_group)
+            expert_out = all_to_all(source_major, self.ep_group, recv_splits, send_splits)
         return torch.empty_like(expert_out).index_copy(0, order, expert_out)

@@ -147,10 +147,3 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             if isinstance(layer.mlp, MoEFeedForward):
                 layer.mlp.shard_experts(expert_ids)
-
-    @classmethod
-    def from_hf_llama(cls, hf_model) -> GPTModel:
-        """Build from a Hugging Face ``LlamaForCausalLM`` (see :mod:`models.hf_llama`)."""
-        from .hf_llama import gpt_from_hf_llama
-
-        return gpt_from_hf_llama(cls, hf_model)

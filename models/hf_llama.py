@@ -1,4 +1,5 @@
-"""Load a Hugging Face ``LlamaForCausalLM`` into :class:`models.gpt.GPTModel`.
+"""Load a Hugging Face ``LlamaForCausalLM`` into :class:`models.gpt.GPTModel` (``from_hf_llama``; this
+module imports the model, the model does not import it).
 
 Parameter names match HF's (``model.`` prefix dropped), so the state dict maps one to one.
 Features the reference model does not have (biases, rope scaling) are refused, not ignored.
@@ -6,7 +7,7 @@ Features the reference model does not have (biases, rope scaling) are refused, n
 
 from __future__ import annotations
 
-from .gpt import GPTConfig
+from .gpt import GPTConfig, GPTModel
 
 
 def _rope_theta(hf_config) -> float:
@@ -45,9 +46,14 @@ def gpt_config_from_hf(hf_config) -> GPTConfig:
     )
 
 
-def gpt_from_hf_llama(cls, hf_model):
-    """``cls`` (a GPTModel class) with the weights of ``hf_model``, same dtype."""
-    model = cls(gpt_config_from_hf(hf_model.config))
+def from_hf_llama(hf_model) -> GPTModel:
+    """A :class:`~models.gpt.GPTModel` with the weights of a Hugging Face ``LlamaForCausalLM``, same dtype.
+
+    Raises:
+        ValueError: a feature the reference model does not have (:func:`gpt_config_from_hf`), or a
+            state dict that does not match.
+    """
+    model = GPTModel(gpt_config_from_hf(hf_model.config))
     state = {k.removeprefix("model."): v for k, v in hf_model.state_dict().items()}
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.config.tie_word_embeddings:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from cp_handler.bench.dynamic_cp import draw_lengths, stdlib_lengths
 from cp_handler.dynamic import CostModel, Workload
-from cp_handler.dynamic.scheduler import cp_size_for, padded_len, schedule_sequences
+from cp_handler.dynamic.scheduler import cp_size_for, schedule_sequences
+from cp_handler.layout import padded_length
 
 LENGTHS = st.lists(st.one_of(st.integers(1, 64), st.integers(65, 2000), st.integers(2001, 9000)),
                    min_size=1, max_size=120)
@@ -29,7 +30,7 @@ def check_schedule(lengths, ranks, budget, min_size, schedule, workload=None):
             covered += list(group.ranks)
             assert sorted(i for pack in group.packs for i in pack) == sorted(group.sequences), "packs = sequences"
             for pack in group.packs:
-                assert sum(padded_len(lengths[i], size) // size for i in pack) <= budget, "pack over the budget"
+                assert sum(padded_length(lengths[i], size) // size for i in pack) <= budget, "pack over the budget"
             for i in group.sequences:
                 assert schedule.cp_sizes[i] == size
             assert group.cost == pytest.approx(sum(workload.cost(lengths[i], size) for i in group.sequences))
@@ -49,7 +50,7 @@ def check_schedule(lengths, ranks, budget, min_size, schedule, workload=None):
 def test_schedule_guarantees(lengths, ranks, budget, min_log):
     min_size = min(1 << min_log, 1 << (ranks.bit_length() - 1))
     largest = 1 << (ranks.bit_length() - 1)
-    if any(padded_len(n, largest) // largest > budget for n in lengths):
+    if any(padded_length(n, largest) // largest > budget for n in lengths):
         with pytest.raises(ValueError, match="does not fit"):
             schedule_sequences(lengths, ranks, budget, min_size)
         return

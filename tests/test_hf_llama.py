@@ -1,4 +1,4 @@
-"""GPTModel.from_hf_llama: logits equal a Hugging Face LlamaForCausalLM built offline from a config.
+"""models.hf_llama.from_hf_llama: logits equal a Hugging Face LlamaForCausalLM built offline from a config.
 
 Tolerance: float32 atol 1e-5 on logits of order 1e-1..1: both run the same math (RMSNorm, rotate-half
 RoPE, SDPA, SwiGLU) and differ at most in float32 operation order.
@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models import GPTModel  # noqa: E402
+from models.hf_llama import from_hf_llama  # noqa: E402
 
 
 def tiny_llama(**overrides):
@@ -28,7 +28,7 @@ def tiny_llama(**overrides):
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_match_hf(tied):
     hf = tiny_llama(tie_word_embeddings=tied)
-    model = GPTModel.from_hf_llama(hf)
+    model = from_hf_llama(hf)
     assert model.config.rotary_base == 50000.0 and model.config.num_query_groups == 2
     ids = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -39,4 +39,4 @@ def test_logits_match_hf(tied):
 
 def test_unsupported_features_are_refused():
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):
-        GPTModel.from_hf_llama(tiny_llama(attention_bias=True))
+        from_hf_llama(tiny_llama(attention_bias=True))

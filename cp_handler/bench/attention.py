@@ -30,10 +30,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
-from ..handlers.local import from_bhsd, to_bhsd
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
 from ..ops.patterns import PATTERNS
+from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..training.data import stdlib_files
 from .plan import hierarchical_sizes
 from .torch_ring import torch_ring_attn

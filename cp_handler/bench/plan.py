@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import ZigzagDocs
-from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
+from ..ops.blocks import KernelChoice, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.patterns import PATTERNS
 
@@ -113,7 +113,7 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
     communication), with ``kernel`` or else ``shape.kernel`` (a name; ``None``: automatic)."""
     q, k, v = _inputs(plan.q_len, plan.kv_len, plan.heads, plan.kv_heads, shape)
     scale = shape.head_dim ** -0.5
-    kernel = select_kernel(q, kernel or shape.kernel)  # a forced kernel that cannot run fails here, before timing
+    kernel = KernelChoice(select_kernel(q, kernel or shape.kernel))  # a kernel that cannot run fails here
 
     def run():
         out, lse = new_accumulators(q)

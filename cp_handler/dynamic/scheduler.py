@@ -37,6 +37,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from ..layout import padded_length
 from .workload import Workload
 
 
@@ -88,12 +89,6 @@ class Schedule:
         return sum(mb.time for mb in self.micro_batches)
 
 
-def padded_len(seq_len: int, cp: int) -> int:
-    """Tokens of a sequence padded to a multiple of ``2 * cp`` (no padding at cp=1)."""
-    multiple = 2 * cp if cp > 1 else 1
-    return -(-seq_len // multiple) * multiple
-
-
 def cp_size_for(seq_len: int, budget: int, min_size: int, num_ranks: int) -> int:
     """Smallest power of two >= ``min_size`` whose per-rank padded share fits ``budget``.
 
@@ -102,7 +97,7 @@ def cp_size_for(seq_len: int, budget: int, min_size: int, num_ranks: int) -> int
     """
     size = min_size
     largest = 1 << (num_ranks.bit_length() - 1)
-    while padded_len(seq_len, size) // size > budget:
+    while padded_length(seq_len, size) // size > budget:
         size *= 2
         if size > largest:
             raise ValueError(
@@ -177,7 +172,7 @@ def _pack(group: Group, lengths: list[int], budget: int) -> None:
     """First-fit decreasing of the group's sequences into packs of at most ``budget`` tokens per rank."""
     room: list[int] = []
     for i in sorted(group.sequences, key=lambda i: -lengths[i]):
-        tokens = padded_len(lengths[i], group.size) // group.size
+        tokens = padded_length(lengths[i], group.size) // group.size
         for p, left in enumerate(room):
             if tokens <= left:
                 group.packs[p].append(i)

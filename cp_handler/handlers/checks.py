@@ -14,6 +14,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from ..layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
 from ..ops.collectives import all_gather_single
 
 CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
@@ -46,29 +47,6 @@ def check_shift(shifts) -> int:
     if isinstance(shifts, bool) or not isinstance(shifts, int):
         raise TypeError(f"roll_tensor shifts={shifts!r} must be one int")
     return shifts
-
-
-def check_cu_seqlens(cu_seqlens) -> None:
-    """``cu_seqlens``: a 1-D int32/int64 tensor ``[num_docs + 1]`` from 0, strictly increasing
-    (documents of at least one token).
-
-    Raises:
-        TypeError: not a tensor, or another dtype (uint8/int8 wrap around). ValueError: the shape,
-        the start or the order.
-    """
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens has dtype {cu_seqlens.dtype}; it must be int32 (or int64): smaller integer "
-                        "types wrap around")
-    values = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
-    if values is None or len(values) < 2 or values[0] != 0:
-        raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got shape {tuple(cu_seqlens.shape)}"
-                         f"{'' if values is None else f' and values {values[:8]}'}")
-    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
-    if bad is not None:
-        raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad - 1}]="
-                         f"{values[bad - 1]}, cu_seqlens[{bad}]={values[bad]}")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, head_dim_index: int = -2) -> None:

@@ -8,30 +8,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..ops.blocks import KernelChoice
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
 from ..ops.patterns import PATTERNS
+from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
 from .base import ATTN_MASK_TYPES
 from .checks import softmax_scale, window_size
 from .zigzag import ZigzagContextParallelHandler
-
-
-def to_bhsd(t: torch.Tensor, qkv_format: str) -> torch.Tensor:
-    """View ``t`` as ``(B, H, S, D)``: bshd, sbhd, or thd ``(T, H, D)`` / ``(1, T, H, D)`` as B=1."""
-    if qkv_format == "bshd" or (qkv_format == "thd" and t.dim() == 4):
-        return t.transpose(1, 2)
-    if qkv_format == "sbhd":
-        return t.permute(1, 2, 0, 3)
-    return t.transpose(0, 1).unsqueeze(0)
-
-
-def from_bhsd(t: torch.Tensor, qkv_format: str, like: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`to_bhsd` (``like``: the tensor given to it)."""
-    if qkv_format == "bshd" or (qkv_format == "thd" and like.dim() == 4):
-        return t.transpose(1, 2)
-    if qkv_format == "sbhd":
-        return t.permute(2, 0, 1, 3)
-    return t.squeeze(0).transpose(0, 1)
 
 
 class LocalContextParallelHandler(ZigzagContextParallelHandler):
@@ -68,6 +52,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         if attn_kernel is not None and attn_kernel not in KERNELS:
             raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
         self.attn_kernel = attn_kernel or AUTOMATIC
+        self.kernel_choice = KernelChoice(self.attn_kernel)  # with the packed calls of this batch's plans
         if self.cp_size > 1 and any(PATTERNS[t].hierarchical for t in self.comm_types):
             self._check_levels()
 
@@ -109,7 +94,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         self.check_attention_inputs(q, k, v)
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
         options = {"causal": causal, "scale": scale, "layout": self.layout(q_.shape[2]),
-                   "attn_kernel": self.attn_kernel}
+                   "attn_kernel": self.kernel_choice}
         if self.cp_size == 1 and self.thd_layout is None and self.attn_kernel == AUTOMATIC:
             out = F.scaled_dot_product_attention(
                 q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]

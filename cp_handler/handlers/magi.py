@@ -33,6 +33,7 @@ import inspect
 import torch
 
 from ..layout import ZigzagDocs
+from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
 from ..rope import apply_rotary
 from .base import ATTN_MASK_TYPES, ContextParallelHandler
@@ -287,9 +288,9 @@ def _attn_alone(handler, q, k, v, scale, shape) -> torch.Tensor:
         layout = _alone_layout(handler)
     else:
         layout = ZigzagDocs.from_lengths([shape[1]] * shape[0], 1)
-    bhsd = [x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
-    out = ring_attn(*bhsd, group=None, causal=handler.causal, scale=scale or q.shape[-1] ** -0.5, layout=layout)[0]
-    return out[0].transpose(0, 1)
+    bhsd = [to_bhsd(x, "thd") for x in (q, k, v)]
+    out = ring_attn(*bhsd, group=None, causal=handler.causal, scale=scale, layout=layout)[0]
+    return from_bhsd(out, "thd", q)
 
 
 def _roll_alone(handler, tensor, shifts, dims):

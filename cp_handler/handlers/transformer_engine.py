@@ -47,7 +47,6 @@ TE_MODULE_NAME = "te_attention"
 """Name of the ``DotProductAttention`` child registered on each attention module."""
 THD_ALL_GATHER_SINCE = (2, 18)
 """First TE release whose KV all-gather CP takes thd (the assertion went in v2.18)."""
-_STREAM: list = []  # one CUDA stream per process for TE's ring overlap
 
 
 def _same_groups(a, b) -> bool:
@@ -191,9 +190,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         bound = _same_groups(getattr(module, "cp_group", None), group)
         if bound and getattr(module, "cp_comm_type", None) == comm_type:
             return
-        if not _STREAM and torch.cuda.is_available():
-            _STREAM.append(torch.cuda.Stream())
-        module.set_context_parallel_group(group, ranks, _STREAM[0] if _STREAM else None, cp_comm_type=comm_type)
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # owned by the module it is given to
+        module.set_context_parallel_group(group, ranks, stream, cp_comm_type=comm_type)
         if self.cp_size > 1 and getattr(module, "cp_group", None) is None:
             raise ValueError("transformer_engine DotProductAttention has cp_group=None after binding: it would run "
                              "without context parallelism")

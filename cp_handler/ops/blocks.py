@@ -8,13 +8,32 @@ All tensors ``(B, H, S, D)``; accumulators in :func:`~.merge.acc_dtype`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
 from .merge import acc_dtype, merge_attn_out_
-from .packed_blocks import packed_backward_, packed_forward_
+from .packed_blocks import PackedCallCache, packed_backward_, packed_forward_
 
 Block = tuple[slice, slice, bool]
+
+
+@dataclass(frozen=True, eq=False)
+class KernelChoice:
+    """A resolved kernel choice and the packed-call cache that goes with it: what a handler passes as
+    ``attn_kernel`` to the algorithms (built once per handler; a plain name or ``None`` gets a cache
+    for that call only)."""
+
+    kernel: str | AttnKernel | None
+    packed_calls: PackedCallCache = field(default_factory=PackedCallCache)
+
+
+def resolve_kernel(q: torch.Tensor, attn_kernel) -> tuple[AttnKernel, PackedCallCache]:
+    """The kernel for ``q`` (:func:`~.kernels.select_kernel`) and the packed-call cache to use."""
+    if isinstance(attn_kernel, KernelChoice):
+        return select_kernel(q, attn_kernel.kernel), attn_kernel.packed_calls
+    return select_kernel(q, attn_kernel), PackedCallCache()
 
 CPU_CAUSAL_TILE = 64
 """Smallest causal block run on CPU. The CPU flash kernel skips masked work only in whole key blocks
@@ -68,7 +87,7 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False,
-                    attn_kernel: str | AttnKernel | None = None) -> None:
+                    attn_kernel: str | AttnKernel | KernelChoice | None = None) -> None:
     """Merge the attention of every block into ``out``/``lse`` (in place), with the kernel
     :func:`~.kernels.select_kernel` picks for ``q`` and ``attn_kernel``.
 
@@ -78,9 +97,9 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
     block out of order is merged, which is always correct. A packed kernel runs the plan in few
     calls (:mod:`.packed_blocks`).
     """
-    kernel = select_kernel(q, attn_kernel)
+    kernel, cache = resolve_kernel(q, attn_kernel)
     if kernel.packed:
-        return packed_forward_(out, lse, q, k, v, _plan(blocks, kernel), scale, fresh, kernel)
+        return packed_forward_(out, lse, q, k, v, _plan(blocks, kernel), scale, fresh, kernel, cache)
     frontier = 0 if fresh else None
     for q_rows, kv_rows, causal in _plan(blocks, kernel):
         block_out, block_lse = block_attn_forward(
@@ -111,13 +130,13 @@ class LseRows:
 
 
 def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows, blocks: list[Block], scale: float,
-                     attn_kernel: str | AttnKernel | None = None) -> None:
+                     attn_kernel: str | AttnKernel | KernelChoice | None = None) -> None:
     """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse
     (pass one :class:`LseRows` to every call of a backward pass to share its row copies)."""
-    kernel = select_kernel(q, attn_kernel)
+    kernel, cache = resolve_kernel(q, attn_kernel)
     lse_rows = lse if isinstance(lse, LseRows) else LseRows(lse)
     if kernel.packed:
-        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, _plan(blocks, kernel), scale, kernel)
+        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, _plan(blocks, kernel), scale, kernel, cache)
     for q_rows, kv_rows, causal in _plan(blocks, kernel):
         dq_b, dk_b, dv_b = block_attn_backward(
             rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),

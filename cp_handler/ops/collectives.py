@@ -96,3 +96,28 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
         is_send = op.op in (dist.isend, dist.send)
         record("send" if is_send else "recv", op.tensor.nbytes if is_send else 0)
     return dist.batch_isend_irecv(ops) if ops else []
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable :func:`all_to_all_single` along dim 0; its backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, send_splits, recv_splits):
+        ctx.args = (group, send_splits, recv_splits)
+        out = x.new_empty((x.shape[0] if recv_splits is None else sum(recv_splits), *x.shape[1:]))
+        all_to_all_single(out, x.contiguous(), group, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, send_splits, recv_splits = ctx.args
+        return _AllToAll.apply(grad, group, recv_splits, send_splits), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, send_splits: list[int] | None = None,
+               recv_splits: list[int] | None = None) -> torch.Tensor:
+    """Differentiable all-to-all along dim 0 (the one the Ulysses attention and the MoE token exchange
+    share): equal splits, or ``send_splits`` / ``recv_splits`` rows per rank. Counted like every
+    collective here (``torch.distributed.nn.functional.all_to_all_single`` would do the same job but
+    bypass :func:`count_comms`)."""
+    return _AllToAll.apply(x, group, send_splits, recv_splits)

@@ -13,7 +13,7 @@ scatter or cast kernels (``cp-bench --modes launches`` counts them). Per batch r
 
 from __future__ import annotations
 
-import functools
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +69,28 @@ def _call(causal: bool, members: list[BlockKey], fresh: bool, device) -> PackedC
                       len(members), span(q_rows), span(kv_rows))
 
 
-@functools.lru_cache(maxsize=512)
+class PackedCallCache:
+    """The packed calls of the plans seen so far, per device (their index tensors live on it): owned by
+    whoever runs the plans (a handler, for the batch it is built for; a benchmark's rank step), so no
+    device tensor outlives its owner. Least recently used plans are dropped beyond ``max_plans``."""
+
+    def __init__(self, max_plans: int = 512):
+        self.max_plans, self._calls = max_plans, collections.OrderedDict()
+
+    def calls(self, plan: tuple[BlockKey, ...], device: torch.device) -> list[PackedCall]:
+        key = (plan, device)
+        if key in self._calls:
+            self._calls.move_to_end(key)
+        else:
+            self._calls[key] = packed_calls(plan, device)
+            if len(self._calls) > self.max_plans:
+                self._calls.popitem(last=False)
+        return self._calls[key]
+
+
 def packed_calls(plan: tuple[BlockKey, ...], device: torch.device) -> list[PackedCall]:
-    """The calls of a plan (see module doc), with index tensors on ``device``."""
+    """The calls of a plan (see module doc), with index tensors on ``device`` (built anew: callers keep
+    them in a :class:`PackedCallCache`)."""
     groups: list[tuple[bool, list[BlockKey], list[tuple[int, int]]]] = []
     for block in plan:
         qs, qe, _, _, causal = block
@@ -110,9 +129,10 @@ def _add_rows_(acc: torch.Tensor, index: torch.Tensor, span: tuple[int, int] | N
         acc.transpose(0, 1).index_add_(0, index, grad.to(acc.dtype))
 
 
-def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel: AttnKernel) -> None:
+def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel: AttnKernel,
+                    cache: PackedCallCache) -> None:
     """:func:`~.blocks.blocks_forward_` with a packed kernel."""
-    for call in packed_calls(plan_key(blocks), q.device):
+    for call in cache.calls(plan_key(blocks), q.device):
         record_attn_pairs(q.shape[0] * q.shape[1] * call.pairs, call.blocks)
         qi, ki, qs, ks = call.q_index, call.kv_index, call.q_span, call.kv_span
         for b in range(q.shape[0]):
@@ -137,9 +157,10 @@ def packed_forward_(out, lse, q, k, v, blocks, scale: float, fresh: bool, kernel
                 lse[b].index_copy_(1, qi, acc_lse)
 
 
-def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, blocks, scale: float, kernel: AttnKernel) -> None:
+def packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, blocks, scale: float, kernel: AttnKernel,
+                     cache: PackedCallCache) -> None:
     """:func:`~.blocks.blocks_backward_` with a packed kernel (``lse_rows``: a :class:`~.blocks.LseRows`)."""
-    for call in packed_calls(plan_key(blocks), q.device):
+    for call in cache.calls(plan_key(blocks), q.device):
         qi, ki, qs, ks = call.q_index, call.kv_index, call.q_span, call.kv_span
         for b in range(q.shape[0]):
             lse_b = lse_rows(slice(*qs))[b] if qs else lse_rows.lse[b].index_select(1, qi)

@@ -25,42 +25,23 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..layout import ZigzagDocs
-from .collectives import all_to_all_single
+from .collectives import all_to_all
 from .ring import ring_attn
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    all_to_all_single(out, x, group)
-    return out
-
-
-def seq_to_heads_raw(x: torch.Tensor, group) -> torch.Tensor:
-    """``(B, H, S_l, D)`` sequence shard -> ``(B, H/A, A*S_l, D)``: shards of the group rank by rank."""
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """``(B, H, S_l, D)`` sequence shard -> ``(B, H/A, A*S_l, D)``: shards of the group rank by rank
+    (differentiable: the backward is :func:`heads_to_seq`)."""
     n = dist.get_world_size(group)
-    received = _all_to_all(rearrange(x, "b (n h) s d -> n b h s d", n=n), group)
+    received = all_to_all(rearrange(x, "b (n h) s d -> n b h s d", n=n), group)
     return rearrange(received, "n b h s d -> b h (n s) d")
 
 
-def heads_to_seq_raw(x: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads_raw`."""
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """Inverse of :func:`seq_to_heads`."""
     n = dist.get_world_size(group)
-    received = _all_to_all(rearrange(x, "b h (n s) d -> n b h s d", n=n), group)
+    received = all_to_all(rearrange(x, "b h (n s) d -> n b h s d", n=n), group)
     return rearrange(received, "n b h s d -> b (n h) s d")
-
-
-class _AllToAll(torch.autograd.Function):
-    """Sequence shards <-> head groups; each direction's backward is the other direction."""
-
-    @staticmethod
-    def forward(ctx, x, group, to_heads: bool):
-        ctx.group, ctx.to_heads = group, to_heads
-        return seq_to_heads_raw(x, group) if to_heads else heads_to_seq_raw(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (heads_to_seq_raw(grad, ctx.group) if ctx.to_heads else seq_to_heads_raw(grad, ctx.group)), None, None
 
 
 def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
@@ -116,10 +97,10 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order = layout.a2a_reorder_index(a2a_size).to(q.device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
-    q, k, v = (_AllToAll.apply(t, group, True).index_select(2, order) for t in (q, k, v))
+    q, k, v = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
     out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size),
                          attn_kernel=attn_kernel)
-    out = _AllToAll.apply(out.index_select(2, inverse), group, False)
+    out = heads_to_seq(out.index_select(2, inverse), group)
     if return_lse:
-        lse = heads_to_seq_raw(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)
+        lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)
     return out, lse if return_lse else None

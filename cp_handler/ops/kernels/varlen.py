@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from ..qkv_format import to_bhsd
 from . import cpu_flash
 from .base import AttnKernel
 from .cuda_flash import HEAD_DIMS
@@ -69,7 +70,7 @@ def _segments(cu: torch.Tensor) -> list[slice]:
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1).unsqueeze(0)  # (T, H, D) -> (1, H, T, D)
+    return to_bhsd(t, "thd")  # (T, H, D) -> (1, H, T, D)
 
 
 def cpu_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
