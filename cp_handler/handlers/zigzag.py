@@ -62,7 +62,7 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             raise ValueError(f"a local sequence of {local_len} tokens: every rank holds at least one token (the global "
                              f"sequence must have at least 2 * cp = {2 * self.cp_size} tokens)")
         if self.thd_layout is None:
-            if self.global_seq_len is not None and local_len * self.cp_size != self.global_seq_len:
+            if self.cp_size > 1 and self.global_seq_len is not None and local_len * self.cp_size != self.global_seq_len:
                 per_rank = self.global_seq_len // self.cp_size
                 raise ValueError(f"a local tensor of {local_len} tokens along its sequence dim, but this handler "
                                  f"dispatched sequences of {self.global_seq_len} tokens ({per_rank} per rank): a "
@@ -116,16 +116,16 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
                              f"{self.global_seq_len}")
         if length < 1:
             raise ValueError(f"dispatch: a sequence of {length} tokens along dim {seq_dim}: nothing to shard")
+        if self.cp_size == 1:  # the identity: a handler alone may take any length
+            return tensor
         if self.global_seq_len is not None and length != self.global_seq_len:
             raise ValueError(f"dispatch: a tensor of {length} tokens along dim {seq_dim}, but this handler dispatched "
                              f"sequences of {self.global_seq_len} tokens: it is a shard already, or from another batch "
                              "(a handler is built per batch)")
-        self.global_seq_len = length
-        if self.cp_size == 1:
-            return tensor
         if self.thd_layout is None:
-            check_seq_len(tensor.shape[seq_dim], self.cp_size, self.qkv_format)
-            layout = self.layout(tensor.shape[seq_dim] // self.cp_size)
+            check_seq_len(length, self.cp_size, self.qkv_format)
+            self.global_seq_len = length
+            layout = self.layout(length // self.cp_size)
         else:
             layout = self.thd_layout
             pad = tensor.new_zeros((*tensor.shape[:seq_dim], 1, *tensor.shape[seq_dim + 1:]))
