@@ -143,6 +143,13 @@ class ZigzagDocs:
         first, second = zigzag_chunk_ids(rank, self.size)
         return self.real_in_chunk(i, first), self.real_in_chunk(i, second)
 
+    def rank_chunks(self, i: int, rank: int) -> tuple[tuple[int, int, int], ...]:
+        """``(chunk_id, local row, real tokens)`` of each chunk of document ``i`` on ``rank`` (one
+        chunk at ``size == 1``); the chunk starts at position ``chunk_id * chunk(i)`` of the document."""
+        ids = zigzag_chunk_ids(rank, self.size) if self.size > 1 else (0,)
+        c, off = self.chunk(i), self.local_offsets[i]
+        return tuple((cid, off + half * c, self.real_in_chunk(i, cid)) for half, cid in enumerate(ids))
+
     def chunk_owner_slot(self, i: int, chunk_id: int) -> tuple[int, int]:
         """``(rank, local row)`` where chunk ``chunk_id`` of document ``i`` starts."""
         rank, half = zigzag_chunk_owner(chunk_id, self.size) if self.size > 1 else (0, 0)

@@ -106,7 +106,8 @@ def test_megatron_rank_order_example():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=8, tensor_model_parallel_size=3), "not a multiple of tp \\* cp \\* pp"),
     (dict(world_size=8, context_parallel_size=2, expert_model_parallel_size=3), "must divide dp \\* cp"),
-    (dict(world_size=8, context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 3)), "multiplying to"),
+    (dict(world_size=8, context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 3)),
+     r"\[2, 3\] multiply to 6, but context_parallel_size=4"),
     (dict(world_size=8, context_parallel_size=2, data_parallel_size=2), "dp must be 4"),
     (dict(world_size=0), "world_size=0"),
 ])

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
 from cp_handler.layout import ZigzagDocs
+from cp_handler.masks import AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV
@@ -34,9 +35,9 @@ def _plans(lengths, cp):
     for rank in range(cp):
         for causal in (True, False):
             for step in range(cp):
-                yield ring_blocks(layout, step, rank, causal)
+                yield ring_blocks(layout, step, rank, AttentionMask(causal=causal))
             if cp > 1:
-                yield all_gather_blocks(layout, rank, causal)
+                yield all_gather_blocks(layout, rank, AttentionMask(causal=causal))
 
 
 @settings(max_examples=40)

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
 from ..ops.patterns import PATTERNS
 from ..ops.ulysses import check_a2a_heads
-from .checks import RanksRefused, check_cu_seqlens, check_member, check_ranks_agree, ranks_check_enabled
+from .checks import (
+    RanksRefused,
+    attention_variant,
+    check_cu_seqlens,
+    check_member,
+    check_ranks_agree,
+    ranks_check_enabled,
+)
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
@@ -26,6 +33,20 @@ GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
 """Methods after whose failure a handler refuses every further call on this rank (it is poisoned)."""
 
 _serials: dict[str, int] = {}
+
+
+def variant_names(mask, sinks) -> list[str]:
+    """The attributes of ``attn_mod`` behind ``mask`` / ``sinks`` that go beyond the plain mask, for errors."""
+    used = []
+    if mask.window is not None:
+        used.append(f"attn_mod.window_size={(mask.window - 1, 0)} (sliding window)")
+    if mask.chunk is not None:
+        used.append(f"attn_mod.attention_chunk_size={mask.chunk} (chunked attention)")
+    if mask.softcap is not None:
+        used.append(f"attn_mod.softcap={mask.softcap} (soft-capping)")
+    if sinks is not None:
+        used.append(f"attn_mod.sinks {tuple(sinks.shape)} (learnable sinks)")
+    return used
 
 
 def next_serial(group: dist.ProcessGroup | None) -> int:
@@ -217,6 +238,28 @@ class ContextParallelHandler(ABC):
             )
         return self.cp_comm_type[layer_number - 1]
 
+    def attention_variant(self, attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int):
+        """``(AttentionMask, sinks or None)`` of ``attn_mod`` (:func:`~.checks.attention_variant`), refused
+        by name when this backend does not run it for the layer's comm type (:meth:`unsupported_variant`).
+
+        Raises:
+            TypeError / ValueError: an invalid attribute, or a variant this backend does not run.
+        """
+        mask, sinks = attention_variant(attn_mod, attn_mask_type, q, heads)
+        comm_type = self.comm_type_for(attn_mod)
+        reason = self.unsupported_variant(comm_type, mask, sinks)
+        if reason is not None:
+            raise ValueError(f"{type(self).__name__} (cp_comm_type={comm_type!r}): {reason}")
+        return mask, sinks
+
+    def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
+        """Why this backend cannot run ``mask`` / ``sinks`` with ``comm_type`` (``None``: it can). Default:
+        the plain causal / full mask only; backends override with what they run."""
+        used = variant_names(mask, sinks)
+        if not used:
+            return None
+        return f"{', '.join(used)} not supported by this backend; backend='local' runs them in every comm type"
+
     @abstractmethod
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard along ``seq_dim``. Backward returns the gradient in
@@ -253,4 +296,9 @@ class ContextParallelHandler(ABC):
         *,
         attn_mask_type: str = "causal",
     ) -> torch.Tensor:
-        """Attention of the local queries over the whole sequence; output shaped like ``q``."""
+        """Attention of the local queries over the whole sequence; output shaped like ``q``.
+
+        Attention variants are attributes of ``attn_mod`` (:func:`~.checks.attention_variant`):
+        ``window_size`` (a causal left window ``(W - 1, 0)``), ``attention_chunk_size``, ``softcap`` and
+        ``sinks``; a backend that does not run one raises ``ValueError`` naming it
+        (:meth:`unsupported_variant`), never ignores it."""

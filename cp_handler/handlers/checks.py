@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ..layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
+from ..masks import AttentionMask
 from ..ops.collectives import all_gather_single
+from ..ops.sinks import check_sinks
 
 CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
 """Set to ``0`` to skip the cross-rank agreement checks (default on); the handler argument
@@ -118,6 +120,54 @@ def window_size(attn_mod) -> tuple[int, int] | None:
     if min(window) < -1:
         raise ValueError(f"attn_mod.window_size={tuple(window)}: each bound must be >= -1 (-1: unbounded)")
     return tuple(window)
+
+
+VARIANT_ALIASES = {"sliding_window": "window_size=(W - 1, 0)", "attn_logit_softcapping": "softcap",
+                   "s_aux": "sinks", "softmax_offset": "sinks", "chunk_size": "attention_chunk_size"}
+"""Attributes other libraries name these variants by, refused on an ``attn_mod`` (a value there would
+otherwise be ignored): the attribute the handlers read instead."""
+
+
+def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int):
+    """The mask and sinks of ``attn_mod``: ``(AttentionMask, sinks (heads,) or None)``.
+
+    Attributes read: ``window_size`` (Transformer Engine's ``(left, right)``; a causal left window
+    ``(W - 1, 0)`` is the window ``W`` of :class:`~cp_handler.masks.AttentionMask`), ``attention_chunk_size``
+    (chunked attention, Llama 4), ``softcap`` (``softcap * tanh(score / softcap)``, Gemma 2) and ``sinks``
+    (a tensor of one logit per query head, GPT-OSS). ``None`` or absent: not used.
+
+    Raises:
+        TypeError / ValueError: naming the attribute: a value of the wrong type, a window / chunk /
+            soft-cap that is not positive, a window that is not a causal left window (right bound other
+            than 0, or any bounded window with ``attn_mask_type="no_mask"``), a chunk without a causal
+            mask, sinks of the wrong shape, dtype or device, or an alias of another library
+            (:data:`VARIANT_ALIASES`) set.
+    """
+    for alias, name in VARIANT_ALIASES.items():
+        if getattr(attn_mod, alias, None) is not None:
+            raise ValueError(f"attn_mod.{alias}={getattr(attn_mod, alias)!r} is not read by the handlers (it would be "
+                             f"ignored); set attn_mod.{name} instead")
+    causal = attn_mask_type == "causal"
+    window, left = window_size(attn_mod), None
+    if window is not None and window not in ((-1, 0), (-1, -1)):
+        if window[1] != 0 or not causal:
+            raise ValueError(f"attn_mod.window_size={window} with attn_mask_type={attn_mask_type!r}: only causal left "
+                             "windows (W - 1, 0) are supported")
+        left = window[0] + 1
+    chunk = getattr(attn_mod, "attention_chunk_size", None)
+    softcap = getattr(attn_mod, "softcap", None)
+    if chunk is not None and not causal:
+        raise ValueError(f"attn_mod.attention_chunk_size={chunk!r} needs attn_mask_type='causal'")
+    try:
+        mask = AttentionMask(causal=causal, window=left, chunk=chunk, softcap=softcap)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"attn_mod: {err} (attributes window_size, attention_chunk_size, softcap)") from None
+    sinks = getattr(attn_mod, "sinks", None)
+    try:
+        check_sinks(sinks, heads, q)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"attn_mod.{err}") from None
+    return mask, sinks
 
 
 def fingerprint(*parts) -> int:

@@ -14,7 +14,7 @@ from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
 from .base import ATTN_MASK_TYPES
-from .checks import softmax_scale, window_size
+from .checks import softmax_scale
 from .zigzag import ZigzagContextParallelHandler
 
 
@@ -82,24 +82,29 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
                 "hierarchical_context_parallel_sizes=[a2a, p2p]))"
             )
 
+    def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
+        return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)
+
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        window = window_size(attn_mod)
-        if window is not None and window not in ((-1, 0), (-1, -1)):
-            raise ValueError(f"attn_mod.window_size={window}: the local backend has no sliding-window "
-                             "attention; use backend='transformer_engine' with cp_comm_type 'a2a' or 'all_gather'")
         scale = softmax_scale(attn_mod, q.shape[-1])
-        causal = attn_mask_type == "causal"
-        self.check_attention_inputs(q, k, v)
+        variant = {}
+
+        def read_variant():  # a bad attribute fails every rank together, before any collective
+            variant["mask"], variant["sinks"] = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
+
+        self.check_attention_inputs(q, k, v, read_variant)
+        mask, sinks = variant["mask"], variant["sinks"]
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
-        options = {"causal": causal, "scale": scale, "layout": self.layout(q_.shape[2]),
-                   "attn_kernel": self.kernel_choice}
-        if self.cp_size == 1 and self.thd_layout is None and self.attn_kernel == AUTOMATIC:
+        options = {"causal": mask.causal, "scale": scale, "layout": self.layout(q_.shape[2]),
+                   "attn_kernel": self.kernel_choice, "mask": mask, "sinks": sinks}
+        if self.cp_size == 1 and self.thd_layout is None and self.attn_kernel == AUTOMATIC and mask.plain \
+                and sinks is None:
             out = F.scaled_dot_product_attention(
-                q_, k_, v_, is_causal=causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
+                q_, k_, v_, is_causal=mask.causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
             )
-        elif self.cp_size == 1:  # packed documents alone, or a forced kernel: blockwise attention
+        elif self.cp_size == 1:  # packed documents alone, a variant, or a forced kernel: blockwise attention
             out = ring_attn(q_, k_, v_, group=None, **options)[0]
         else:
             pattern = PATTERNS[self.comm_type_for(attn_mod)]

@@ -258,6 +258,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         if attn_mask_type not in ATTN_MASK_TYPES or (attn_mask_type == "causal") != self.causal:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} must match the handler's key (causal={self.causal})")
         check_qkv(q, k, v, seq_dim=1 if q.dim() == 4 else 0)
+        self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])  # plain masks only (refused by name)
         shape, scale = q.shape, softmax_scale(attn_mod, q.shape[-1])
         q, k, v = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (T_local, H, D)
         if self.cp_size == 1:

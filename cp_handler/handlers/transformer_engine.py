@@ -17,7 +17,8 @@ tags v2.10-v2.18 and main at 2.20.0.dev0):
 
 * dtype float16 or bfloat16: no fp32 backend supports CP (UnfusedDotProductAttention is disabled
   under CP, FlashAttention and FusedAttention take fp16/bf16);
-* sliding-window attention only with ``a2a`` and ``all_gather``;
+* sliding-window attention only with ``a2a`` and ``all_gather``; chunked attention, soft-capping and
+  learnable sinks refused by name (:meth:`TEContextParallelHandler.unsupported_variant`);
 * ``a2a`` / ``a2a+p2p``: query and KV heads divisible by the a2a size (TE does not replicate KV); an
   odd head count also disables FusedAttention, so it needs ``flash_attn`` installed;
 * thd: ``p2p`` and ``a2a``; ``all_gather`` from TE 2.18 (earlier: "No support for
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.patterns import PATTERNS
-from .base import ATTN_MASK_TYPES
+from .base import ATTN_MASK_TYPES, variant_names
 from .checks import softmax_scale, window_size
 from .requirements import import_backend, release, require_cuda
 from .zigzag import ZigzagContextParallelHandler
@@ -140,10 +141,6 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             raise ValueError(f"transformer_engine: q has dtype {q.dtype}, but TE has no {q.dtype} attention backend "
                              "under context parallelism (float16 or bfloat16 only); cast the model to bfloat16 or "
                              "use backend='local', which runs any float dtype")
-        window = window_size(attn_mod)
-        if window not in (None, (-1, 0), (-1, -1)) and comm_type in ("p2p", "a2a+p2p"):
-            raise ValueError(f"transformer_engine: sliding window attention (window_size={window}) is not supported "
-                             f"with cp_comm_type={comm_type!r}; use 'a2a' or 'all_gather'")
         if comm_type in ("a2a", "a2a+p2p"):
             size = self.cp_size if comm_type == "a2a" else dist.get_world_size(self.hierarchical_cp_groups[0])
             if heads % size or kv_heads % size:
@@ -162,6 +159,22 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         if manager is None or not manager.is_fp8_enabled():
             return False
         return bool(getattr(manager.get_fp8_recipe(), "fp8_dpa", False))
+
+    def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
+        """What TE's context parallelism runs (checked in its ``attn_forward_func_with_cp``, TE 2.8 - 2.20):
+        sliding windows with ``a2a`` / ``all_gather`` only (the local backend's ring has them); no
+        chunked attention or soft-capping; learnable sinks (``softmax_type="learnable"``) only with
+        ``a2a`` and FusedAttention, which this handler does not map ``attn_mod.sinks`` onto."""
+        if self.cp_size > 1 and mask.window is not None and comm_type in ("p2p", "a2a+p2p"):
+            return (f"sliding window attention (window_size={(mask.window - 1, 0)}) is not supported by Transformer "
+                    f"Engine with cp_comm_type={comm_type!r}; use 'a2a' or 'all_gather', or backend='local' (ring with "
+                    "halo exchange)")
+        unsupported = [name for name in variant_names(mask, sinks) if "window_size" not in name]
+        if unsupported:
+            return (f"{', '.join(unsupported)} not run by this handler on Transformer Engine (TE has no chunked "
+                    "attention or soft-capping under CP, and sinks only as its own softmax_offset with a2a); "
+                    "backend='local' runs them in every comm type")
+        return None
 
     def te_module(self, attn_mod, heads: int, kv_heads: int, head_dim: int):
         """The ``DotProductAttention`` child ``te_attention`` of ``attn_mod`` (built and registered on
@@ -199,7 +212,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        self.check_attention_inputs(q, k, v)
+        self.check_attention_inputs(q, k, v, lambda: self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2]))
         shape = q.shape
         if self.qkv_format == "thd" and q.dim() == 4:
             q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)

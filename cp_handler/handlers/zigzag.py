@@ -79,10 +79,11 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             )
         return self.thd_layout
 
-    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, more_checks=None) -> None:
         """The checks every ``core_attn`` of this layout runs first: q/k/v agree (:func:`.checks.check_qkv`),
-        the local length fits the layout (:meth:`layout`), and, once per handler, the ranks agree on
-        length, batch, heads, head dim, dtype and layout.
+        the local length fits the layout (:meth:`layout`), ``more_checks()`` (a handler's own, e.g. the
+        attention variant) passes, and, once per handler, the ranks agree on length, batch, heads,
+        head dim, dtype and layout. A local failure fails every rank together (:meth:`checked`).
 
         Raises:
             ValueError / TypeError: naming the tensors, their shapes or dtypes, and the rule.
@@ -97,6 +98,8 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             seq_dim = 0 if self.qkv_format == "sbhd" or q.dim() == 3 else 1
             check_qkv(q, k, v, seq_dim)
             self.layout(q.shape[seq_dim])
+            if more_checks is not None:
+                more_checks()
             return {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
                     "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
                     "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint}

@@ -9,7 +9,10 @@ current chunk is computed, and each chunk's dK/dV reduce-scatter runs while the 
 Causal plan for local query chunk ``j`` (global chunk index, length ``c``): keys ``[0, j*c)``
 unmasked plus the diagonal block ``[j*c, (j+1)*c)`` causal. Both query chunks of a zigzag rank
 sum to the same work on every rank. Packed documents (thd): the same per document, on real
-tokens only, against the document's keys in the gathered global (padded) order.
+tokens only, against the document's keys in the gathered global (padded) order. Other masks
+(window, chunks, soft-cap): each query chunk against the document's keys through
+:func:`~cp_handler.masks.mask_blocks` (keys outside the window or chunk are gathered but never
+computed on); learnable sinks are folded in after the merge (:mod:`.sinks`).
 """
 
 from __future__ import annotations
@@ -21,18 +24,28 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs, zigzag_chunk_ids
+from ..masks import AttentionMask, mask_blocks, resolve_mask
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .kernels.base import seq_major
 from .merge import acc_dtype
 from .ring import default_layout
+from .sinks import check_sinks, fold_sinks, sinks_grad
 
 
 @functools.lru_cache(maxsize=64)
-def all_gather_blocks(layout: ZigzagDocs, rank: int, causal: bool) -> list[Block]:
+def all_gather_blocks(layout: ZigzagDocs, rank: int, mask: AttentionMask) -> list[Block]:
     """Blocks of ``rank``'s local queries against K/V gathered in global (padded) order."""
+    causal = mask.causal
     blocks = []
     for i in range(layout.num_docs):
+        start = int(layout.cu_seqlens_padded[i])
+        if not mask.plain:
+            for q_id, q_row, q_real in layout.rank_chunks(i, rank):
+                keys = min(layout.lengths[i], (q_id + 1) * layout.chunk(i)) if causal else layout.lengths[i]
+                blocks += mask_blocks(slice(q_row, q_row + q_real), q_id * layout.chunk(i), slice(start, start + keys),
+                                      0, mask)
+            continue
         start, off, chunk = int(layout.cu_seqlens_padded[i]), layout.local_offsets[i], layout.chunk(i)
         if not causal:
             rows = sum(layout.rank_real(i, rank))
@@ -75,9 +88,9 @@ def _query_heads(kv_heads: slice, groups: int) -> slice:
     return slice(kv_heads.start * groups, kv_heads.stop * groups)
 
 
-def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, kv_heads_per_chunk=None,
-                            attn_kernel=None):
-    blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
+def all_gather_attn_forward(q, k, v, group, layout, mask: AttentionMask, scale: float, kv_heads_per_chunk=None,
+                            attn_kernel=None, sinks=None):
+    blocks = all_gather_blocks(layout, dist.get_rank(group), mask)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     out, lse = new_accumulators(q)
     groups = q.shape[1] // k.shape[1]
@@ -90,12 +103,14 @@ def all_gather_attn_forward(q, k, v, group, layout, causal: bool, scale: float, 
         qh = _query_heads(heads, groups)
         blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale, fresh=True,
                         attn_kernel=attn_kernel)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: bool, scale: float,
+def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, mask: AttentionMask, scale: float,
                              kv_heads_per_chunk=None, attn_kernel=None):
-    blocks = all_gather_blocks(layout, dist.get_rank(group), causal)
+    blocks = all_gather_blocks(layout, dist.get_rank(group), mask)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)  # as out: the kernels take its rows without copies
@@ -125,24 +140,28 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, causal: boo
 
 class _AllGatherAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel):
-        out, lse = all_gather_attn_forward(q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)
+    def forward(ctx, q, k, v, sinks, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel):
+        out, lse = all_gather_attn_forward(q, k, v, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel,
+                                           sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (group, layout, mask, scale, kv_heads_per_chunk, attn_kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
                     layout: ZigzagDocs | None = None,
                     kv_heads_per_chunk: int | None = None,
-                    attn_kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    attn_kernel: str | None = None,
+                    mask: AttentionMask | None = None,
+                    sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable KV all-gather attention over ``group``.
 
     Args:
@@ -151,9 +170,17 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
         layout: documents of the local sequence (thd); default one document (bshd).
         kv_heads_per_chunk: KV heads gathered at once (default ``ceil(Hkv / 2)``).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
+        mask: window / chunks / soft-cap (:class:`~cp_handler.masks.AttentionMask`, agreeing with
+            ``causal``); default the plain mask.
+        sinks: ``(H,)`` learnable sink logits (:mod:`.sinks`), or ``None``.
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype, ``lse (B, H, S_local)`` float32 (not differentiable).
+
+    Raises:
+        TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
+    mask = resolve_mask(causal, mask)
+    check_sinks(sinks, q.shape[1], q)
     layout = layout or default_layout(q, group)
-    return _AllGatherAttn.apply(q, k, v, group, layout, causal, scale, kv_heads_per_chunk, attn_kernel)
+    return _AllGatherAttn.apply(q, k, v, sinks, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel)

@@ -1,7 +1,9 @@
 """Run a plan of attention blocks on local tensors: the compute shared by every CP algorithm.
 
-A block is ``(q_rows, kv_rows, causal)``: slices of the sequence dim of q and of k/v, and whether
-the (square) block is causal. An algorithm (ring step, all-gather, a2a) decides the plan; these
+A block is ``(q_rows, kv_rows, mask)``: slices of the sequence dim of q and of k/v, and ``False``
+(no mask), ``True`` (the square causal diagonal) or a :class:`~cp_handler.masks.BlockMask` (a window
+or chunk edge, or soft-capped scores: the masked kernel, :mod:`.kernels.masked`). An algorithm (ring
+step, all-gather, a2a) decides the plan (masked plans: :func:`cp_handler.masks.mask_blocks`); these
 functions run it, merging forward results by log-sum-exp and accumulating gradients.
 All tensors ``(B, H, S, D)``; accumulators in :func:`~.merge.acc_dtype`.
 """
@@ -12,11 +14,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..masks import BlockMask
 from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
+from .kernels.base import seq_major
+from .kernels.masked import masked_backward, masked_forward
 from .merge import acc_dtype, merge_attn_out_
 from .packed_blocks import PackedCallCache, packed_backward_, packed_forward_
+from .sinks import fold_sinks, sinks_grad
 
-Block = tuple[slice, slice, bool]
+Block = tuple[slice, slice, bool | BlockMask]
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,7 +60,7 @@ def tile_causal(blocks: list[Block], tile: int = CPU_CAUSAL_TILE) -> list[Block]
     tiled: list[Block] = []
     for q_rows, kv_rows, causal in blocks:
         n = q_rows.stop - q_rows.start
-        if not causal or n <= tile:
+        if causal is not True or n <= tile:
             tiled.append((q_rows, kv_rows, causal))
             continue
         h = -(-n // (2 * tile)) * tile  # ceil(n / 2) rounded up to a tile; tile <= h < n
@@ -66,8 +72,11 @@ def tile_causal(blocks: list[Block], tile: int = CPU_CAUSAL_TILE) -> list[Block]
     return tiled
 
 
-def _plan(blocks: list[Block], kernel: AttnKernel) -> list[Block]:
-    return tile_causal(blocks) if kernel.device_type == "cpu" else blocks
+def _plan(blocks: list[Block], kernel: AttnKernel) -> tuple[list[Block], list[Block]]:
+    """``(blocks for the kernel, masked blocks)``: the first tiled on CPU (:func:`tile_causal`)."""
+    plain = [b for b in blocks if not isinstance(b[2], BlockMask)]
+    masked = [b for b in blocks if isinstance(b[2], BlockMask)]
+    return tile_causal(plain) if kernel.device_type == "cpu" else plain, masked
 
 
 def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
@@ -98,20 +107,25 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh:
     calls (:mod:`.packed_blocks`).
     """
     kernel, cache = resolve_kernel(q, attn_kernel)
+    plain, masked = _plan(blocks, kernel)
     if kernel.packed:
-        return packed_forward_(out, lse, q, k, v, _plan(blocks, kernel), scale, fresh, kernel, cache)
-    frontier = 0 if fresh else None
-    for q_rows, kv_rows, causal in _plan(blocks, kernel):
-        block_out, block_lse = block_attn_forward(
-            rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale, kernel=kernel
-        )
-        if frontier is not None and q_rows.start >= frontier:
-            rows(out, q_rows).copy_(block_out)
-            rows(lse, q_rows).copy_(block_lse)
-        else:
-            merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
-        if frontier is not None:
-            frontier = max(frontier, q_rows.stop)
+        packed_forward_(out, lse, q, k, v, plain, scale, fresh, kernel, cache)
+    else:
+        frontier = 0 if fresh else None
+        for q_rows, kv_rows, causal in plain:
+            block_out, block_lse = block_attn_forward(
+                rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale, kernel=kernel
+            )
+            if frontier is not None and q_rows.start >= frontier:
+                rows(out, q_rows).copy_(block_out)
+                rows(lse, q_rows).copy_(block_lse)
+            else:
+                merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
+            if frontier is not None:
+                frontier = max(frontier, q_rows.stop)
+    for q_rows, kv_rows, block in masked:  # after the plain blocks: always merged, never copied
+        block_out, block_lse = masked_forward(rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), block, scale)
+        merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
 
 
 class LseRows:
@@ -135,13 +149,55 @@ def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows
     (pass one :class:`LseRows` to every call of a backward pass to share its row copies)."""
     kernel, cache = resolve_kernel(q, attn_kernel)
     lse_rows = lse if isinstance(lse, LseRows) else LseRows(lse)
+    plain, masked = _plan(blocks, kernel)
     if kernel.packed:
-        return packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, _plan(blocks, kernel), scale, kernel, cache)
-    for q_rows, kv_rows, causal in _plan(blocks, kernel):
-        dq_b, dk_b, dv_b = block_attn_backward(
-            rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-            rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale, kernel=kernel,
-        )
-        rows(dq, q_rows).add_(dq_b)
-        rows(dk, kv_rows).add_(dk_b)
-        rows(dv, kv_rows).add_(dv_b)
+        packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, plain, scale, kernel, cache)
+    else:
+        for q_rows, kv_rows, causal in plain:
+            grads = block_attn_backward(
+                rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
+                rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale, kernel=kernel,
+            )
+            _add_grads_(dq, dk, dv, q_rows, kv_rows, grads)
+    for q_rows, kv_rows, block in masked:
+        grads = masked_backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
+                                rows(out, q_rows), lse_rows(q_rows), block, scale)
+        _add_grads_(dq, dk, dv, q_rows, kv_rows, grads)
+
+
+def _add_grads_(dq, dk, dv, q_rows: slice, kv_rows: slice, grads) -> None:
+    rows(dq, q_rows).add_(grads[0])
+    rows(dk, kv_rows).add_(grads[1])
+    rows(dv, kv_rows).add_(grads[2])
+
+
+class _PlanAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, blocks, scale, attn_kernel):
+        out, lse = new_accumulators(q)
+        blocks_forward_(out, lse, q, k, v, list(blocks), scale, fresh=True, attn_kernel=attn_kernel)
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (blocks, scale, attn_kernel)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        blocks, scale, attn_kernel = ctx.args
+        dtype = acc_dtype(q.dtype)
+        dout = seq_major(dout)
+        dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+        blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, list(blocks), scale, attn_kernel)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
+
+
+def plan_attn(q, k, v, blocks, scale: float, attn_kernel=None, sinks: torch.Tensor | None = None):
+    """Differentiable attention of local ``q (B,H,Sq,D)`` over local ``k, v (B,Hkv,Sk,D)`` by one fixed
+    block plan (a tuple of blocks: keys of K/V rows already on this rank, e.g. after a halo exchange),
+    with ``sinks (H,)`` folded in after the merge: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``."""
+    return _PlanAttn.apply(q, k, v, sinks, tuple(blocks), scale, attn_kernel)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..layout import ZigzagDocs
+from ..masks import CAUSAL
 from .all_gather import all_gather_attn, all_gather_blocks
 from .blocks import Block
 from .ring import ring_attn, ring_blocks
@@ -58,18 +59,18 @@ class CommPattern:
 
 
 def _ring_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
-    return RankSteps(layout.local_len, layout.local_len, 1, [ring_blocks(layout, s, rank, True)
+    return RankSteps(layout.local_len, layout.local_len, 1, [ring_blocks(layout, s, rank, CAUSAL)
                                                              for s in range(layout.size)])
 
 
 def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
-    return RankSteps(layout.local_len, int(layout.cu_seqlens_padded[-1]), 1, [all_gather_blocks(layout, rank, True)])
+    return RankSteps(layout.local_len, int(layout.cu_seqlens_padded[-1]), 1, [all_gather_blocks(layout, rank, CAUSAL)])
 
 
 def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
     inner = layout.inner(a2a_size)  # after the all-to-all: a ring over the outer ranks (rank 0's position)
     return RankSteps(inner.local_len, inner.local_len, a2a_size,
-                     [ring_blocks(inner, s, rank // a2a_size, True) for s in range(inner.size)])
+                     [ring_blocks(inner, s, rank // a2a_size, CAUSAL) for s in range(inner.size)])
 
 
 PATTERNS: dict[str, CommPattern] = {p.name: p for p in (

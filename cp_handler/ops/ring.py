@@ -16,6 +16,14 @@ Causal blocks at ring step ``i`` on rank ``r`` (K/V from rank ``src = (r - i) mo
 the other (query chunk, key chunk) pairs lie entirely above the diagonal and are skipped.
 Packed documents (thd): the same rule per document, each zigzag-split on its own (:class:`ZigzagDocs`);
 only real tokens enter the blocks, so work follows the documents' lengths and no mask is built.
+
+Other masks (:class:`~cp_handler.masks.AttentionMask`: sliding window, chunks, soft-cap): every (query
+chunk, key chunk) pair of a step is planned by :func:`~cp_handler.masks.mask_blocks` (empty pairs
+skipped, edges to the masked kernel). A window or chunk does not shorten the ring: under zigzag the
+chunk just before rank ``r``'s second chunk is on rank ``r + 1``, which the ring reaches at its last
+step. What saves the bytes is the halo exchange (:mod:`.halo`: each rank receives only the K/V rows
+its queries see), used instead of the ring whenever it moves at most half as much. Learnable sinks are
+folded in after the merge (:mod:`.sinks`).
 """
 
 from __future__ import annotations
@@ -26,17 +34,27 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs
+from ..masks import AttentionMask, mask_blocks, resolve_mask
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
+from .halo import halo_applies, halo_attn
 from .kernels.base import seq_major
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
+from .sinks import check_sinks, fold_sinks, sinks_grad
 
 
-@functools.lru_cache(maxsize=256)
-def ring_blocks(layout: ZigzagDocs, step: int, rank: int, causal: bool) -> list[Block]:
-    """Blocks of ring step ``step`` on ``rank``: per document, the zigzag rule of the module doc,
-    restricted to real tokens (padding is neither attended to nor computed)."""
+@functools.lru_cache(maxsize=512)
+def ring_blocks(layout: ZigzagDocs, step: int, rank: int, mask: AttentionMask) -> list[Block]:
+    """Blocks of ring step ``step`` on ``rank``: per document, the zigzag rule of the module doc
+    (any other mask: :func:`~cp_handler.masks.mask_blocks` per pair of chunks), restricted to real
+    tokens (padding is neither attended to nor computed)."""
     src = (rank - step) % layout.size
+    if not mask.plain:
+        return [block for i in range(layout.num_docs) for q_id, q_row, q_real in layout.rank_chunks(i, rank)
+                for k_id, k_row, k_real in layout.rank_chunks(i, src)
+                for block in mask_blocks(slice(q_row, q_row + q_real), q_id * layout.chunk(i),
+                                         slice(k_row, k_row + k_real), k_id * layout.chunk(i), mask)]
+    causal = mask.causal
     blocks = []
     for i in range(layout.num_docs):
         off, chunk = layout.local_offsets[i], layout.chunk(i)
@@ -60,26 +78,35 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
     return ZigzagDocs.uniform(q.shape[2] * size, size)
 
 
-def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, causal: bool, scale: float, attn_kernel: str | None = None):
-    """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``."""
+def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, mask: AttentionMask, scale: float, attn_kernel=None,
+                      sinks: torch.Tensor | None = None):
+    """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``
+    (with ``sinks``: folded in, :mod:`.sinks`)."""
     comm = RingComm(group)
+    steps = comm.size
     kv = torch.stack([k, v])
     out, lse = new_accumulators(q)
-    for step in range(comm.size):
-        pending = comm.send_recv(kv) if step + 1 < comm.size else None
-        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, causal), scale,
+    for step in range(steps):
+        pending = comm.send_recv(kv) if step + 1 < steps else None
+        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, mask), scale,
                         fresh=step == 0, attn_kernel=attn_kernel)
         if pending is not None:
             kv = pending.wait()[0]
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 @functools.lru_cache(maxsize=256)
-def local_blocks_split(layout: ZigzagDocs, rank: int, causal: bool) -> tuple[list[Block], list[Block]]:
+def local_blocks_split(layout: ZigzagDocs, rank: int, mask: AttentionMask) -> tuple[list[Block], list[Block]]:
     """Step 0's blocks split into ``(head, tail)``: per document, the second zigzag chunk's causal
     diagonal is the tail (run last in backward, while partial dK/dV travel home); the first chunk's
     diagonal and the second chunk against the first are the head. A document's real local tokens
-    are contiguous (padding only ends a document), so the second chunk starts after a full first."""
+    are contiguous (padding only ends a document), so the second chunk starts after a full first.
+    Other masks: all of step 0 is the head."""
+    if not mask.plain:
+        return ring_blocks(layout, 0, rank, mask), []
+    causal = mask.causal
     head, tail = [], []
     for i in range(layout.num_docs):
         off, (a, b) = layout.local_offsets[i], layout.rank_real(i, rank)
@@ -93,9 +120,10 @@ def local_blocks_split(layout: ZigzagDocs, rank: int, causal: bool) -> tuple[lis
     return head, tail
 
 
-def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causal: bool, scale: float,
-                       attn_kernel: str | None = None):
-    """Backward ring: returns ``dq, dk, dv`` for the local q, k, v.
+def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, mask: AttentionMask, scale: float,
+                       attn_kernel=None):
+    """Backward ring: returns ``dq, dk, dv`` for the local q, k, v (``out``/``lse``: the forward's,
+    sinks folded in).
 
     K/V travel the ring as in forward. The gradient of a remote K/V block is sent straight to its
     owner as soon as it is computed (``cp - 1`` sends of one dK/dV shard per rank, none of them
@@ -103,21 +131,22 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
     tail runs after the last remote step and hides the last partial's trip home.
     """
     comm = RingComm(group)
+    steps = comm.size
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)  # once per call: the kernels then take every block's rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-    head, tail = local_blocks_split(layout, comm.rank, causal)
+    head, tail = local_blocks_split(layout, comm.rank, mask)
     lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
-    kv_pending = comm.send_recv(torch.stack([k, v])) if comm.size > 1 else None
+    kv_pending = comm.send_recv(torch.stack([k, v])) if steps > 1 else None
     blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, scale, attn_kernel)
     partial = None
-    for step in range(1, comm.size):
+    for step in range(1, steps):
         kv_remote = kv_pending.wait()[0]
-        kv_pending = comm.send_recv(kv_remote) if step + 1 < comm.size else None
+        kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
         dkv_remote = torch.zeros_like(dkv)
         blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
-                         ring_blocks(layout, step, comm.rank, causal), scale, attn_kernel)
+                         ring_blocks(layout, step, comm.rank, mask), scale, attn_kernel)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
@@ -131,18 +160,19 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, causa
 
 class _RingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, causal, scale, attn_kernel):
-        out, lse = ring_attn_forward(q, k, v, group, layout, causal, scale, attn_kernel)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (group, layout, causal, scale, attn_kernel)
+    def forward(ctx, q, k, v, sinks, group, layout, mask, scale, attn_kernel):
+        out, lse = ring_attn_forward(q, k, v, group, layout, mask, scale, attn_kernel, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.args = (group, layout, mask, scale, attn_kernel)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
 def ring_attn(
@@ -155,6 +185,8 @@ def ring_attn(
     scale: float,
     layout: ZigzagDocs | None = None,
     attn_kernel: str | None = None,
+    mask: AttentionMask | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ring attention over ``group``.
 
@@ -166,9 +198,22 @@ def ring_attn(
         scale: softmax scale (usually ``D ** -0.5``).
         layout: documents of the local sequence (thd); default one document (bshd).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
+        mask: a sliding window, chunks and/or a soft-cap (:class:`~cp_handler.masks.AttentionMask`, its
+            ``causal`` equal to ``causal``); default the plain causal / full mask. A window or chunk
+            that a halo exchange covers runs :func:`~.halo.halo_attn` instead of the ring.
+        sinks: ``(H,)`` learnable sink logits, one per query head (:mod:`.sinks`), or ``None``.
 
     Returns:
         ``out (B, H, S_local, D)`` in q's dtype and ``lse (B, H, S_local)`` float32 (float64 for
-        float64 inputs); ``lse`` is not differentiable.
+        float64 inputs; with sinks, the log-sum-exp including them); ``lse`` is not differentiable.
+
+    Raises:
+        TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
-    return _RingAttn.apply(q, k, v, group, layout or default_layout(q, group), causal, scale, attn_kernel)
+    mask = resolve_mask(causal, mask)
+    check_sinks(sinks, q.shape[1], q)
+    layout = layout or default_layout(q, group)
+    if group is not None and halo_applies(layout, mask):
+        return halo_attn(q, k, v, group=group, layout=layout, mask=mask, scale=scale, attn_kernel=attn_kernel,
+                         sinks=sinks)
+    return _RingAttn.apply(q, k, v, sinks, group, layout, mask, scale, attn_kernel)

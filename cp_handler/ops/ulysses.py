@@ -25,8 +25,10 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..layout import ZigzagDocs
+from ..masks import AttentionMask, resolve_mask
 from .collectives import all_to_all
 from .ring import ring_attn
+from .sinks import check_sinks
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -65,7 +67,8 @@ def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
 
 def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
              inner_group: dist.ProcessGroup | None = None, layout: ZigzagDocs | None = None,
-             return_lse: bool = False, attn_kernel: str | None = None):
+             return_lse: bool = False, attn_kernel: str | None = None, mask: AttentionMask | None = None,
+             sinks: torch.Tensor | None = None):
     """Differentiable a2a attention; with ``inner_group``, hierarchical a2a+p2p.
 
     Args:
@@ -78,13 +81,20 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
             document (bshd).
         return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
+        mask: window / chunks / soft-cap (:class:`~cp_handler.masks.AttentionMask`), run by the ring
+            after the all-to-all (positions are unchanged by it); default the plain mask.
+        sinks: ``(H,)`` learnable sink logits; each rank passes the ring its heads' slice (the slice's
+            gradient flows back to the whole tensor).
 
     Returns:
         ``(out (B, H, S_local, D), lse (B, H, S_local) float32 or None)``.
 
     Raises:
-        ValueError: head counts that the a2a cannot split (see :func:`check_a2a_heads`).
+        ValueError: head counts that the a2a cannot split (see :func:`check_a2a_heads`); a mask or
+            sinks that :func:`~.ring.ring_attn` refuses.
     """
+    mask = resolve_mask(causal, mask)
+    check_sinks(sinks, q.shape[1], q)
     a2a_size = dist.get_world_size(group)
     replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
     outer_size = 1 if inner_group is None else dist.get_world_size(inner_group)
@@ -92,14 +102,17 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         layout = ZigzagDocs.uniform(q.shape[2] * a2a_size * outer_size, a2a_size * outer_size)
     if a2a_size == 1:
         return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout,
-                         attn_kernel=attn_kernel)
+                         attn_kernel=attn_kernel, mask=mask, sinks=sinks)
+    if sinks is not None:
+        heads = q.shape[1] // a2a_size
+        sinks = sinks[dist.get_rank(group) * heads:(dist.get_rank(group) + 1) * heads]
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order = layout.a2a_reorder_index(a2a_size).to(q.device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
     q, k, v = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
     out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size),
-                         attn_kernel=attn_kernel)
+                         attn_kernel=attn_kernel, mask=mask, sinks=sinks)
     out = heads_to_seq(out.index_select(2, inverse), group)
     if return_lse:
         lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)

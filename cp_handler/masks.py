@@ -1,0 +1,215 @@
+"""One description of what a query may see, and the blocks of a plan it leaves empty, full or partial.
+
+:class:`AttentionMask` is causal (or bidirectional), optionally with a sliding window (left window
+``W``: a query at position ``q`` sees keys ``q - W < k <= q``, transformers' ``sliding_window``
+convention, i.e. Transformer Engine's ``window_size = (W - 1, 0)``) and/or chunked attention (chunk
+``C``: only keys in the query's chunk ``k // C == q // C``), plus a soft-cap of the scores
+(``softcap * tanh(s / softcap)``, Gemma 2). Positions are inside a document (thd: each document
+restarts at 0), so windows and chunks stay within documents.
+
+Every planner asks :func:`mask_blocks` for the blocks between a run of query positions and a run of
+key positions: it returns nothing for an empty pair, a full block (no mask) or the square causal
+diagonal (the kernels' own causal flag) where it can, and splits the rest into tiles so that only the
+band along a window's or chunk's edge goes to the masked kernel (:mod:`cp_handler.ops.kernels.masked`)
+as a :class:`BlockMask`. No planner re-derives window or chunk logic on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MASK_TILE = 64
+"""Query rows of the tiles a partially masked block is split into: the parts of a tile's keys that
+every row sees go to the fast kernels, only the bands where the visibility changes (the causal
+diagonal, a window's left edge, a chunk boundary: at most ``MASK_TILE`` keys wide each) to the masked
+kernel."""
+
+MASK_KEY_TILE = 512
+"""Widest masked block (keys): a soft-capped block is masked everywhere, so it is cut into
+``MASK_TILE x MASK_KEY_TILE`` tiles, bounding the masked kernel's explicit scores (see its doc)."""
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """What a query may see (positions inside one document).
+
+    Attributes:
+        causal: keys up to the query's own position (else every key of the document).
+        window: sliding window ``W >= 1``: keys ``q - W < k`` (with ``causal``), ``None``: unbounded.
+        chunk: chunked attention ``C >= 1``: keys of the query's chunk, ``None``: no chunks.
+        softcap: soft-capping of the scores, ``None``: none.
+
+    Raises:
+        ValueError / TypeError: a window, chunk or soft-cap that is not a positive number; a window or
+            chunk without ``causal``.
+    """
+
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self):
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"attention mask {name}={value!r} must be an int >= 1")
+            if value < 1:
+                raise ValueError(f"attention mask {name}={value} must be >= 1")
+            if not self.causal:
+                raise ValueError(f"attention mask {name}={value} needs a causal mask (left windows / chunks)")
+        if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
+                                         or not math.isfinite(self.softcap) or self.softcap <= 0):
+            raise ValueError(f"attention mask softcap={self.softcap!r} must be a finite number > 0")
+
+    @property
+    def restricted(self) -> bool:
+        """A window or chunks: blocks may be empty or partial beyond the causal rule."""
+        return self.window is not None or self.chunk is not None
+
+    @property
+    def plain(self) -> bool:
+        """Causal or full, nothing else: the plans' fast path (no masked kernel)."""
+        return not self.restricted and self.softcap is None
+
+    def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """Which (query, key) position pairs are visible (bool, broadcast)."""
+        seen = k_pos <= q_pos if self.causal else torch.ones_like(k_pos - q_pos, dtype=torch.bool)
+        if self.window is not None:
+            seen = seen & (k_pos > q_pos - self.window)
+        if self.chunk is not None:
+            seen = seen & (k_pos // self.chunk == q_pos // self.chunk)
+        return seen
+
+    def lookback(self, q_pos: int) -> int:
+        """How many positions before ``q_pos`` the query at ``q_pos`` (and every later one in the same
+        window / chunk reach) may see: ``W - 1``, or ``q_pos mod C``; ``q_pos`` when unbounded."""
+        reach = q_pos
+        if self.window is not None:
+            reach = min(reach, self.window - 1)
+        if self.chunk is not None:
+            reach = min(reach, q_pos % self.chunk)
+        return reach
+
+    def classify(self, q0: int, q1: int, k0: int, k1: int) -> str:
+        """Queries at positions ``[q0, q1)`` against keys ``[k0, k1)``: ``"empty"``, ``"full"``,
+        ``"causal"`` (square, on the diagonal, nothing else masked) or ``"partial"``."""
+        first_q, last_q, first_k, last_k = q0, q1 - 1, k0, k1 - 1
+        if self.causal and first_k > last_q:
+            return "empty"
+        if self.window is not None and last_k <= first_q - self.window:
+            return "empty"
+        if self.chunk is not None and (last_k // self.chunk < first_q // self.chunk
+                                       or first_k // self.chunk > last_q // self.chunk):
+            return "empty"
+        window_ok = self.window is None or first_k > last_q - self.window
+        chunk_ok = self.chunk is None or first_q // self.chunk == last_q // self.chunk == \
+            first_k // self.chunk == last_k // self.chunk
+        if not self.causal or last_k <= first_q:
+            return "full" if window_ok and chunk_ok else "partial"
+        if (q0, q1) == (k0, k1) and window_ok and chunk_ok:
+            return "causal"
+        return "partial"
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """A block the masked kernel runs: ``mask`` at query positions from ``q_pos`` and key positions
+    from ``k_pos`` (the first row's and the first key's position in their document)."""
+
+    mask: AttentionMask
+    q_pos: int
+    k_pos: int
+
+
+CAUSAL = AttentionMask()
+"""The plain causal mask (the plans' fast path)."""
+
+NO_MASK = AttentionMask(causal=False)
+"""Every key of the document."""
+
+
+def resolve_mask(causal: bool, mask: AttentionMask | None) -> AttentionMask:
+    """The mask an algorithm runs: ``mask`` when given (its ``causal`` must equal ``causal``), else the
+    plain causal / full mask.
+
+    Raises:
+        TypeError: ``mask`` is not an :class:`AttentionMask`. ValueError: it disagrees with ``causal``.
+    """
+    if mask is None:
+        return CAUSAL if causal else NO_MASK
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"mask={mask!r} must be a cp_handler.masks.AttentionMask (or None)")
+    if mask.causal != bool(causal):
+        raise ValueError(f"mask={mask} disagrees with causal={causal}")
+    return mask
+
+
+def _kind(mask: AttentionMask, q0: int, q1: int, k0: int, k1: int):
+    """The third element of a block (see :mod:`cp_handler.ops.blocks`): ``False`` full, ``True``
+    square causal, a :class:`BlockMask` otherwise (or always, with a soft-cap); ``None`` for empty."""
+    kind = mask.classify(q0, q1, k0, k1)
+    if kind == "empty":
+        return None
+    if mask.softcap is not None or kind == "partial":
+        return BlockMask(mask, q0, k0)
+    return kind == "causal"
+
+
+def mask_blocks(q_rows: slice, q_pos: int, k_rows: slice, k_pos: int, mask: AttentionMask,
+                tile: int = MASK_TILE, key_tile: int = MASK_KEY_TILE) -> list[tuple[slice, slice, bool | BlockMask]]:
+    """The blocks between query rows ``q_rows`` (positions from ``q_pos``, contiguous) and key rows
+    ``k_rows`` (positions from ``k_pos``): nothing for an empty pair; one block when it is full or the
+    square causal diagonal (or a small partial one); else per tile of ``tile`` query rows, the keys cut
+    where the visibility of those rows changes (:func:`_edges`): full and causal pieces for the fast
+    kernels, the rest as :class:`BlockMask` pieces of at most ``key_tile`` keys. Empty pieces are
+    dropped (no kernel call, no merge)."""
+    nq, nk = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
+    if not nq or not nk:
+        return []
+    kind = _kind(mask, q_pos, q_pos + nq, k_pos, k_pos + nk)
+    if kind is None:
+        return []
+    if not isinstance(kind, BlockMask) or nq <= tile and nk <= key_tile:
+        return [(q_rows, k_rows, kind)]
+    blocks = []
+    starts = sorted({*range(0, nq, tile), *_chunk_starts(mask, q_pos, nq)})
+    for qs, qe in zip(starts, [*starts[1:], nq], strict=True):
+        cuts = sorted({0, nk, *_edges(mask, q_pos + qs, q_pos + qe, k_pos, nk)})
+        for ks, ke in zip(cuts[:-1], cuts[1:], strict=False):
+            kind = _kind(mask, q_pos + qs, q_pos + qe, k_pos + ks, k_pos + ke)
+            if kind is None:
+                continue
+            step = key_tile if isinstance(kind, BlockMask) else ke - ks
+            for kt in range(ks, ke, step):
+                piece = kind if step == ke - ks else BlockMask(mask, q_pos + qs, k_pos + kt)
+                blocks.append((slice(q_rows.start + qs, q_rows.start + qe),
+                               slice(k_rows.start + kt, k_rows.start + min(kt + step, ke)), piece))
+    return blocks
+
+
+def _chunk_starts(mask: AttentionMask, pos: int, n: int) -> list[int]:
+    """Offsets (from ``pos``) of the chunk boundaries inside ``n`` positions: row tiles start there, so
+    no tile straddles a chunk and every key range is seen by all rows of a tile or by none."""
+    if mask.chunk is None:
+        return []
+    first = (pos // mask.chunk + 1) * mask.chunk
+    return [b - pos for b in range(first, pos + n, mask.chunk)]
+
+
+def _edges(mask: AttentionMask, q0: int, q1: int, k_pos: int, nk: int) -> list[int]:
+    """Key offsets (from ``k_pos``) where the visibility of the queries at ``[q0, q1)`` can change:
+    the ends of the causal diagonal band, of the window's left-edge band (each at most ``q1 - q0``
+    keys wide) and of the chunk of those queries (a tile never straddles a chunk). Between two cuts
+    every row sees all keys or none, except inside a band."""
+    points = [q0, q1] if mask.causal else []
+    if mask.window is not None:
+        points += [q0 - mask.window + 1, q1 - mask.window + 1]
+    if mask.chunk is not None:
+        points += [q0 // mask.chunk * mask.chunk, ((q1 - 1) // mask.chunk + 1) * mask.chunk]
+    return [p - k_pos for p in points if 0 < p - k_pos < nk]

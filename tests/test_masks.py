@@ -1,0 +1,217 @@
+"""Attention variants under CP (sliding window, chunked attention, soft-capping, learnable sinks) against
+a float64 single-process reference: every comm type of the local backend, bshd / sbhd / thd, cp 1, 2, 4,
+windows and chunks smaller than, equal to and larger than a zigzag chunk and a rank's shard.
+
+Reference: explicit masked softmax per document in float64 (scores, soft-cap, mask, the sink as an extra
+column of the softmax), gradients by autograd. The handler runs the same float64 inputs through
+``core_attn`` with the variant as attributes of ``attn_mod``.
+
+Tolerance: atol = rtol = 1e-10 in float64. Each query's output is a log-sum-exp merge of at most a few
+dozen blocks (eps = 2.2e-16 per rounding on values of order 1): measured max error ~1e-14, while a wrong
+mask, a dropped block or a missing sink gives errors of order 1e-2 and more.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from cp_handler import LocalContextParallelHandler, build_dp_cp_groups
+from cp_handler.layout import ZigzagDocs
+from cp_handler.masks import AttentionMask, mask_blocks
+from cp_handler.ops.collectives import count_comms
+from cp_handler.ops.halo import halo_applies
+from cp_handler.ops.ring import ring_attn
+
+TOL = 1e-10
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def reference(q, k, v, dout, mask: AttentionMask, scale: float, sinks, lengths):
+    """``(out, dq, dk, dv, dsinks)`` of packed ``(T, H, D)`` float64 tensors, each document alone."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    sinks = sinks.detach().clone().requires_grad_() if sinks is not None else None
+    outs, start = [], 0
+    for n in lengths:
+        qd, kd, vd = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        kd, vd = (t.repeat_interleave(HEADS // KV_HEADS, dim=0) for t in (kd, vd))
+        scores = qd @ kd.transpose(-1, -2) * scale
+        if mask.softcap is not None:
+            scores = mask.softcap * torch.tanh(scores / mask.softcap)
+        pos = torch.arange(n)
+        scores = scores.masked_fill(~mask.visible(pos[:, None], pos[None, :]), float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], dim=-1)
+        probs = scores.softmax(-1)[..., :n]
+        outs.append((probs @ vd).transpose(0, 1))
+        start += n
+    out = torch.cat(outs)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
+
+
+MASKS = {
+    # name: (mask as a function of the zigzag chunk c of the first document, with sinks)
+    "window<chunk": (lambda c: AttentionMask(window=max(2, c // 2)), False),
+    "window=chunk+1": (lambda c: AttentionMask(window=c + 1), True),  # lookback = c: the halo's edge
+    "window=shard": (lambda c: AttentionMask(window=2 * c), False),
+    "window>shard": (lambda c: AttentionMask(window=3 * c + 1, softcap=3.0), False),
+    "chunk=3": (lambda c: AttentionMask(chunk=3), False),
+    "chunk=c": (lambda c: AttentionMask(chunk=c), True),  # aligned: no communication
+    "chunk=shard": (lambda c: AttentionMask(chunk=2 * c), False),
+    "chunk>shard": (lambda c: AttentionMask(chunk=3 * c + 1), False),
+    "window+chunk": (lambda c: AttentionMask(window=c + 2, chunk=3 * c - 1), False),
+    "softcap": (lambda c: AttentionMask(softcap=2.0), False),
+    "sinks": (lambda c: AttentionMask(), True),
+    "softcap+sinks, no_mask": (lambda c: AttentionMask(causal=False, softcap=2.0), True),
+}
+
+
+def attn_module(mask: AttentionMask, sinks):
+    return types.SimpleNamespace(
+        window_size=None if mask.window is None else (mask.window - 1, 0), attention_chunk_size=mask.chunk,
+        softcap=mask.softcap, sinks=sinks, softmax_scale=0.3)
+
+
+def check_variant(rank, world, groups, pattern, qkv_format, name, lengths):
+    torch.manual_seed(0)  # the same global tensors on every rank
+    total, chunk = sum(lengths), ZigzagDocs.from_lengths(lengths, world).chunk(0)
+    make_mask, with_sinks = MASKS[name]
+    mask = make_mask(chunk)
+    q, dout = torch.randn(2, total, HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
+    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
+    sinks = torch.randn(HEADS, dtype=torch.float64) if with_sinks else None
+    want = reference(q, k, v, dout, mask, 0.3, sinks, lengths)
+    kwargs = {"cp_group": groups.cp_group if world > 1 else None, "qkv_format": qkv_format, "cp_comm_type": pattern,
+              "hierarchical_cp_groups": groups.hierarchical_cp_groups}
+    if qkv_format == "thd":
+        kwargs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    handler = LocalContextParallelHandler(**kwargs)
+
+    def to_format(t):  # packed (T, ...) -> the handler's global layout
+        return {"thd": t, "bshd": t.unsqueeze(0), "sbhd": t.unsqueeze(1)}[qkv_format]
+
+    seq_dim = 1 if qkv_format == "bshd" else 0
+    q_l, k_l, v_l = (handler.dispatch(to_format(t), seq_dim).requires_grad_() for t in (q, k, v))
+    sinks_l = sinks.clone().requires_grad_() if sinks is not None else None
+    out = handler.core_attn(attn_module(mask, sinks_l), q_l, k_l, v_l,
+                            attn_mask_type="causal" if mask.causal else "no_mask")
+    out.backward(handler.dispatch(to_format(dout), seq_dim))
+    where = f"{pattern} cp={world} {qkv_format} {name} {mask} lengths={lengths}"
+    for label, got, expected in zip(("out", "dq", "dk", "dv"), (out, q_l.grad, k_l.grad, v_l.grad), want,
+                                    strict=False):
+        torch.testing.assert_close(got, handler.dispatch(to_format(expected), seq_dim), atol=TOL, rtol=TOL,
+                                   msg=lambda m, n=label: f"{n} ({where}): {m}")
+    if sinks is not None:  # a parameter's gradient: each rank holds its queries' share (the DP/CP all-reduce sums)
+        grad = sinks_l.grad.clone()
+        if world > 1:
+            dist.all_reduce(grad, group=groups.cp_group)
+        torch.testing.assert_close(grad, want[4], atol=TOL, rtol=TOL, msg=lambda m: f"dsinks ({where}): {m}")
+
+
+LENGTHS = {"bshd": [48], "sbhd": [48], "thd": [37, 9, 64]}
+
+
+def _worker(rank, world, patterns, sizes, formats):
+    groups = build_dp_cp_groups(world, "cpu", sizes)
+    for pattern in patterns:
+        for qkv_format in formats:
+            lengths = [16 * world] if qkv_format != "thd" else LENGTHS["thd"]
+            for name in MASKS:
+                check_variant(rank, world, groups, pattern, qkv_format, name, lengths)
+
+
+@pytest.mark.parametrize("world, patterns, sizes, formats", [
+    (1, ["p2p"], None, ["bshd", "thd"]),
+    (2, ["p2p", "all_gather", "a2a"], None, ["bshd", "sbhd", "thd"]),
+    (4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"]),
+])
+def test_variants_match_float64_reference(world, patterns, sizes, formats):
+    run_distributed(_worker, world, patterns, sizes, formats)
+
+
+def _bytes_worker(rank, world):
+    """Bytes of K/V a rank sends per layer (forward + backward), counted with count_comms."""
+    group = dist.group.WORLD
+    s_local, kv_row = 256 // world, 2 * 1 * KV_HEADS * HEAD_DIM * 4  # K and V, batch 1, float32
+    layout = ZigzagDocs.uniform(256, world)
+    q = torch.randn(1, HEADS, s_local, HEAD_DIM, requires_grad=True)
+    k, v = (torch.randn(1, KV_HEADS, s_local, HEAD_DIM, requires_grad=True) for _ in range(2))
+    sent = {}
+    for name, mask in {"full": AttentionMask(), "window 9": AttentionMask(window=9),
+                       "chunk 32 (aligned)": AttentionMask(chunk=32)}.items():
+        with count_comms() as counter:
+            out, _ = ring_attn(q, k, v, group=group, causal=True, scale=0.3, mask=mask)
+            out.sum().backward()
+        sent[name] = counter.bytes_sent
+    # full causal ring: (cp - 1) K/V shards forward and back, and (cp - 1) dK/dV partials (float32)
+    assert sent["full"] >= 2 * (world - 1) * s_local * kv_row
+    # window W: a rank sends at most 2 (W - 1) rows of K/V forward, and their dK/dV back
+    assert halo_applies(layout, AttentionMask(window=9))
+    assert 0 < sent["window 9"] <= 2 * (2 * 8 * kv_row), sent
+    assert sent["chunk 32 (aligned)"] == 0, sent  # chunks aligned with the zigzag chunks need nothing
+
+
+def test_halo_exchange_bytes_proportional_to_window():
+    run_distributed(_bytes_worker, 4)
+
+
+def test_mask_blocks_cover_every_visible_pair_once():
+    """The planner's pieces: no empty block, full / causal pieces exactly full / lower-triangular, and
+    every visible (query, key) pair in exactly one piece (random masks and ranges)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for _ in range(400):
+        mask = AttentionMask(window=pick([None, 1, 2, 5, 70, 130]), chunk=pick([None, 1, 3, 16, 100]),
+                             softcap=pick([None, 5.0]))
+        nq, nk, qp, kp = (int(x) for x in torch.randint(1, 300, (4,), generator=gen))
+        visible = mask.visible(torch.arange(qp, qp + nq)[:, None], torch.arange(kp, kp + nk)[None])
+        cover = torch.zeros(nq, nk, dtype=torch.int)
+        for q_rows, k_rows, kind in mask_blocks(slice(0, nq), qp, slice(0, nk), kp, mask, tile=16, key_tile=32):
+            part = visible[q_rows, k_rows]
+            assert part.any()
+            if kind is False:
+                assert part.all()
+            elif kind is True:
+                assert torch.equal(part, torch.ones_like(part).tril())
+            else:
+                assert (kind.q_pos, kind.k_pos) == (qp + q_rows.start, kp + k_rows.start)
+            cover[q_rows, k_rows] += 1
+        assert (cover <= 1).all() and (cover[visible] == 1).all(), (mask, nq, nk, qp, kp)
+
+
+@pytest.mark.parametrize("attrs, error, match", [
+    ({"window_size": (0, 0)}, None, None),  # window 1: each query sees itself (valid)
+    ({"window_size": (3, 2)}, ValueError, r"only causal left windows"),
+    ({"attention_chunk_size": 0}, ValueError, r"chunk=0 must be >= 1"),
+    ({"attention_chunk_size": 2.5}, TypeError, r"chunk=2.5 must be an int"),
+    ({"softcap": 0.0}, ValueError, r"softcap=0.0 must be a finite number > 0"),
+    ({"softcap": float("nan")}, ValueError, r"softcap=nan"),
+    ({"sinks": torch.zeros(3, dtype=torch.float64)}, ValueError, r"sinks has shape \(3,\); it must be \(4,\)"),
+    ({"sinks": torch.zeros(4, dtype=torch.int64)}, TypeError, r"sinks must be a floating tensor"),
+    ({"sliding_window": 4}, ValueError, r"attn_mod.sliding_window=4 is not read .* set attn_mod.window_size"),
+    ({"s_aux": torch.zeros(4)}, ValueError, r"attn_mod.s_aux=.* set attn_mod.sinks"),
+])
+def test_bad_variant_attributes_raise(attrs, error, match):
+    handler = LocalContextParallelHandler(cp_group=None, qkv_format="bshd")
+    q = torch.randn(1, 8, HEADS, HEAD_DIM, dtype=torch.float64)
+    module = types.SimpleNamespace(**attrs)
+    if error is None:
+        handler.core_attn(module, q, q, q)
+        return
+    with pytest.raises(error, match=match):
+        handler.core_attn(module, q, q, q)
+
+
+def test_no_mask_with_window_or_chunk_raises():
+    handler = LocalContextParallelHandler(cp_group=None, qkv_format="bshd")
+    q = torch.randn(1, 8, HEADS, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"window_size=\(3, 0\) with attn_mask_type='no_mask'"):
+        handler.core_attn(types.SimpleNamespace(window_size=(3, 0)), q, q, q, attn_mask_type="no_mask")
+    with pytest.raises(ValueError, match=r"attention_chunk_size=4 needs attn_mask_type='causal'"):
+        handler.core_attn(types.SimpleNamespace(attention_chunk_size=4), q, q, q, attn_mask_type="no_mask")
