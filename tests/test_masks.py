@@ -8,7 +8,9 @@ column of the softmax), gradients by autograd. The handler runs the same float64
 
 Tolerance: atol = rtol = 1e-10 in float64. Each query's output is a log-sum-exp merge of at most a few
 dozen blocks (eps = 2.2e-16 per rounding on values of order 1): measured max error ~1e-14, while a wrong
-mask, a dropped block or a missing sink gives errors of order 1e-2 and more.
+mask, a dropped block or a missing sink gives errors of order 1e-2 and more. GPU mode (``-m gpu``, with
+``CP_HANDLER_CUDA_VARIANTS=1``: the opt-in until this runs): the same cases on CUDA in fp32 / bf16 / fp16
+against the float64 reference, with the tolerances of tests/device_cases.py.
 """
 
 import types
@@ -16,6 +18,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from device_cases import GPU_CASES
 from dist_utils import run_distributed
 
 from cp_handler import LocalContextParallelHandler, build_dp_cp_groups
@@ -75,7 +78,9 @@ def attn_module(mask: AttentionMask, sinks):
         softcap=mask.softcap, sinks=sinks, softmax_scale=0.3)
 
 
-def check_variant(rank, world, groups, pattern, qkv_format, name, lengths):
+def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=None):
+    """One variant through ``core_attn`` against :func:`reference`; ``case``: a GPU DeviceCase (the
+    inputs rounded to its dtype for the reference), default float64 on CPU."""
     torch.manual_seed(0)  # the same global tensors on every rank
     total, chunk = sum(lengths), ZigzagDocs.from_lengths(lengths, world).chunk(0)
     make_mask, with_sinks = MASKS[name]
@@ -83,6 +88,11 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths):
     q, dout = torch.randn(2, total, HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
     k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
     sinks = torch.randn(HEADS, dtype=torch.float64) if with_sinks else None
+    if case is not None:  # the reference gets the inputs the device gets
+        q, k, v, dout = (case.reference(t) for t in (q, k, v, dout))
+        sinks = case.reference(sinks) if sinks is not None else None
+    device, dtype = ("cpu", torch.float64) if case is None else (case.device, case.dtype)
+    tol = TOL if case is None else case.tolerance(world, TOL)
     want = reference(q, k, v, dout, mask, 0.3, sinks, lengths)
     kwargs = {"cp_group": groups.cp_group if world > 1 else None, "qkv_format": qkv_format, "cp_comm_type": pattern,
               "hierarchical_cp_groups": groups.hierarchical_cp_groups}
@@ -90,37 +100,38 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths):
         kwargs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     handler = LocalContextParallelHandler(**kwargs)
 
-    def to_format(t):  # packed (T, ...) -> the handler's global layout
-        return {"thd": t, "bshd": t.unsqueeze(0), "sbhd": t.unsqueeze(1)}[qkv_format]
+    def to_format(t):  # packed (T, ...) -> the handler's global layout on the device
+        return {"thd": t, "bshd": t.unsqueeze(0), "sbhd": t.unsqueeze(1)}[qkv_format].to(device, dtype)
 
     seq_dim = 1 if qkv_format == "bshd" else 0
     q_l, k_l, v_l = (handler.dispatch(to_format(t), seq_dim).requires_grad_() for t in (q, k, v))
-    sinks_l = sinks.clone().requires_grad_() if sinks is not None else None
+    sinks_l = sinks.to(device, dtype).requires_grad_() if sinks is not None else None
     out = handler.core_attn(attn_module(mask, sinks_l), q_l, k_l, v_l,
                             attn_mask_type="causal" if mask.causal else "no_mask")
     out.backward(handler.dispatch(to_format(dout), seq_dim))
     where = f"{pattern} cp={world} {qkv_format} {name} {mask} lengths={lengths}"
     for label, got, expected in zip(("out", "dq", "dk", "dv"), (out, q_l.grad, k_l.grad, v_l.grad), want,
                                     strict=False):
-        torch.testing.assert_close(got, handler.dispatch(to_format(expected), seq_dim), atol=TOL, rtol=TOL,
-                                   msg=lambda m, n=label: f"{n} ({where}): {m}")
+        torch.testing.assert_close(got.double(), handler.dispatch(to_format(expected), seq_dim).double(), atol=tol,
+                                   rtol=tol, msg=lambda m, n=label: f"{n} ({where}): {m}")
     if sinks is not None:  # a parameter's gradient: each rank holds its queries' share (the DP/CP all-reduce sums)
         grad = sinks_l.grad.clone()
         if world > 1:
             dist.all_reduce(grad, group=groups.cp_group)
-        torch.testing.assert_close(grad, want[4], atol=TOL, rtol=TOL, msg=lambda m: f"dsinks ({where}): {m}")
+        torch.testing.assert_close(grad.cpu().double(), want[4], atol=tol, rtol=tol,
+                                   msg=lambda m: f"dsinks ({where}): {m}")
 
 
 LENGTHS = {"bshd": [48], "sbhd": [48], "thd": [37, 9, 64]}
 
 
-def _worker(rank, world, patterns, sizes, formats):
-    groups = build_dp_cp_groups(world, "cpu", sizes)
+def _worker(rank, world, patterns, sizes, formats, case=None):
+    groups = build_dp_cp_groups(world, "cpu" if case is None else case.device, sizes)
     for pattern in patterns:
         for qkv_format in formats:
             lengths = [16 * world] if qkv_format != "thd" else LENGTHS["thd"]
             for name in MASKS:
-                check_variant(rank, world, groups, pattern, qkv_format, name, lengths)
+                check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case)
 
 
 @pytest.mark.parametrize("world, patterns, sizes, formats", [
@@ -130,6 +141,14 @@ def _worker(rank, world, patterns, sizes, formats):
 ])
 def test_variants_match_float64_reference(world, patterns, sizes, formats):
     run_distributed(_worker, world, patterns, sizes, formats)
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_variants_on_gpu(case, monkeypatch):
+    """Every variant and comm type on CUDA (ranks sharing a GPU stage collectives through host memory)."""
+    monkeypatch.setenv("CP_HANDLER_CUDA_VARIANTS", "1")
+    run_distributed(_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"], case,
+                    device="cuda")
 
 
 def _bytes_worker(rank, world):
@@ -206,6 +225,22 @@ def test_bad_variant_attributes_raise(attrs, error, match):
         return
     with pytest.raises(error, match=match):
         handler.core_attn(module, q, q, q)
+
+
+def test_variants_on_cuda_are_opt_in(monkeypatch):
+    """Until a GPU run verifies them, a variant on a CUDA tensor is refused before any collective."""
+    from cp_handler.ops.kernels.masked import check_variant_device
+
+    q = torch.empty(1, HEADS, 4, HEAD_DIM, device="meta")
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda")))
+    monkeypatch.delenv("CP_HANDLER_CUDA_VARIANTS", raising=False)
+    check_variant_device(q, AttentionMask(), None)  # the plain mask runs
+    with pytest.raises(ValueError, match=r"no GPU has run yet: opt in with CP_HANDLER_CUDA_VARIANTS=1"):
+        check_variant_device(q, AttentionMask(window=4), None)
+    with pytest.raises(ValueError, match=r"sinks set"):
+        check_variant_device(q, AttentionMask(), torch.zeros(HEADS))
+    monkeypatch.setenv("CP_HANDLER_CUDA_VARIANTS", "1")
+    check_variant_device(q, AttentionMask(window=4), None)
 
 
 def test_no_mask_with_window_or_chunk_raises():

@@ -14,7 +14,10 @@ Modes (``--modes``, default both):
   the whole sequence on one device: per-rank compute efficiency;
 * ``launches`` (only when asked for): :mod:`.launches`: the same rank plans on ``meta`` tensors through
   each of ``--launch-kernels`` (CUDA kernels), counting the operators (kernel launches) per rank-step;
-  no GPU needed, sizes from the plan flags (CUDA defaults).
+  no GPU needed, sizes from the plan flags (CUDA defaults);
+* ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
+  every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
+  K/V tokens each rank sends.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
 Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and prints the tables.
@@ -39,7 +42,7 @@ from ..groups import destroy_process_groups
 from ..launch import launch
 from ..ops.patterns import PATTERNS
 from ..progress import Progress
-from . import e2e, launches, plan, report
+from . import e2e, launches, masks, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
 
@@ -121,9 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
                         f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
                         f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
-    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches"), default=["attn", "e2e"],
+    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks"), default=["attn", "e2e"],
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
-                        "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed)")
+                        "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed); "
+                        "masks: sliding window and chunked attention vs full causal per rank")
     g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -165,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
     g.add_argument("--launch-kernels", nargs="+", default=list(launches.DEFAULT_KERNELS),
                    help="--modes launches: the CUDA kernels whose launches are counted")
+    g = p.add_argument_group("attention variants (--modes masks: every rank's p2p plan, no communication)")
+    g.add_argument("--mask-seq-len", type=int, default=16384, help="global sequence length (tokens)")
+    g.add_argument("--mask-cp-size", type=int, default=4, help="CP size")
+    g.add_argument("--mask-window", type=int, default=1024, help="sliding window W (keys, the query's own included)")
+    g.add_argument("--mask-chunk", type=int, default=2048, help="chunked attention: chunk length C (tokens)")
     return p
 
 
@@ -225,7 +234,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """
     p = build_parser()
     args = p.parse_args(argv)
-    plan_device = "cpu" if args.device == "cpu" and "plan" in args.modes else "cuda"  # launches counts CUDA plans
+    timed = {"plan", "masks"} & set(args.modes)
+    plan_device = "cpu" if args.device == "cpu" and timed else "cuda"  # launches counts CUDA plans
     for key, value in {**(QUICK if args.quick else FULL), **PLAN[plan_device]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -235,8 +245,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--device cuda runs --modes attn, plan and launches (e2e runs cp-train on gloo CPU ranks)")
     if args.device == "cuda" and "attn" in args.modes:
         _check_cuda_attn_flags(p, args)
-    if {"plan", "launches"} & set(args.modes):
+    if {"plan", "launches", "masks"} & set(args.modes):
         _check_plan_flags(p, args)
+    if "masks" in args.modes:
+        for flag in ("mask_window", "mask_chunk", "mask_cp_size"):
+            if getattr(args, flag) < 1:
+                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        _check_zigzag(p, "--mask-cp-size", [args.mask_cp_size], "--mask-seq-len", [args.mask_seq_len])
     _check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)
     return args
 
@@ -257,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         results["plan"] = plan.run(args)
     if "launches" in args.modes:
         results["launches"] = launches.run(args)
+    if "masks" in args.modes:
+        results["masks"] = masks.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

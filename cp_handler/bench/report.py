@@ -143,7 +143,39 @@ def markdown(results: dict) -> str:
         parts += ["## Per-rank compute (plan mode)\n", plan_table(results["plan"]), ""]
     if "launches" in results:
         parts += ["## Kernel launches per rank-step (launches mode)\n", launches_table(results["launches"]), ""]
+    if "masks" in results:
+        parts += ["## Attention variants per rank (masks mode)\n", masks_table(results["masks"]), ""]
     return "\n".join(parts)
+
+
+def masks_table(masks: dict) -> str:
+    """Full causal vs window vs chunks: the slowest rank's fwd+bwd, score pairs and K/V sent per rank."""
+    s = masks["shape"]
+    lines = [f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, kernel "
+             f"{masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, slowest rank\n",
+             "| case | exchange | rank ms | time vs full | score pairs vs full | K/V tokens sent per rank "
+             "| K/V MiB sent |",
+             "|" + "---|" * 7]
+    for r in masks["rows"]:
+        exchange = "halo" if r["halo"] else "ring"
+        lines.append(f"| {r['case']} | {exchange} | {r['median_ms']:.1f} | {r['time_vs_full']:.3f} "
+                     f"| {r['pairs_vs_full']:.3f} | {r['kv_tokens_sent']} | {r['kv_bytes_sent'] / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
+def masks_plot(masks: dict, out_dir: str) -> str:
+    """Two bar panels: the slowest rank's time and the K/V tokens sent per rank, per case."""
+    names = [r["case"] for r in masks["rows"]]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(names, [r["median_ms"] for r in masks["rows"]], color="tab:blue")
+    axes[0].set(title=f"fwd+bwd per rank, S={masks['seq_len']} cp={masks['cp_size']}", ylabel="ms (slowest rank)")
+    axes[1].bar(names, [r["kv_tokens_sent"] for r in masks["rows"]], color="tab:orange")
+    axes[1].set(title="K/V sent per rank per layer (forward)", ylabel="tokens")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "masks.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def plan_table(plan: dict) -> str:
@@ -233,4 +265,6 @@ def plots(results: dict, out_dir: str) -> list[str]:
             written.append(path)
     if "plan" in results:
         written.append(plan_plot(results["plan"], out_dir))
+    if "masks" in results:
+        written.append(masks_plot(results["masks"], out_dir))
     return written

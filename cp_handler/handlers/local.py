@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..ops.blocks import KernelChoice
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
+from ..ops.kernels.masked import check_variant_device
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
@@ -93,6 +94,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
         def read_variant():  # a bad attribute fails every rank together, before any collective
             variant["mask"], variant["sinks"] = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
+            check_variant_device(q, variant["mask"], variant["sinks"])
 
         self.check_attention_inputs(q, k, v, read_variant)
         mask, sinks = variant["mask"], variant["sinks"]

@@ -21,11 +21,12 @@ documents from the zigzag's jumps in ``position_ids``. :class:`CPCausalLM` does 
 (``model(input_ids, cp_handler=h)`` returns local logits: what cp-train uses).
 
 **Exact or refused** (the guard; docs/huggingface.md): the attention function implements every
-argument it accepts, and refuses the others by name (:data:`HARMLESS`, :func:`check_arguments`): a
-soft-cap, attention sinks, attention dropout, attention weights output, cross-attention, a position
-bias, an unknown argument of a future release. The mask comes from the model's own mask function,
-classified at global positions (:mod:`.hf_mask`): causal, bidirectional and sliding windows run;
-chunked attention, padding, image-token blocks and anything unrecognised are refused. The model
+argument it accepts (soft-capping and learnable sinks included: :mod:`cp_handler.masks`), and refuses
+the others by name (:data:`HARMLESS`, :func:`check_arguments`): attention dropout, attention weights
+output, cross-attention, a position bias, an unknown argument of a future release. The mask comes
+from the model's own mask function, classified at global positions (:mod:`.hf_mask`): causal,
+bidirectional, sliding windows and chunked attention run; padding, image-token blocks and anything
+unrecognised are refused. The model
 checks (:mod:`.hf_model`) refuse sequence convolutions and non-attention layers, and a forward in
 which a decoder layer did not run cp_handler's attention. Tested transformers releases: :data:`SUPPORTED`.
 """
@@ -169,36 +170,37 @@ def check_local_index_scaling(module, handler: ContextParallelHandler, local_len
                          f"tokens (this batch: {longest})")
 
 
-def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tuple[str, int | None]:
-    """``(attn_mask_type, window)`` of this layer from its mask (see :mod:`.hf_mask`)."""
+def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tuple[str, str | None, int | None]:
+    """``(attn_mask_type, "sliding" / "chunked" / None, size)`` of this layer from its mask (see :mod:`.hf_mask`)."""
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is None:
-        return ("causal" if causal else "no_mask"), None
+        return ("causal" if causal else "no_mask"), None, None
     if not isinstance(attention_mask, CPMask):
         raise ValueError(f"a materialised attention mask ({type(attention_mask).__name__} "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
                          "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
     longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
     spec = attention_mask.spec(longest)
-    if spec.kind == "causal":
-        return "causal", None
-    if spec.kind == "bidirectional":
-        return "no_mask", None
-    if spec.kind == "sliding":
-        return "causal", spec.size
+    if spec.kind in ("causal", "bidirectional"):
+        return ("causal" if spec.kind == "causal" else "no_mask"), None, None
+    if spec.kind in ("sliding", "chunked"):
+        return "causal", spec.kind, spec.size
     raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} asks for {spec.describe()}: not supported under "
-                     "context parallelism by cp_handler yet")
+                     "context parallelism by cp_handler")
 
 
 def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          is_causal=None, sliding_window=None, softcap=None, s_aux=None, cp_handler=None, **kwargs):
     """transformers attention function: ``query (B, H, S_local, D)``, ``key``/``value`` with the KV
     heads -> ``(B, S_local, H, D)`` from ``handler.core_attn``. The mask is the model's own mask
-    function classified at global positions (``attention_mask`` is a :class:`~.hf_mask.CPMask`).
+    function classified at global positions (``attention_mask`` is a :class:`~.hf_mask.CPMask`):
+    causal, bidirectional, a sliding window or chunks; ``softcap`` (Gemma 2) and ``s_aux`` (GPT-OSS's
+    learnable sinks, one logit per query head) go to the handler as ``attn_mod.softcap`` / ``attn_mod.sinks``.
 
     Raises:
         RuntimeError: no handler active. ValueError: an argument or a mask cp_handler does not
-            implement (see the module doc); q and k of different lengths (a decoding step with a cache).
+            implement (see the module doc); q and k of different lengths (a decoding step with a cache);
+            a ``sliding_window`` argument that disagrees with the mask.
     """
     handler = cp_handler or active_handler()
     if handler is None:
@@ -211,18 +213,18 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported under context parallelism; set the "
                          "config's attention_dropout to 0 (or put the model in eval mode)")
-    for name, value_ in (("softcap", softcap), ("s_aux (attention sinks)", s_aux)):
-        if value_ is not None:
-            raise ValueError(f"the model passed {name}={value_ if not isinstance(value_, torch.Tensor) else 'tensor'} "
-                             "to attention: not supported under context parallelism by cp_handler yet")
     record_attention_call(module)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
     check_local_index_scaling(module, handler, q.shape[1])
-    mask_type, window = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
-    window = window or (sliding_window if sliding_window is not None else getattr(module, "sliding_window", None))
-    longest = handler.get_rotary_seq_len(q.shape[1])
+    mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
+    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
+    if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "
+                         "attention, but the layer's mask is a plain causal one; refused (which one is meant?)")
     attn = SimpleNamespace(softmax_scale=scaling, layer_number=getattr(module, "layer_idx", 0) + 1,
-                           window_size=(window - 1, 0) if window and window < longest else None)
+                           window_size=(size - 1, 0) if kind == "sliding" else None,
+                           attention_chunk_size=size if kind == "chunked" else None,
+                           softcap=softcap, sinks=s_aux)
     out = handler.core_attn(attn, q, k, v, attn_mask_type=mask_type)
     return out.contiguous(), None  # (B, S, H, D) as transformers' own attention functions return it
 

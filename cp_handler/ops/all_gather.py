@@ -28,6 +28,7 @@ from ..masks import AttentionMask, mask_blocks, resolve_mask
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .kernels.base import seq_major
+from .kernels.masked import check_variant_device
 from .merge import acc_dtype
 from .ring import default_layout
 from .sinks import check_sinks, fold_sinks, sinks_grad
@@ -182,5 +183,6 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
     """
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
+    check_variant_device(q, mask, sinks)
     layout = layout or default_layout(q, group)
     return _AllGatherAttn.apply(q, k, v, sinks, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel)

@@ -38,6 +38,7 @@ from ..masks import AttentionMask, mask_blocks, resolve_mask
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .halo import halo_applies, halo_attn
 from .kernels.base import seq_major
+from .kernels.masked import check_variant_device
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
 from .sinks import check_sinks, fold_sinks, sinks_grad
@@ -212,6 +213,7 @@ def ring_attn(
     """
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
+    check_variant_device(q, mask, sinks)
     layout = layout or default_layout(q, group)
     if group is not None and halo_applies(layout, mask):
         return halo_attn(q, k, v, group=group, layout=layout, mask=mask, scale=scale, attn_kernel=attn_kernel,

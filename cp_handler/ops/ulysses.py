@@ -27,6 +27,7 @@ from einops import rearrange
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask, resolve_mask
 from .collectives import all_to_all
+from .kernels.masked import check_variant_device
 from .ring import ring_attn
 from .sinks import check_sinks
 
@@ -95,6 +96,7 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
     """
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
+    check_variant_device(q, mask, sinks)
     a2a_size = dist.get_world_size(group)
     replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
     outer_size = 1 if inner_group is None else dist.get_world_size(inner_group)

@@ -38,8 +38,9 @@ from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_
 def build_model(config: TrainConfig, device: torch.device, reference: bool = False) -> torch.nn.Module:
     """The reference GPT, or a Hugging Face causal LM: wrapped in
     :class:`~cp_handler.integrations.transformers.CPCausalLM` (the guard and CP attention), or for
-    the parity ``reference`` the unmodified model (``sdpa``) under the same parameter names. The same
-    on every rank (seeded)."""
+    the parity ``reference`` the unmodified model under the same parameter names, with transformers'
+    ``eager`` attention (the one implementation every architecture has, with every variant: sdpa
+    refuses soft-capping, and several models do not offer it). The same on every rank (seeded)."""
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)
     if config.hf_source is None:
@@ -50,10 +51,10 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
 
     if config.hf_weights:
         model = AutoModelForCausalLM.from_pretrained(config.hf_source, local_files_only=True, torch_dtype=dtype,
-                                                     attn_implementation="sdpa")
+                                                     attn_implementation="eager")
     else:
         hf_config = AutoConfig.from_pretrained(config.hf_source, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, attn_implementation="eager")
     return (HFReference(model) if reference else CPCausalLM(model)).to(device=device, dtype=dtype)
 
 
