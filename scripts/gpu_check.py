@@ -6,11 +6,12 @@
     python3 scripts/gpu_check.py plan       # cp-bench --modes plan: 16k, 4k, 1k tokens per rank (cp 4), per kernel
     python3 scripts/gpu_check.py patterns   # pytest -m gpu: patterns, thd, layout ops, automatic kernel, 3 dtypes
     python3 scripts/gpu_check.py gpt        # pytest -m gpu: the GPT step and the TE / MagiAttention handlers
+    python3 scripts/gpu_check.py masks      # pytest -m gpu: windows, chunks, soft-caps, sinks (opted in), 3 dtypes
 
 Run in this order (by value). Estimated from the CPU suite (the same multi-rank cases take 3-13 s each on
 2 CPU cores; on the GPU machine add CUDA start-up per rank): kernels 1-2 min (one process), opt_in 3-5 min
 (9 launches of 4 ranks), plan 2-4 min (FlexAttention's compile dominates), patterns 3-6 min (11 launches),
-gpt 2-3 min (6 launches). The machine: one GPU, torch 2.11+cu130, ``python3``, nothing installed
+gpt 2-3 min (6 launches), masks 2-4 min (3 launches of 4 ranks). The machine: one GPU, torch 2.11+cu130, ``python3``, nothing installed
 (run from source: ``PYTHONPATH=.``), 10 minutes per command, at most 8 files back. So each stage stops
 starting parts once ``--budget`` seconds (default 420) are spent, gives each part the time left as its
 timeout, prints the elapsed time of every part, and writes two files to ``$OUT`` (else ``runs/gpu_check``):
@@ -47,6 +48,7 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
                  for k, fmt in (("flash", "bshd"), ("flash_gqa", "bshd"), ("flash_varlen", "thd"), ("cudnn", "bshd"))],
         "patterns": [("patterns", [*PYTEST, *patterns, "tests/test_handler_layout.py"], {})],
         "gpt": [("gpt", [*PYTEST, "tests/test_gpt_parity.py", "tests/test_gpu_backends.py"], {})],
+        "masks": [("masks", [*PYTEST, "tests/test_masks.py"], {"CP_HANDLER_CUDA_VARIANTS": "1"})],
     }
 
 
@@ -67,7 +69,7 @@ def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=("kernels", "opt_in", "plan", "patterns", "gpt"))
+    parser.add_argument("stage", choices=("kernels", "opt_in", "plan", "patterns", "gpt", "masks"))
     parser.add_argument("--budget", type=float, default=420.0, help="seconds the stage may spend (default 420)")
     args = parser.parse_args(argv)
     import torch
