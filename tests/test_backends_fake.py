@@ -159,6 +159,15 @@ def _te_restrictions(groups, version):
     with pytest.raises(ValueError, match=r"needs hierarchical_cp_groups=\[a2a_group, p2p_group\]"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p")
     attn.window_size = None
+    for name, value, match in (("attention_chunk_size", 8, r"attention_chunk_size=8 \(chunked attention\)"),
+                               ("softcap", 30.0, r"softcap=30.0 \(soft-capping\)"),
+                               ("sinks", torch.zeros(4, dtype=BF16), r"sinks \(4,\) \(learnable sinks\)")):
+        setattr(attn, name, value)  # refused by name, on every comm type (never ignored)
+        refused = rf"TEContextParallelHandler \(cp_comm_type='a2a'\): attn_mod\.{match} not run"
+        with pytest.raises(ValueError, match=refused):
+            TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a").core_attn(attn, q[..., :4, :],
+                                                                                          q[..., :2, :], q[..., :2, :])
+        setattr(attn, name, None)
     thd = TEContextParallelHandler(cp_group=groups.cp_group, qkv_format="thd", cu_seqlens=cu)
     local = torch.randn(thd.thd_layout.local_len, 4, 16, dtype=BF16)
     FP8GlobalStateManager.ENABLED, FP8GlobalStateManager.RECIPE.fp8_dpa = True, True
@@ -275,6 +284,10 @@ def _magi_errors(group, shape, version):
     local = h.dispatch(torch.randn(2, 16, 4, 16), 1)
     with pytest.raises(ValueError, match=r"q has dtype torch.float32; MagiAttention computes in float16 or bfloat16"):
         h.core_attn(torch.nn.Module(), local, local[..., :2, :], local[..., :2, :])
+    windowed = torch.nn.Module()
+    windowed.window_size = (7, 0)  # not wired to MagiAttention's masks: refused by name, never ignored
+    with pytest.raises(ValueError, match=r"window_size=\(7, 0\) \(sliding window\) not supported by this backend"):
+        magi_cls(cp_group=group, **shape).core_attn(windowed, local, local[..., :2, :], local[..., :2, :])
     magi_attention.__version__ = "1.0.2"
     with pytest.raises(RuntimeError, match=r"magi_attention 1.0.2 is installed; backend='magi' supports "
                                            r"MagiAttention 1.0.4 to 1.1.1"):
