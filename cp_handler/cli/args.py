@@ -24,6 +24,7 @@ from ..launch import under_torchrun
 from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
+from ..training.checkpoint import check_resume
 from ..training.data import HOLDOUT_FRACTION, VOCAB_SIZE, check_text_files, collect_files
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 
@@ -123,13 +124,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write JSON metrics (config, per-step loss, tokens/s, memory), atomically")
     g.add_argument("--log-every", type=int, default=None,
                    help="progress line every N steps when stderr is not a terminal (default: --steps // 10)")
+    g = p.add_argument_group("checkpoints (torch.distributed.checkpoint; docs/cp-train.md)")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="save model, optimizer, step and RNG state to DIR/step-N (published atomically; DIR/latest "
+                        "names the newest) after the last step and every --save-every steps")
+    g.add_argument("--save-every", type=int, default=0, metavar="N", help="also save after every N steps (0: only "
+                                                                           "after the last one)")
+    g.add_argument("--save-keep", type=int, default=2, metavar="K", help="complete checkpoints kept in DIR")
+    g.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue from a checkpoint (a --save DIR: its latest; or one step-N folder), at any layout "
+                        "(cp, dp, comm type, ep, dynamic CP); --steps counts from the start of the run")
+    g.add_argument("--export-hf", default=None, metavar="DIR",
+                   help="after training, write the Hugging Face model with save_pretrained (plain transformers "
+                        "loads it); needs --hf-config or --hf-model")
     return p
 
 
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size", "eval_batches", "max_corpus_bytes",
             "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
-            "thd_max_doc_len", "log_every")
+            "thd_max_doc_len", "log_every", "save_keep")
 """Integer flags that must be >= 1 when given; zero is never "the default"."""
 POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
 """Float flags that must be finite and > 0 (``--lr nan`` would train on NaN)."""
@@ -142,7 +156,7 @@ def check_positive(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    for name in ("eval_every", "moe_experts"):
+    for name in ("eval_every", "moe_experts", "save_every"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     for name in POSITIVE_FLOATS:
@@ -209,7 +223,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
             raise ValueError(f"{heads_source} with {flag} {cp_config.context_parallel_size}: {err}") from None
     check_data(args, world // evaluation.context_parallel_size, dynamic is not None)
     check_writable(args.metrics_out)
-    return TrainConfig(
+    check_checkpoint_flags(args)
+    config = TrainConfig(
         world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model,
         hf_source=args.hf_model or args.hf_config, hf_weights=bool(args.hf_model), dynamic=dynamic,
         expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
@@ -217,7 +232,26 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size, thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
+        save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
+        export_hf=args.export_hf,
     )
+    if args.resume:
+        check_resume(config, args.resume)
+    return config
+
+
+def check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """``--save-every`` needs ``--save``; ``--export-hf`` a Hugging Face model; the folders can be written.
+    Raises ValueError naming the flag."""
+    if args.save_every and not args.save:
+        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
+    if args.export_hf and not (args.hf_config or args.hf_model):
+        raise ValueError("--export-hf writes a Hugging Face model: it needs --hf-config or --hf-model (the reference "
+                         "GPT is saved with --save)")
+    if args.save:
+        check_folder("--save", args.save, args.save)
+    if args.export_hf:
+        check_folder("--export-hf", args.export_hf, os.path.dirname(os.path.abspath(args.export_hf)))
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:
@@ -234,15 +268,18 @@ def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None
 def check_writable(path: str | None) -> None:
     """``--metrics-out`` can be written (its folder exists or can be made, and takes a new file), checked
     before any rank starts instead of failing after training. Raises ValueError."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
+    if path is not None:
+        check_folder("--metrics-out", path, os.path.dirname(os.path.abspath(path)))
+
+
+def check_folder(flag: str, value: str, folder: str) -> None:
+    """``folder`` exists or can be made, and takes a new file. Raises ValueError naming ``flag``."""
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".cp-train-check-"):
             pass
     except OSError as err:
-        raise ValueError(f"--metrics-out {path}: cannot write in {folder} ({err.strerror or err})") from None
+        raise ValueError(f"{flag} {value}: cannot write in {folder} ({err.strerror or err})") from None
 
 
 def check_data(args: argparse.Namespace, eval_dp_size: int, dynamic: bool = False) -> None:

@@ -60,6 +60,16 @@ class TrainConfig:
     eval_batches: int = 2
     check_eval_cp: bool = False
     log_every: int | None = None
+    save_dir: str | None = None
+    """``--save``: where checkpoints go (:mod:`.checkpoint`); ``None``: none are written."""
+    save_every: int = 0
+    """Save after every N steps (0: only after the last step)."""
+    save_keep: int = 2
+    """Complete checkpoints kept in ``save_dir`` (the newest)."""
+    resume: str | None = None
+    """``--resume``: a checkpoint (or a ``--save`` folder) to continue from; ``steps`` counts from the run's start."""
+    export_hf: str | None = None
+    """A Hugging Face model's trained weights, written with ``save_pretrained`` after the last step."""
 
     @property
     def packing(self) -> str:

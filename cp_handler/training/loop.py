@@ -32,20 +32,24 @@ def local_grad_norm(model) -> float:
     return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
 
 
-def train_steps(model, steps: int, run_step, optimizer, count_group, progress: bool, log_every: int | None = None,
-                after_step=None, grad_norm_fn=None, reference=None) -> list[dict]:
-    """Run ``steps`` optimizer steps.
+def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count_group, progress: bool,
+                log_every: int | None = None, after_step=None, grad_norm_fn=None, reference=None, start: int = 0,
+                checkpoint=None) -> list[dict]:
+    """Run optimizer steps ``start .. steps - 1``.
 
     Args:
         model: the (possibly DDP-wrapped) model.
         run_step: ``run_step(step) -> (this rank's share of the loss, global tokens)``: the forward and
             backward, gradients reduced when it returns (:mod:`.steps`).
-        optimizer: ``params -> torch.optim.Optimizer`` (:func:`default_optimizer`).
+        optim: the optimizer of ``model``'s parameters (built by ``optimizer(params)``, e.g.
+            :func:`default_optimizer`; state already loaded when resuming).
         count_group: ranks whose loss shares sum to the global loss.
         progress: show progress (rank 0); ``log_every``: plain lines every N steps in a log.
         after_step: ``after_step(step) -> dict | None`` merged into the step's record (evaluation).
         grad_norm_fn: replaces the local gradient norm (sharded experts).
         reference: ``reference(step, model) -> dict`` (``--check-parity``), before the optimizer step.
+        start: steps already done (a resumed run: the data position).
+        checkpoint: ``checkpoint(steps_done)`` after each optimizer step (it decides whether to save).
 
     Returns:
         Per step: loss (token-weighted over the global batch), global gradient norm, time, tokens/s
@@ -54,10 +58,9 @@ def train_steps(model, steps: int, run_step, optimizer, count_group, progress: b
     Raises:
         NonFiniteLoss: a step's loss is not finite (on every rank: the reduced loss is the same).
     """
-    optim = optimizer(model.parameters())
     records = []
-    bar = Progress(steps, "cp-train: step", enabled=progress, every=log_every)
-    for step in range(steps):
+    bar = Progress(steps - start, "cp-train: step", enabled=progress, every=log_every)
+    for step in range(start, steps):
         start = time.perf_counter()
         loss, tokens = run_step(step)
         reported = loss.double()
@@ -75,6 +78,9 @@ def train_steps(model, steps: int, run_step, optimizer, count_group, progress: b
         records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "step_time_s": elapsed,
                         "tokens_per_s": tokens / elapsed, **checked, **((after_step and after_step(step)) or {})})
         heartbeat()
+        if checkpoint is not None:
+            checkpoint(step + 1)
+            heartbeat()
         bar.update(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
                    **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
     bar.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import shutil
 import sys
+import time
 from dataclasses import asdict
 
 import torch
@@ -26,11 +28,12 @@ from ..groups import data_context_parallel_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
 from ..parallel_layout import ParallelLayout
+from .checkpoint import check_resume, load_checkpoint, run_meta, save_checkpoint
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
 from .loop import default_optimizer, local_grad_norm, train_steps
-from .parity import StepReference, parity_result
+from .parity import StepReference, parity_result, unwrap
 from .reference import hf_logits
 from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_documents, reference_step, static_step
 
@@ -114,6 +117,43 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
         destroy_process_groups()
 
 
+def checkpointing(config: TrainConfig, trained, optim) -> tuple[int, object]:
+    """``(steps already done, checkpoint callback for train_steps)``: loads ``--resume`` into ``trained`` /
+    ``optim`` (every rank), and saves after every ``--save-every`` steps and after the last one."""
+    start = 0
+    if config.resume:
+        checkpoint, _ = check_resume(config, config.resume, type(optim).__name__)
+        began = time.perf_counter()
+        start = load_checkpoint(checkpoint, trained, optim)
+        _say(f"resumed from {checkpoint} after step {start} (loaded in {time.perf_counter() - began:.2f} s)")
+    if not config.save_dir:
+        return start, None
+    meta = run_meta(config, 0, type(optim).__name__)  # read once (a Hugging Face config from disk)
+
+    def save(done: int) -> None:
+        if done == config.steps or (config.save_every and done % config.save_every == 0):
+            began = time.perf_counter()
+            path = save_checkpoint(config.save_dir, done, trained, optim, {**meta, "step": done}, config.save_keep)
+            size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+            _say(f"saved {path} ({size:.1f} MiB) in {time.perf_counter() - began:.2f} s")
+    return start, save
+
+
+def export_hf(config: TrainConfig, trained) -> None:
+    """``--export-hf``: rank 0 writes the Hugging Face model with ``save_pretrained`` into a temporary
+    folder, renamed into place when complete (plain transformers loads it)."""
+    if not config.export_hf or dist.get_rank() != 0:
+        return
+    target = os.path.abspath(config.export_hf)
+    partial = f"{target}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    unwrap(trained).model.save_pretrained(partial)
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.rename(partial, target)
+    _say(f"exported the Hugging Face model to {target}")
+
+
 def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | None:
     world = dist.get_world_size()
     model = build_model(config, device)
@@ -122,8 +162,11 @@ def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | Non
          f"device {device.type}")
     run = dynamic_step(model, config, load_documents(config), GroupPool(device.type), device)
     reference = step_reference(config, device, None, False) if config.check_parity else None
-    records = train_steps(model, config.steps, run, optimizer, dist.group.WORLD, dist.get_rank() == 0,
-                          config.log_every, reference=reference)
+    optim = optimizer(model.parameters())
+    start, checkpoint = checkpointing(config, model, optim)
+    records = train_steps(model, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
+                          config.log_every, reference=reference, start=start, checkpoint=checkpoint)
+    export_hf(config, model)
     return _finish(config, records, None, device, {"dp_size": None, "cp_size": "dynamic"})
 
 
@@ -161,9 +204,12 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
 
     run = static_step(trained, config, batches, groups, global_batch, dist.group.WORLD, grad_scale, device, experts)
     reference = step_reference(config, device, global_batch, experts is not None) if config.check_parity else None
-    records = train_steps(trained, config.steps, run, optimizer, dist.group.WORLD, dist.get_rank() == 0,
+    optim = optimizer(trained.parameters())
+    start, checkpoint = checkpointing(config, trained, optim)
+    records = train_steps(trained, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
                           config.log_every, after_step=periodic_eval(config, at_eval, trained, heldout, eval_inputs),
-                          grad_norm_fn=grad_norm_fn, reference=reference)
+                          grad_norm_fn=grad_norm_fn, reference=reference, start=start, checkpoint=checkpoint)
+    export_hf(config, trained)
     eval_check = check_eval_cp(config, at_train, at_eval, trained, heldout[0], eval_inputs) \
         if config.check_eval_cp else None
     return _finish(config, records, eval_check, device, {"dp_size": groups.dp_size, "cp_size": groups.cp_size})
