@@ -40,15 +40,23 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         hierarchical_cp_groups: ``[a2a_group, p2p_group]`` for this rank (inner, adjacent ranks,
             first), e.g. ``DataContextParallelGroups.hierarchical_cp_groups``; required by a
             hierarchical pattern (``"a2a+p2p"``) at cp > 1, with sizes whose product is the CP size.
+        kv_cache: a :class:`~cp_handler.inference.KVCache` this prefill fills (thd only: each prompt
+            one document): every ``core_attn`` also stores its layer's real local K/V rows.
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
-            not multiplying to cp, or in the wrong order.
+            not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group.
     """
 
-    def __init__(self, *, attn_kernel: str | None = None, **kwargs):
+    def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, **kwargs):
         super().__init__(**kwargs)
+        if kv_cache is not None:
+            if self.qkv_format != "thd":
+                raise ValueError(f"kv_cache: a prefill runs prompts as thd documents (padding handled per prompt), "
+                                 f"not qkv_format={self.qkv_format!r}")
+            kv_cache.check_group(self.cp_group, "prefill handler")
+        self.kv_cache = kv_cache
         attn_kernel, source = kernel_override(attn_kernel)  # the environment is read here, once
         if attn_kernel is not None and attn_kernel not in KERNELS:
             raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
@@ -111,6 +119,9 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         else:
             pattern = PATTERNS[self.comm_type_for(attn_mod)]
             out = pattern.attention(q_, k_, v_, self.cp_group, self.hierarchical_cp_groups, **options)
+        if self.kv_cache is not None:
+            thd = (k.squeeze(0), v.squeeze(0)) if k.dim() == 4 else (k, v)
+            self.kv_cache.store_prefill(getattr(attn_mod, "layer_number", 0), *thd, options["layout"])
         return from_bhsd(out, self.qkv_format, q)
 
 

@@ -1,0 +1,8 @@
+"""Long-context inference under CP: a KV cache sharded over the CP group, prefill and decode through the
+handler contract (docs/inference.md)."""
+
+from .cache import KVCache
+from .decode import DecodeHandler
+from .generate import Generation, check_prompts, generate, reference_generate
+
+__all__ = ["DecodeHandler", "Generation", "KVCache", "check_prompts", "generate", "reference_generate"]

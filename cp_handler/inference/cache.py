@@ -1,0 +1,110 @@
+"""This rank's shard of the KV cache of a CP group (:mod:`cp_handler.inference`).
+
+A prefill (a forward over prompts dispatched with a thd handler that holds the cache) stores, per
+layer, the real local rows of K and V (after RoPE, as ``core_attn`` receives them) with the sequence
+each belongs to and its global position; padding rows are not kept. Decode steps append each new
+token's K/V on one rank, the one holding the fewest rows (ties: the lowest rank), so every rank holds
+about ``1 / cp`` of the cache. Every rank knows every rank's row count (the layout decides it), so the
+choice needs no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..layout import ZigzagDocs
+
+
+class _Shard:
+    """One layer's rows: ``k, v (N, Hkv, D)``, ``seq (N,)`` sequence index, ``pos (N,)`` global position."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
+        self.k, self.v, self.seq, self.pos, self.size = k, v, seq, pos, k.shape[0]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, seq: int, pos: int) -> None:
+        """Add one row (``k, v (Hkv, D)``), doubling the buffers when they are full."""
+        if self.size == self.k.shape[0]:
+            grow = max(16, self.size)
+            self.k, self.v = (torch.cat([t, t.new_empty((grow, *t.shape[1:]))]) for t in (self.k, self.v))
+            self.seq, self.pos = (torch.cat([t, t.new_empty(grow)]) for t in (self.seq, self.pos))
+        self.k[self.size], self.v[self.size] = k, v
+        self.seq[self.size], self.pos[self.size] = seq, pos
+        self.size += 1
+
+    def rows(self):
+        n = self.size
+        return self.k[:n], self.v[:n], self.seq[:n], self.pos[:n]
+
+
+class KVCache:
+    """This rank's shard of a CP group's KV cache.
+
+    Args:
+        cp_group: the CP group the prefill and every decode step run on (``None``: one process).
+        num_layers: attention layers (``attn_mod.layer_number`` is 1-based).
+
+    Attributes:
+        lengths: tokens so far of each sequence (global; known on every rank).
+        rows_per_rank: cached rows held by each rank of the group (known on every rank).
+    """
+
+    def __init__(self, cp_group, num_layers: int):
+        self.cp_group, self.num_layers = cp_group, num_layers
+        self.group_ranks = tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else None
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.layers: dict[int, _Shard] = {}
+        self.lengths: list[int] = []
+        self.rows_per_rank: list[int] = []
+        self.prefilled = False
+
+    def check_group(self, cp_group, what: str) -> None:
+        """Raises ValueError when ``cp_group`` is not the group this cache was built for."""
+        ranks = tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else None
+        if ranks != self.group_ranks:
+            raise ValueError(f"{what}: this KV cache belongs to the CP group of global ranks {self.group_ranks}, not "
+                             f"{ranks}: a cache is used with the group (and the handler kind) it was filled on")
+
+    def store_prefill(self, layer_number: int, k: torch.Tensor, v: torch.Tensor, layout: ZigzagDocs) -> None:
+        """Keep layer ``layer_number``'s real local rows of ``k, v (T_local, Hkv, D)`` (prefill, thd)."""
+        if self.prefilled:
+            raise ValueError("KVCache: prefill after the cache was filled; build a new cache per generation")
+        if not 1 <= layer_number <= self.num_layers or layer_number in self.layers:
+            raise ValueError(f"KVCache: layer_number {layer_number} outside 1..{self.num_layers} or stored twice")
+        real = layout.real_mask(self.cp_rank).to(k.device)
+        seq = torch.repeat_interleave(torch.arange(layout.num_docs), torch.tensor(layout.padded_lengths) // layout.size)
+        self.layers[layer_number] = _Shard(k[real].detach().clone(), v[real].detach().clone(),
+                                           seq.to(k.device)[real], layout.positions(self.cp_rank).to(k.device)[real])
+        if not self.lengths:
+            self.lengths = list(layout.lengths)
+            self.rows_per_rank = [int(layout.real_mask(r).sum()) for r in range(layout.size)]
+
+    def finish_prefill(self) -> None:
+        """Mark the prefill done. Raises ValueError unless every layer stored its rows."""
+        missing = [n for n in range(1, self.num_layers + 1) if n not in self.layers]
+        if missing:
+            raise ValueError(f"KVCache: the prefill stored no rows for layers {missing} (did every attention layer run "
+                             "core_attn with this handler?)")
+        self.prefilled = True
+
+    def next_token_owners(self) -> tuple[list[int], list[int]]:
+        """``(owner rank, global position)`` of each sequence's next token; advances the counts (one call per
+        decode step, on every rank alike)."""
+        owners, positions = [], []
+        for i in range(len(self.lengths)):
+            owner = min(range(self.cp_size), key=lambda r: (self.rows_per_rank[r], r))
+            owners.append(owner)
+            positions.append(self.lengths[i])
+            self.rows_per_rank[owner] += 1
+            self.lengths[i] += 1
+        return owners, positions
+
+    def layer(self, layer_number: int) -> _Shard:
+        if layer_number not in self.layers:
+            raise ValueError(f"KVCache: no rows for layer_number {layer_number} (1..{self.num_layers})")
+        return self.layers[layer_number]
+
+    def nbytes(self) -> int:
+        """Bytes of K and V this rank holds (the rows in use)."""
+        return sum(2 * shard.size * shard.k[0].numel() * shard.k.element_size() for shard in self.layers.values())

@@ -1,0 +1,131 @@
+"""Greedy generation under CP: a prefill over the prompts dispatched across the group, then decode steps.
+
+:func:`generate` runs any model with the reference GPT's interface (``model(input_ids, cp_handler=h)
+-> logits``; :class:`~cp_handler.integrations.transformers.CPCausalLM` too): the prompts are one thd
+batch (each prompt a document, padded by the handler to multiples of ``2 * cp``) through a
+:class:`~cp_handler.handlers.local.LocalContextParallelHandler` that fills a :class:`.KVCache`; each
+sequence's last-token logits come from the rank holding that token (one all-reduce of ``B x V``);
+then each decode step is one forward of the ``B`` new tokens under a :class:`.DecodeHandler`.
+:func:`reference_generate` is the check: the model alone, the whole sequence re-run for every token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..handlers.local import LocalContextParallelHandler
+from .cache import KVCache
+from .decode import DecodeHandler
+
+
+@dataclass
+class Generation:
+    """What :func:`generate` returns (the same on every rank).
+
+    Attributes:
+        tokens: each sequence's new tokens.
+        logits: per step, ``(B, V)`` float32 logits the tokens were picked from (step 0: the prefill's).
+        prefill_s / decode_s: wall-clock seconds of the prefill and of all decode steps.
+        kv_cache_bytes: K/V bytes this rank holds at the end.
+    """
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    kv_cache_bytes: int = 0
+
+
+def check_prompts(prompts: list[torch.Tensor], max_new_tokens: int, max_positions: int | None) -> None:
+    """Raises ValueError for no prompt, an empty or non-1-D prompt, ``max_new_tokens < 1``, or a prompt
+    plus its new tokens beyond the model's position limit (before any collective)."""
+    if not prompts:
+        raise ValueError("generate: no prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    for i, prompt in enumerate(prompts):
+        if prompt.dim() != 1 or prompt.numel() < 1:
+            raise ValueError(f"prompt {i} must be a non-empty 1-D tensor of token ids, got shape {tuple(prompt.shape)}")
+        if max_positions is not None and prompt.numel() + max_new_tokens > max_positions:
+            raise ValueError(f"prompt {i} has {prompt.numel()} tokens; with max_new_tokens={max_new_tokens} it would "
+                             f"reach position {prompt.numel() + max_new_tokens - 1}, beyond the model's limit of "
+                             f"{max_positions} positions")
+
+
+def _last_token_logits(handler: LocalContextParallelHandler, logits: torch.Tensor) -> torch.Tensor:
+    """``(B, V)`` float32 logits of every prompt's last token, on every rank (the holder fills its rows)."""
+    layout = handler.thd_layout
+    index = layout.dispatch_index(handler.cp_rank)
+    last = torch.tensor(layout.lengths).cumsum(0) - 1
+    out = logits.new_zeros((layout.num_docs, logits.shape[-1]), dtype=torch.float32)
+    for i, position in enumerate(last.tolist()):
+        rows = (index == position).nonzero()
+        if rows.numel():
+            out[i] = logits[0, int(rows[0])].float()
+    if handler.cp_size > 1:
+        dist.all_reduce(out, group=handler.cp_group)
+    return out
+
+
+@torch.no_grad()
+def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_group=None, cp_comm_type="p2p",
+             hierarchical_cp_groups=None, num_layers: int, max_positions: int | None = None) -> Generation:
+    """Greedy continuation of every prompt (every rank of ``cp_group`` calls it with the same arguments).
+
+    Args:
+        model: ``model(input_ids (1, T), cp_handler=h) -> logits (1, T, V)``.
+        prompts: 1-D int64 token tensors (any lengths).
+        max_new_tokens: tokens generated per prompt (>= 1).
+        cp_group / cp_comm_type / hierarchical_cp_groups: the prefill's CP layout (any comm type; decode
+            uses the group's all-gather).
+        num_layers: attention layers of the model (the cache checks every one was filled).
+        max_positions: the model's position limit (``None``: none, RoPE).
+
+    Raises:
+        ValueError: :func:`check_prompts`; the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
+    """
+    check_prompts(prompts, max_new_tokens, max_positions)
+    device = next(model.parameters()).device
+    cache = KVCache(cp_group, num_layers)
+    cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()], dtype=torch.int32)
+    started = time.perf_counter()
+    prefill = LocalContextParallelHandler(cp_group=cp_group, qkv_format="thd", cu_seqlens=cu, cp_comm_type=cp_comm_type,
+                                          hierarchical_cp_groups=hierarchical_cp_groups, kv_cache=cache)
+    local = prefill.dispatch(torch.cat(prompts).view(1, -1).to(device), 1)
+    logits = _last_token_logits(prefill, model(local, cp_handler=prefill))
+    cache.finish_prefill()
+    result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started)
+    started = time.perf_counter()
+    for step in range(max_new_tokens):
+        chosen = logits.argmax(-1)
+        for i, token in enumerate(chosen.tolist()):
+            result.tokens[i].append(token)
+        if step + 1 == max_new_tokens:
+            break
+        logits = model(chosen.view(1, -1).to(device), cp_handler=DecodeHandler(cache, cp_group=cp_group))[0].float()
+        result.logits.append(logits)
+    result.decode_s = time.perf_counter() - started
+    result.kv_cache_bytes = cache.nbytes()
+    return result
+
+
+@torch.no_grad()
+def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int) -> Generation:
+    """The same greedy generation on this process alone, without a cache: each step re-runs the model on the
+    whole sequence so far (``model(ids)`` with no handler) and takes the last position's logits."""
+    device = next(model.parameters()).device
+    result = Generation([[] for _ in prompts], [[] for _ in range(max_new_tokens)])
+    for i, prompt in enumerate(prompts):
+        sequence = prompt.to(device)
+        for step in range(max_new_tokens):
+            logits = model(sequence.view(1, -1))[0, -1].float()
+            result.logits[step].append(logits)
+            token = int(logits.argmax())
+            result.tokens[i].append(token)
+            sequence = torch.cat([sequence, sequence.new_tensor([token])])
+    result.logits = [torch.stack(step) for step in result.logits]
+    return result
