@@ -10,6 +10,9 @@ the shards sum to the whole cache and each holds at most its fair share plus one
 """
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -110,3 +113,42 @@ def _errors_worker(rank, world):
 
 def test_bad_use_is_a_clear_error():
     run_distributed(_errors_worker, 2)
+
+
+def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
+    """cp-train --save, then cp-generate --checkpoint at cp 2 (p2p and a2a prefill) with --check-parity."""
+    from test_cli import SMALL, cp_train
+
+    result = cp_train("--nproc", "2", *SMALL, "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def main():\n    return ")
+    for comm in ("p2p", "a2a"):
+        done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--cp-comm-type", comm,
+                               "--checkpoint", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
+                               "--max-new-tokens", "12", "--check-parity", "--report-out", str(tmp_path / "r.json")],
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "cp-generate: parity passed: same tokens True" in done.stderr
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
+
+
+def test_cp_generate_flag_rules(tmp_path, monkeypatch):
+    from test_cli import _hf_dir
+
+    from cp_handler.cli.generate import parse
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x" * 1000)
+    hf = _hf_dir(tmp_path, False)  # max_position_embeddings 1024
+    cases = [(["--checkpoint", str(tmp_path / "none")], "no such directory"),
+             (["--hf-model", hf, "--checkpoint", hf], "exactly one of --checkpoint"),
+             (["--hf-model", hf, "--cp-size", "4"], r"--cp-size 4: cp-generate runs one CP group over all 2 ranks"),
+             (["--hf-model", hf, "--max-new-tokens", "100"], r"1000 tokens \+ --max-new-tokens 100 exceed the model's "
+                                                             r"1024 positions"),
+             (["--hf-model", hf, "--max-new-tokens", "0"], r"--max-new-tokens 0 must be >= 1")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit, match=rf"cp-generate: error: .*({message})"):
+            parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])

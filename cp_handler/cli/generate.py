@@ -1,0 +1,136 @@
+"""``cp-generate``: greedy continuation of prompt files under CP, from a ``cp-train --save`` checkpoint or a
+Hugging Face model folder (docs/inference.md).
+
+Parses and checks the flags before any rank starts (into a frozen
+:class:`~cp_handler.inference.run.GenerateConfig`), starts the ranks
+(:func:`~cp_handler.inference.run.run_generation`; spawned, or one rank under torchrun) and prints the
+continuation of each prompt on stdout, and on stderr the prefill and decode throughput, the KV cache
+per rank and, with ``--check-parity``, the comparison with one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
+from ..handlers import get_cp_handler_cls
+from ..handlers.registry import load_plugins
+from ..inference.run import GenerateConfig, run_generation
+from ..training.checkpoint import find_checkpoint, read_meta
+from .flag_names import HelpFormatter, to_flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cp-generate", formatter_class=HelpFormatter,
+                                description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("layout")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="ranks to spawn, all one CP group (default 1; under torchrun: its WORLD_SIZE)")
+    g.add_argument("--cp-size", type=int, default=None, help="CP size: the number of ranks (default --nproc)")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="the prefill's communication pattern")
+    g.add_argument("--hierarchical-cp-sizes", type=int, nargs=2, default=None, metavar=("A2A", "P2P"),
+                   help="a2a+p2p: inner a2a size, then the ring size")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds a rank may go without progress")
+    g = p.add_argument_group("model (one of)")
+    g.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a cp-train --save folder (its latest) or one step-N folder: the reference GPT")
+    g.add_argument("--hf-model", default=None, metavar="DIR", help="a Hugging Face model folder (save_pretrained)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt-file", nargs="+", required=True, metavar="FILE",
+                   help="prompt files, one prompt each (bytes are the tokens)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--check-parity", action="store_true",
+                   help="also generate on rank 0 alone (the whole sequence re-run per token, no cache) and fail "
+                        "unless the tokens are the same and every step's logits agree within atol = rtol = 1e-5")
+    g.add_argument("--report-out", default=None, metavar="FILE", help="write the report as JSON")
+    return p
+
+
+def validate(args: argparse.Namespace) -> GenerateConfig:
+    """Every rule before any rank starts. Raises ValueError naming the flag."""
+    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (args.nproc or 1)
+    sizes = (("--nproc", args.nproc), ("--cp-size", args.cp_size), ("--max-new-tokens", args.max_new_tokens))
+    for flag, value in sizes:
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    if args.cp_size is not None and args.cp_size != world:
+        raise ValueError(f"--cp-size {args.cp_size}: cp-generate runs one CP group over all {world} ranks (--nproc)")
+    if bool(args.checkpoint) == bool(args.hf_model):
+        raise ValueError("give exactly one of --checkpoint (a cp-train --save folder) and --hf-model")
+    heads = None
+    if args.checkpoint:
+        checkpoint = find_checkpoint(args.checkpoint)
+        meta = read_meta(checkpoint)
+        if meta["model"]["kind"] != "gpt":
+            raise ValueError(f"--checkpoint {args.checkpoint}: a Hugging Face model's checkpoint; export it with "
+                             "cp-train --export-hf DIR and pass --hf-model DIR")
+        heads = AttentionShape(meta["model"]["num_attention_heads"], meta["model"]["num_query_groups"],
+                               meta["model"]["kv_channels"])
+        model_source = {"checkpoint": str(checkpoint)}
+    else:
+        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
+            raise ValueError(f"--hf-model {args.hf_model}: no config.json in it")
+        model_source = {"hf_model": args.hf_model}
+    for path in args.prompt_file:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise ValueError(f"--prompt-file {path}: not a non-empty file")
+    if args.hf_model:  # the position limit, checked here with the words of the flags
+        from transformers import AutoConfig
+
+        limit = getattr(AutoConfig.from_pretrained(args.hf_model, local_files_only=True).get_text_config(),
+                        "max_position_embeddings", None)
+        for path in args.prompt_file:
+            if limit is not None and os.path.getsize(path) + args.max_new_tokens > limit:
+                raise ValueError(f"--prompt-file {path}: {os.path.getsize(path)} tokens + --max-new-tokens "
+                                 f"{args.max_new_tokens} exceed the model's {limit} positions "
+                                 "(max_position_embeddings)")
+    sizes = tuple(args.hierarchical_cp_sizes) if args.hierarchical_cp_sizes else None
+    cp_config = ContextParallelConfig(context_parallel_size=world, cp_comm_type=args.cp_comm_type,
+                                      hierarchical_context_parallel_sizes=list(sizes) if sizes else None,
+                                      qkv_format="thd")
+    if heads is not None:
+        get_cp_handler_cls("local", args.cp_comm_type).check_config(cp_config, heads)
+    return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
+                          prompts=tuple(args.prompt_file), max_new_tokens=args.max_new_tokens,
+                          check_parity=args.check_parity, timeout=args.timeout, **model_source)
+
+
+def parse(argv: list[str] | None = None) -> tuple[GenerateConfig, str | None]:
+    args = build_parser().parse_args(argv)
+    try:
+        load_plugins()
+        return validate(args), args.report_out
+    except (ValueError, TypeError, ImportError, RuntimeError) as err:
+        raise SystemExit(f"cp-generate: error: {to_flags(str(err))}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, report_out = parse(argv)
+    report = run_generation(config)
+    if report is None:  # a non-zero rank under torchrun
+        return 0
+    for tokens in report["tokens"]:
+        print(bytes(t % 256 for t in tokens).decode("utf-8", errors="replace"))
+    kv = report["kv_cache_bytes_per_rank"]
+    print(f"cp-generate: cp {report['cp_size']}: prefill {sum(report['prompt_tokens'])} tokens in "
+          f"{report['prefill_s']:.2f} s ({report['prefill_tokens_per_s']:.0f} tokens/s), decode "
+          f"{report['decode_tokens_per_s']:.1f} tokens/s; KV cache per rank {[round(b / 2**20, 2) for b in kv]} MiB",
+          file=sys.stderr)
+    if report_out:
+        with open(report_out, "w") as f:
+            json.dump(report, f, indent=2)
+    parity = report.get("parity")
+    if parity is not None:
+        verdict = "passed" if parity["passed"] else "FAILED"
+        print(f"cp-generate: parity {verdict}: same tokens {parity['same_tokens']}, max logit difference "
+              f"{parity['max_logit_diff']:.2e} (atol = rtol = {parity['tolerance']})", file=sys.stderr)
+        return 0 if parity["passed"] else 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
