@@ -143,7 +143,7 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("x" * 1000)
     hf = _hf_dir(tmp_path, False)  # max_position_embeddings 1024
-    cases = [(["--checkpoint", str(tmp_path / "none")], "no such directory"),
+    cases = [(["--checkpoint", str(tmp_path / "none")], "--checkpoint .*none: no such directory"),
              (["--hf-model", hf, "--checkpoint", hf], "exactly one of --checkpoint"),
              (["--hf-model", hf, "--cp-size", "4"], r"--cp-size 4: cp-generate runs one CP group over all 2 ranks"),
              (["--hf-model", hf, "--max-new-tokens", "100"], r"1000 tokens \+ --max-new-tokens 100 exceed the model's "

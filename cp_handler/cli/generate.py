@@ -63,7 +63,7 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         raise ValueError("give exactly one of --checkpoint (a cp-train --save folder) and --hf-model")
     heads = None
     if args.checkpoint:
-        checkpoint = find_checkpoint(args.checkpoint)
+        checkpoint = find_checkpoint(args.checkpoint, "--checkpoint")
         meta = read_meta(checkpoint)
         if meta["model"]["kind"] != "gpt":
             raise ValueError(f"--checkpoint {args.checkpoint}: a Hugging Face model's checkpoint; export it with "

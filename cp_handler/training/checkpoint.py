@@ -114,17 +114,18 @@ def mismatches(saved: dict, current: dict) -> list[str]:
     return problems
 
 
-def find_checkpoint(path: str) -> Path:
-    """The complete checkpoint ``path`` names: a checkpoint folder, or a ``--save`` folder (its ``latest``).
+def find_checkpoint(path: str, flag: str = "--resume") -> Path:
+    """The complete checkpoint ``path`` (given as ``flag``) names: a checkpoint folder, or a ``--save``
+    folder (its ``latest``).
 
     Raises:
         CheckpointError: nothing there, only a partial save, or ``latest`` naming a missing / incomplete one.
     """
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"--resume {path}: no such directory")
+        raise CheckpointError(f"{flag} {path}: no such directory")
     if root.name.endswith(".partial"):
-        raise CheckpointError(f"--resume {path}: a partial checkpoint (a save that did not finish); resume from "
+        raise CheckpointError(f"{flag} {path}: a partial checkpoint (a save that did not finish); resume from "
                               f"{root.parent} (its latest complete checkpoint)")
     if (root / META).is_file():
         candidate = root
@@ -134,9 +135,9 @@ def find_checkpoint(path: str) -> Path:
         partial = sorted(p.name for p in root.glob(".step-*.partial"))
         what = f"only partial checkpoints ({', '.join(partial)}: saves that did not finish)" if partial else \
             "no checkpoint"
-        raise CheckpointError(f"--resume {path}: {what}")
+        raise CheckpointError(f"{flag} {path}: {what}")
     if not ((candidate / META).is_file() and (candidate / ".metadata").is_file()):
-        raise CheckpointError(f"--resume {path}: {candidate.name} is missing or incomplete (no {META} or DCP "
+        raise CheckpointError(f"{flag} {path}: {candidate.name} is missing or incomplete (no {META} or DCP "
                               ".metadata)")
     return candidate
 
