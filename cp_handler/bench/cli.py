@@ -15,6 +15,8 @@ Modes (``--modes``, default both):
 * ``launches`` (only when asked for): :mod:`.launches`: the same rank plans on ``meta`` tensors through
   each of ``--launch-kernels`` (CUDA kernels), counting the operators (kernel launches) per rank-step;
   no GPU needed, sizes from the plan flags (CUDA defaults);
+* ``generate`` (only when asked for): :mod:`.generation`: prefill time and decode time per token against
+  prompt length at each CP size (a KV cache sharded over the ranks);
 * ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
   every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
   K/V tokens each rank sends.
@@ -42,7 +44,7 @@ from ..groups import destroy_process_groups
 from ..launch import launch
 from ..ops.patterns import PATTERNS
 from ..progress import Progress
-from . import e2e, launches, masks, plan, report
+from . import e2e, generation, launches, masks, plan, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
 
@@ -124,10 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
                         f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
                         f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
-    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks"), default=["attn", "e2e"],
+    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks", "generate"),
+                   default=["attn", "e2e"],
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
                         "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed); "
-                        "masks: sliding window and chunked attention vs full causal per rank")
+                        "masks: sliding window and chunked attention vs full causal per rank; generate: prefill and "
+                        "decode with a sharded KV cache")
     g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -174,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-cp-size", type=int, default=4, help="CP size")
     g.add_argument("--mask-window", type=int, default=1024, help="sliding window W (keys, the query's own included)")
     g.add_argument("--mask-chunk", type=int, default=2048, help="chunked attention: chunk length C (tokens)")
+    g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt)")
+    g.add_argument("--gen-prompt-lens", type=int, nargs="+", default=None,
+                   help="prompt lengths in tokens (default 4096 8192 16384 32768 65536; --quick: 4096 8192)")
+    g.add_argument("--gen-cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes (1 is the baseline)")
+    g.add_argument("--gen-new-tokens", type=int, default=16, help="tokens generated per prompt")
+    g.add_argument("--gen-hidden-size", type=int, default=256, help="model hidden size")
+    g.add_argument("--gen-layers", type=int, default=2, help="model layers")
+    g.add_argument("--gen-heads", type=int, default=8, help="query heads")
+    g.add_argument("--gen-kv-heads", type=int, default=2, help="KV heads")
     return p
 
 
@@ -247,6 +260,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         _check_cuda_attn_flags(p, args)
     if {"plan", "launches", "masks"} & set(args.modes):
         _check_plan_flags(p, args)
+    if "generate" in args.modes:
+        if args.gen_prompt_lens is None:
+            args.gen_prompt_lens = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
+        for flag in ("gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads"):
+            if getattr(args, flag) < 1:
+                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        if min(args.gen_prompt_lens) < 1 or min(args.gen_cp_sizes) < 1:
+            p.error("--gen-prompt-lens and --gen-cp-sizes must be >= 1")
+        if 1 not in args.gen_cp_sizes:
+            p.error("--gen-cp-sizes must include 1 (the baseline of the efficiency)")
+        if args.gen_heads % args.gen_kv_heads or args.gen_hidden_size % args.gen_heads:
+            p.error(f"--gen-heads {args.gen_heads} must divide --gen-hidden-size {args.gen_hidden_size} and be a "
+                    f"multiple of --gen-kv-heads {args.gen_kv_heads}")
     if "masks" in args.modes:
         for flag in ("mask_window", "mask_chunk", "mask_cp_size"):
             if getattr(args, flag) < 1:
@@ -274,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         results["launches"] = launches.run(args)
     if "masks" in args.modes:
         results["masks"] = masks.run(args)
+    if "generate" in args.modes:
+        results["generate"] = generation.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -145,7 +145,44 @@ def markdown(results: dict) -> str:
         parts += ["## Kernel launches per rank-step (launches mode)\n", launches_table(results["launches"]), ""]
     if "masks" in results:
         parts += ["## Attention variants per rank (masks mode)\n", masks_table(results["masks"]), ""]
+    if "generate" in results:
+        parts += ["## Prefill and decode with a sharded KV cache (generate mode)\n",
+                  generate_table(results["generate"]), ""]
     return "\n".join(parts)
+
+
+def generate_table(gen: dict) -> str:
+    """Prefill time, its CP efficiency, decode time per token (and vs cp=1), KV cache per rank."""
+    m = gen["model"]
+    lines = [f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
+             f"float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} cores shared by the ranks\n",
+             "| prompt | cp | prefill s | prefill CP eff. | decode ms/token | decode vs cp=1 | KV MiB/rank |",
+             "|" + "---|" * 7]
+    for r in sorted(gen["rows"], key=lambda r: (r["prompt_len"], r["cp_size"])):
+        lines.append(f"| {r['prompt_len']} | {r['cp_size']} | {r['prefill_s']:.2f} | "
+                     f"{_fmt(r.get('prefill_efficiency'), '.2f')} | {1e3 * r['decode_s_per_token']:.2f} | "
+                     f"{_fmt(r.get('decode_vs_cp1'), '.2f')} | {r['kv_bytes_per_rank_max'] / 2**20:.2f} |")
+    return "\n".join(lines)
+
+
+def generate_plot(gen: dict, out_dir: str) -> str:
+    """Prefill time and decode time per token against prompt length, one line per CP size."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for cp in sorted({r["cp_size"] for r in gen["rows"]}):
+        points = sorted((r["prompt_len"], r) for r in gen["rows"] if r["cp_size"] == cp)
+        xs = [x for x, _ in points]
+        axes[0].plot(xs, [r["prefill_s"] for _, r in points], marker="o", label=f"cp={cp}")
+        axes[1].plot(xs, [1e3 * r["decode_s_per_token"] for _, r in points], marker="o", label=f"cp={cp}")
+    axes[0].set(title="prefill", xlabel="prompt tokens", ylabel="s", yscale="log")
+    axes[1].set(title="decode", xlabel="prompt tokens", ylabel="ms per token")
+    for ax in axes:
+        plain_log_axis(ax, [r["prompt_len"] for r in gen["rows"]])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "generate.png")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def masks_table(masks: dict) -> str:
@@ -267,4 +304,6 @@ def plots(results: dict, out_dir: str) -> list[str]:
         written.append(plan_plot(results["plan"], out_dir))
     if "masks" in results:
         written.append(masks_plot(results["masks"], out_dir))
+    if "generate" in results:
+        written.append(generate_plot(results["generate"], out_dir))
     return written
