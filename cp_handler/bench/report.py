@@ -178,11 +178,7 @@ def generate_plot(gen: dict, out_dir: str) -> str:
     for ax in axes:
         plain_log_axis(ax, [r["prompt_len"] for r in gen["rows"]])
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "generate.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "generate.png")
 
 
 def masks_table(masks: dict) -> str:
@@ -208,11 +204,7 @@ def masks_plot(masks: dict, out_dir: str) -> str:
     axes[0].set(title=f"fwd+bwd per rank, S={masks['seq_len']} cp={masks['cp_size']}", ylabel="ms (slowest rank)")
     axes[1].bar(names, [r["kv_tokens_sent"] for r in masks["rows"]], color="tab:orange")
     axes[1].set(title="K/V sent per rank per layer (forward)", ylabel="tokens")
-    fig.tight_layout()
-    path = os.path.join(out_dir, "masks.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "masks.png")
 
 
 def plan_table(plan: dict) -> str:
@@ -244,6 +236,15 @@ def launches_table(launches: dict) -> str:
     return "\n".join(lines)
 
 
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Lay out, write ``out_dir/name`` (PNG, 90 dpi), close; the path."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def plan_plot(plan: dict, out_dir: str) -> str:
     """Efficiency against tokens per rank, one panel per format, one line per pattern."""
     formats = sorted({r["qkv_format"] for r in plan["rows"]})
@@ -258,11 +259,7 @@ def plan_plot(plan: dict, out_dir: str) -> str:
                ylabel="T(whole) / (cp T(rank))")
         plain_log_axis(ax, [r["seq_len"] // r["cp_size"] for r in plan["rows"] if r["pattern"] != "whole"])
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "plan_efficiency.png")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir, "plan_efficiency.png")
 
 
 def _series(rows: list[dict], pass_name: str, fmt: str, cp: int) -> dict[str, list[tuple[int, dict]]]:
@@ -295,11 +292,7 @@ def plots(results: dict, out_dir: str) -> list[str]:
                     plain_log_axis(ax, [r["seq_len"] for r in rows])
                     if ax.lines:
                         ax.legend(fontsize=7)
-            fig.tight_layout()
-            path = os.path.join(out_dir, f"attn_{pass_name}_{fmt}.png")
-            fig.savefig(path, dpi=90)
-            plt.close(fig)
-            written.append(path)
+            written.append(save_figure(fig, out_dir, f"attn_{pass_name}_{fmt}.png"))
     if "plan" in results:
         written.append(plan_plot(results["plan"], out_dir))
     if "masks" in results:

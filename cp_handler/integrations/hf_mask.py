@@ -118,23 +118,26 @@ def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offse
     return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask)
 
 
-def _per_token_tensors(mask_function) -> list[tuple[int, ...]]:
-    """Shapes of the tensors with two or more dims that ``mask_function`` (and the functions it
-    composes) close over: a mask that indexes per-token data by position."""
-    found, seen, stack = [], set(), [mask_function]
+def _closure_tensors(mask_function):
+    """Every tensor ``mask_function`` (and the functions and sequences it closes over) holds, once each."""
+    seen, stack = set(), [mask_function]
     while stack:
         item = stack.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            if item.dim() >= 2:
-                found.append(tuple(item.shape))
+            yield item
         elif callable(item) and getattr(item, "__closure__", None):
             stack += [cell.cell_contents for cell in item.__closure__ if _filled(cell)]
         elif isinstance(item, (list, tuple)):
             stack += list(item)
-    return found
+
+
+def _per_token_tensors(mask_function) -> list[tuple[int, ...]]:
+    """Shapes of the tensors with two or more dims that ``mask_function`` (and the functions it
+    composes) close over: a mask that indexes per-token data by position."""
+    return [tuple(t.shape) for t in _closure_tensors(mask_function) if t.dim() >= 2]
 
 
 def _filled(cell) -> bool:
@@ -147,19 +150,7 @@ def _filled(cell) -> bool:
 
 def _device(mask_function) -> torch.device:
     """Where the mask function's tensors live (positions are probed there), else CPU."""
-    stack, seen = [mask_function], set()
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, torch.Tensor):
-            return item.device
-        if callable(item) and getattr(item, "__closure__", None):
-            stack += [cell.cell_contents for cell in item.__closure__ if _filled(cell)]
-        elif isinstance(item, (list, tuple)):
-            stack += list(item)
-    return torch.device("cpu")
+    return next((t.device for t in _closure_tensors(mask_function)), torch.device("cpu"))
 
 
 def _distances(n: int) -> list[int]:

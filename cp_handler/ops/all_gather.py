@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs, zigzag_chunk_ids
-from ..masks import AttentionMask, mask_blocks, resolve_mask
+from ..masks import AttentionMask, mask_blocks
+from .attn_function import attention_function, check_variant
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .kernels.base import seq_major
-from .kernels.masked import check_variant_device
 from .merge import acc_dtype
 from .ring import default_layout
-from .sinks import check_sinks, fold_sinks, sinks_grad
+from .sinks import fold_sinks
 
 
 @functools.lru_cache(maxsize=64)
@@ -139,24 +139,6 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, mask: Atten
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-class _AllGatherAttn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel):
-        out, lse = all_gather_attn_forward(q, k, v, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel,
-                                           sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (group, layout, mask, scale, kv_heads_per_chunk, attn_kernel)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = all_gather_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None
-
-
 def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
                     layout: ZigzagDocs | None = None,
                     kv_heads_per_chunk: int | None = None,
@@ -181,8 +163,7 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
     Raises:
         TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
-    mask = resolve_mask(causal, mask)
-    check_sinks(sinks, q.shape[1], q)
-    check_variant_device(q, mask, sinks)
+    mask = check_variant(q, causal, mask, sinks)
     layout = layout or default_layout(q, group)
-    return _AllGatherAttn.apply(q, k, v, sinks, group, layout, mask, scale, kv_heads_per_chunk, attn_kernel)
+    return attention_function(all_gather_attn_forward, all_gather_attn_backward, q, k, v, sinks, group, layout, mask,
+                              scale, kv_heads_per_chunk, attn_kernel)

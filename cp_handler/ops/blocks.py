@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..masks import BlockMask
+from .attn_function import attention_function
 from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
 from .kernels.base import seq_major
 from .kernels.masked import masked_backward, masked_forward
 from .merge import acc_dtype, merge_attn_out_
 from .packed_blocks import PackedCallCache, packed_backward_, packed_forward_
-from .sinks import fold_sinks, sinks_grad
+from .sinks import fold_sinks
 
 Block = tuple[slice, slice, bool | BlockMask]
 
@@ -171,33 +172,25 @@ def _add_grads_(dq, dk, dv, q_rows: slice, kv_rows: slice, grads) -> None:
     rows(dv, kv_rows).add_(grads[2])
 
 
-class _PlanAttn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, blocks, scale, attn_kernel):
-        out, lse = new_accumulators(q)
-        blocks_forward_(out, lse, q, k, v, list(blocks), scale, fresh=True, attn_kernel=attn_kernel)
-        if sinks is not None:
-            out, lse = fold_sinks(out, lse, sinks)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (blocks, scale, attn_kernel)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+def plan_forward(q, k, v, blocks, scale: float, attn_kernel=None, sinks=None):
+    """Forward of one fixed plan on local tensors: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``, sinks folded in."""
+    out, lse = new_accumulators(q)
+    blocks_forward_(out, lse, q, k, v, list(blocks), scale, fresh=True, attn_kernel=attn_kernel)
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
+    return out.to(q.dtype), lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        blocks, scale, attn_kernel = ctx.args
-        dtype = acc_dtype(q.dtype)
-        dout = seq_major(dout)
-        dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
-        blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse, list(blocks), scale, attn_kernel)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None
+
+def plan_backward(dout, q, k, v, out, lse, blocks, scale: float, attn_kernel=None):
+    """Backward of :func:`plan_forward`: ``(dq, dk, dv)`` in the inputs' dtypes."""
+    dtype = acc_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+    blocks_backward_(dq, dk, dv, seq_major(dout), q, k, v, out, lse, list(blocks), scale, attn_kernel)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def plan_attn(q, k, v, blocks, scale: float, attn_kernel=None, sinks: torch.Tensor | None = None):
     """Differentiable attention of local ``q (B,H,Sq,D)`` over local ``k, v (B,Hkv,Sk,D)`` by one fixed
     block plan (a tuple of blocks: keys of K/V rows already on this rank, e.g. after a halo exchange),
     with ``sinks (H,)`` folded in after the merge: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``."""
-    return _PlanAttn.apply(q, k, v, sinks, tuple(blocks), scale, attn_kernel)
+    return attention_function(plan_forward, plan_backward, q, k, v, sinks, tuple(blocks), scale, attn_kernel)

@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs
-from ..masks import AttentionMask, mask_blocks, resolve_mask
+from ..masks import AttentionMask, mask_blocks
+from .attn_function import attention_function, check_variant
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .halo import halo_applies, halo_attn
 from .kernels.base import seq_major
-from .kernels.masked import check_variant_device
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
-from .sinks import check_sinks, fold_sinks, sinks_grad
+from .sinks import fold_sinks
 
 
 @functools.lru_cache(maxsize=512)
@@ -159,23 +159,6 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, mask:
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
-class _RingAttn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, mask, scale, attn_kernel):
-        out, lse = ring_attn_forward(q, k, v, group, layout, mask, scale, attn_kernel, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.args = (group, layout, mask, scale, attn_kernel)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ring_attn_backward(dout, q, k, v, out, lse, *ctx.args)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None
-
-
 def ring_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -211,11 +194,10 @@ def ring_attn(
     Raises:
         TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
-    mask = resolve_mask(causal, mask)
-    check_sinks(sinks, q.shape[1], q)
-    check_variant_device(q, mask, sinks)
+    mask = check_variant(q, causal, mask, sinks)
     layout = layout or default_layout(q, group)
     if group is not None and halo_applies(layout, mask):
         return halo_attn(q, k, v, group=group, layout=layout, mask=mask, scale=scale, attn_kernel=attn_kernel,
                          sinks=sinks)
-    return _RingAttn.apply(q, k, v, sinks, group, layout, mask, scale, attn_kernel)
+    return attention_function(ring_attn_forward, ring_attn_backward, q, k, v, sinks, group, layout, mask, scale,
+                              attn_kernel)

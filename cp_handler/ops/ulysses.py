@@ -25,11 +25,10 @@ import torch.distributed as dist
 from einops import rearrange
 
 from ..layout import ZigzagDocs
-from ..masks import AttentionMask, resolve_mask
+from ..masks import AttentionMask
+from .attn_function import check_variant
 from .collectives import all_to_all
-from .kernels.masked import check_variant_device
 from .ring import ring_attn
-from .sinks import check_sinks
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -94,9 +93,7 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
         ValueError: head counts that the a2a cannot split (see :func:`check_a2a_heads`); a mask or
             sinks that :func:`~.ring.ring_attn` refuses.
     """
-    mask = resolve_mask(causal, mask)
-    check_sinks(sinks, q.shape[1], q)
-    check_variant_device(q, mask, sinks)
+    mask = check_variant(q, causal, mask, sinks)
     a2a_size = dist.get_world_size(group)
     replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
     outer_size = 1 if inner_group is None else dist.get_world_size(inner_group)
