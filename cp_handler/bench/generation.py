@@ -4,8 +4,11 @@ decoded token against prompt length, at each CP size, with the KV cache each ran
 Each CP size is its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each (as the
 attention mode). Per prompt length: one untimed generation of a short prompt (warm-up), then
 :func:`~cp_handler.inference.generate` of a random prompt with ``--gen-new-tokens`` new tokens,
-between barriers (the slowest rank sets the time). Prefill CP efficiency = ``T_prefill(cp=1) /
-(cp * T_prefill(cp))`` (1.0: splitting costs nothing); decode is reported per token.
+between barriers (the slowest rank sets the time). The ranks of every launch share the same
+``--cores``, so the prefill's CP efficiency is ``T_prefill(cp=1) / T_prefill(cp)`` on the same cores
+(1.0: splitting costs nothing). With one device per rank (a GPU each) the same quantity is
+``T(cp=1) / (cp * T(cp))`` per device, the usual definition; here each rank has ``1 / cp`` of the
+machine, so that formula would halve at cp 2 whatever the algorithm. Decode is reported per token.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def run(args) -> dict:
     for r in rows:
         if r["prompt_len"] in single:
             base = single[r["prompt_len"]]
-            r["prefill_efficiency"] = base["prefill_s"] / (r["cp_size"] * r["prefill_s"])
+            r["prefill_efficiency"] = base["prefill_s"] / r["prefill_s"]  # same cores (module doc)
             r["decode_vs_cp1"] = r["decode_s_per_token"] / base["decode_s_per_token"]
     return {"model": {"hidden_size": args.gen_hidden_size, "num_layers": args.gen_layers, "heads": args.gen_heads,
                       "kv_heads": args.gen_kv_heads}, "new_tokens": args.gen_new_tokens, "cores": args.cores,

@@ -156,7 +156,8 @@ def generate_table(gen: dict) -> str:
     m = gen["model"]
     lines = [f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
              f"float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} cores shared by the ranks\n",
-             "| prompt | cp | prefill s | prefill CP eff. | decode ms/token | decode vs cp=1 | KV MiB/rank |",
+             "| prompt | cp | prefill s | prefill CP eff. (same cores) | decode ms/token | decode vs cp=1 "
+             "| KV MiB/rank |",
              "|" + "---|" * 7]
     for r in sorted(gen["rows"], key=lambda r: (r["prompt_len"], r["cp_size"])):
         lines.append(f"| {r['prompt_len']} | {r['cp_size']} | {r['prefill_s']:.2f} | "
