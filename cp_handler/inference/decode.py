@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..handlers.base import ATTN_MASK_TYPES, ContextParallelHandler
+from ..handlers.base import ContextParallelHandler
 from ..handlers.checks import check_qkv, softmax_scale
 from ..ops.collectives import all_gather_single
 from ..ops.merge import acc_dtype
@@ -77,7 +77,7 @@ class DecodeHandler(ContextParallelHandler):
         return apply_rotary(t, freqs, "thd")
 
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        if attn_mask_type != "causal" or attn_mask_type not in ATTN_MASK_TYPES:
+        if attn_mask_type != "causal":
             raise ValueError(f"attn_mask_type={attn_mask_type!r}: a decode step attends causally to the cache")
         q3, k3, v3 = (t.squeeze(0) if t.dim() == 4 else t for t in (q, k, v))
         check_qkv(q3, k3, v3, seq_dim=0)

@@ -15,10 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from models import GPTConfig, GPTModel
+
+from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
+from ..training.checkpoint import read_meta
 from .generate import generate, reference_generate
 
 PARITY_TOL = 1e-5
@@ -53,11 +58,8 @@ def load_model(config: GenerateConfig, device: torch.device):
         hf = AutoModelForCausalLM.from_pretrained(config.hf_model, local_files_only=True, attn_implementation="eager")
         text = hf.config.get_text_config()
         return CPCausalLM(hf).to(device).eval(), text.num_hidden_layers, getattr(text, "max_position_embeddings", None)
-    import torch.distributed.checkpoint as dcp
 
-    from models import GPTConfig, GPTModel
 
-    from ..training.checkpoint import read_meta
 
     checkpoint = Path(config.checkpoint)
     fields = {k: v for k, v in read_meta(checkpoint)["model"].items() if k != "kind"}
@@ -82,8 +84,6 @@ def generate_rank(config: GenerateConfig) -> dict | None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     init_process_group_bounded("nccl" if cuda else "gloo", config.timeout, device_id=device if cuda else None)
     heartbeat()
-    from ..groups import build_dp_cp_groups, destroy_process_groups
-
     try:
         world = dist.get_world_size()
         groups = build_dp_cp_groups(world, device.type, list(config.hierarchical_cp_sizes or []) or None)

@@ -167,7 +167,7 @@ def check_resume(config: TrainConfig, path: str, optimizer: str = "AdamW") -> tu
     return checkpoint, saved["step"]
 
 
-def _state(trained, optim, world_size: int, with_rng: bool) -> dict:
+def _state(trained, optim, with_rng: bool) -> dict:
     model_state, optim_state = get_state_dict(trained, optim)
     state = {"model": model_state, "optim": optim_state}
     if with_rng:
@@ -222,7 +222,7 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
             error = f"--save {root}: cannot write there ({err.strerror or err})"
     _agreed(error)
     try:
-        dcp.save(_state(trained, optim, dist.get_world_size(), True), storage_writer=dcp.FileSystemWriter(partial))
+        dcp.save(_state(trained, optim, True), storage_writer=dcp.FileSystemWriter(partial))
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's (a BaseException) on every rank: one line
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -260,7 +260,7 @@ def load_checkpoint(checkpoint: Path, trained, optim) -> int:
     rank's ``trained`` / ``optim`` (every rank calls it); returns the completed step count."""
     meta = read_meta(checkpoint)
     same_world = meta["world_size"] == dist.get_world_size()
-    state = _state(trained, optim, dist.get_world_size(), same_world)
+    state = _state(trained, optim, same_world)
     dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
     set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if same_world:
