@@ -1,0 +1,111 @@
+"""cp-train's model flags: the reference GPT's shape, its MoE layers, or a Hugging Face config
+(checked by the guard before any rank starts). Every error names the flag."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from models import GPTConfig
+
+from ..config import AttentionShape
+from ..integrations.transformers import check_architecture, check_transformers_version
+from ..training.data import VOCAB_SIZE
+
+
+def check_moe_flags(args: argparse.Namespace) -> None:
+    """The MoE flags' rules (the expert layout itself is checked by ParallelLayout). Raises ValueError."""
+    if args.expert_parallel_size != 1 and not args.moe_experts:
+        raise ValueError(f"--expert-parallel-size {args.expert_parallel_size} needs --moe-experts E")
+    if args.moe_experts < 0 or (args.moe_experts and args.moe_experts % args.expert_parallel_size):
+        raise ValueError(f"--moe-experts {args.moe_experts} must be a multiple of --expert-parallel-size "
+                         f"{args.expert_parallel_size} (each rank holds the same number of experts)")
+    if args.moe_experts and (args.dynamic_cp or args.eval_every or args.check_eval_cp or args.eval_cp_size):
+        raise ValueError("--moe-experts runs with a static CP layout and no evaluation: drop --dynamic-cp / "
+                         "--eval-every / --eval-cp-size / --check-eval-cp")
+    if (args.hf_config or args.hf_model) and args.moe_experts:
+        raise ValueError("--moe-experts builds the reference GPT's MoE layers: drop it with --hf-config / --hf-model")
+
+
+def hf_config(args: argparse.Namespace):
+    """The Hugging Face config of ``--hf-config`` / ``--hf-model`` (``None`` without them).
+
+    Raises:
+        ValueError: both flags, a directory without a loadable config, a vocabulary under 256 byte tokens.
+        ImportError: transformers missing or outside the tested releases.
+    """
+    if args.hf_config and args.hf_model:
+        raise ValueError("--hf-config and --hf-model are exclusive: --hf-model DIR already has the config")
+    source = args.hf_model or args.hf_config
+    if source is None:
+        return None
+    flag = "--hf-model" if args.hf_model else "--hf-config"
+    if not os.path.isfile(os.path.join(source, "config.json")):
+        raise ValueError(f"{flag} {source}: no config.json in it (a Hugging Face model directory holds config.json"
+                         f"{' and the weights' if args.hf_model else ''})")
+    check_transformers_version()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{flag} {source}: no loadable Hugging Face config ({err})") from None
+    if getattr(config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
+        raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but cp-train feeds byte tokens "
+                         f"(0..{VOCAB_SIZE - 1})")
+    return config
+
+
+def check_hf_architecture(args: argparse.Namespace):
+    """The Hugging Face guard on ``--hf-config`` / ``--hf-model``'s architecture, before any rank starts
+    (:func:`~cp_handler.integrations.transformers.check_architecture`: the ranks' own message); returns
+    the config (``None`` without the flags).
+
+    Raises:
+        ValueError: ``--hf-config DIR: <the guard's refusal>``.
+    """
+    config = hf_config(args)
+    if config is None:
+        return None
+    try:
+        check_architecture(config)
+    except ValueError as err:
+        raise ValueError(f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}: "
+                         f"{err}") from None
+    return config
+
+
+def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionShape, str]:
+    """``(reference GPT config or None for a Hugging Face model, its attention shape, the words that
+    name where the heads come from)``; a Hugging Face architecture is checked by the guard first.
+
+    Raises:
+        ValueError: a GPT shape rule, or the guard's refusal (:func:`check_hf_architecture`).
+    """
+    config = check_hf_architecture(args)
+    if config is None:
+        gpt = model_config(args)
+        return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels), \
+            f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    shape = AttentionShape(heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return None, shape, f"{heads} query heads / {kv_heads} KV heads of {args.hf_model or args.hf_config}/config.json"
+
+
+def hf_layers(args: argparse.Namespace) -> int:
+    """Decoder layers of the ``--hf-config`` / ``--hf-model`` model (a per-layer comm type list's length)."""
+    config = hf_config(args)
+    return (config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers
+
+
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    """The reference GPT's shape from the flags (byte-level vocabulary). Raises ValueError."""
+    return GPTConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, rotary_base=args.rotary_base,
+        num_moe_experts=args.moe_experts,
+        moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+    )
