@@ -66,12 +66,18 @@ def straight(tmp_path_factory):
     return tmp, curve
 
 
-def test_resume_same_layout_is_bitwise_exact(tmp_path, straight):
-    straight_dir, curve = straight
-    first, _ = train(tmp_path, "first", "--nproc", "2", "--steps", "4", "--save", str(tmp_path / "ckpt"),
-                     "--save-every", "2")
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", step_name(2), step_name(4)]
-    second, err = train(tmp_path, "second", "--nproc", "2", "--steps", "8", "--resume", str(tmp_path / "ckpt"),
+@pytest.fixture(scope="module")
+def halfway(tmp_path_factory):
+    """The first 4 of those steps, saved after steps 2 and 4."""
+    tmp = tmp_path_factory.mktemp("halfway")
+    curve, _ = train(tmp, "first", "--nproc", "2", "--steps", "4", "--save", str(tmp / "ckpt"), "--save-every", "2")
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["latest", step_name(2), step_name(4)]
+    return tmp / "ckpt", curve
+
+
+def test_resume_same_layout_is_bitwise_exact(tmp_path, straight, halfway):
+    (straight_dir, curve), (ckpt, first) = straight, halfway
+    second, err = train(tmp_path, "second", "--nproc", "2", "--steps", "8", "--resume", str(ckpt),
                         "--save", str(tmp_path / "ckpt"))
     assert "resumed from" in err and step_name(4) in err
     assert first + second == curve  # bitwise
@@ -80,16 +86,15 @@ def test_resume_same_layout_is_bitwise_exact(tmp_path, straight):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_resume_at_another_layout_continues_the_curve(tmp_path, straight):
-    straight_dir, curve = straight
-    first, _ = train(tmp_path, "first", "--nproc", "2", "--steps", "4", "--save", str(tmp_path / "ckpt"))
+def test_resume_at_another_layout_continues_the_curve(tmp_path, straight, halfway):
+    (_, curve), (ckpt, first) = straight, halfway
     # cp 2 x dp 1 (2 sequences per rank) -> cp 1 x dp 2 (1 sequence per rank), p2p -> a2a: the same global batch
     second, _ = train(tmp_path, "second", "--nproc", "2", "--cp-size", "1", "--batch-size", "1", "--cp-comm-type",
-                      "a2a", "--steps", "8", "--resume", str(tmp_path / "ckpt"))
+                      "a2a", "--steps", "8", "--resume", str(ckpt))
     torch.testing.assert_close(torch.tensor(first + second), torch.tensor(curve), rtol=PARITY_RTOL, atol=0)
     # static -> dynamic CP: other batches (whole documents), so each resumed step is checked against one process
     dynamic, err = train(tmp_path, "dynamic", "--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "128",
-                         "--steps", "6", "--resume", str(tmp_path / "ckpt"), "--check-parity")
+                         "--steps", "6", "--resume", str(ckpt), "--check-parity")
     assert len(dynamic) == 2 and "parity passed" in err
 
 
