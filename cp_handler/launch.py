@@ -41,6 +41,23 @@ def _describe(failure) -> str:
     return str(message) or f"exit code {failure.exitcode}"
 
 
+# What a rank raises when a peer died under it (gloo / NCCL / the store): a consequence, not the cause.
+_PEER_LOST = ("DistNetworkError", "DistBackendError", "DistStoreError", "remote worker", "Connection closed by peer",
+              "Connection reset by peer")
+
+
+def root_failure(failures: dict) -> tuple:
+    """``(rank, failure)`` of the failure that caused the others: the earliest one that is not a rank
+    losing its connection to a dead peer (under load, the peer's own error can be recorded later
+    than the survivors'); the earliest of all when every one is a lost connection."""
+    def key(item):
+        rank, failure = item
+        lost = any(marker in _describe(failure) for marker in _PEER_LOST)
+        return lost, failure.timestamp, rank
+
+    return min(failures.items(), key=key)
+
+
 HEARTBEAT_ENV = "CP_HANDLER_HEARTBEAT_DIR"
 
 
@@ -176,7 +193,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
             if watchdog and watchdog.stalled is not None:
                 raise SystemExit(f"{program}: rank {watchdog.stalled} made no progress for {timeout:g} s (--timeout); "
                                  "it was killed and all ranks stopped.") from None
-            rank, failure = err.get_first_failure()
+            rank, failure = root_failure(err.failures)
             raise SystemExit(f"{program}: rank {rank} failed; all ranks stopped.\n{_describe(failure)}") from None
         except (KeyboardInterrupt, SignalException):
             raise SystemExit(f"{program}: interrupted; all ranks stopped.") from None

@@ -258,6 +258,24 @@ def test_crashed_rank_stops_every_rank():
     assert "injected failure on rank 1" in result.stderr
 
 
+def test_root_failure_is_the_cause_not_the_peer_that_lost_its_connection():
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from cp_handler.launch import root_failure
+
+    def failure(rank, message, timestamp):
+        f = ProcessFailure.__new__(ProcessFailure)
+        f.local_rank, f.pid, f.exitcode, f.error_file = rank, 0, 1, ""
+        f.message, f.timestamp = {"message": message, "extraInfo": {"py_callstack": message}}, timestamp
+        return f
+
+    lost = "torch.distributed.DistBackendError: ... typically caused by a remote worker crashing"
+    cause = "RuntimeError: injected failure on rank 1"
+    assert root_failure({0: failure(0, lost, 10), 1: failure(1, cause, 11)})[0] == 1  # recorded later, still the cause
+    assert root_failure({0: failure(0, cause, 12), 1: failure(1, cause, 11)})[0] == 1  # the earliest cause
+    assert root_failure({0: failure(0, lost, 12), 1: failure(1, lost, 11)})[0] == 1  # all lost: the earliest
+
+
 def _hf_dir(tmp_path, weights: bool):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
