@@ -124,7 +124,9 @@ def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) ->
 
 def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None:
     """At cp=1 (module doc): the model gives the same logits with :func:`cp_model_inputs` as with its
-    own default inputs, and other logits when the positions passed jump by ``gap`` halfway, as a
+    own default positions (and the all-ones ``attention_mask`` a tokenizer gives: transformers 4.57
+    re-derives a one-document mask from default positions otherwise), and other logits when the
+    positions passed jump by ``gap`` halfway, as a
     zigzag shard's do (so it takes its positions from ``position_ids`` / ``cache_position``, which
     carry the global ones under CP; a uniform shift would not tell, RoPE being relative). Skipped for
     weights on the ``meta`` device.
@@ -146,7 +148,7 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
     try:
         with torch.no_grad(), handler_context(handler):
             own, routed, moved = (model(input_ids=ids, **kwargs, use_cache=False).logits.float()
-                                  for kwargs in ({}, inputs, shifted))
+                                  for kwargs in ({"attention_mask": inputs["attention_mask"]}, inputs, shifted))
     finally:
         model.train(was_training)
     difference = (own - routed).abs().max().item()  # the same computation when the route is right: ~0
