@@ -1,6 +1,7 @@
 """cp-train checkpoints (``--save`` / ``--resume`` / ``--export-hf``, cp_handler/training/checkpoint.py).
 
-* Exact resume: 8 steps straight and 4 + resume + 4 give bitwise-equal losses and final parameters
+* Exact resume: 8 steps straight, and a resume from that run's step-4 checkpoint to step 8, give
+  bitwise-equal losses for steps 5-8 and final parameters
   (CPU: the same reductions in the same order, the optimizer state restored bit for bit, batches drawn
   by step index).
 * Another layout (cp 2 -> dp 2 with a2a, ep 2 -> ep 1 with MoE, static -> dynamic CP): the loss curve
@@ -60,55 +61,48 @@ def train(tmp_path, name, *flags):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """8 steps at cp 2 on 2 ranks, saved at the end."""
+    """8 steps at cp 2 on 2 ranks, saved every 2 steps, the last 3 kept; returns the ``--save``
+    folder and the loss curve (the step-4 checkpoint is the resume point of the tests)."""
     tmp = tmp_path_factory.mktemp("straight")
-    curve, _ = train(tmp, "straight", "--nproc", "2", "--steps", "8", "--save", str(tmp / "ckpt"))
-    return tmp, curve
-
-
-@pytest.fixture(scope="module")
-def halfway(tmp_path_factory):
-    """The first 4 of those steps, saved after steps 2 and 4."""
-    tmp = tmp_path_factory.mktemp("halfway")
-    curve, _ = train(tmp, "first", "--nproc", "2", "--steps", "4", "--save", str(tmp / "ckpt"), "--save-every", "2")
-    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["latest", step_name(2), step_name(4)]
+    curve, _ = train(tmp, "straight", "--nproc", "2", "--steps", "8", "--save", str(tmp / "ckpt"), "--save-every", "2",
+                     "--save-keep", "3")
+    assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["latest", step_name(4), step_name(6), step_name(8)]
     return tmp / "ckpt", curve
 
 
-def test_resume_same_layout_is_bitwise_exact(tmp_path, straight, halfway):
-    (straight_dir, curve), (ckpt, first) = straight, halfway
-    second, err = train(tmp_path, "second", "--nproc", "2", "--steps", "8", "--resume", str(ckpt),
+def test_resume_same_layout_is_bitwise_exact(tmp_path, straight):
+    ckpt, curve = straight
+    second, err = train(tmp_path, "second", "--nproc", "2", "--steps", "8", "--resume", str(ckpt / step_name(4)),
                         "--save", str(tmp_path / "ckpt"))
     assert "resumed from" in err and step_name(4) in err
-    assert first + second == curve  # bitwise
+    assert second == curve[4:]  # bitwise
     got = model_tensors(tmp_path / "ckpt" / step_name(8))
-    want = model_tensors(straight_dir / "ckpt" / step_name(8))
+    want = model_tensors(ckpt / step_name(8))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_resume_at_another_layout_continues_the_curve(tmp_path, straight, halfway):
-    (_, curve), (ckpt, first) = straight, halfway
+def test_resume_at_another_layout_continues_the_curve(tmp_path, straight):
+    ckpt, curve = straight
     # cp 2 x dp 1 (2 sequences per rank) -> cp 1 x dp 2 (1 sequence per rank), p2p -> a2a: the same global batch
     second, _ = train(tmp_path, "second", "--nproc", "2", "--cp-size", "1", "--batch-size", "1", "--cp-comm-type",
-                      "a2a", "--steps", "8", "--resume", str(ckpt))
-    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(curve), rtol=PARITY_RTOL, atol=0)
+                      "a2a", "--steps", "8", "--resume", str(ckpt / step_name(4)))
+    torch.testing.assert_close(torch.tensor(second), torch.tensor(curve[4:]), rtol=PARITY_RTOL, atol=0)
     # static -> dynamic CP: other batches (whole documents), so each resumed step is checked against one process
     dynamic, err = train(tmp_path, "dynamic", "--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "128",
-                         "--steps", "6", "--resume", str(ckpt), "--check-parity")
+                         "--steps", "6", "--resume", str(ckpt / step_name(4)), "--check-parity")
     assert len(dynamic) == 2 and "parity passed" in err
 
 
 def test_moe_checkpoint_holds_every_expert_once_and_resumes_at_another_ep(tmp_path):
     moe = ["--nproc", "2", "--moe-experts", "4"]
-    curve, _ = train(tmp_path, "straight", *moe, "--expert-parallel-size", "2", "--steps", "6")
-    first, _ = train(tmp_path, "first", *moe, "--expert-parallel-size", "2", "--steps", "3", "--save",
-                     str(tmp_path / "ckpt"))
+    curve, _ = train(tmp_path, "straight", *moe, "--expert-parallel-size", "2", "--steps", "6", "--save",
+                     str(tmp_path / "ckpt"), "--save-every", "3")
     metadata = dcp.FileSystemReader(tmp_path / "ckpt" / step_name(3)).read_metadata().state_dict_metadata
     weights = [k for k in metadata if k.startswith("model.layers.0.mlp.experts.") and k.endswith("gate_proj.weight")]
     assert sorted(k.split(".experts.")[1].split(".")[0] for k in weights) == ["0", "1", "2", "3"]  # each once
     second, _ = train(tmp_path, "second", *moe, "--expert-parallel-size", "1", "--steps", "6", "--resume",
-                      str(tmp_path / "ckpt"))
-    torch.testing.assert_close(torch.tensor(first + second), torch.tensor(curve), rtol=PARITY_RTOL, atol=0)
+                      str(tmp_path / "ckpt" / step_name(3)))
+    torch.testing.assert_close(torch.tensor(second), torch.tensor(curve[3:]), rtol=PARITY_RTOL, atol=0)
 
 
 def test_hugging_face_model_saves_resumes_and_exports(tmp_path):
@@ -128,8 +122,7 @@ def test_hugging_face_model_saves_resumes_and_exports(tmp_path):
 
 def test_resume_refuses_what_does_not_fit_before_any_rank_starts(tmp_path, straight, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    straight_dir, _ = straight
-    ckpt = str(straight_dir / "ckpt")
+    ckpt = str(straight[0])
     cases = [  # (--steps, more flags, --resume, the error)
         (12, [], str(tmp_path / "nothing"), "no such directory"),
         (8, [], ckpt, rf"--steps 8: {step_name(8)} has already trained 8 steps"),
