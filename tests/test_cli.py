@@ -289,10 +289,11 @@ def _hf_dir(tmp_path, weights: bool):
     return str(folder)
 
 
-@pytest.mark.parametrize("flags", [["--nproc", "2"], ["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a"],
+@pytest.mark.parametrize("flags", [["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a"],
                                    ["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2"]])
 def test_hugging_face_model_trains_with_parity(tmp_path, flags):
-    """cp-train drives an unmodified transformers model (Qwen2: q/k/v biases, GQA) through the integration."""
+    """cp-train drives an unmodified transformers model (Qwen2: q/k/v biases, GQA) through the integration
+    (bshd p2p at cp 2 with --check-parity: the Gemma 2 test below and test_checkpoint's Hugging Face resume)."""
     weights = "thd" in flags
     source = ["--hf-model" if weights else "--hf-config", _hf_dir(tmp_path, weights)]
     result = cp_train(*flags, *source, "--steps", "3", "--seq-len", "128", "--max-corpus-bytes", "2000000",

@@ -31,9 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .config import TrainConfig
 
@@ -167,7 +164,17 @@ def check_resume(config: TrainConfig, path: str, optimizer: str = "AdamW") -> tu
     return checkpoint, saved["step"]
 
 
+def _dcp():
+    """torch.distributed.checkpoint, imported when a save or load happens (0.5 s of every launch's start
+    otherwise)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict
+
+    return dcp, state_dict
+
+
 def _state(trained, optim, with_rng: bool) -> dict:
+    get_state_dict = _dcp()[1].get_state_dict
     model_state, optim_state = get_state_dict(trained, optim)
     state = {"model": model_state, "optim": optim_state}
     if with_rng:
@@ -221,9 +228,10 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
         except OSError as err:
             error = f"--save {root}: cannot write there ({err.strerror or err})"
     _agreed(error)
+    dcp = _dcp()[0]
     try:
         dcp.save(_state(trained, optim, True), storage_writer=dcp.FileSystemWriter(partial))
-    except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP's (a BaseException) on every rank: one line
+    except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's (a BaseException) on every rank: one line
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
         raise CheckpointError(f"saving step {step} to {root} failed ({_failure(err)}); the previous checkpoint is "
@@ -261,8 +269,9 @@ def load_checkpoint(checkpoint: Path, trained, optim) -> int:
     meta = read_meta(checkpoint)
     same_world = meta["world_size"] == dist.get_world_size()
     state = _state(trained, optim, same_world)
+    dcp, state_dict = _dcp()
     dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
-    set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    state_dict.set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if same_world:
         torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     return meta["step"]
