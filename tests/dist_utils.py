@@ -17,8 +17,8 @@ import datetime
 import os
 import tempfile
 
+import conftest
 import host_staging
-import hypothesis_profile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -45,7 +45,7 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
     # teardown race that destroy_process_groups() fixes was found.
     torch._C._set_print_stack_traces_on_fatal_signal(True)
     torch.set_num_threads(1)
-    hypothesis_profile.load()  # the suite's rules in this rank too (no deadline)
+    conftest.load()  # the suite's rules in this rank too (no deadline)
     dist.init_process_group(
         _backend(rank, world_size, device, stage), init_method=f"file://{init_file}", rank=rank,
         world_size=world_size, timeout=TIMEOUT,
