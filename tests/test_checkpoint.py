@@ -106,7 +106,7 @@ def test_moe_checkpoint_holds_every_expert_once_and_resumes_at_another_ep(tmp_pa
 
 
 def test_hugging_face_model_saves_resumes_and_exports(tmp_path):
-    from test_cli import _hf_dir
+    from test_cli_hf import _hf_dir
     from transformers import AutoModelForCausalLM
 
     source = ["--nproc", "2", "--hf-config", _hf_dir(tmp_path, False)]

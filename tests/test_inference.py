@@ -135,7 +135,7 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
 
 
 def test_cp_generate_flag_rules(tmp_path, monkeypatch):
-    from test_cli import _hf_dir
+    from test_cli_hf import _hf_dir
 
     from cp_handler.cli.generate import parse
 

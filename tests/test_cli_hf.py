@@ -1,0 +1,84 @@
+"""cp-train with Hugging Face models (``--hf-config`` / ``--hf-model``): parity with the unmodified model
+(its own attention implementation), attention variants, the flag rules and the guard's refusals, all
+before any rank starts."""
+
+import re
+
+import pytest
+from test_cli import cp_train
+
+from cp_handler.cli.args import parse
+
+
+def _hf_dir(tmp_path, weights: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    folder = tmp_path / ("model" if weights else "config")
+    if weights:
+        Qwen2ForCausalLM(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a"],
+                                   ["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2"]])
+def test_hugging_face_model_trains_with_parity(tmp_path, flags):
+    """cp-train drives an unmodified transformers model (Qwen2: q/k/v biases, GQA) through the integration
+    (bshd p2p at cp 2 with --check-parity: the Gemma 2 test below and test_checkpoint's Hugging Face resume)."""
+    weights = "thd" in flags
+    source = ["--hf-model" if weights else "--hf-config", _hf_dir(tmp_path, weights)]
+    result = cp_train(*flags, *source, "--steps", "3", "--seq-len", "128", "--max-corpus-bytes", "2000000",
+                      "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+
+
+def test_hugging_face_attention_variants_train_with_parity(tmp_path):
+    """Gemma 2 (sliding window of 48 < the 128-token sequence, attention soft-capping) through cp-train
+    --hf-config with --check-parity (the reference: the unmodified model, eager attention)."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=1024, sliding_window=48,
+                 attn_logit_softcapping=0.5).save_pretrained(tmp_path)
+    result = cp_train("--nproc", "2", "--hf-config", str(tmp_path), "--steps", "2", "--seq-len", "128",
+                      "--max-corpus-bytes", "2000000", "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+
+
+def test_hugging_face_flag_rules(tmp_path, monkeypatch):
+    """Checked in the launcher before any rank starts (in-process ``parse``)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    for flags, message in ((["--hf-config", str(empty)], f"--hf-config {empty}: no loadable Hugging Face config"),
+                           (["--hf-config", _hf_dir(tmp_path, False), "--moe-experts", "4"],
+                            "--moe-experts builds the reference GPT's MoE layers"),
+                           (["--hf-config", "a", "--hf-model", "b"], "--hf-config and --hf-model are exclusive")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            parse(["--nproc", "2", *flags])
+
+
+HF_REFUSED = [("mamba", {}, "is a convolution over the sequence"),
+              ("roberta", {"is_decoder": True}, "differ from its own defaults"),
+              ("bloom", {}, "did not run cp_handler's attention")]
+
+
+@pytest.mark.parametrize("model_type, fields, message", HF_REFUSED, ids=[r[0] for r in HF_REFUSED])
+def test_hugging_face_architecture_the_guard_refuses_is_refused_before_spawning(tmp_path, monkeypatch, model_type,
+                                                                                 fields, message):
+    """The same refusal as every rank would raise (the guard on the config, a small model built on CPU)."""
+    from transformers import AutoConfig
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    shape = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, n_layer=2, n_head=4, max_position_embeddings=512, pad_token_id=0)
+    AutoConfig.for_model(model_type, **shape, **fields).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit, match=rf"cp-train: error: --hf-config {re.escape(str(tmp_path))}: .*"
+                                         rf"{re.escape(message)}"):
+        parse(["--nproc", "2", "--hf-config", str(tmp_path)])
