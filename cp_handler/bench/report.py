@@ -151,14 +151,18 @@ def markdown(results: dict) -> str:
     return "\n".join(parts)
 
 
+def table_head(caption: str, columns: list[str]) -> list[str]:
+    """A Markdown table's first lines: the caption paragraph, the header row and its rule."""
+    return [caption + "\n", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def generate_table(gen: dict) -> str:
     """Prefill time, its CP efficiency, decode time per token (and vs cp=1), KV cache per rank."""
     m = gen["model"]
-    lines = [f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/{m['kv_heads']} heads, "
-             f"float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} cores shared by the ranks\n",
-             "| prompt | cp | prefill s | prefill CP eff. (same cores) | decode ms/token | decode vs cp=1 "
-             "| KV MiB/rank |",
-             "|" + "---|" * 7]
+    lines = table_head(f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/"
+                       f"{m['kv_heads']} heads, float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} "
+                       "cores shared by the ranks", ["prompt", "cp", "prefill s", "prefill CP eff. (same cores)",
+                                                   "decode ms/token", "decode vs cp=1", "KV MiB/rank"])
     for r in sorted(gen["rows"], key=lambda r: (r["prompt_len"], r["cp_size"])):
         lines.append(f"| {r['prompt_len']} | {r['cp_size']} | {r['prefill_s']:.2f} | "
                      f"{_fmt(r.get('prefill_efficiency'), '.2f')} | {1e3 * r['decode_s_per_token']:.2f} | "
@@ -185,11 +189,10 @@ def generate_plot(gen: dict, out_dir: str) -> str:
 def masks_table(masks: dict) -> str:
     """Full causal vs window vs chunks: the slowest rank's fwd+bwd, score pairs and K/V sent per rank."""
     s = masks["shape"]
-    lines = [f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, kernel "
-             f"{masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, slowest rank\n",
-             "| case | exchange | rank ms | time vs full | score pairs vs full | K/V tokens sent per rank "
-             "| K/V MiB sent |",
-             "|" + "---|" * 7]
+    lines = table_head(f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
+                       f"kernel {masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, "
+                       "slowest rank", ["case", "exchange", "rank ms", "time vs full", "score pairs vs full",
+                                        "K/V tokens sent per rank", "K/V MiB sent"])
     for r in masks["rows"]:
         exchange = "halo" if r["halo"] else "ring"
         lines.append(f"| {r['case']} | {exchange} | {r['median_ms']:.1f} | {r['time_vs_full']:.3f} "
@@ -211,9 +214,10 @@ def masks_plot(masks: dict, out_dir: str) -> str:
 def plan_table(plan: dict) -> str:
     """Per-rank compute efficiency ``T(whole) / (cp * T(rank))`` of every pattern."""
     s = plan["shape"]
-    lines = [f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
-             f"kernel {plan['kernel']}, causal fwd+bwd, thd mean document {s['thd_mean_doc']}\n",
-             "| format | S | pattern | cp | tokens/rank | rank ms | whole ms | efficiency |", "|" + "---|" * 8]
+    lines = table_head(f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} "
+                       f"D={s['head_dim']}, kernel {plan['kernel']}, causal fwd+bwd, thd mean document "
+                       f"{s['thd_mean_doc']}", ["format", "S", "pattern", "cp", "tokens/rank", "rank ms", "whole ms",
+                                                "efficiency"])
     whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in plan["rows"] if r["pattern"] == "whole"}
     for r in plan["rows"]:
         if r["pattern"] != "whole":
@@ -226,10 +230,9 @@ def plan_table(plan: dict) -> str:
 def launches_table(launches: dict) -> str:
     """Operators (kernel launches, a lower bound) of one rank's fwd+bwd, per CUDA kernel."""
     s, names = launches["shape"], launches["kernels"]
-    lines = [f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
-             f"causal fwd+bwd, thd mean document {s['thd_mean_doc']}\n",
-             "| format | S | pattern | cp | tokens/rank | blocks | " + " | ".join(names) + " |",
-             "|" + "---|" * (6 + len(names))]
+    lines = table_head(f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
+                       f"causal fwd+bwd, thd mean document {s['thd_mean_doc']}",
+                       ["format", "S", "pattern", "cp", "tokens/rank", "blocks", *names])
     for r in launches["rows"]:
         lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
                      f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | "
