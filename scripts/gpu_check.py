@@ -8,14 +8,15 @@
     python3 scripts/gpu_check.py gpt        # pytest -m gpu: the GPT step and the TE / MagiAttention handlers
     python3 scripts/gpu_check.py masks      # pytest -m gpu: windows, chunks, soft-caps, sinks (opted in), 3 dtypes
 
-Run in this order (by value). Estimated from the CPU suite (the same multi-rank cases take 3-13 s each on
-2 CPU cores; on the GPU machine add CUDA start-up per rank): kernels 1-2 min (one process), opt_in 3-5 min
-(9 launches of 4 ranks), plan 2-4 min (FlexAttention's compile dominates), patterns 3-6 min (11 launches),
-gpt 2-3 min (6 launches), masks 2-4 min (3 launches of 4 ranks). The machine: one GPU, torch 2.11+cu130, ``python3``, nothing installed
-(run from source: ``PYTHONPATH=.``), 10 minutes per command, at most 8 files back. So each stage stops
-starting parts once ``--budget`` seconds (default 420) are spent, gives each part the time left as its
-timeout, prints the elapsed time of every part, and writes two files to ``$OUT`` (else ``runs/gpu_check``):
-``gpu_check_<stage>.json`` (per part: status, seconds, the last lines; plan rows) and ``gpu_check_<stage>.log``.
+Run in this order (by value). Estimated from the CPU suite (the same multi-rank cases take 3-13 s each on 2
+CPU cores; on the GPU machine add CUDA start-up per rank): kernels 1-2 min (one process), opt_in 3-5 min (9
+launches of 4 ranks), plan 2-4 min (FlexAttention's compile dominates), patterns 3-6 min (11 launches), gpt
+2-3 min (6 launches), masks 2-4 min (3 launches of 4 ranks). The machine: one GPU, torch 2.11+cu130,
+``python3``, nothing installed (run from source: ``PYTHONPATH=.``), 10 minutes per command, at most 8 files
+back. So each stage stops starting parts once ``--budget`` seconds (default 420) are spent, gives each part
+the time left as its timeout, prints the elapsed time of every part, and writes two files to ``$OUT`` (else
+``runs/gpu_check``): ``gpu_check_<stage>.json`` (per part: status, seconds, the last lines; plan rows) and
+``gpu_check_<stage>.log``.
 A kernel's ``verified_on`` is set only after its parts pass here (docs/testing.md).
 """
 
