@@ -41,12 +41,12 @@ def hf_config(args: argparse.Namespace):
     if source is None:
         return None
     flag = "--hf-model" if args.hf_model else "--hf-config"
-    if not os.path.isfile(os.path.join(source, "config.json")):
-        raise ValueError(f"{flag} {source}: no config.json in it (a Hugging Face model directory holds config.json"
-                         f"{' and the weights' if args.hf_model else ''})")
     try:
         with open(os.path.join(source, "config.json"), encoding="utf-8") as f:
             model_type = json.load(f).get("model_type")
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"{flag} {source}: no config.json in it (a Hugging Face model directory holds config.json"
+                         f"{' and the weights' if args.hf_model else ''})") from None
     except (OSError, ValueError, AttributeError) as err:
         raise ValueError(f"{flag} {source}: config.json is not a JSON object ({err})") from None
     if not model_type:  # transformers 4.x would guess the architecture from the folder's name

@@ -126,10 +126,9 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
     """At cp=1 (module doc): the model gives the same logits with :func:`cp_model_inputs` as with its
     own default positions (and the all-ones ``attention_mask`` a tokenizer gives: transformers 4.57
     re-derives a one-document mask from default positions otherwise), and other logits when the
-    positions passed jump by ``gap`` halfway, as a
-    zigzag shard's do (so it takes its positions from ``position_ids`` / ``cache_position``, which
-    carry the global ones under CP; a uniform shift would not tell, RoPE being relative). Skipped for
-    weights on the ``meta`` device.
+    positions passed jump by ``gap`` halfway, as a zigzag shard's do (so it takes its positions from
+    ``position_ids`` / ``cache_position``, which carry the global ones under CP; a uniform shift would
+    not tell, RoPE being relative). Skipped for weights on the ``meta`` device.
 
     Raises:
         ValueError: naming which of the two failed and by how much.

@@ -164,17 +164,13 @@ def check_resume(config: TrainConfig, path: str, optimizer: str = "AdamW") -> tu
     return checkpoint, saved["step"]
 
 
-def _dcp():
-    """torch.distributed.checkpoint, imported when a save or load happens (0.5 s of every launch's start
-    otherwise)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict
-
-    return dcp, state_dict
+# torch.distributed.checkpoint is imported where a save or load happens: at the top it costs every
+# launch and rank 0.5 s of start-up.
 
 
 def _state(trained, optim, with_rng: bool) -> dict:
-    get_state_dict = _dcp()[1].get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     model_state, optim_state = get_state_dict(trained, optim)
     state = {"model": model_state, "optim": optim_state}
     if with_rng:
@@ -228,7 +224,8 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
         except OSError as err:
             error = f"--save {root}: cannot write there ({err.strerror or err})"
     _agreed(error)
-    dcp = _dcp()[0]
+    import torch.distributed.checkpoint as dcp
+
     try:
         dcp.save(_state(trained, optim, True), storage_writer=dcp.FileSystemWriter(partial))
     except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's (a BaseException) on every rank: one line
@@ -269,9 +266,11 @@ def load_checkpoint(checkpoint: Path, trained, optim) -> int:
     meta = read_meta(checkpoint)
     same_world = meta["world_size"] == dist.get_world_size()
     state = _state(trained, optim, same_world)
-    dcp, state_dict = _dcp()
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
     dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
-    state_dict.set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if same_world:
         torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     return meta["step"]
