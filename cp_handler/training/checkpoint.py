@@ -34,6 +34,9 @@ import torch.distributed as dist
 
 from .config import TrainConfig
 
+# torch.distributed.checkpoint is imported inside the functions that save and load: imported here it
+# would cost every launch and rank 0.5 s of start-up.
+
 META = "cp_train.json"
 LATEST = "latest"
 FORMAT = 1
@@ -162,10 +165,6 @@ def check_resume(config: TrainConfig, path: str, optimizer: str = "AdamW") -> tu
         raise CheckpointError(f"--steps {config.steps}: {checkpoint.name} has already trained {saved['step']} steps "
                               "(--steps counts from the start of the run)")
     return checkpoint, saved["step"]
-
-
-# torch.distributed.checkpoint is imported where a save or load happens: at the top it costs every
-# launch and rank 0.5 s of start-up.
 
 
 def _state(trained, optim, with_rng: bool) -> dict:
