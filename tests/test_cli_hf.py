@@ -82,3 +82,51 @@ def test_hugging_face_architecture_the_guard_refuses_is_refused_before_spawning(
     with pytest.raises(SystemExit, match=rf"cp-train: error: --hf-config {re.escape(str(tmp_path))}: .*"
                                          rf"{re.escape(message)}"):
         parse(["--nproc", "2", "--hf-config", str(tmp_path)])
+
+
+def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tmp_path, monkeypatch):
+    """--hf-model DIR holding a tokenizer (merged tokens, not bytes): cp-train trains on
+    its tokens with --check-parity, --export-hf writes it beside the weights, cp-generate reads the prompt
+    and prints the continuation with it (parity with one process), and a resume fed bytes is refused."""
+    import json
+    import subprocess
+    import sys
+
+    from test_tokens import tiny_tokenizer
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    model, ckpt, exported = tmp_path / "model", tmp_path / "ckpt", tmp_path / "exported"
+    tokenizer = tiny_tokenizer(model)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    Qwen2ForCausalLM(config).save_pretrained(model)
+    result = cp_train("--nproc", "2", "--hf-model", str(model), "--steps", "2", "--seq-len", "128",
+                      "--max-corpus-bytes", "300000", "--check-parity", "--save", str(ckpt),
+                      "--export-hf", str(exported))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+    loaded = AutoTokenizer.from_pretrained(exported)  # what transformers loads from the folder (Qwen2's class)
+    assert loaded.get_vocab() == tokenizer.get_vocab()
+
+    text = "def main():\n    print("
+    (tmp_path / "prompt.txt").write_text(text)
+    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--hf-model", str(exported),
+                           "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5", "--check-parity",
+                           "--report-out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parity passed: same tokens True" in done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["prompt_tokens"] == [len(loaded(text)["input_ids"])] and len(text) > report["prompt_tokens"][0]
+    assert done.stdout == loaded.decode(report["tokens"][0], skip_special_tokens=True) + "\n"
+
+    config.save_pretrained(tmp_path / "bytes")  # the same model without its tokenizer: fed bytes
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit, match=r"does not fit this run: the tokens \(the model folder's tokenizer, else "
+                                         r"bytes\): checkpoint \{'kind': 'hf'"):
+        parse(["--nproc", "2", "--hf-config", str(tmp_path / "bytes"), "--seq-len", "128", "--max-corpus-bytes",
+               "300000", "--steps", "4", "--resume", str(ckpt)])
+    with pytest.raises(SystemExit, match=rf"vocab_size=200, but its tokenizer has {len(tokenizer)} tokens"):
+        small = tmp_path / "small"
+        Qwen2Config(**{**config.to_dict(), "vocab_size": 200}).save_pretrained(small)
+        tokenizer.save_pretrained(small)
+        parse(["--nproc", "2", "--hf-config", str(small)])

@@ -152,3 +152,7 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
     for flags, message in cases:
         with pytest.raises(SystemExit, match=rf"cp-generate: error: .*({message})"):
             parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):
+        parse(["--nproc", "2", "--hf-model", hf, "--prompt-file", str(binary)])

@@ -30,9 +30,9 @@ from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers import build_cp_handler
 from ..launch import launch
 from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
-from ..training.data import VOCAB_SIZE
 from ..training.reference import PlainAttention
 from ..training.run import run_training
+from ..training.tokens import BYTE_VOCAB_SIZE
 
 QUICK = {"e2e_seq_len": 2048, "e2e_steps": 6}
 FULL = {"e2e_seq_len": 8192, "e2e_steps": 10}
@@ -104,7 +104,7 @@ def overhead(seq_len: int, reps: int) -> dict:
 def train(args, cp_size: int) -> dict:
     """A training run at ``cp_size`` (the equivalent ``cp-train`` command is recorded); its throughput
     and memory."""
-    model = GPTConfig(vocab_size=VOCAB_SIZE, **MODEL)
+    model = GPTConfig(vocab_size=BYTE_VOCAB_SIZE, **MODEL)
     cp = ContextParallelConfig(context_parallel_size=cp_size, num_layers=model.num_layers)
     shape = AttentionShape(model.num_attention_heads, model.num_query_groups, model.kv_channels)
     config = TrainConfig(world_size=cp_size, cp=cp, eval_cp=cp, model=model, attn_shape=shape, seq_len=args.e2e_seq_len,

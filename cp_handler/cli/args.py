@@ -22,7 +22,8 @@ from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
 from ..training.checkpoint import check_resume
-from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files
+from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
+from ..training.tokens import has_tokenizer, tokens_for
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
 
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("model")
     g.add_argument("--hf-config", default=None, metavar="DIR",
                    help="train a Hugging Face causal LM built from DIR/config.json (random init) through "
-                        "cp_handler.integrations.transformers; the GPT shape flags below are then not used")
+                        "cp_handler.integrations.transformers; the GPT shape flags below are then not used; "
+                        "text is read with DIR's tokenizer when it has one, else as bytes")
     g.add_argument("--hf-model", default=None, metavar="DIR", help="as --hf-config, with the weights in DIR")
     g.add_argument("--hidden-size", type=int, default=128, help="reference GPT: hidden size")
     g.add_argument("--num-layers", type=int, default=2, help="reference GPT: transformer layers")
@@ -133,8 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from a checkpoint (a --save DIR: its latest; or one step-N folder), at any layout "
                         "(cp, dp, comm type, ep, dynamic CP); --steps counts from the start of the run")
     g.add_argument("--export-hf", default=None, metavar="DIR",
-                   help="after training, write the Hugging Face model with save_pretrained (plain transformers "
-                        "loads it); needs --hf-config or --hf-model")
+                   help="after training, write the Hugging Face model (and its tokenizer, if any) with "
+                        "save_pretrained (plain transformers loads it); needs --hf-config or --hf-model")
     return p
 
 
@@ -289,12 +291,16 @@ def check_data(args: argparse.Namespace, eval_dp_size: int, dynamic: bool = Fals
         raise ValueError(str(err)) from None
     if args.data:
         check_text_files(files, args.max_corpus_bytes)
-    tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
     source = f"--data {' '.join(args.data)}" if args.data else "the stdlib corpus"
     if dynamic:
         if len(files) < 2:
             raise ValueError(f"{source}: --dynamic-cp needs at least two documents (files), found {len(files)}")
         return
+    folder = args.hf_model or args.hf_config
+    if has_tokenizer(folder):  # the folder's tokenizer: count its tokens (a few seconds at 32 MiB)
+        tokens = read_token_stream(files, args.max_corpus_bytes, tokens_for(folder))[0].numel()
+    else:
+        tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
     sequences = tokens // args.seq_len
     if sequences < 2:
         raise ValueError(f"{source} has {tokens} tokens (--max-corpus-bytes {args.max_corpus_bytes}): too few for two "

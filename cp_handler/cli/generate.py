@@ -20,6 +20,8 @@ from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
 from ..inference.run import GenerateConfig, run_generation
 from ..training.checkpoint import find_checkpoint, read_meta
+from ..training.data import text_file_problem
+from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .flag_names import HelpFormatter, to_flags
 
 
@@ -40,13 +42,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-model", default=None, metavar="DIR", help="a Hugging Face model folder (save_pretrained)")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt-file", nargs="+", required=True, metavar="FILE",
-                   help="prompt files, one prompt each (bytes are the tokens)")
+                   help="UTF-8 text files, one prompt each: tokens from --hf-model's tokenizer when it has one, "
+                        "else the bytes")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     g.add_argument("--check-parity", action="store_true",
                    help="also generate on rank 0 alone (the whole sequence re-run per token, no cache) and fail "
                         "unless the tokens are the same and every step's logits agree within atol = rtol = 1e-5")
     g.add_argument("--report-out", default=None, metavar="FILE", help="write the report as JSON")
     return p
+
+
+def read_prompts(paths: list[str], tokens: ByteTokens | HFTokens) -> tuple[tuple[int, ...], ...]:
+    """Each prompt file's token ids. Raises ValueError naming a file that is empty or not UTF-8 text."""
+    prompts = []
+    for path in paths:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise ValueError(f"--prompt-file {path}: not a non-empty file")
+        with open(path, "rb") as f:
+            text = f.read()
+        problem = text_file_problem(text, truncated=False)
+        if problem:
+            raise ValueError(f"--prompt-file {path} is not text: {problem}; a prompt is UTF-8 text")
+        prompts.append(tuple(tokens.encode(text)))
+        if not prompts[-1]:
+            raise ValueError(f"--prompt-file {path}: its tokenizer gives no token")
+    return tuple(prompts)
 
 
 def validate(args: argparse.Namespace) -> GenerateConfig:
@@ -75,19 +95,22 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
             raise ValueError(f"--hf-model {args.hf_model}: no config.json in it")
         model_source = {"hf_model": args.hf_model}
-    for path in args.prompt_file:
-        if not os.path.isfile(path) or os.path.getsize(path) == 0:
-            raise ValueError(f"--prompt-file {path}: not a non-empty file")
+    prompts = read_prompts(args.prompt_file, tokens_for(args.hf_model))
     if args.hf_model:  # the position limit, checked here with the words of the flags
         from transformers import AutoConfig
 
-        limit = getattr(AutoConfig.from_pretrained(args.hf_model, local_files_only=True).get_text_config(),
-                        "max_position_embeddings", None)
-        for path in args.prompt_file:
-            if limit is not None and os.path.getsize(path) + args.max_new_tokens > limit:
-                raise ValueError(f"--prompt-file {path}: {os.path.getsize(path)} tokens + --max-new-tokens "
+        text = AutoConfig.from_pretrained(args.hf_model, local_files_only=True).get_text_config()
+        limit = getattr(text, "max_position_embeddings", None)
+        for path, prompt in zip(args.prompt_file, prompts, strict=True):
+            if limit is not None and len(prompt) + args.max_new_tokens > limit:
+                raise ValueError(f"--prompt-file {path}: {len(prompt)} tokens + --max-new-tokens "
                                  f"{args.max_new_tokens} exceed the model's {limit} positions "
                                  "(max_position_embeddings)")
+        vocab = getattr(text, "vocab_size", None)
+        top = max(max(p) for p in prompts)
+        if vocab is not None and top >= vocab:
+            raise ValueError(f"--hf-model {args.hf_model}: vocab_size={vocab}, but the prompts hold token {top} "
+                             f"({'its tokenizer' if has_tokenizer(args.hf_model) else 'bytes: no tokenizer in it'})")
     sizes = tuple(args.hierarchical_cp_sizes) if args.hierarchical_cp_sizes else None
     cp_config = ContextParallelConfig(context_parallel_size=world, cp_comm_type=args.cp_comm_type,
                                       hierarchical_context_parallel_sizes=list(sizes) if sizes else None,
@@ -95,7 +118,7 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
     if heads is not None:
         get_cp_handler_cls("local", args.cp_comm_type).check_config(cp_config, heads)
     return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
-                          prompts=tuple(args.prompt_file), max_new_tokens=args.max_new_tokens,
+                          prompts=prompts, max_new_tokens=args.max_new_tokens,
                           check_parity=args.check_parity, timeout=args.timeout, **model_source)
 
 
@@ -113,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun
         return 0
-    for tokens in report["tokens"]:
-        print(bytes(t % 256 for t in tokens).decode("utf-8", errors="replace"))
+    tokens = tokens_for(config.hf_model)
+    for ids in report["tokens"]:
+        print(tokens.decode(ids))
+    outside = sum(tokens.not_bytes(ids) for ids in report["tokens"])
+    if outside:
+        print(f"cp-generate: {outside} generated ids are not bytes (the model's vocabulary is larger and it has no "
+              "tokenizer): shown as U+FFFD; the ids are in --report-out", file=sys.stderr)
     kv = report["kv_cache_bytes_per_rank"]
     print(f"cp-generate: cp {report['cp_size']}: prefill {sum(report['prompt_tokens'])} tokens in "
           f"{report['prefill_s']:.2f} s ({report['prefill_tokens_per_s']:.0f} tokens/s), decode "

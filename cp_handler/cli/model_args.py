@@ -11,7 +11,7 @@ from models import GPTConfig
 
 from ..config import AttentionShape
 from ..integrations.transformers import check_architecture, check_transformers_version
-from ..training.data import VOCAB_SIZE
+from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
 
 
 def check_moe_flags(args: argparse.Namespace) -> None:
@@ -32,7 +32,8 @@ def hf_config(args: argparse.Namespace):
     """The Hugging Face config of ``--hf-config`` / ``--hf-model`` (``None`` without them).
 
     Raises:
-        ValueError: both flags, a directory without a loadable config, a vocabulary under 256 byte tokens.
+        ValueError: both flags, a directory without a loadable config, tokenizer files that do not load, a
+            vocabulary smaller than the tokens fed (the folder's tokenizer, else 256 bytes).
         ImportError: transformers missing or outside the tested releases.
     """
     if args.hf_config and args.hf_model:
@@ -58,9 +59,11 @@ def hf_config(args: argparse.Namespace):
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"{flag} {source}: no loadable Hugging Face config ({err})") from None
-    if getattr(config, "vocab_size", VOCAB_SIZE) < VOCAB_SIZE:
-        raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but cp-train feeds byte tokens "
-                         f"(0..{VOCAB_SIZE - 1})")
+    tokens = tokens_for(source, flag)
+    if getattr(config, "vocab_size", tokens.vocab_size) < tokens.vocab_size:
+        feeds = (f"its tokenizer has {tokens.vocab_size} tokens" if has_tokenizer(source) else
+                 f"without a tokenizer in it cp-train feeds byte tokens (0..{BYTE_VOCAB_SIZE - 1})")
+        raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but {feeds}")
     return config
 
 
@@ -111,7 +114,7 @@ def hf_layers(args: argparse.Namespace) -> int:
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The reference GPT's shape from the flags (byte-level vocabulary). Raises ValueError."""
     return GPTConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        vocab_size=BYTE_VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, rotary_base=args.rotary_base,
         num_moe_experts=args.moe_experts,

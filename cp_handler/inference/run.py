@@ -2,9 +2,10 @@
 
 The model comes from a ``cp-train --save`` checkpoint (the reference GPT: its shape from
 ``cp_train.json``, its weights read with DCP) or a Hugging Face model folder (``save_pretrained``, e.g.
-``cp-train --export-hf``). The prompts are byte tokens (the vocabulary of both). All ranks form one CP
-group; rank 0 reports the continuation, the prefill and decode throughput, the KV cache per rank and,
-with ``check_parity``, the comparison with one process re-running the whole sequence per token.
+``cp-train --export-hf``); the prompts come as token ids (:mod:`cp_handler.cli.generate` reads them
+with the model folder's tokenizer, else as bytes). All ranks form one CP group; rank 0 reports the
+continuation, the prefill and decode throughput, the KV cache per rank and, with ``check_parity``, the
+comparison with one process re-running the whole sequence per token.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class GenerateConfig:
     checkpoint: str | None = None
     """A complete ``cp-train --save`` checkpoint folder (:func:`~cp_handler.training.checkpoint.find_checkpoint`)."""
     hf_model: str | None = None
-    prompts: tuple[str, ...] = ()
-    """Prompt files (bytes, one prompt each)."""
+    prompts: tuple[tuple[int, ...], ...] = ()
+    """Each prompt's token ids (``cp-generate`` reads them from the prompt files)."""
     max_new_tokens: int = 64
     check_parity: bool = False
     timeout: float = 300.0
@@ -58,9 +59,6 @@ def load_model(config: GenerateConfig, device: torch.device):
         hf = AutoModelForCausalLM.from_pretrained(config.hf_model, local_files_only=True, attn_implementation="eager")
         text = hf.config.get_text_config()
         return CPCausalLM(hf).to(device).eval(), text.num_hidden_layers, getattr(text, "max_position_embeddings", None)
-
-
-
     checkpoint = Path(config.checkpoint)
     fields = {k: v for k, v in read_meta(checkpoint)["model"].items() if k != "kind"}
     model = GPTModel(GPTConfig(**fields)).to(device)
@@ -68,11 +66,6 @@ def load_model(config: GenerateConfig, device: torch.device):
     dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
     set_model_state_dict(model, state["model"])
     return model.eval(), model.config.num_layers, None
-
-
-def read_prompts(paths) -> list[torch.Tensor]:
-    """Each file's bytes as int64 token ids."""
-    return [torch.tensor(list(Path(p).read_bytes()), dtype=torch.long) for p in paths]
 
 
 def generate_rank(config: GenerateConfig) -> dict | None:
@@ -88,7 +81,7 @@ def generate_rank(config: GenerateConfig) -> dict | None:
         world = dist.get_world_size()
         groups = build_dp_cp_groups(world, device.type, list(config.hierarchical_cp_sizes or []) or None)
         model, layers, limit = load_model(config, device)
-        prompts = read_prompts(config.prompts)
+        prompts = [torch.tensor(p, dtype=torch.long) for p in config.prompts]
         result = generate(model, prompts, config.max_new_tokens, cp_group=groups.cp_group if world > 1 else None,
                           cp_comm_type=config.cp_comm_type, hierarchical_cp_groups=groups.hierarchical_cp_groups,
                           num_layers=layers, max_positions=limit)

@@ -15,7 +15,7 @@ adds ``cp_train.json`` and renames the folder into place (an atomic rename), and
 ``keep`` complete checkpoints are kept.
 
 Errors (:class:`CheckpointError`, a ``ValueError``): ``--resume`` of a missing, partial or incompatible
-checkpoint (another model shape or vocabulary, another expert count, other data, another global
+checkpoint (another model shape or vocabulary, another expert count, other data or tokens, another global
 batch, learning rate or dtype: each named with its flag), checked before any rank starts; a save that
 fails (disk full: named as such) on every rank, with the previous checkpoint intact.
 """
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
+from .tokens import ByteTokens, tokens_for
 
 # torch.distributed.checkpoint is imported inside the functions that save and load: imported here it
 # would cost every launch and rank 0.5 s of start-up.
@@ -77,7 +78,8 @@ def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
             "model": model_identity(config),
             "training": {"lr": config.lr, "dtype": config.dtype, "seq_len": config.seq_len, "seed": config.seed,
                          "data": list(config.data) if config.data else None,
-                         "max_corpus_bytes": config.max_corpus_bytes, "packing": config.packing,
+                         "max_corpus_bytes": config.max_corpus_bytes, "tokens": tokens_for(config.hf_source).identity,
+                         "packing": config.packing,
                          "thd_max_doc_len": config.thd_max_doc_len, "dynamic": config.dynamic is not None,
                          "global_batch": global_batch(config)},
             "layout": {"cp_size": None if config.dynamic else config.cp.context_parallel_size,
@@ -86,7 +88,10 @@ def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
 
 TRAINING_FLAGS = {"lr": "--lr", "dtype": "--dtype", "seq_len": "--seq-len", "seed": "--seed", "data": "--data",
                   "max_corpus_bytes": "--max-corpus-bytes", "packing": "--packing",
-                  "thd_max_doc_len": "--thd-max-doc-len"}
+                  "thd_max_doc_len": "--thd-max-doc-len",
+                  "tokens": "the tokens (the model folder's tokenizer, else bytes)"}
+SAVED_BEFORE_TOKENIZERS = {"tokens": ByteTokens.identity}
+"""Defaults of fields that checkpoints written before they existed lack (they were all byte-level)."""
 
 
 def mismatches(saved: dict, current: dict) -> list[str]:
@@ -103,8 +108,9 @@ def mismatches(saved: dict, current: dict) -> list[str]:
     for key, flag in TRAINING_FLAGS.items():
         if key in ("packing", "thd_max_doc_len") and not same_mode:
             continue  # dynamic CP packs whole documents: its own data source, continued at the same step
-        if saved["training"][key] != current["training"][key]:
-            problems.append(f"{flag}: checkpoint {saved['training'][key]!r}, this run {current['training'][key]!r}")
+        was = saved["training"].get(key, SAVED_BEFORE_TOKENIZERS.get(key))
+        if was != current["training"][key]:
+            problems.append(f"{flag}: checkpoint {was!r}, this run {current['training'][key]!r}")
     if same_mode and saved["training"]["global_batch"] != current["training"]["global_batch"]:
         problems.append(f"global batch: checkpoint {saved['training']['global_batch']}, this run "
                         f"{current['training']['global_batch']} (--batch-size x data-parallel ranks; the data "

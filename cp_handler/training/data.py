@@ -1,9 +1,10 @@
-"""Real text for training runs (``cp-train``): byte-level tokens from source files.
+"""Real text for training runs (``cp-train``): tokens from source files.
 
 By default the corpus is the Python standard library's own ``.py`` files (located with
 ``sysconfig``; ``site-packages`` excluded), so every machine with Python has it. Files are read
-in sorted path order, each followed by a NUL byte as end-of-document token, and concatenated;
-the stream is cut into sequences of ``seq_len`` tokens. For thd packing the files are also cut into
+in sorted path order as byte-level tokens, each followed by a NUL byte as end-of-document token
+(or with a Hugging Face model's tokenizer, each ended by its end-of-sequence token: :mod:`.tokens`),
+and concatenated; the stream is cut into sequences of ``seq_len`` tokens. For thd packing the files are also cut into
 documents of at most ``max_doc_len`` tokens (default ``seq_len // 4``: most stdlib files are much
 longer than a sequence, so without the cut nearly every sequence would hold one document and thd
 would train exactly as bshd); a sequence carries the ``cu_seqlens`` of the documents (or pieces of
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-VOCAB_SIZE = 256
-END_OF_DOCUMENT = 0
+from .tokens import BYTE_END_OF_DOCUMENT, ByteTokens, HFTokens
+
 HOLDOUT_FRACTION = 0.05
 """The last 5% of the sequences are held out for evaluation."""
 
@@ -57,8 +58,8 @@ TEXT_CONTROLS = frozenset("\t\n\r\f\v\x1b")
 
 def text_file_problem(data: bytes, truncated: bool) -> str | None:
     """Why ``data`` (a file's first bytes; ``truncated``: the file goes on) is not UTF-8 text, or None."""
-    if END_OF_DOCUMENT in data:
-        return f"it holds NUL bytes (the first at byte {data.index(END_OF_DOCUMENT)}), which end a document here"
+    if BYTE_END_OF_DOCUMENT in data:
+        return f"it holds NUL bytes (the first at byte {data.index(BYTE_END_OF_DOCUMENT)}), which end a document here"
     try:
         text = codecs.getincrementaldecoder("utf-8")().decode(data, final=not truncated)
     except UnicodeDecodeError as err:
@@ -90,20 +91,30 @@ def check_text_files(files: list[Path], max_bytes: int) -> None:
             return
 
 
-def read_token_stream(files: list[Path], max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenated bytes of ``files`` (each ended by ``END_OF_DOCUMENT``), at most ``max_bytes``.
+def read_token_stream(files: list[Path], max_bytes: int, tokens: ByteTokens | HFTokens | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documents of ``files`` (one per file) as one token stream, read up to ``max_bytes`` bytes.
 
-    Returns ``(stream uint8 [N], document starts int64 [num_docs])``: one document per file.
+    ``tokens``: bytes (``None``, the default) or a Hugging Face tokenizer (:mod:`.tokens`). Each file
+    that ends within the budget is ended by the end-of-document token (bytes: the NUL, which counts
+    one byte of the budget); the file the budget cuts is not.
+
+    Returns ``(stream [N] (uint8 for bytes, int32 for a tokenizer), document starts int64 [num_docs])``.
     """
-    parts, starts, total = [], [], 0
+    tokens = tokens or ByteTokens()
+    parts, starts, total, read = [], [], 0, 0
     for path in files:
-        data = path.read_bytes() + bytes([END_OF_DOCUMENT])
+        remaining = max_bytes - read
+        with open(path, "rb") as f:
+            text = f.read(remaining)
+        ended = len(text) < remaining
         starts.append(total)
-        parts.append(data[: max_bytes - total])
-        total += len(parts[-1])
-        if total >= max_bytes:
+        parts.append(tokens.document(text, ended))
+        total += parts[-1].numel()
+        read += len(text) + ended
+        if read >= max_bytes:
             break
-    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8), torch.tensor(starts)
+    return torch.cat(parts), torch.tensor(starts)
 
 
 def cut_documents(doc_starts: torch.Tensor, total: int, max_doc_len: int | None) -> torch.Tensor:

@@ -36,6 +36,7 @@ from .loop import default_optimizer, local_grad_norm, train_steps
 from .parity import StepReference, parity_result, unwrap
 from .reference import hf_logits
 from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_documents, reference_step, static_step
+from .tokens import has_tokenizer, tokens_for
 
 
 def build_model(config: TrainConfig, device: torch.device, reference: bool = False) -> torch.nn.Module:
@@ -140,14 +141,17 @@ def checkpointing(config: TrainConfig, trained, optim) -> tuple[int, object]:
 
 
 def export_hf(config: TrainConfig, trained) -> None:
-    """``--export-hf``: rank 0 writes the Hugging Face model with ``save_pretrained`` into a temporary
-    folder, renamed into place when complete (plain transformers loads it)."""
+    """``--export-hf``: rank 0 writes the Hugging Face model (and the tokenizer it was trained with, if
+    any) with ``save_pretrained`` into a temporary folder, renamed into place when complete (plain
+    transformers loads it)."""
     if not config.export_hf or dist.get_rank() != 0:
         return
     target = os.path.abspath(config.export_hf)
     partial = f"{target}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     unwrap(trained).model.save_pretrained(partial)
+    if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
+        tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
     if os.path.exists(target):
         shutil.rmtree(target)
     os.rename(partial, target)

@@ -24,18 +24,24 @@ from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_t
 from .experts import ExpertGroups
 from .loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
 from .reference import PlainAttention, next_token_loss
+from .tokens import tokens_for
+
+
+def token_stream(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The corpus's tokens (bytes, or the Hugging Face model folder's tokenizer) and document starts."""
+    return read_token_stream(collect_files(config.data), config.max_corpus_bytes, tokens_for(config.hf_source))
 
 
 def load_batches(config: TrainConfig) -> SequenceBatches:
     """The corpus cut into ``seq_len`` sequences (thd: documents of at most ``thd_max_doc_len``)."""
-    stream, doc_starts = read_token_stream(collect_files(config.data), config.max_corpus_bytes)
+    stream, doc_starts = token_stream(config)
     max_doc_len = (config.thd_max_doc_len or max(1, config.seq_len // 4)) if config.packing == "thd" else None
     return SequenceBatches(stream, doc_starts, config.seq_len, config.seed, max_doc_len=max_doc_len)
 
 
 def load_documents(config: TrainConfig) -> DocumentBatches:
     """The corpus as whole documents cut at ``seq_len`` (dynamic CP)."""
-    stream, doc_starts = read_token_stream(collect_files(config.data), config.max_corpus_bytes)
+    stream, doc_starts = token_stream(config)
     return DocumentBatches(stream, doc_starts, config.seq_len, config.seed)
 
 
