@@ -114,7 +114,7 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
                            "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5", "--check-parity",
                            "--report-out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "parity passed: same tokens True" in done.stderr
+    assert "parity passed (float32): same tokens True" in done.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["prompt_tokens"] == [len(loaded(text)["input_ids"])] and len(text) > report["prompt_tokens"][0]
     assert done.stdout == loaded.decode(report["tokens"][0], skip_special_tokens=True) + "\n"

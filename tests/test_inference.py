@@ -129,7 +129,7 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
                                "--max-new-tokens", "12", "--check-parity", "--report-out", str(tmp_path / "r.json")],
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert "cp-generate: parity passed: same tokens True" in done.stderr
+        assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
         report = json.loads((tmp_path / "r.json").read_text())
         assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
 
@@ -156,3 +156,47 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):
         parse(["--nproc", "2", "--hf-model", hf, "--prompt-file", str(binary)])
+
+
+def test_generation_parity_accepts_near_ties_and_nothing_else():
+    """compare_generations (cp-generate --check-parity): a CP token that is not the reference's greedy choice
+    passes only as a near-tie (its reference logit within the tolerance of the largest); logits beyond the
+    tolerance or not finite fail."""
+    from cp_handler.inference import Generation, compare_generations
+
+    want = Generation([[2, 0]], [torch.tensor([[0.0, 1.0, 3.0]]), torch.tensor([[2.0, 1.0, 0.5]])])
+    same = compare_generations(Generation([[2, 0]], [t.clone() for t in want.logits]), want, 1e-2)
+    assert same["passed"] and same["same_tokens"] and same["near_ties"] == 0
+    tie = Generation([[2, 0]], [want.logits[0], torch.tensor([[2.0, 1.995, 0.5]])])  # close to tie_want's logits
+    tie_want = Generation([[2, 1]], [want.logits[0], torch.tensor([[2.0, 2.01, 0.5]])])  # 2.0: within 0.03 of 2.01
+    tied = compare_generations(tie, tie_want, 1e-2)
+    assert tied["passed"] and not tied["same_tokens"] and tied["near_ties"] == 1
+    wrong = compare_generations(Generation([[1, 0]], want.logits), want, 1e-2)  # 1.0 is far from 3.0
+    assert not wrong["passed"] and wrong["near_ties"] == 0
+    off = compare_generations(Generation([[2, 0]], [want.logits[0] + 0.1, want.logits[1]]), want, 1e-2)
+    assert not off["passed"] and abs(off["max_logit_diff"] - 0.1) < 1e-6
+    nan = compare_generations(Generation([[2, 0]], [want.logits[0], want.logits[1] * float("nan")]), want, 1e-2)
+    assert not nan["passed"] and nan["max_logit_diff"] == float("inf")
+
+
+def test_cp_generate_runs_a_model_in_the_dtype_it_was_saved_in(tmp_path, monkeypatch):
+    """--dtype auto: a Hugging Face folder saved in bfloat16 runs in bfloat16 (whatever transformers' own
+    default), with bfloat16's parity tolerance; --dtype float32 overrides it; a GPT checkpoint runs in
+    cp-train's --dtype."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from cp_handler.cli.generate import parse
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def main():\n    return ")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "bf16")]
+    assert parse(base)[0].dtype == "bfloat16" and parse([*base, "--dtype", "float32"])[0].dtype == "float32"
+    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", *base, "--max-new-tokens", "6",
+                           "--check-parity"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parity passed (bfloat16)" in done.stderr and "atol = rtol = 0.02" in done.stderr

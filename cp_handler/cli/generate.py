@@ -18,11 +18,13 @@ import sys
 from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..inference.run import GenerateConfig, run_generation
+from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
 from ..training.checkpoint import find_checkpoint, read_meta
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .flag_names import HelpFormatter, to_flags
+
+DTYPES = tuple(PARITY_TOL)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,9 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UTF-8 text files, one prompt each: tokens from --hf-model's tokenizer when it has one, "
                         "else the bytes")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                   help="the model's dtype; auto: the one it was saved in (--hf-model: its config's dtype, "
+                        "float32 when it has none; --checkpoint: cp-train's --dtype); --check-parity's tolerance "
+                        "follows it")
     g.add_argument("--check-parity", action="store_true",
-                   help="also generate on rank 0 alone (the whole sequence re-run per token, no cache) and fail "
-                        "unless the tokens are the same and every step's logits agree within atol = rtol = 1e-5")
+                   help="also run rank 0 alone (the whole sequence re-run per token, no cache, after the same "
+                        "tokens) and fail unless every step's logits agree (atol = rtol = 1e-5 in float32, 2e-2 "
+                        "in bfloat16, 5e-3 in float16) and each token is its greedy choice (or a near-tie "
+                        "within that tolerance)")
     g.add_argument("--report-out", default=None, metavar="FILE", help="write the report as JSON")
     return p
 
@@ -91,10 +99,12 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         heads = AttentionShape(meta["model"]["num_attention_heads"], meta["model"]["num_query_groups"],
                                meta["model"]["kv_channels"])
         model_source = {"checkpoint": str(checkpoint)}
+        saved_dtype = meta["training"]["dtype"]
     else:
         if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
             raise ValueError(f"--hf-model {args.hf_model}: no config.json in it")
         model_source = {"hf_model": args.hf_model}
+        saved_dtype = None
     prompts = read_prompts(args.prompt_file, tokens_for(args.hf_model))
     if args.hf_model:  # the position limit, checked here with the words of the flags
         from transformers import AutoConfig
@@ -106,11 +116,16 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
                 raise ValueError(f"--prompt-file {path}: {len(prompt)} tokens + --max-new-tokens "
                                  f"{args.max_new_tokens} exceed the model's {limit} positions "
                                  "(max_position_embeddings)")
+        saved_dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
         vocab = getattr(text, "vocab_size", None)
         top = max(max(p) for p in prompts)
         if vocab is not None and top >= vocab:
             raise ValueError(f"--hf-model {args.hf_model}: vocab_size={vocab}, but the prompts hold token {top} "
                              f"({'its tokenizer' if has_tokenizer(args.hf_model) else 'bytes: no tokenizer in it'})")
+    dtype = saved_dtype if args.dtype == "auto" else args.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype auto: the model was saved in {dtype}; cp-generate runs {', '.join(DTYPES)}: "
+                         "pass --dtype")
     sizes = tuple(args.hierarchical_cp_sizes) if args.hierarchical_cp_sizes else None
     cp_config = ContextParallelConfig(context_parallel_size=world, cp_comm_type=args.cp_comm_type,
                                       hierarchical_context_parallel_sizes=list(sizes) if sizes else None,
@@ -118,7 +133,7 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
     if heads is not None:
         get_cp_handler_cls("local", args.cp_comm_type).check_config(cp_config, heads)
     return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
-                          prompts=prompts, max_new_tokens=args.max_new_tokens,
+                          prompts=prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                           check_parity=args.check_parity, timeout=args.timeout, **model_source)
 
 
@@ -154,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     parity = report.get("parity")
     if parity is not None:
         verdict = "passed" if parity["passed"] else "FAILED"
-        print(f"cp-generate: parity {verdict}: same tokens {parity['same_tokens']}, max logit difference "
-              f"{parity['max_logit_diff']:.2e} (atol = rtol = {parity['tolerance']})", file=sys.stderr)
+        print(f"cp-generate: parity {verdict} ({report['dtype']}): same tokens {parity['same_tokens']} "
+              f"({parity['near_ties']} near-ties), max logit difference {parity['max_logit_diff']:.2e} "
+              f"(atol = rtol = {parity['tolerance']})", file=sys.stderr)
         return 0 if parity["passed"] else 1
     return 0
 

@@ -3,6 +3,7 @@ handler contract (docs/inference.md)."""
 
 from .cache import KVCache
 from .decode import DecodeHandler
-from .generate import Generation, check_prompts, generate, reference_generate
+from .generate import Generation, check_prompts, compare_generations, generate, reference_generate
 
-__all__ = ["DecodeHandler", "Generation", "KVCache", "check_prompts", "generate", "reference_generate"]
+__all__ = ["DecodeHandler", "Generation", "KVCache", "check_prompts", "compare_generations", "generate",
+           "reference_generate"]

@@ -114,9 +114,14 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
 
 
 @torch.no_grad()
-def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int) -> Generation:
+def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int,
+                       follow: list[list[int]] | None = None) -> Generation:
     """The same greedy generation on this process alone, without a cache: each step re-runs the model on the
-    whole sequence so far (``model(ids)`` with no handler) and takes the last position's logits."""
+    whole sequence so far (``model(ids)`` with no handler) and takes the last position's logits.
+
+    ``follow``: each prompt's tokens to continue with instead of the reference's own choice (teacher
+    forcing: the logits and choices of every step are then those after the tokens another run chose, so a
+    near-tie at one step does not change every later one; :func:`compare_generations`)."""
     device = next(model.parameters()).device
     result = Generation([[] for _ in prompts], [[] for _ in range(max_new_tokens)])
     for i, prompt in enumerate(prompts):
@@ -126,6 +131,28 @@ def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int) 
             result.logits[step].append(logits)
             token = int(logits.argmax())
             result.tokens[i].append(token)
-            sequence = torch.cat([sequence, sequence.new_tensor([token])])
+            sequence = torch.cat([sequence, sequence.new_tensor([follow[i][step] if follow else token])])
     result.logits = [torch.stack(step) for step in result.logits]
     return result
+
+
+def compare_generations(got: Generation, want: Generation, tol: float) -> dict:
+    """Parity of a CP generation ``got`` with ``want`` = :func:`reference_generate` ``(..., follow=got.tokens)``.
+
+    Passed when every step's logits agree (``allclose``, atol = rtol = ``tol``) and every token ``got``
+    chose is the reference's choice, or a near-tie: its reference logit within the tolerance of the
+    reference's largest (in bfloat16 two logits one rounding apart may swap; ``got`` is then still a
+    greedy choice of the reference). Returns ``passed``, ``same_tokens``, ``near_ties`` (count),
+    ``max_logit_diff`` (inf when a value is not finite) and ``tolerance``."""
+    close, diff, ties, wrong = True, 0.0, 0, 0
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        close &= torch.allclose(a, b, rtol=tol, atol=tol)
+        gap = (a - b).abs().max().item()
+        diff = max(diff, gap if gap == gap else float("inf"))  # NaN: inf
+        for i, (mine, theirs) in enumerate(zip(got.tokens, want.tokens, strict=True)):
+            if mine[step] != theirs[step]:
+                top = b[i].max()
+                near = bool(b[i, mine[step]] >= top - (tol + tol * top.abs()))
+                ties, wrong = ties + near, wrong + (not near)
+    return {"passed": bool(close) and wrong == 0, "same_tokens": got.tokens == want.tokens, "near_ties": ties,
+            "max_logit_diff": diff, "tolerance": tol}
