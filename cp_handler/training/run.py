@@ -54,11 +54,11 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
     from ..integrations.transformers import CPCausalLM, HFReference
 
     if config.hf_weights:
-        model = AutoModelForCausalLM.from_pretrained(config.hf_source, local_files_only=True, torch_dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(config.hf_source, local_files_only=True, dtype=dtype,
                                                      attn_implementation="eager")
     else:
         hf_config = AutoConfig.from_pretrained(config.hf_source, local_files_only=True)
-        model = AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
     return (HFReference(model) if reference else CPCausalLM(model)).to(device=device, dtype=dtype)
 
 
