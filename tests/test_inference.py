@@ -80,6 +80,64 @@ def test_hugging_face_llama_generates_the_same_tokens():
     run_distributed(_worker, 2, ["p2p", "a2a"], llama)
 
 
+VARIANTS = {"mistral": {"sliding_window": 5}, "gemma2": {"sliding_window": 6, "attn_logit_softcapping": 0.5},
+            "gpt_oss": {"sliding_window": 6}, "llama4_text": {"attention_chunk_size": 8}}
+"""Decode with each attention variant (:mod:`cp_handler.masks`), small enough to matter at these lengths:
+sliding windows of 5-6 tokens, a soft-cap of 0.5 (the scores of this tiny model reach ~1; Gemma 2's 50
+would change nothing), GPT-OSS's learnable sinks (set to N(0, 1): their default init is ~0), chunks of 8."""
+
+
+def _variant_models(model_type):
+    """``(CPCausalLM, the unmodified model)`` of ``model_type`` with :data:`VARIANTS`, same weights."""
+    from hf_zoo import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    config = tiny_config(model_type)
+    for name, value in {**VARIANTS[model_type], "vocab_size": 256}.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    for name, param in model.named_parameters():
+        if name.endswith(".sinks"):
+            param.data.normal_()
+    return CPCausalLM(copy.deepcopy(model)).eval(), model
+
+
+def _variants_worker(rank, world):
+    from cp_handler.masks import CAUSAL
+    from cp_handler.training.reference import hf_logits
+
+    group = dist.group.WORLD
+    for model_type in VARIANTS:
+        model, unmodified = _variant_models(model_type)
+        layers = unmodified.config.num_hidden_layers
+        got = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=layers)
+        want = reference_generate(unmodified, prompts(), NEW_TOKENS, follow=got.tokens,
+                                  logits_of=lambda m, ids: hf_logits(m, ids))
+        assert got.tokens == want.tokens, (model_type, got.tokens, want.tokens)
+        for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+            torch.testing.assert_close(a, b, atol=TOL, rtol=TOL,
+                                       msg=lambda m, s=step, x=model_type: f"{x} step {s}: {m}")
+        # negative control: decode without the variant (plain causal, no sinks) differs beyond the tolerance
+        plain = DecodeHandler.attention_variant
+        DecodeHandler.attention_variant = lambda self, *args: (CAUSAL, None)
+        try:
+            dropped = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=layers)
+        finally:
+            DecodeHandler.attention_variant = plain
+        worst = max((a - b).abs().max().item() for a, b in zip(dropped.logits[1:], want.logits[1:], strict=True))
+        assert worst > 100 * TOL, (model_type, "the variant does not change decode at these sizes", worst)
+
+
+def test_decode_runs_every_attention_variant_exactly():
+    """Sliding window (Mistral), soft-cap + window (Gemma 2), learnable sinks + window (GPT-OSS), chunks
+    (Llama 4) at cp 2: the same tokens and logits within 1e-5 as the unmodified model (transformers'
+    eager attention, the whole sequence per token); without the variant, decode would differ."""
+    run_distributed(_variants_worker, 2)
+
+
 def _errors_worker(rank, world):
     group = dist.group.WORLD
     cache = KVCache(group, 2)

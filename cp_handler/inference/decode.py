@@ -6,6 +6,11 @@ the partial results are merged by log-sum-exp after one all-gather of ``(out, ls
 (``B x H x (D + 1)`` floats), so every rank gets the same exact output (Meta's pass-Q decode, arXiv
 2411.01783, without the ring: the query is one token). The model calls the same seven methods as in
 training: the new tokens are one thd batch of ``B`` one-token sequences at their global positions.
+
+Attention variants (:mod:`cp_handler.masks`) are exact as in training: the cache keeps each row's
+position, so a sliding window or chunks mask the rows by position (:meth:`AttentionMask.visible`), a
+soft-cap caps the scaled scores before the softmax, and learnable sinks are folded in once, after the
+merge (:func:`~cp_handler.ops.sinks.fold_sinks`), never per shard.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import torch
 
 from ..handlers.base import ContextParallelHandler
 from ..handlers.checks import check_qkv, softmax_scale
+from ..masks import AttentionMask
 from ..ops.collectives import all_gather_single
 from ..ops.merge import acc_dtype
+from ..ops.sinks import fold_sinks
 from ..rope import apply_rotary
 from .cache import KVCache
 
@@ -29,8 +36,8 @@ class DecodeHandler(ContextParallelHandler):
 
     Raises:
         ValueError: decode before the prefill finished; a cache of another CP group; a tensor that is not
-            this step's ``B`` tokens; an attention variant (window, chunks, soft-cap, sinks: the decode path
-            runs the plain causal mask; refused by name).
+            this step's ``B`` tokens; an invalid attention variant attribute (:func:`~..handlers.checks.
+            attention_variant`); a non-causal mask.
     """
 
     def __init__(self, cache: KVCache, *, cp_group=None, check_ranks: bool | None = None):
@@ -82,26 +89,38 @@ class DecodeHandler(ContextParallelHandler):
         q3, k3, v3 = (t.squeeze(0) if t.dim() == 4 else t for t in (q, k, v))
         check_qkv(q3, k3, v3, seq_dim=0)
         self._check_tokens(q3.shape[0], "core_attn")
-        self.attention_variant(attn_mod, attn_mask_type, q3, q3.shape[1])  # the plain mask only (refused by name)
+        mask, sinks = self.attention_variant(attn_mod, attn_mask_type, q3, q3.shape[1])
         shard = self.cache.layer(getattr(attn_mod, "layer_number", 0))
         for i, owner in enumerate(self.owners):
             if owner == self.cp_rank:
                 shard.append(k3[i], v3[i], i, self.positions[i])
-        out, lse = _attend(q3, *shard.rows()[:3], softmax_scale(attn_mod, q3.shape[-1]))
+        q_pos = torch.tensor(self.positions, device=q3.device)
+        out, lse = _attend(q3, q_pos, *shard.rows(), softmax_scale(attn_mod, q3.shape[-1]), mask)
         if self.cp_size > 1:
             out, lse = _merge_over_ranks(out, lse, self.cp_group)
+        if sinks is not None:
+            out = fold_sinks(out.unsqueeze(2), lse.unsqueeze(2), sinks)[0].squeeze(2)
         return out.to(q.dtype).reshape(q.shape)
 
+    def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
+        """Every variant runs here (see the module doc)."""
+        return None
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, scale: float):
-    """``q (B, H, D)`` of sequence ``i`` against this rank's rows of sequence ``i``: ``(out (B, H, D), lse
-    (B, H))`` in the accumulation dtype; a sequence with no rows here gets ``out = 0`` and the lowest
-    finite lse (it weighs nothing in the merge)."""
+
+def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor,
+            pos: torch.Tensor, scale: float, mask: AttentionMask):
+    """``q (B, H, D)`` of sequence ``i`` at position ``q_pos[i]`` against this rank's rows of sequence ``i``
+    (at positions ``pos``) that ``mask`` lets it see: ``(out (B, H, D), lse (B, H))`` in the accumulation
+    dtype; a sequence with no visible rows here gets ``out = 0`` and the lowest finite lse (it weighs
+    nothing in the merge)."""
     dtype = acc_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]  # GQA: each KV head serves this many query heads
     keys, values = (t.repeat_interleave(groups, dim=1).transpose(0, 1).to(dtype) for t in (k, v))  # (H, N, D)
     scores = torch.einsum("bhd,hnd->bhn", q.to(dtype), keys) * scale
+    if mask.softcap is not None:
+        scores = torch.tanh(scores / mask.softcap) * mask.softcap
     mine = seq[None, None, :] == torch.arange(q.shape[0], device=q.device)[:, None, None]
+    mine = mine & mask.visible(q_pos[:, None, None], pos[None, None, :])
     scores = scores.masked_fill(~mine, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)

@@ -115,19 +115,23 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
 
 @torch.no_grad()
 def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int,
-                       follow: list[list[int]] | None = None) -> Generation:
+                       follow: list[list[int]] | None = None, logits_of=None) -> Generation:
     """The same greedy generation on this process alone, without a cache: each step re-runs the model on the
-    whole sequence so far (``model(ids)`` with no handler) and takes the last position's logits.
+    whole sequence so far and takes the last position's logits.
 
     ``follow``: each prompt's tokens to continue with instead of the reference's own choice (teacher
     forcing: the logits and choices of every step are then those after the tokens another run chose, so a
-    near-tie at one step does not change every later one; :func:`compare_generations`)."""
+    near-tie at one step does not change every later one; :func:`compare_generations`).
+    ``logits_of``: ``(model, ids (1, T)) -> logits (1, T, V)``; default ``model(ids)`` (no handler). A parity
+    check passes a reference independent of the code under test (cp-generate: the unmodified Hugging Face
+    model, or the reference GPT with plain attention), so that a defect shared by CP and cp=1 still shows."""
+    logits_of = logits_of or (lambda m, ids: m(ids))
     device = next(model.parameters()).device
     result = Generation([[] for _ in prompts], [[] for _ in range(max_new_tokens)])
     for i, prompt in enumerate(prompts):
         sequence = prompt.to(device)
         for step in range(max_new_tokens):
-            logits = model(sequence.view(1, -1))[0, -1].float()
+            logits = logits_of(model, sequence.view(1, -1))[0, -1].float()
             result.logits[step].append(logits)
             token = int(logits.argmax())
             result.tokens[i].append(token)

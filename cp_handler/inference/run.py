@@ -5,7 +5,8 @@ The model comes from a ``cp-train --save`` checkpoint (the reference GPT: its sh
 ``cp-train --export-hf``); the prompts come as token ids (:mod:`cp_handler.cli.generate` reads them
 with the model folder's tokenizer, else as bytes). All ranks form one CP group; rank 0 reports the
 continuation, the prefill and decode throughput, the KV cache per rank and, with ``check_parity``, the
-comparison with one process re-running the whole sequence per token.
+comparison with one process re-running the whole sequence per token without cp_handler
+(:func:`reference_model`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
 from ..training.checkpoint import read_meta
+from ..training.reference import hf_logits
+from ..training.steps import gpt_logits
 from .generate import compare_generations, generate, reference_generate
 
 PARITY_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
@@ -74,6 +77,20 @@ def load_model(config: GenerateConfig, device: torch.device):
     return model.eval(), model.config.num_layers, None
 
 
+def reference_model(config: GenerateConfig, model, device: torch.device):
+    """``(model, logits_of)`` of ``--check-parity``'s one-process reference, independent of the code under
+    test, as cp-train's: the unmodified Hugging Face model (loaded again, transformers' ``eager``
+    attention with every variant, no cp_handler hook), or the reference GPT with
+    :class:`~cp_handler.training.reference.PlainAttention` instead of a handler."""
+    if config.hf_model is None:
+        return model, lambda m, ids: gpt_logits(m, ids, None, None)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(config.hf_model, local_files_only=True,
+                                              dtype=getattr(torch, config.dtype), attn_implementation="eager")
+    return hf.to(device).eval(), lambda m, ids: hf_logits(m, ids)
+
+
 def generate_rank(config: GenerateConfig) -> dict | None:
     """One rank of the run: the report on rank 0, ``None`` elsewhere."""
     load_plugins()
@@ -103,7 +120,9 @@ def generate_rank(config: GenerateConfig) -> dict | None:
                   "kv_cache_bytes_per_rank": kv_bytes, "cp_size": world,
                   "dtype": config.dtype}
         if config.check_parity:
-            want = reference_generate(model, prompts, config.max_new_tokens, follow=result.tokens)
+            reference, logits_of = reference_model(config, model, device)
+            want = reference_generate(reference, prompts, config.max_new_tokens, follow=result.tokens,
+                                      logits_of=logits_of)
             report["parity"] = compare_generations(result, want, PARITY_TOL[config.dtype])
         return report
     finally:
