@@ -138,6 +138,58 @@ def test_decode_runs_every_attention_variant_exactly():
     run_distributed(_variants_worker, 2)
 
 
+def _longrope_models():
+    """Phi-3 with LongRoPE switching to its long factors past 32 tokens: the 30-token prompt crosses it while
+    decoding. ``(CPCausalLM, the unmodified model)``, same weights."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    config = Phi3Config(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        original_max_position_embeddings=32, pad_token_id=0,
+                        rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                      "long_factor": [4.0, 5.0, 6.0, 7.0]})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    return CPCausalLM(copy.deepcopy(model)).eval(), model
+
+
+def _longrope_worker(rank, world):
+    from cp_handler.integrations import hf_model
+    from cp_handler.training.reference import hf_logits
+
+    group = dist.group.WORLD
+    model, unmodified = _longrope_models()
+    got = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2)
+    want = reference_generate(unmodified, prompts(), NEW_TOKENS, follow=got.tokens,
+                              logits_of=lambda m, ids: hf_logits(m, ids))
+    # the step to 33 tokens switches the 30-token prompt to the long factors, which its batch-mates must not
+    # follow: the prompts run one at a time (3 prefills), and that one's step to 33 tokens as a prefill (1)
+    assert got.prefills == 4, got.prefills
+    assert got.tokens == want.tokens, (got.tokens, want.tokens)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=lambda m, s=step: f"step {s}: {m}")
+    # negative control: without the check, the batch and the keys cached with the short factors make decode differ
+    check = hf_model._check_position_tables
+    hf_model._check_position_tables = lambda *args: None
+    try:
+        stale = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2)
+    finally:
+        hf_model._check_position_tables = check
+    assert stale.prefills == 1
+    worst = max((a - b).abs().max().item() for a, b in zip(stale.logits[1:], want.logits[1:], strict=True))
+    assert worst > 100 * TOL, worst
+
+
+def test_decode_follows_rope_that_depends_on_the_length():
+    """LongRoPE (Phi-3) crossing its original length during decode: the step whose rotary tables change
+    is run as a prefill of the whole sequence (the cached keys were rotated with the short factors), and
+    prompts whose own lengths disagree with the batch's tables run one at a time, so every step equals
+    the unmodified model on each prompt alone within 1e-5, at cp 2."""
+    run_distributed(_longrope_worker, 2)
+
+
 def _errors_worker(rank, world):
     group = dist.group.WORLD
     cache = KVCache(group, 2)

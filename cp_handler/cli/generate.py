@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['prefill_s']:.2f} s ({report['prefill_tokens_per_s']:.0f} tokens/s), decode "
           f"{report['decode_tokens_per_s']:.1f} tokens/s; KV cache per rank {[round(b / 2**20, 2) for b in kv]} MiB",
           file=sys.stderr)
+    if report["prefills"] > 1:
+        print(f"cp-generate: {report['prefills'] - 1} decode step(s) ran as a prefill of the whole sequence: the "
+              "model's rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE), so the cached keys "
+              "had to be rotated again", file=sys.stderr)
     if report_out:
         with open(report_out, "w") as f:
             json.dump(report, f, indent=2)

@@ -10,10 +10,20 @@ choice needs no communication.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs
+
+
+class PositionTablesChanged(RuntimeError):
+    """A decode step's position tables (RoPE) differ from the prefill's at the same position: the model's
+    rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE past its original length), so
+    the cached keys, rotated at the prefill's length, are no longer what the whole sequence would give.
+    Raised on every rank alike, before the step's first collective; :func:`~.generate.generate` catches
+    it and prefills the whole sequence so far again."""
 
 
 class _Shard:
@@ -58,6 +68,23 @@ class KVCache:
         self.lengths: list[int] = []
         self.rows_per_rank: list[int] = []
         self.prefilled = False
+        self.position_tables: dict[Hashable, tuple[torch.Tensor, ...]] = {}
+
+    def check_position_tables(self, key: Hashable, rows: tuple[torch.Tensor, ...]) -> None:
+        """Position-table rows ``rows`` of one module (``key``) at a fixed probe position: kept during the
+        prefill; a decode step's must be identical.
+
+        Raises:
+            PositionTablesChanged: they differ (the tables depend on the sequence length).
+        """
+        if not self.prefilled:
+            self.position_tables[key] = tuple(t.detach().clone() for t in rows)
+            return
+        kept = self.position_tables.get(key)
+        if kept is None or len(kept) != len(rows) or any(not torch.equal(a, b) for a, b in zip(kept, rows,
+                                                                                               strict=False)):
+            raise PositionTablesChanged(f"{key}: the position tables at length {max(self.lengths)} differ from the "
+                                        "prefill's")
 
     def check_group(self, cp_group, what: str) -> None:
         """Raises ValueError when ``cp_group`` is not the group this cache was built for."""

@@ -48,7 +48,7 @@ class DecodeHandler(ContextParallelHandler):
         batch = len(cache.lengths)
         super().__init__(cp_group=cp_group, qkv_format="thd", check_ranks=check_ranks,
                          cu_seqlens=torch.arange(batch + 1, dtype=torch.int32))
-        self.cache = cache
+        self.kv_cache = cache
         self.owners, self.positions = cache.next_token_owners()
 
     def _check_tokens(self, length: int, what: str) -> None:
@@ -90,7 +90,7 @@ class DecodeHandler(ContextParallelHandler):
         check_qkv(q3, k3, v3, seq_dim=0)
         self._check_tokens(q3.shape[0], "core_attn")
         mask, sinks = self.attention_variant(attn_mod, attn_mask_type, q3, q3.shape[1])
-        shard = self.cache.layer(getattr(attn_mod, "layer_number", 0))
+        shard = self.kv_cache.layer(getattr(attn_mod, "layer_number", 0))
         for i, owner in enumerate(self.owners):
             if owner == self.cp_rank:
                 shard.append(k3[i], v3[i], i, self.positions[i])

@@ -5,7 +5,11 @@
 batch (each prompt a document, padded by the handler to multiples of ``2 * cp``) through a
 :class:`~cp_handler.handlers.local.LocalContextParallelHandler` that fills a :class:`.KVCache`; each
 sequence's last-token logits come from the rank holding that token (one all-reduce of ``B x V``);
-then each decode step is one forward of the ``B`` new tokens under a :class:`.DecodeHandler`.
+then each decode step is one forward of the ``B`` new tokens under a :class:`.DecodeHandler`. A step
+whose position tables differ from the prefill's (:class:`.PositionTablesChanged`: RoPE that depends on
+the sequence length) is replaced by a prefill of the whole sequence so far, so the cached keys are
+always those the whole sequence gives; and prompts whose own lengths would give other tables than
+the batch's run one at a time, so that no prompt's result depends on the others.
 :func:`reference_generate` is the check: the model alone, the whole sequence re-run for every token.
 """
 
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
-from .cache import KVCache
+from .cache import KVCache, PositionTablesChanged
 from .decode import DecodeHandler
 
 
@@ -31,6 +35,8 @@ class Generation:
         logits: per step, ``(B, V)`` float32 logits the tokens were picked from (step 0: the prefill's).
         prefill_s / decode_s: wall-clock seconds of the prefill and of all decode steps.
         kv_cache_bytes: K/V bytes this rank holds at the end.
+        prefills: prefills run: 1, plus one per decode step replaced after :class:`.PositionTablesChanged`
+            (or one per prompt and replaced step, when the prompts ran one at a time).
     """
 
     tokens: list[list[int]]
@@ -38,6 +44,16 @@ class Generation:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     kv_cache_bytes: int = 0
+    prefills: int = 0
+
+    @classmethod
+    def concat(cls, parts: list[Generation]) -> Generation:
+        """The generations of prompts run one batch after another, as one (times and prefills summed; the
+        KV bytes are the largest part's: the parts' caches are not held together)."""
+        return cls([t for p in parts for t in p.tokens],
+                   [torch.cat(step) for step in zip(*(p.logits for p in parts), strict=True)],
+                   sum(p.prefill_s for p in parts), sum(p.decode_s for p in parts),
+                   max(p.kv_cache_bytes for p in parts), sum(p.prefills for p in parts))
 
 
 def check_prompts(prompts: list[torch.Tensor], max_new_tokens: int, max_positions: int | None) -> None:
@@ -89,16 +105,22 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
         ValueError: :func:`check_prompts`; the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
     """
     check_prompts(prompts, max_new_tokens, max_positions)
+    layout = {"cp_group": cp_group, "cp_comm_type": cp_comm_type, "hierarchical_cp_groups": hierarchical_cp_groups}
+    try:
+        return _generate(model, prompts, max_new_tokens, num_layers, layout)
+    except PositionTablesChanged:  # the batch would set each sequence's RoPE frequencies: one prompt at a time
+        if len(prompts) == 1:
+            raise
+        return Generation.concat([_generate(model, [p], max_new_tokens, num_layers, layout) for p in prompts])
+
+
+def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layers: int, layout: dict) -> Generation:
+    """:func:`generate` of one batch of prompts; a decode step whose position tables changed runs as a prefill
+    of the whole sequence so far. Raises PositionTablesChanged when the prompts' own lengths disagree."""
     device = next(model.parameters()).device
-    cache = KVCache(cp_group, num_layers)
-    cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()], dtype=torch.int32)
     started = time.perf_counter()
-    prefill = LocalContextParallelHandler(cp_group=cp_group, qkv_format="thd", cu_seqlens=cu, cp_comm_type=cp_comm_type,
-                                          hierarchical_cp_groups=hierarchical_cp_groups, kv_cache=cache)
-    local = prefill.dispatch(torch.cat(prompts).view(1, -1).to(device), 1)
-    logits = _last_token_logits(prefill, model(local, cp_handler=prefill))
-    cache.finish_prefill()
-    result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started)
+    cache, logits = _prefill(model, prompts, num_layers, device, layout)
+    result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started, prefills=1)
     started = time.perf_counter()
     for step in range(max_new_tokens):
         chosen = logits.argmax(-1)
@@ -106,11 +128,28 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
             result.tokens[i].append(token)
         if step + 1 == max_new_tokens:
             break
-        logits = model(chosen.view(1, -1).to(device), cp_handler=DecodeHandler(cache, cp_group=cp_group))[0].float()
+        handler = DecodeHandler(cache, cp_group=layout["cp_group"])
+        try:
+            logits = model(chosen.view(1, -1).to(device), cp_handler=handler)[0].float()
+        except PositionTablesChanged:  # on every rank alike, before this step's first collective
+            so_far = [torch.cat([p, p.new_tensor(t)]) for p, t in zip(prompts, result.tokens, strict=True)]
+            cache, logits = _prefill(model, so_far, num_layers, device, layout)
+            result.prefills += 1
         result.logits.append(logits)
     result.decode_s = time.perf_counter() - started
     result.kv_cache_bytes = cache.nbytes()
     return result
+
+
+def _prefill(model, prompts: list[torch.Tensor], num_layers: int, device, layout: dict):
+    """``(filled KVCache, (B, V) float32 logits of each prompt's last token)``."""
+    cache = KVCache(layout["cp_group"], num_layers)
+    cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()], dtype=torch.int32)
+    prefill = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=cu, kv_cache=cache, **layout)
+    local = prefill.dispatch(torch.cat(prompts).view(1, -1).to(device), 1)
+    logits = _last_token_logits(prefill, model(local, cp_handler=prefill))
+    cache.finish_prefill()
+    return cache, logits
 
 
 @torch.no_grad()

@@ -117,7 +117,7 @@ def generate_rank(config: GenerateConfig) -> dict | None:
                   "prefill_s": result.prefill_s, "decode_s": result.decode_s,
                   "prefill_tokens_per_s": sum(p.numel() for p in prompts) / result.prefill_s,
                   "decode_tokens_per_s": len(prompts) * max(0, config.max_new_tokens - 1) / max(result.decode_s, 1e-9),
-                  "kv_cache_bytes_per_rank": kv_bytes, "cp_size": world,
+                  "kv_cache_bytes_per_rank": kv_bytes, "cp_size": world, "prefills": result.prefills,
                   "dtype": config.dtype}
         if config.check_parity:
             reference, logits_of = reference_model(config, model, device)

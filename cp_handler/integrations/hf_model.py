@@ -23,6 +23,11 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
   largest *global* position of the batch (the handler knows it), and its output row for that position
   dropped. Every rank then derives the same frequencies as one process over the whole sequence; the
   positions themselves are untouched, so every RoPE type stays exact, including ones added later.
+  Under a handler with a KV cache (generation) a probe position is appended too: its rows must be those
+  of every sequence alone (its own length; the pack's largest position would otherwise set every
+  sequence's frequencies) and, at every decode step, those kept at the prefill (else the cached keys
+  were rotated with other frequencies). :func:`~cp_handler.inference.generate` then prefills again, or
+  runs the prompts one at a time.
 """
 
 from __future__ import annotations
@@ -169,38 +174,78 @@ def global_max_position(handler: ContextParallelHandler, local_len: int) -> int:
     return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
 
 
+POSITION_PROBE = 1
+"""A position whose rotary rows a generation's prefill keeps and every decode step recomputes
+(:meth:`~cp_handler.inference.KVCache.check_position_tables`): if they differ, the frequencies depend on
+the sequence length and the cached keys are stale (position 0 would not show it: cos 1, sin 0)."""
+
+
 def _is_rotary(module: nn.Module) -> bool:
     return type(module).__name__.endswith("RotaryEmbedding")
+
+
+def _with_positions(args, kwargs, position_ids: torch.Tensor):
+    """A rotary module's call arguments with ``position_ids`` replaced (keyword or second positional)."""
+    if "position_ids" in kwargs:
+        return args, {**kwargs, "position_ids": position_ids}
+    return (args[0], position_ids, *args[2:]), kwargs
 
 
 def _rotary_pre_hook(module, args, kwargs):
     handler = _active.get()
     if handler is None:
         return None
-    if "position_ids" in kwargs:
-        position_ids = kwargs["position_ids"]
-    else:
-        position_ids = args[1]
-    extra = torch.full((*position_ids.shape[:-1], 1), global_max_position(handler, position_ids.shape[-1]),
-                       dtype=position_ids.dtype, device=position_ids.device)
-    widened = torch.cat([position_ids, extra], dim=-1)
-    module._cp_rows = position_ids.shape[-1]
-    if "position_ids" in kwargs:
-        return args, {**kwargs, "position_ids": widened}
-    return (args[0], widened, *args[2:]), kwargs
+    position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+    appended = [global_max_position(handler, position_ids.shape[-1])]
+    cache = getattr(handler, "kv_cache", None)
+    lengths = ()
+    if cache is not None:
+        appended.append(POSITION_PROBE)
+        lengths = cache.lengths if cache.prefilled else handler.thd_layout.lengths
+    extra = torch.tensor(appended, dtype=position_ids.dtype, device=position_ids.device)
+    module._cp_rows = (position_ids.shape[-1], cache, tuple(lengths))
+    return _with_positions(args, kwargs, torch.cat([position_ids, extra.expand(*position_ids.shape[:-1], -1)], -1))
+
+
+def _tables(output) -> tuple:
+    return output if isinstance(output, tuple) else (output,)
+
+
+def _check_position_tables(module, args, kwargs, probe: tuple, cache, lengths: tuple) -> None:
+    """Generation: the probe rows of this forward (``probe``) must be those of every sequence alone (its
+    own length) and those of the prefill (:meth:`~cp_handler.inference.KVCache.check_position_tables`).
+
+    Raises:
+        PositionTablesChanged: they differ (RoPE that depends on the sequence length).
+    """
+    from ..inference.cache import PositionTablesChanged
+
+    name = getattr(module, "_cp_name", type(module).__name__)
+    position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
+    for length in sorted(set(lengths)):
+        alone = torch.tensor([length - 1, POSITION_PROBE], dtype=position_ids.dtype, device=position_ids.device)
+        own_args, own_kwargs = _with_positions(args, kwargs, alone.expand(*position_ids.shape[:-1], -1))
+        own = _tables(module.forward(*own_args, **own_kwargs))
+        if any(not torch.equal(t.narrow(-2, 1, 1), p) for t, p in zip(own, probe, strict=True)):
+            raise PositionTablesChanged(f"{name}: a sequence of {length} tokens alone has other position tables than "
+                                        f"the batch of lengths {sorted(set(lengths))}")
+    cache.check_position_tables(name, probe)
 
 
 def _rotary_hook(module, args, kwargs, output):
-    rows = module.__dict__.pop("_cp_rows", None)
-    if rows is None:
+    if module.__dict__.get("_cp_rows") is None:
         return None
-
-    def strip(t):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == rows + 1:
-            return t.narrow(-2, 0, rows)
-        raise ValueError(f"{type(module).__name__} returned {tuple(getattr(t, 'shape', ()))}: cp_handler expects "
-                         f"rotary tables with {rows + 1} positions along dim -2")
-    return tuple(strip(t) for t in output) if isinstance(output, tuple) else strip(output)
+    rows, cache, lengths = module.__dict__.pop("_cp_rows")
+    width = rows + (2 if cache is not None else 1)
+    tables = _tables(output)
+    for t in tables:
+        if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == width):
+            raise ValueError(f"{type(module).__name__} returned {tuple(getattr(t, 'shape', ()))}: cp_handler expects "
+                             f"rotary tables with {width} positions along dim -2")
+    if cache is not None:
+        _check_position_tables(module, args, kwargs, tuple(t.narrow(-2, rows + 1, 1) for t in tables), cache, lengths)
+    stripped = tuple(t.narrow(-2, 0, rows) for t in tables)
+    return stripped if isinstance(output, tuple) else stripped[0]
 
 
 def _model_pre_hook(model, args, kwargs):
@@ -243,9 +288,10 @@ def prepare_model(model: nn.Module) -> nn.Module:
     check_model(model)
     handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True),
                model.register_forward_hook(_model_hook, with_kwargs=True, always_call=True)]
-    for module in model.modules():
+    for name, module in model.named_modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
         if _is_rotary(module):
+            module._cp_name = name or type(module).__name__
             handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
                         module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]
     try:
@@ -255,6 +301,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
             handle.remove()
         for module in model.modules():
             module.__dict__.pop("_cp_handler_prepared", None)
+            module.__dict__.pop("_cp_name", None)
         raise
     model._cp_handler_checked = True
     return model
