@@ -262,6 +262,14 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
     for flags, message in cases:
         with pytest.raises(SystemExit, match=rf"cp-generate: error: .*({message})"):
             parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])
+    from hf_zoo import tiny_config
+
+    lfm2 = tiny_config("lfm2")  # short-convolution layers: the guard, before spawn
+    lfm2.vocab_size = 256
+    lfm2.save_pretrained(tmp_path / "lfm2")
+    with pytest.raises(SystemExit, match=r"--hf-model .*lfm2: Lfm2ForCausalLM: module 'model.layers.0.conv.conv' is a "
+                                         r"convolution over the sequence"):
+        parse(["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "lfm2")])
     binary = tmp_path / "prompt.bin"
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):

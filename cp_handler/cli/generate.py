@@ -23,6 +23,7 @@ from ..training.checkpoint import find_checkpoint, read_meta
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .flag_names import HelpFormatter, to_flags
+from .model_args import check_hf_architecture
 
 DTYPES = tuple(PARITY_TOL)
 
@@ -100,16 +101,13 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
                                meta["model"]["kv_channels"])
         model_source = {"checkpoint": str(checkpoint)}
         saved_dtype = meta["training"]["dtype"]
-    else:
-        if not os.path.isfile(os.path.join(args.hf_model, "config.json")):
-            raise ValueError(f"--hf-model {args.hf_model}: no config.json in it")
+    else:  # the config, the tokenizer and the guard (cp-train's checks), before any rank starts
+        hf = check_hf_architecture(argparse.Namespace(hf_model=args.hf_model, hf_config=None))
         model_source = {"hf_model": args.hf_model}
         saved_dtype = None
     prompts = read_prompts(args.prompt_file, tokens_for(args.hf_model))
     if args.hf_model:  # the position limit, checked here with the words of the flags
-        from transformers import AutoConfig
-
-        text = AutoConfig.from_pretrained(args.hf_model, local_files_only=True).get_text_config()
+        text = hf.get_text_config()
         limit = getattr(text, "max_position_embeddings", None)
         for path, prompt in zip(args.prompt_file, prompts, strict=True):
             if limit is not None and len(prompt) + args.max_new_tokens > limit:

@@ -62,7 +62,7 @@ def hf_config(args: argparse.Namespace):
     tokens = tokens_for(source, flag)
     if getattr(config, "vocab_size", tokens.vocab_size) < tokens.vocab_size:
         feeds = (f"its tokenizer has {tokens.vocab_size} tokens" if has_tokenizer(source) else
-                 f"without a tokenizer in it cp-train feeds byte tokens (0..{BYTE_VOCAB_SIZE - 1})")
+                 f"without a tokenizer in it the tokens are bytes (0..{BYTE_VOCAB_SIZE - 1})")
         raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but {feeds}")
     return config
 
