@@ -120,6 +120,12 @@ def _variants_worker(rank, world):
         for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
             torch.testing.assert_close(a, b, atol=TOL, rtol=TOL,
                                        msg=lambda m, s=step, x=model_type: f"{x} step {s}: {m}")
+        if model_type == "mistral":  # every layer windowed: W - 1 rows per sequence and layer stay cached
+            total = torch.tensor([got.kv_cache_bytes])
+            dist.all_reduce(total)
+            window, config = VARIANTS["mistral"]["sliding_window"], unmodified.config
+            rows = layers * sum(min(n + NEW_TOKENS - 1, window - 1) for n in PROMPT_LENGTHS)
+            assert total.item() == rows * 2 * config.num_key_value_heads * config.head_dim * 4, total.item()
         # negative control: decode without the variant (plain causal, no sinks) differs beyond the tolerance
         plain = DecodeHandler.attention_variant
         DecodeHandler.attention_variant = lambda self, *args: (CAUSAL, None)
@@ -134,7 +140,8 @@ def _variants_worker(rank, world):
 def test_decode_runs_every_attention_variant_exactly():
     """Sliding window (Mistral), soft-cap + window (Gemma 2), learnable sinks + window (GPT-OSS), chunks
     (Llama 4) at cp 2: the same tokens and logits within 1e-5 as the unmodified model (transformers'
-    eager attention, the whole sequence per token); without the variant, decode would differ."""
+    eager attention, the whole sequence per token); without the variant, decode would differ. A windowed
+    layer's cache keeps only the rows later queries may see."""
     run_distributed(_variants_worker, 2)
 
 

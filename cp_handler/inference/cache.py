@@ -4,8 +4,11 @@ A prefill (a forward over prompts dispatched with a thd handler that holds the c
 layer, the real local rows of K and V (after RoPE, as ``core_attn`` receives them) with the sequence
 each belongs to and its global position; padding rows are not kept. Decode steps append each new
 token's K/V on one rank, the one holding the fewest rows (ties: the lowest rank), so every rank holds
-about ``1 / cp`` of the cache. Every rank knows every rank's row count (the layout decides it), so the
-choice needs no communication.
+about ``1 / cp`` of the cache. Rows that no later query may see (a sliding window or chunked layer:
+:class:`~cp_handler.masks.AttentionMask`) are dropped after each decode step, so such a layer keeps at
+most ``W - 1`` rows per sequence (window ``W``) or the current chunk's; the owner choice keeps counting
+every row appended (balance of the rows a layer without a window keeps). Every rank knows every
+rank's row count (the layout decides it), so the choice needs no communication.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class _Shard:
         self.k[self.size], self.v[self.size] = k, v
         self.seq[self.size], self.pos[self.size] = seq, pos
         self.size += 1
+
+    def keep(self, kept: torch.Tensor) -> None:
+        """Keep only the rows where ``kept (N,)`` is true (order preserved)."""
+        self.k, self.v, self.seq, self.pos = (t[: self.size][kept] for t in (self.k, self.v, self.seq, self.pos))
+        self.size = self.k.shape[0]
 
     def rows(self):
         n = self.size

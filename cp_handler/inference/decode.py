@@ -10,7 +10,8 @@ training: the new tokens are one thd batch of ``B`` one-token sequences at their
 Attention variants (:mod:`cp_handler.masks`) are exact as in training: the cache keeps each row's
 position, so a sliding window or chunks mask the rows by position (:meth:`AttentionMask.visible`), a
 soft-cap caps the scaled scores before the softmax, and learnable sinks are folded in once, after the
-merge (:func:`~cp_handler.ops.sinks.fold_sinks`), never per shard.
+merge (:func:`~cp_handler.ops.sinks.fold_sinks`), never per shard. After a window or chunked layer's
+step, the rows no later query of their sequence may see are dropped from the cache.
 """
 
 from __future__ import annotations
@@ -96,6 +97,9 @@ class DecodeHandler(ContextParallelHandler):
                 shard.append(k3[i], v3[i], i, self.positions[i])
         q_pos = torch.tensor(self.positions, device=q3.device)
         out, lse = _attend(q3, q_pos, *shard.rows(), softmax_scale(attn_mod, q3.shape[-1]), mask)
+        if mask.restricted:  # rows the next query of their sequence cannot see, no later one can (monotone)
+            seq, pos = shard.rows()[2:]
+            shard.keep(mask.visible(q_pos[seq] + 1, pos))
         if self.cp_size > 1:
             out, lse = _merge_over_ranks(out, lse, self.cp_group)
         if sinks is not None:
