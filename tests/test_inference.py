@@ -265,7 +265,10 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
              (["--hf-model", hf, "--cp-size", "4"], r"--cp-size 4: cp-generate runs one CP group over all 2 ranks"),
              (["--hf-model", hf, "--max-new-tokens", "100"], r"1000 tokens \+ --max-new-tokens 100 exceed the model's "
                                                              r"1024 positions"),
-             (["--hf-model", hf, "--max-new-tokens", "0"], r"--max-new-tokens 0 must be >= 1")]
+             (["--hf-model", hf, "--max-new-tokens", "0"], r"--max-new-tokens 0 must be >= 1"),
+             (["--hf-model", hf, "--nproc", "3", "--cp-comm-type", "a2a", "--max-new-tokens", "4"],
+              r"4 query heads / 2 KV heads of --hf-model .* with --nproc 3 and --cp-comm-type a2a: a2a needs query "
+              r"heads \(4\) divisible by the a2a size \(3\)")]
     for flags, message in cases:
         with pytest.raises(SystemExit, match=rf"cp-generate: error: .*({message})"):
             parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])

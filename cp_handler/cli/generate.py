@@ -23,7 +23,7 @@ from ..training.checkpoint import find_checkpoint, read_meta
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .flag_names import HelpFormatter, to_flags
-from .model_args import check_hf_architecture
+from .model_args import check_hf_architecture, hf_attention_shape
 
 DTYPES = tuple(PARITY_TOL)
 
@@ -90,7 +90,6 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         raise ValueError(f"--cp-size {args.cp_size}: cp-generate runs one CP group over all {world} ranks (--nproc)")
     if bool(args.checkpoint) == bool(args.hf_model):
         raise ValueError("give exactly one of --checkpoint (a cp-train --save folder) and --hf-model")
-    heads = None
     if args.checkpoint:
         checkpoint = find_checkpoint(args.checkpoint, "--checkpoint")
         meta = read_meta(checkpoint)
@@ -101,8 +100,9 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
                                meta["model"]["kv_channels"])
         model_source = {"checkpoint": str(checkpoint)}
         saved_dtype = meta["training"]["dtype"]
-    else:  # the config, the tokenizer and the guard (cp-train's checks), before any rank starts
+    else:  # the config, the tokenizer, the guard and the heads (cp-train's checks), before any rank starts
         hf = check_hf_architecture(argparse.Namespace(hf_model=args.hf_model, hf_config=None))
+        heads = hf_attention_shape(hf)
         model_source = {"hf_model": args.hf_model}
         saved_dtype = None
     prompts = read_prompts(args.prompt_file, tokens_for(args.hf_model))
@@ -128,8 +128,12 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
     cp_config = ContextParallelConfig(context_parallel_size=world, cp_comm_type=args.cp_comm_type,
                                       hierarchical_context_parallel_sizes=list(sizes) if sizes else None,
                                       qkv_format="thd")
-    if heads is not None:
+    try:
         get_cp_handler_cls("local", args.cp_comm_type).check_config(cp_config, heads)
+    except ValueError as err:
+        source = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--hf-model {args.hf_model}"
+        raise ValueError(f"{heads.num_heads} query heads / {heads.num_kv_heads} KV heads of {source} with --nproc "
+                         f"{world} and --cp-comm-type {args.cp_comm_type}: {err}") from None
     return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
                           prompts=prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
                           check_parity=args.check_parity, timeout=args.timeout, **model_source)

@@ -98,11 +98,17 @@ def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionSh
         gpt = model_config(args)
         return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels), \
             f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
+    shape = hf_attention_shape(config)
+    return None, shape, (f"{shape.num_heads} query heads / {shape.num_kv_heads} KV heads of "
+                         f"{args.hf_model or args.hf_config}/config.json")
+
+
+def hf_attention_shape(config) -> AttentionShape:
+    """The attention shape of a Hugging Face config (its text config's heads and head dim)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    shape = AttentionShape(heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return None, shape, f"{heads} query heads / {kv_heads} KV heads of {args.hf_model or args.hf_config}/config.json"
+    return AttentionShape(heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads)
 
 
 def hf_layers(args: argparse.Namespace) -> int:
