@@ -142,4 +142,5 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of K and V this rank holds (the rows in use)."""
-        return sum(2 * shard.size * shard.k[0].numel() * shard.k.element_size() for shard in self.layers.values())
+        return sum(2 * shard.size * shard.k.shape[1:].numel() * shard.k.element_size()
+                   for shard in self.layers.values())
