@@ -130,6 +130,10 @@ class ContextParallelConfig:
                 )
             return
         check_hierarchical_sizes(sizes, self.context_parallel_size)
+        if not any(PATTERNS[t].hierarchical for t in self.comm_types):
+            raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes)} is used only by a hierarchical "
+                             f"cp_comm_type ({', '.join(t for t in PATTERNS if PATTERNS[t].hierarchical)}); "
+                             f"cp_comm_type={self.cp_comm_type!r} has none: drop it")
 
     @property
     def comm_types(self) -> list[str]:

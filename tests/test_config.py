@@ -30,6 +30,10 @@ def test_valid_config_round_trip():
             r"multiply to 6, but context_parallel_size=4",
         ),
         ({"hierarchical_context_parallel_sizes": [1, 0]}, r"integers >= 1"),
+        ({"context_parallel_size": 4, "cp_comm_type": ["p2p", "a2a"], "num_layers": 2,
+          "hierarchical_context_parallel_sizes": [2, 2]},
+         r"hierarchical_context_parallel_sizes=\[2, 2\] is used only by a hierarchical cp_comm_type \(a2a\+p2p\); "
+         r"cp_comm_type=\['p2p', 'a2a'\] has none: drop it"),
         ({"cp_comm_type": ["p2p", "p2p", "p2p"], "num_layers": 2}, r"3 entries but the model has num_layers=2"),
         ({"cp_comm_type": []}, r"at least one"),
         ({"qkv_format": "bhsd"}, r"qkv_format='bhsd'"),
