@@ -198,6 +198,28 @@ def test_decode_follows_rope_that_depends_on_the_length():
     run_distributed(_longrope_worker, 2)
 
 
+def test_decode_refuses_a_scale_the_model_takes_from_the_input_index():
+    """Llama 4's temperature tuning scales NoPE queries by the token's index in the model's input: a decode
+    step (index 0, position 13 here, floor_scale 4) would get the wrong scale even at cp 1 (measured 1.5e-4
+    in logits before the guard): refused, naming the row and its position; the prefill of one prompt at
+    cp 1 (index = position) runs."""
+    from hf_zoo import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    config = tiny_config("llama4_text")
+    for name, value in {"vocab_size": 256, "floor_scale": 4, "attn_temperature_tuning": True,
+                        "no_rope_layers": [1, 0]}.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = CPCausalLM(AutoModelForCausalLM.from_config(config, attn_implementation="eager")).eval()
+    assert len(generate(model, prompts()[:1], 1, num_layers=2).tokens[0]) == 1  # the prefill alone
+    with pytest.raises(ValueError, match=r"layer 1: Llama 4's attention temperature tuning \(NoPE layer, "
+                                         r"floor_scale=4\) .* input row 0 is at position 13, whose scale differs"):
+        generate(model, prompts()[:1], 2, num_layers=2)
+
+
 def _errors_worker(rank, world):
     group = dist.group.WORLD
     cache = KVCache(group, 2)

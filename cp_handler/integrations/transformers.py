@@ -47,6 +47,7 @@ from .hf_model import (
     active_handler,
     cp_model_inputs,
     handler_context,
+    local_position_ids,
     prepare_model,
     record_attention_call,
 )
@@ -156,18 +157,27 @@ def check_arguments(kwargs: dict) -> None:
 
 
 def check_local_index_scaling(module, handler: ContextParallelHandler, local_len: int) -> None:
-    """Llama 4's attention temperature tuning scales the queries of its NoPE layers by a function of
-    ``torch.arange(local length)`` inside the model (not of ``position_ids``), so under CP every rank
-    would use its shard's local indices. Exact when the tuning is the identity for this batch (every
-    global position below ``floor_scale - 1``); otherwise refused (ValueError)."""
+    """Llama 4's attention temperature tuning scales the queries of its NoPE layers by
+    ``log1p(floor((i + 1) / floor_scale))`` of each token's *index* ``i`` in the forward's input
+    (transformers 5: ``torch.arange(length)``; 4.57: ``cache_position``, an index too by default), not of
+    ``position_ids``. Exact when every real local token's index gives the scale of its global position;
+    otherwise (a CP shard, a decode step of one token per sequence, documents packed after the first,
+    once positions reach ``floor_scale - 1``) refused (ValueError), naming a row whose scale would differ."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
-    longest = handler.get_rotary_seq_len(local_len)
-    if handler.cp_size > 1 and longest >= module.floor_scale:
+    positions = local_position_ids(handler, torch.zeros((1, local_len), dtype=torch.long))[0]
+    index = torch.arange(local_len)
+    layout = getattr(handler, "thd_layout", None)
+    real = layout.real_mask(handler.cp_rank) if layout is not None else torch.ones(local_len, dtype=torch.bool)
+    scale = module.floor_scale
+    differs = (real & ((index + 1) // scale != (positions.cpu() + 1) // scale)).nonzero()
+    if differs.numel():
+        row = int(differs[0])
         raise ValueError(f"layer {module.layer_idx}: Llama 4's attention temperature tuning (NoPE layer, floor_scale="
-                         f"{module.floor_scale}) derives positions from the local sequence length inside the model, "
-                         f"which under context parallelism are this shard's; refused for sequences of >= floor_scale "
-                         f"tokens (this batch: {longest})")
+                         f"{module.floor_scale}) scales each query by a function of its index in the model's input, "
+                         f"not of its position: here input row {row} is at position {int(positions[row])}, whose "
+                         "scale differs (a context-parallel shard, a decode step or a packed document reaching "
+                         "floor_scale - 1); refused")
 
 
 def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tuple[str, str | None, int | None]:
