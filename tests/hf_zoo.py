@@ -150,15 +150,51 @@ def run_case(config, group, model_inputs=cp_model_inputs) -> str:
     return "exact"
 
 
-def support_matrix(zoo: dict[str, str], not_attempted: str) -> str:
-    """docs/huggingface.md's support matrix: one row per model type of ``zoo`` (tests/test_hf_zoo.py)."""
+GENERATION_PROMPTS = (7, 12)
+GENERATION_TOKENS = 3
+
+
+def run_generation_case(config, group) -> str:
+    """Greedy generation (cp_handler.inference) of a model type whose training is exact: two prompts of
+    :data:`GENERATION_PROMPTS` tokens, :data:`GENERATION_TOKENS` new ones at cp = ``group``'s size (p2p
+    prefill), against the unmodified model re-run on each whole sequence (teacher-forced). ``exact``
+    (the same tokens, logits within 1e-5), ``refused: <message>``, ``mismatch: <what>`` or ``error: ...``."""
+    from cp_handler.inference import generate, reference_generate
+    from cp_handler.integrations.hf_model import text_config
+    from cp_handler.integrations.transformers import CPCausalLM
+    from cp_handler.training.reference import hf_logits
+
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in GENERATION_PROMPTS]
+    model = build(config)
+    try:
+        layers = text_config(model).num_hidden_layers
+        got = generate(CPCausalLM(build(config)).eval(), prompts, GENERATION_TOKENS, cp_group=group,
+                       num_layers=layers)
+    except ValueError as err:
+        return f"refused: {err}"
+    except Exception as err:  # noqa: BLE001 - recorded as an outcome
+        return f"error: {type(err).__name__}: {str(err)[:300]}"
+    want = reference_generate(model, prompts, GENERATION_TOKENS, follow=got.tokens,
+                              logits_of=lambda m, ids: hf_logits(m, ids))
+    if got.tokens != want.tokens:
+        return f"mismatch: tokens {got.tokens} != {want.tokens}"
+    worst = max((a - b).abs().max().item() for a, b in zip(got.logits, want.logits, strict=True))
+    return "exact" if worst <= 1e-5 else f"mismatch: logits differ by {worst:.2e}"
+
+
+def support_matrix(zoo: dict[str, str], not_attempted: str, generation: dict[str, str]) -> str:
+    """docs/huggingface.md's support matrix: one row per model type of ``zoo`` (tests/test_hf_zoo.py), with
+    its generation outcome where training is exact (``generation``: the refused ones; the rest exact)."""
     from transformers import __version__
 
     rows = [f"Generated from tests/test_hf_zoo.py's table (transformers {__version__}): exact = logits and every "
-            "gradient equal the unmodified model at cp 2 (p2p, a2a); refused = the guard's error names the reason.",
-            "", "| model type | under CP |", "|---|---|"]
+            "gradient equal the unmodified model at cp 2 (p2p, a2a); refused = the guard's error names the reason. "
+            "Generation (cp_handler.inference, cp 2): exact = the same tokens and logits within 1e-5 as the "
+            "unmodified model on each whole sequence.",
+            "", "| model type | under CP | generation |", "|---|---|---|"]
     for name, outcome in sorted(zoo.items()):
         shown = {"not built": "not built from the generic tiny config (untested)",
                  "not attempted": f"not attempted: {not_attempted}"}.get(outcome, outcome)
-        rows.append(f"| {name} | {shown} |")
+        generated = generation.get(name, "exact") if outcome == "exact" else ""
+        rows.append(f"| {name} | {shown} | {generated} |")
     return "\n".join(rows)

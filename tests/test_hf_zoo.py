@@ -209,6 +209,11 @@ ZOO = {
 config does not build or run the unmodified model (the test checks that it still does not);
 ``not attempted``: see :data:`NOT_ATTEMPTED`."""
 
+GENERATION_REFUSED = dict.fromkeys(("bert", "bert-generation", "electra", "ernie", "roc_bert"),
+                                   "refused: attends bidirectionally")
+"""Generation outcomes other than ``exact`` among the architectures whose training is exact: encoders run
+as causal LMs with bidirectional attention (a KV cache needs causal attention)."""
+
 NOT_ATTEMPTED = ("the default config builds a full-size vision or audio tower (GBs, minutes on CPU); its text model "
                  "is the *_text entry")
 
@@ -222,8 +227,9 @@ def _zoo_worker(rank, world, names, out):
     transformers.logging.set_verbosity_error()
     group = dist.new_group(list(range(world)))
     outcomes = {name: hf_zoo.run_case(name, group) for name in names}
+    generation = {name: hf_zoo.run_generation_case(name, group) for name, got in outcomes.items() if got == "exact"}
     if rank == 0:
-        Path(out).write_text(json.dumps(outcomes))
+        Path(out).write_text(json.dumps([outcomes, generation]))
 
 
 def _outcomes(tmp_path, names):
@@ -244,10 +250,13 @@ def test_every_architecture_is_exact_or_refused(tmp_path):
     shipped = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     unclassified = [name for name in shipped if name not in ZOO]
     assert not unclassified, f"architectures not in the zoo table (classify them): {unclassified}"
-    outcomes = _outcomes(tmp_path, [n for n in shipped if ZOO[n] != "not attempted"])
+    outcomes, generation = _outcomes(tmp_path, [n for n in shipped if ZOO[n] != "not attempted"])
     wrong = {n: (ZOO[n], got) for n, got in outcomes.items() if not _agrees(ZOO[n], got)}
+    wrong.update({f"{n} (generation)": (GENERATION_REFUSED.get(n, "exact"), got) for n, got in generation.items()
+                  if not _agrees(GENERATION_REFUSED.get(n, "exact"), got)})
     assert not wrong, "\n".join(f"{n}: expected {e!r}, got {g[:300]!r}" for n, (e, g) in wrong.items())
-    assert not [g for g in outcomes.values() if g.startswith(("mismatch", "error"))]
+    assert not [g for g in [*outcomes.values(), *generation.values()] if g.startswith(("mismatch", "error"))]
+    assert set(GENERATION_REFUSED) <= set(generation), "GENERATION_REFUSED lists a model not exact in training"
 
 
 def _negative_control_worker(rank, world, out):
@@ -272,4 +281,5 @@ def test_negative_control_the_harness_sees_a_wrong_answer(tmp_path):
 
 def test_docs_support_matrix_is_the_table():
     docs = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
-    assert hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED) in docs, "regenerate the matrix: hf_zoo.support_matrix(ZOO)"
+    matrix = hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED, GENERATION_REFUSED)
+    assert matrix in docs, "regenerate the matrix: hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED, GENERATION_REFUSED)"

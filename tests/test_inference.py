@@ -81,10 +81,12 @@ def test_hugging_face_llama_generates_the_same_tokens():
 
 
 VARIANTS = {"mistral": {"sliding_window": 5}, "gemma2": {"sliding_window": 6, "attn_logit_softcapping": 0.5},
-            "gpt_oss": {"sliding_window": 6}, "llama4_text": {"attention_chunk_size": 8}}
+            "gpt_oss": {"sliding_window": 6}, "llama4_text": {"attention_chunk_size": 8}, "diffllama": {}}
 """Decode with each attention variant (:mod:`cp_handler.masks`), small enough to matter at these lengths:
 sliding windows of 5-6 tokens, a soft-cap of 0.5 (the scores of this tiny model reach ~1; Gemma 2's 50
-would change nothing), GPT-OSS's learnable sinks (set to N(0, 1): their default init is ~0), chunks of 8."""
+would change nothing), GPT-OSS's learnable sinks (set to N(0, 1): their default init is ~0), chunks of 8;
+and DiffLlama, whose layers call attention twice per forward (one cache shard per call; no variant, so
+no negative control)."""
 
 
 def _variant_models(model_type):
@@ -126,6 +128,8 @@ def _variants_worker(rank, world, model_types, first=3):  # the first `first` pr
             window, config = VARIANTS["mistral"]["sliding_window"], unmodified.config
             rows = layers * sum(min(n + NEW_TOKENS - 1, window - 1) for n in PROMPT_LENGTHS[:first])
             assert total.item() == rows * 2 * config.num_key_value_heads * config.head_dim * 4, total.item()
+        if not VARIANTS[model_type]:
+            continue
         # negative control: decode without the variant (plain causal, no sinks) differs beyond the tolerance
         plain = DecodeHandler.attention_variant
         DecodeHandler.attention_variant = lambda self, *args: (CAUSAL, None)
@@ -247,6 +251,9 @@ def _errors_worker(rank, world):
     step = DecodeHandler(filled, cp_group=group)
     with pytest.raises(ValueError, match=r"a decode step takes one new token per sequence \(1\), got 2"):
         step.dispatch(torch.zeros(1, 2, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match=r"the last decode step made other attention calls than the prefill "
+                                         r"\(layer: \(step, prefill\) calls\) \{1: \(0, 1\), 2: \(0, 1\)\}"):
+        DecodeHandler(filled, cp_group=group)  # the step above never ran the model
     with pytest.raises(ValueError, match=r"kv_cache: a prefill runs prompts as thd documents"):
         LocalContextParallelHandler(cp_group=group, qkv_format="bshd", kv_cache=KVCache(group, 2))
 

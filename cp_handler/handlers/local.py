@@ -103,6 +103,11 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         def read_variant():  # a bad attribute fails every rank together, before any collective
             variant["mask"], variant["sinks"] = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
             check_variant_device(q, variant["mask"], variant["sinks"])
+            if self.kv_cache is not None and not variant["mask"].causal:
+                raise ValueError(f"kv_cache: layer {getattr(attn_mod, 'layer_number', '?')} attends bidirectionally "
+                                 f"(attn_mask_type={attn_mask_type!r}): a KV cache holds keys and values that later "
+                                 "tokens do not change, which holds only for causal attention; an encoder-style "
+                                 "model cannot generate with a cache")
 
         self.check_attention_inputs(q, k, v, read_variant)
         mask, sinks = variant["mask"], variant["sinks"]

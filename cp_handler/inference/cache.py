@@ -72,7 +72,8 @@ class KVCache:
         self.group_ranks = tuple(dist.get_process_group_ranks(cp_group)) if cp_group is not None else None
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-        self.layers: dict[int, _Shard] = {}
+        self.layers: dict[int, list[_Shard]] = {}
+        self._calls: dict[int, int] | None = None  # attention calls per layer in the current decode step
         self.lengths: list[int] = []
         self.rows_per_rank: list[int] = []
         self.prefilled = False
@@ -102,15 +103,18 @@ class KVCache:
                              f"{ranks}: a cache is used with the group (and the handler kind) it was filled on")
 
     def store_prefill(self, layer_number: int, k: torch.Tensor, v: torch.Tensor, layout: ZigzagDocs) -> None:
-        """Keep layer ``layer_number``'s real local rows of ``k, v (T_local, Hkv, D)`` (prefill, thd)."""
+        """Keep layer ``layer_number``'s real local rows of ``k, v (T_local, Hkv, D)`` (prefill, thd). A layer
+        that calls attention several times per forward (DiffLlama: twice, with two halves of V) gets one
+        shard per call, in call order."""
         if self.prefilled:
             raise ValueError("KVCache: prefill after the cache was filled; build a new cache per generation")
-        if not 1 <= layer_number <= self.num_layers or layer_number in self.layers:
-            raise ValueError(f"KVCache: layer_number {layer_number} outside 1..{self.num_layers} or stored twice")
+        if not 1 <= layer_number <= self.num_layers:
+            raise ValueError(f"KVCache: layer_number {layer_number} outside 1..{self.num_layers}")
         real = layout.real_mask(self.cp_rank).to(k.device)
         seq = torch.repeat_interleave(torch.arange(layout.num_docs), torch.tensor(layout.padded_lengths) // layout.size)
-        self.layers[layer_number] = _Shard(k[real].detach().clone(), v[real].detach().clone(),
-                                           seq.to(k.device)[real], layout.positions(self.cp_rank).to(k.device)[real])
+        self.layers.setdefault(layer_number, []).append(
+            _Shard(k[real].detach().clone(), v[real].detach().clone(), seq.to(k.device)[real],
+                   layout.positions(self.cp_rank).to(k.device)[real]))
         if not self.lengths:
             self.lengths = list(layout.lengths)
             self.rows_per_rank = [int(layout.real_mask(r).sum()) for r in range(layout.size)]
@@ -125,7 +129,9 @@ class KVCache:
 
     def next_token_owners(self) -> tuple[list[int], list[int]]:
         """``(owner rank, global position)`` of each sequence's next token; advances the counts (one call per
-        decode step, on every rank alike)."""
+        decode step, on every rank alike). Raises ValueError when the previous step did not make every
+        attention call the prefill made (:meth:`check_step`)."""
+        self.check_step()
         owners, positions = [], []
         for i in range(len(self.lengths)):
             owner = min(range(self.cp_size), key=lambda r: (self.rows_per_rank[r], r))
@@ -133,14 +139,36 @@ class KVCache:
             positions.append(self.lengths[i])
             self.rows_per_rank[owner] += 1
             self.lengths[i] += 1
+        self._calls = {}
         return owners, positions
 
     def layer(self, layer_number: int) -> _Shard:
+        """The shard of this decode step's next attention call of layer ``layer_number``.
+
+        Raises:
+            ValueError: no such layer, or more calls of it than in the prefill.
+        """
         if layer_number not in self.layers:
             raise ValueError(f"KVCache: no rows for layer_number {layer_number} (1..{self.num_layers})")
-        return self.layers[layer_number]
+        call = self._calls.get(layer_number, 0)
+        if call >= len(self.layers[layer_number]):
+            raise ValueError(f"KVCache: layer {layer_number} called attention {call + 1} times in this decode step, "
+                             f"{len(self.layers[layer_number])} in the prefill")
+        self._calls[layer_number] = call + 1
+        return self.layers[layer_number][call]
+
+    def check_step(self) -> None:
+        """Raises ValueError unless the last decode step (if any) made exactly the prefill's attention calls."""
+        calls = self._calls
+        if calls is None:
+            return
+        short = {n: (calls.get(n, 0), len(shards)) for n, shards in self.layers.items()
+                 if calls.get(n, 0) != len(shards)}
+        if short:
+            raise ValueError("KVCache: the last decode step made other attention calls than the prefill (layer: "
+                             f"(step, prefill) calls) {short}: its output left cached rows unread")
 
     def nbytes(self) -> int:
         """Bytes of K and V this rank holds (the rows in use)."""
         return sum(2 * shard.size * shard.k.shape[1:].numel() * shard.k.element_size()
-                   for shard in self.layers.values())
+                   for shards in self.layers.values() for shard in shards)

@@ -137,6 +137,7 @@ def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layer
             result.prefills += 1
         result.logits.append(logits)
     result.decode_s = time.perf_counter() - started
+    cache.check_step()
     result.kv_cache_bytes = cache.nbytes()
     return result
 
