@@ -221,6 +221,12 @@ def _check_position_tables(module, args, kwargs, probe: tuple, cache, lengths: t
     from ..inference.cache import PositionTablesChanged
 
     name = getattr(module, "_cp_name", type(module).__name__)
+    def shown(value) -> str:
+        return "tensor" if isinstance(value, torch.Tensor) else str(value)
+
+    others = [*map(shown, args[2:]), *(f"{k}={shown(v)}" for k, v in sorted(kwargs.items()) if k != "position_ids")]
+    if others:  # one module serving several tables (ModernBERT, Gemma 3: a layer_type argument)
+        name += f" ({', '.join(others)})"
     position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
     for length in sorted(set(lengths)):
         alone = torch.tensor([length - 1, POSITION_PROBE], dtype=position_ids.dtype, device=position_ids.device)
