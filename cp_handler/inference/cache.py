@@ -90,8 +90,7 @@ class KVCache:
             self.position_tables[key] = tuple(t.detach().clone() for t in rows)
             return
         kept = self.position_tables.get(key)
-        if kept is None or len(kept) != len(rows) or any(not torch.equal(a, b) for a, b in zip(kept, rows,
-                                                                                               strict=False)):
+        if kept is None or len(kept) != len(rows) or not all(map(torch.equal, kept, rows)):
             raise PositionTablesChanged(f"{key}: the position tables at length {max(self.lengths)} differ from the "
                                         "prefill's")
 
