@@ -19,15 +19,18 @@ class Progress:
         label: the line prefix (``"cp-train: step"``); the bar shows its last word.
         enabled: ``False`` prints nothing (ranks other than 0).
         every: plain lines every this many items (default: a tenth of ``total``).
+        initial: items already done (a resumed run counts on from its checkpoint's step).
     """
 
-    def __init__(self, total: int, label: str, enabled: bool = True, every: int | None = None, stream=None):
+    def __init__(self, total: int, label: str, enabled: bool = True, every: int | None = None, stream=None,
+                 initial: int = 0):
         self.stream = stream or sys.stderr
         self.total, self.label, self.enabled = total, label, enabled
-        self.every = every or max(1, total // 10)
+        self.every = every or max(1, (total - initial) // 10)
         self.terminal = enabled and self.stream.isatty()
-        self.bar = tqdm(total=total, desc=label.split(": ")[0], disable=not self.terminal, file=self.stream)
-        self.done = 0
+        self.bar = tqdm(total=total, initial=initial, desc=label.split(": ")[0], disable=not self.terminal,
+                        file=self.stream)
+        self.done = initial
 
     def update(self, **shown) -> None:
         """One more item done; ``shown`` (name -> text) goes after the bar or on the line."""

@@ -75,6 +75,7 @@ def test_resume_same_layout_is_bitwise_exact(tmp_path, straight):
     second, err = train(tmp_path, "second", "--nproc", "2", "--steps", "8", "--resume", str(ckpt / step_name(4)),
                         "--save", str(tmp_path / "ckpt"))
     assert "resumed from" in err and step_name(4) in err
+    assert "cp-train: step 5/8 loss" in err and "cp-train: step 1/" not in err  # counts on from the checkpoint
     assert second == curve[4:]  # bitwise
     got = model_tensors(tmp_path / "ckpt" / step_name(8))
     want = model_tensors(ckpt / step_name(8))

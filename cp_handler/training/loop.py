@@ -59,9 +59,9 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
         NonFiniteLoss: a step's loss is not finite (on every rank: the reduced loss is the same).
     """
     records = []
-    bar = Progress(steps - start, "cp-train: step", enabled=progress, every=log_every)
+    bar = Progress(steps, "cp-train: step", enabled=progress, every=log_every, initial=start)
     for step in range(start, steps):
-        start = time.perf_counter()
+        began = time.perf_counter()
         loss, tokens = run_step(step)
         reported = loss.double()
         if count_group is not None:
@@ -74,7 +74,7 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
         checked = reference(step, model) if reference else {}
         optim.step()
         optim.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - began
         records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "step_time_s": elapsed,
                         "tokens_per_s": tokens / elapsed, **checked, **((after_step and after_step(step)) or {})})
         heartbeat()
