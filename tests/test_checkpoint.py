@@ -2,8 +2,10 @@
 
 * Exact resume: 8 steps straight, and a resume from that run's step-4 checkpoint to step 8, give
   bitwise-equal losses for steps 5-8 and final parameters
-  (CPU: the same reductions in the same order, the optimizer state restored bit for bit, batches drawn
-  by step index).
+  (CPU: the same reductions in the same order, the optimizer state and the learning-rate schedule's
+  position restored bit for bit, batches drawn by step index). Every run here warms the learning rate up,
+  decays it along a cosine and clips the gradient norm (active: the norms exceed the clip), so a schedule
+  restarted from step 0 or a clip by a rank-local norm of sharded experts changes the resumed losses.
 * Another layout (cp 2 -> dp 2 with a2a, ep 2 -> ep 1 with MoE, static -> dynamic CP): the loss curve
   continues within ``--check-parity``'s float32 tolerance (1e-5 relative: only the order of float32
   sums differs between layouts) of the straight run; dynamic CP draws other batches, so it is checked
@@ -34,13 +36,20 @@ from cp_handler.training.checkpoint import (
     save_checkpoint,
     step_name,
 )
+from cp_handler.training.schedule import LRSchedule
 
-BASE = [flag for flag in SMALL if flag not in ("--steps", "6")]
+SCHEDULE = ["--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--lr-decay-steps", "8", "--min-lr", "3e-4"]
+CLIP = 0.5
+BASE = [flag for flag in SMALL if flag not in ("--steps", "6")] + SCHEDULE + ["--clip-grad", str(CLIP)]
 PARITY_RTOL = 1e-5
 
 
 def losses(path):
     return [r["loss"] for r in json.loads(path.read_text())["steps"]]
+
+
+def steps_of(path) -> list[dict]:
+    return json.loads(path.read_text())["steps"]
 
 
 def model_tensors(checkpoint) -> dict:
@@ -67,6 +76,10 @@ def straight(tmp_path_factory):
     curve, _ = train(tmp, "straight", "--nproc", "2", "--steps", "8", "--save", str(tmp / "ckpt"), "--save-every", "2",
                      "--save-keep", "3")
     assert sorted(p.name for p in (tmp / "ckpt").iterdir()) == ["latest", step_name(4), step_name(6), step_name(8)]
+    records = steps_of(tmp / "straight.json")
+    want = [3e-3 * LRSchedule(3e-3, 3e-4, 2, "cosine", 8)(step) for step in range(8)]
+    assert [r["lr"] for r in records] == pytest.approx(want, rel=1e-12) and want[-1] == pytest.approx(3e-4)
+    assert all(r["grad_norm"] > CLIP for r in records)  # the clip is active at every step
     return tmp / "ckpt", curve
 
 
@@ -101,6 +114,7 @@ def test_moe_checkpoint_holds_every_expert_once_and_resumes_at_another_ep(tmp_pa
     metadata = dcp.FileSystemReader(tmp_path / "ckpt" / step_name(3)).read_metadata().state_dict_metadata
     weights = [k for k in metadata if k.startswith("model.layers.0.mlp.experts.") and k.endswith("gate_proj.weight")]
     assert sorted(k.split(".experts.")[1].split(".")[0] for k in weights) == ["0", "1", "2", "3"]  # each once
+    assert all(r["grad_norm"] > CLIP for r in steps_of(tmp_path / "straight.json"))  # clipped by the global norm
     second, _ = train(tmp_path, "second", *moe, "--expert-parallel-size", "1", "--steps", "6", "--resume",
                       str(tmp_path / "ckpt" / step_name(3)))
     torch.testing.assert_close(torch.tensor(second), torch.tensor(curve[3:]), rtol=PARITY_RTOL, atol=0)
@@ -130,6 +144,7 @@ def test_resume_refuses_what_does_not_fit_before_any_rank_starts(tmp_path, strai
         (12, ["--hidden-size", "96"], ckpt, r"model --hidden-size: checkpoint 64, this run 96"),
         (12, ["--moe-experts", "4"], ckpt, r"model --moe-experts: checkpoint 0, this run 4"),
         (12, ["--lr", "0.001"], ckpt, r"--lr: checkpoint 0.003, this run 0.001"),
+        (12, ["--lr-decay-steps", "12"], ckpt, r"--lr-decay-steps \(default: --steps\): checkpoint 8, this run 12"),
         (12, ["--seed", "1"], ckpt, r"--seed: checkpoint 0, this run 1"),
         (12, ["--batch-size", "4"], ckpt, r"global batch: checkpoint 2, this run 4 \(--batch-size"),
     ]

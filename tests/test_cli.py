@@ -115,6 +115,14 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--lr", "nan"], "--lr nan must be a finite number > 0"),
         (["--nproc", "2", "--lr", "inf"], "--lr inf must be a finite number > 0"),
         (["--nproc", "2", "--rotary-base", "0"], "--rotary-base 0.0 must be a finite number > 0"),
+        (["--nproc", "2", "--clip-grad", "nan"], "--clip-grad nan must be a finite number >= 0"),
+        (["--nproc", "2", "--lr-warmup-steps", "-1"], "--lr-warmup-steps -1 must be >= 0"),
+        (["--nproc", "2", "--min-lr", "1e-4"], "--min-lr 0.0001 needs --lr-decay-style linear or cosine"),
+        (["--nproc", "2", "--lr-decay-steps", "10"], "--lr-decay-steps 10 needs --lr-decay-style linear or cosine"),
+        (["--nproc", "2", "--lr-decay-style", "cosine", "--lr-warmup-steps", "60"],
+         "--lr-decay-steps 50 must be > --lr-warmup-steps 60 (the decay starts after the warm-up; --lr-decay-steps "
+         "defaults to --steps)"),
+        (["--nproc", "2", "--lr-decay-style", "linear", "--min-lr", "1"], "--min-lr 1.0 must be <= --lr 0.003"),
         (["--nproc", "2", "--moe-aux-loss-coeff", "-1"], "--moe-aux-loss-coeff -1.0 must be a finite number >= 0"),
         (["--nproc", "2", "--batch-size", "-1"], "--batch-size -1 must be >= 1"),
         (["--nproc", "2", "--data", "/no/such/place"], "--data /no/such/place: no such file or folder"),
@@ -286,10 +294,11 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
 
     result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS, timeout=120)
     assert result.returncode != 0 and "step 0: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
-    steps = [{"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "reference_grad_norm": 1.0},
-             {"loss": float("nan"), "reference_loss": float("nan"), "grad_rel_diff": float("nan"),
-              "reference_grad_norm": float("nan")}]
-    assert not parity_result(steps, "float32")["passed"]
+    good = {"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0, "reference_grad_norm": 1.0}
+    assert parity_result([good], "float32")["passed"]
+    nan = dict.fromkeys(good, float("nan"))
+    assert not parity_result([good, nan], "float32")["passed"]
+    assert not parity_result([good, {**good, "grad_norm": 0.5}], "float32")["passed"]  # another global norm
 
 
 def _silent_listener():

@@ -23,6 +23,7 @@ from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
 from ..training.checkpoint import check_resume
 from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
+from ..training.schedule import DECAY_STYLES
 from ..training.tokens import has_tokenizer, tokens_for
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
@@ -108,7 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batch order")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (finite, > 0)")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (finite, > 0): the peak of the schedule")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warm-up of the learning rate over the first N steps (0: none; Megatron-LM's "
+                        "schedule)")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="constant",
+                   help="after the warm-up: keep --lr, or decay it linearly or along a cosine to --min-lr")
+    g.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                   help="linear / cosine: the step at which the decay reaches --min-lr, counted from the start of "
+                        "the run (default: --steps; give it when a resumed run will go on longer)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="linear / cosine: the learning rate at the end of the "
+                                                                  "decay (0 <= --min-lr <= --lr)")
+    g.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the global gradient norm to this before each optimizer step (0: no clipping)")
     g = p.add_argument_group("checks")
     g.add_argument("--check-parity", action="store_true",
                    help="before every optimizer step, rank 0 runs the same global batch on one process from the "
@@ -143,10 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size", "eval_batches", "max_corpus_bytes",
             "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
-            "thd_max_doc_len", "log_every", "save_keep")
+            "thd_max_doc_len", "log_every", "save_keep", "lr_decay_steps")
 """Integer flags that must be >= 1 when given; zero is never "the default"."""
 POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
 """Float flags that must be finite and > 0 (``--lr nan`` would train on NaN)."""
+NON_NEGATIVE_FLOATS = ("moe_aux_loss_coeff", "min_lr", "clip_grad")
+"""Float flags that must be finite and >= 0."""
 
 
 def check_positive(args: argparse.Namespace) -> None:
@@ -156,15 +171,35 @@ def check_positive(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    for name in ("eval_every", "moe_experts", "save_every"):
+    for name in ("eval_every", "moe_experts", "save_every", "lr_warmup_steps"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     for name in POSITIVE_FLOATS:
         value = getattr(args, name)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
-    if not (math.isfinite(args.moe_aux_loss_coeff) and args.moe_aux_loss_coeff >= 0):
-        raise ValueError(f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff} must be a finite number >= 0")
+    for name in NON_NEGATIVE_FLOATS:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number >= 0")
+
+
+def check_lr_schedule(args: argparse.Namespace) -> int | None:
+    """The schedule's flags fit together; returns where the decay ends (``None``: constant).
+    Raises ValueError naming the flag."""
+    if args.lr_decay_style == "constant":
+        for flag, value, default in (("--lr-decay-steps", args.lr_decay_steps, None), ("--min-lr", args.min_lr, 0.0)):
+            if value != default:
+                raise ValueError(f"{flag} {value} needs --lr-decay-style linear or cosine (the learning rate is "
+                                 "constant after the warm-up)")
+        return None
+    decay_steps = args.lr_decay_steps if args.lr_decay_steps is not None else args.steps
+    if decay_steps <= args.lr_warmup_steps:
+        raise ValueError(f"--lr-decay-steps {decay_steps} must be > --lr-warmup-steps {args.lr_warmup_steps} (the "
+                         "decay starts after the warm-up; --lr-decay-steps defaults to --steps)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} must be <= --lr {args.lr}")
+    return decay_steps
 
 
 def world_size_from(args: argparse.Namespace) -> int:
@@ -186,6 +221,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         ValueError / TypeError / ImportError / RuntimeError: naming the flag and the rule.
     """
     check_positive(args)
+    lr_decay_steps = check_lr_schedule(args)
     world = world_size_from(args)
     if args.nproc is not None and args.nproc != world:
         raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
@@ -230,7 +266,9 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
         data=tuple(args.data) if args.data else None, max_corpus_bytes=args.max_corpus_bytes, seq_len=args.seq_len,
         batch_size=args.batch_size, thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
-        steps=args.steps, lr=args.lr, check_parity=args.check_parity, eval_every=args.eval_every,
+        steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
+        lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
+        check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
         export_hf=args.export_hf,

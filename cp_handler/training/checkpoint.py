@@ -1,8 +1,9 @@
 """Checkpoints of ``cp-train`` (``--save`` / ``--resume``) with ``torch.distributed.checkpoint`` (DCP).
 
 A checkpoint holds the model, the optimizer state (AdamW's moments, its step count and learning
-rate), every rank's RNG state, and ``cp_train.json``: the completed step count (the data position:
-batches are drawn by step index, :mod:`.data`), and what the run's data and model were. DCP writes
+rate), every rank's RNG state, and ``cp_train.json``: the learning-rate scheduler's state, the
+completed step count (the data position: batches are drawn by step index, :mod:`.data`), and what the
+run's data and model were. DCP writes
 each tensor once (parameters replicated over dp x cp are deduplicated; each expert shard is written
 by a rank that holds it), and reads back at any layout: another CP size, data-parallel size, comm
 type, expert-parallel size, or dynamic CP.
@@ -16,7 +17,7 @@ adds ``cp_train.json`` and renames the folder into place (an atomic rename), and
 
 Errors (:class:`CheckpointError`, a ``ValueError``): ``--resume`` of a missing, partial or incompatible
 checkpoint (another model shape or vocabulary, another expert count, other data or tokens, another global
-batch, learning rate or dtype: each named with its flag), checked before any rank starts; a save that
+batch, learning rate or schedule, or dtype: each named with its flag), checked before any rank starts; a save that
 fails (disk full: named as such) on every rank, with the previous checkpoint intact.
 """
 
@@ -76,7 +77,9 @@ def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
     """``cp_train.json`` of a checkpoint after ``step`` completed steps."""
     return {"format": FORMAT, "step": step, "world_size": config.world_size, "optimizer": optimizer,
             "model": model_identity(config),
-            "training": {"lr": config.lr, "dtype": config.dtype, "seq_len": config.seq_len, "seed": config.seed,
+            "training": {"lr": config.lr, "min_lr": config.min_lr, "lr_warmup_steps": config.lr_warmup_steps,
+                         "lr_decay_style": config.lr_decay_style, "lr_decay_steps": config.lr_decay_steps,
+                         "dtype": config.dtype, "seq_len": config.seq_len, "seed": config.seed,
                          "data": list(config.data) if config.data else None,
                          "max_corpus_bytes": config.max_corpus_bytes, "tokens": tokens_for(config.hf_source).identity,
                          "packing": config.packing,
@@ -86,12 +89,16 @@ def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
                        "cp_comm_type": config.cp.cp_comm_type, "expert_parallel_size": config.expert_parallel_size}}
 
 
-TRAINING_FLAGS = {"lr": "--lr", "dtype": "--dtype", "seq_len": "--seq-len", "seed": "--seed", "data": "--data",
+TRAINING_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-steps",
+                  "lr_decay_style": "--lr-decay-style", "lr_decay_steps": "--lr-decay-steps (default: --steps)",
+                  "dtype": "--dtype", "seq_len": "--seq-len", "seed": "--seed", "data": "--data",
                   "max_corpus_bytes": "--max-corpus-bytes", "packing": "--packing",
                   "thd_max_doc_len": "--thd-max-doc-len",
                   "tokens": "the tokens (the model folder's tokenizer, else bytes)"}
-SAVED_BEFORE_TOKENIZERS = {"tokens": ByteTokens.identity}
-"""Defaults of fields that checkpoints written before they existed lack (they were all byte-level)."""
+SAVED_BEFORE = {"tokens": ByteTokens.identity, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_style": "constant",
+                "lr_decay_steps": None}
+"""Values of fields that checkpoints written before the fields existed lack (they were all byte-level, at a
+constant learning rate)."""
 
 
 def mismatches(saved: dict, current: dict) -> list[str]:
@@ -108,7 +115,7 @@ def mismatches(saved: dict, current: dict) -> list[str]:
     for key, flag in TRAINING_FLAGS.items():
         if key in ("packing", "thd_max_doc_len") and not same_mode:
             continue  # dynamic CP packs whole documents: its own data source, continued at the same step
-        was = saved["training"].get(key, SAVED_BEFORE_TOKENIZERS.get(key))
+        was = saved["training"].get(key, SAVED_BEFORE.get(key))
         if was != current["training"][key]:
             problems.append(f"{flag}: checkpoint {was!r}, this run {current['training'][key]!r}")
     if same_mode and saved["training"]["global_batch"] != current["training"]["global_batch"]:
@@ -265,9 +272,10 @@ def _publish(root: Path, partial: Path, final: Path, meta: dict, keep: int) -> N
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_checkpoint(checkpoint: Path, trained, optim) -> int:
-    """Load model and optimizer (and the RNG state, when the world size is the checkpoint's) into this
-    rank's ``trained`` / ``optim`` (every rank calls it); returns the completed step count."""
+def load_checkpoint(checkpoint: Path, trained, optim, scheduler=None) -> int:
+    """Load model and optimizer (and the RNG state, when the world size is the checkpoint's; the
+    learning-rate ``scheduler``'s position, when given) into this rank's ``trained`` / ``optim`` (every rank
+    calls it; ``scheduler`` built on ``optim`` before); returns the completed step count."""
     meta = read_meta(checkpoint)
     same_world = meta["world_size"] == dist.get_world_size()
     state = _state(trained, optim, same_world)
@@ -278,4 +286,6 @@ def load_checkpoint(checkpoint: Path, trained, optim) -> int:
     set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if same_world:
         torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+    if scheduler is not None and "lr_scheduler" in meta:  # else saved at a constant rate: nothing to restore
+        scheduler.load_state_dict(meta["lr_scheduler"])
     return meta["step"]

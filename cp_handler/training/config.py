@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from models import GPTConfig
 
 from ..config import AttentionShape, ContextParallelConfig
+from .schedule import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ class TrainConfig:
     seed: int = 0
     steps: int = 50
     lr: float = 3e-3
+    """The peak learning rate (of AdamW unless another optimizer is passed to the run)."""
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_steps: int | None = None
+    """Where the decay ends (``linear`` / ``cosine``; ``cp-train`` resolves its default, ``steps``)."""
+    clip_grad: float = 0.0
+    """Clip the global gradient norm to this (0: no clipping)."""
     check_parity: bool = False
     eval_every: int = 0
     eval_batches: int = 2
@@ -70,6 +79,10 @@ class TrainConfig:
     """``--resume``: a checkpoint (or a ``--save`` folder) to continue from; ``steps`` counts from the run's start."""
     export_hf: str | None = None
     """A Hugging Face model's trained weights, written with ``save_pretrained`` after the last step."""
+
+    @property
+    def lr_schedule(self) -> LRSchedule:
+        return LRSchedule(self.lr, self.min_lr, self.lr_warmup_steps, self.lr_decay_style, self.lr_decay_steps)
 
     @property
     def packing(self) -> str:

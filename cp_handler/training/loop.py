@@ -34,7 +34,7 @@ def local_grad_norm(model) -> float:
 
 def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count_group, progress: bool,
                 log_every: int | None = None, after_step=None, grad_norm_fn=None, reference=None, start: int = 0,
-                checkpoint=None) -> list[dict]:
+                checkpoint=None, scheduler=None, clip_grad: float = 0.0) -> list[dict]:
     """Run optimizer steps ``start .. steps - 1``.
 
     Args:
@@ -50,10 +50,14 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
         reference: ``reference(step, model) -> dict`` (``--check-parity``), before the optimizer step.
         start: steps already done (a resumed run: the data position).
         checkpoint: ``checkpoint(steps_done)`` after each optimizer step (it decides whether to save).
+        scheduler: a learning-rate scheduler stepped after each optimizer step (e.g.
+            :meth:`.schedule.LRSchedule.scheduler`; positioned at ``start`` when resuming).
+        clip_grad: scale the gradients so that their global norm (``grad_norm_fn``'s with sharded experts)
+            is at most this, after the parity reference saw them (0: no clipping).
 
     Returns:
-        Per step: loss (token-weighted over the global batch), global gradient norm, time, tokens/s
-        and what the callbacks added.
+        Per step: loss (token-weighted over the global batch), global gradient norm (before clipping),
+        learning rate, time, tokens/s and what the callbacks added.
 
     Raises:
         NonFiniteLoss: a step's loss is not finite (on every rank: the reduced loss is the same).
@@ -72,16 +76,21 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
                                 "(lower --lr, check the data or the model)")
         grad_norm = (grad_norm_fn or local_grad_norm)(model)
         checked = reference(step, model) if reference else {}
+        if clip_grad:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip_grad, torch.tensor(grad_norm))
+        lr = optim.param_groups[0]["lr"]
         optim.step()
         optim.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
         elapsed = time.perf_counter() - began
-        records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "step_time_s": elapsed,
+        records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
                         "tokens_per_s": tokens / elapsed, **checked, **((after_step and after_step(step)) or {})})
         heartbeat()
+        bar.update(loss=f"{reported.item():.4f}", lr=f"{lr:.3g}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
+                   **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
         if checkpoint is not None:
             checkpoint(step + 1)
             heartbeat()
-        bar.update(loss=f"{reported.item():.4f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
-                   **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
     bar.close()
     return records

@@ -88,20 +88,28 @@ def _worst(value: float) -> float:
     return math.inf if math.isnan(value) else value
 
 
+def _relative(value: float, reference: float) -> float:
+    return 0.0 if value == reference else _worst(abs(value - reference) / abs(reference))
+
+
 def parity_result(records: list[dict], dtype: str) -> dict:
-    """Compare every step's loss and gradient with its reference; prints the verdict. Any non-finite
+    """Compare every step's loss, gradient (rank 0's parameters) and global gradient norm (every rank's
+    parameters: what ``--clip-grad`` divides by) with its reference; prints the verdict. Any non-finite
     value (loss, reference, difference) fails the check."""
-    rel = [_worst(abs(r["loss"] - r["reference_loss"]) / abs(r["reference_loss"])) for r in records]
+    rel = [_relative(r["loss"], r["reference_loss"]) for r in records]
     grad = [_worst(r["grad_rel_diff"]) for r in records]
+    norm = [_relative(r["grad_norm"], r["reference_grad_norm"]) for r in records]
     rtol = PARITY_RTOL[dtype]
-    worst = max(range(len(records)), key=lambda i: max(rel[i], grad[i]))
-    finite = all(math.isfinite(x) for r in records for x in (r["loss"], r["reference_loss"], r["grad_rel_diff"]))
-    result = {"rtol": rtol, "max_rel_diff": max(rel), "max_grad_rel_diff": max(grad), "worst_step": worst,
+    worst = max(range(len(records)), key=lambda i: max(rel[i], grad[i], norm[i]))
+    finite = all(math.isfinite(x) for r in records for x in (r["loss"], r["reference_loss"], r["grad_rel_diff"],
+                                                             r["grad_norm"], r["reference_grad_norm"]))
+    result = {"rtol": rtol, "max_rel_diff": max(rel), "max_grad_rel_diff": max(grad),
+              "max_grad_norm_rel_diff": max(norm), "worst_step": worst,
               "reference_loss": [r["reference_loss"] for r in records],
               "reference_grad_norm": [r["reference_grad_norm"] for r in records],
-              "passed": finite and max(rel) <= rtol and max(grad) <= rtol}
+              "passed": finite and max(rel) <= rtol and max(grad) <= rtol and max(norm) <= rtol}
     verdict = "passed" if result["passed"] else "FAILED"
     print(f"cp-train: parity {verdict}: each of {len(records)} steps vs one process from the same parameters: max "
-          f"relative difference loss {max(rel):.2e}, gradient {max(grad):.2e} (tolerance {rtol:.0e}; worst at step "
-          f"{worst})", file=sys.stderr)
+          f"relative difference loss {max(rel):.2e}, gradient {max(grad):.2e}, gradient norm {max(norm):.2e} "
+          f"(tolerance {rtol:.0e}; worst at step {worst})", file=sys.stderr)
     return result

@@ -118,14 +118,15 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
         destroy_process_groups()
 
 
-def checkpointing(config: TrainConfig, trained, optim) -> tuple[int, object]:
+def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, object]:
     """``(steps already done, checkpoint callback for train_steps)``: loads ``--resume`` into ``trained`` /
-    ``optim`` (every rank), and saves after every ``--save-every`` steps and after the last one."""
+    ``optim`` / the learning-rate ``scheduler`` (every rank), and saves after every ``--save-every`` steps
+    and after the last one."""
     start = 0
     if config.resume:
         checkpoint, _ = check_resume(config, config.resume, type(optim).__name__)
         began = time.perf_counter()
-        start = load_checkpoint(checkpoint, trained, optim)
+        start = load_checkpoint(checkpoint, trained, optim, scheduler)
         _say(f"resumed from {checkpoint} after step {start} (loaded in {time.perf_counter() - began:.2f} s)")
     if not config.save_dir:
         return start, None
@@ -134,7 +135,8 @@ def checkpointing(config: TrainConfig, trained, optim) -> tuple[int, object]:
     def save(done: int) -> None:
         if done == config.steps or (config.save_every and done % config.save_every == 0):
             began = time.perf_counter()
-            path = save_checkpoint(config.save_dir, done, trained, optim, {**meta, "step": done}, config.save_keep)
+            path = save_checkpoint(config.save_dir, done, trained, optim,
+                                   {**meta, "step": done, "lr_scheduler": scheduler.state_dict()}, config.save_keep)
             size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
             _say(f"saved {path} ({size:.1f} MiB) in {time.perf_counter() - began:.2f} s")
     return start, save
@@ -167,9 +169,11 @@ def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | Non
     run = dynamic_step(model, config, load_documents(config), GroupPool(device.type), device)
     reference = step_reference(config, device, None, False) if config.check_parity else None
     optim = optimizer(model.parameters())
-    start, checkpoint = checkpointing(config, model, optim)
+    scheduler = config.lr_schedule.scheduler(optim)
+    start, checkpoint = checkpointing(config, model, optim, scheduler)
     records = train_steps(model, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
-                          config.log_every, reference=reference, start=start, checkpoint=checkpoint)
+                          config.log_every, reference=reference, start=start, checkpoint=checkpoint,
+                          scheduler=scheduler, clip_grad=config.clip_grad)
     export_hf(config, model)
     return _finish(config, records, None, device, {"dp_size": None, "cp_size": "dynamic"})
 
@@ -209,10 +213,12 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     run = static_step(trained, config, batches, groups, global_batch, dist.group.WORLD, grad_scale, device, experts)
     reference = step_reference(config, device, global_batch, experts is not None) if config.check_parity else None
     optim = optimizer(trained.parameters())
-    start, checkpoint = checkpointing(config, trained, optim)
+    scheduler = config.lr_schedule.scheduler(optim)
+    start, checkpoint = checkpointing(config, trained, optim, scheduler)
     records = train_steps(trained, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
                           config.log_every, after_step=periodic_eval(config, at_eval, trained, heldout, eval_inputs),
-                          grad_norm_fn=grad_norm_fn, reference=reference, start=start, checkpoint=checkpoint)
+                          grad_norm_fn=grad_norm_fn, reference=reference, start=start, checkpoint=checkpoint,
+                          scheduler=scheduler, clip_grad=config.clip_grad)
     export_hf(config, trained)
     eval_check = check_eval_cp(config, at_train, at_eval, trained, heldout[0], eval_inputs) \
         if config.check_eval_cp else None
