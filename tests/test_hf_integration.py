@@ -151,6 +151,54 @@ def test_handler_reaches_attention_per_batch_and_errors():
         model(tokens, **inputs)
 
 
+def _recompute_worker(rank, world):
+    """Gradient checkpointing re-runs each decoder layer in the backward, after the forward (and its
+    handler's context) ended: two forwards with two handlers (bshd p2p through the keyword, thd a2a
+    through the context manager), one backward of the summed loss; each recomputed layer must use its
+    own forward's handler. Reference: the unmodified model, each batch alone, the same summed loss."""
+    group = dist.new_group(list(range(world)))
+    tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(4))
+    reference = build("llama", "sdpa")
+    (_, (loss_a, _)), (_, (loss_b, _)) = reference_step("llama", tokens), reference_step("llama", packed, cu)
+    reference.zero_grad()
+    want_loss = F.cross_entropy(reference(tokens).logits[0, :-1], tokens[0, 1:])
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):  # thd: the packed documents' token mean
+        doc = packed[:, a:b]
+        want_loss = want_loss + _next_token_loss(reference(doc).logits, doc)[0] / (int(cu[-1]) - len(DOCUMENTS))
+    want_loss.backward()
+    torch.testing.assert_close(want_loss, loss_a + loss_b)
+    want = (want_loss.detach(), {n: p.grad for n, p in reference.named_parameters()})
+    for reentrant in (False, True):
+        model = build("llama", "sdpa")
+        register(model)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        first = get_cp_handler_cls("local", "p2p")(cp_group=group)
+        second = get_cp_handler_cls("local", "a2a")(cp_group=group, qkv_format="thd", cu_seqlens=cu)
+        loss = 0.0
+        for handler, batch in ((first, tokens), (second, packed)):
+            input_ids, labels, loss_mask = next_token_batch(handler, batch)
+            inputs = cp_model_inputs(handler, input_ids)
+            if handler is first:
+                logits = model(input_ids, **inputs, cp_handler=handler, use_cache=False).logits
+            else:
+                with cp_attention(handler):
+                    logits = model(input_ids, **inputs, use_cache=False).logits
+            loss = loss + masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)
+        loss.backward()  # recomputes both forwards' layers, outside both
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        loss = loss.detach().float()
+        for t in (loss, *grads.values()):
+            dist.all_reduce(t, group=group)
+        assert_parity((loss, grads), want, f"gradient checkpointing (use_reentrant={reentrant}) cp={world}")
+
+
+def test_gradient_checkpointing_recomputes_with_each_forwards_handler():
+    run_distributed(_recompute_worker, 2)
+
+
 def _tiny(model_type, **fields):
     from transformers import AutoConfig
 

@@ -67,8 +67,10 @@ class CPMask:
     model that reads it as one (slices it, adds to it, asks its dtype) gets :class:`MaskUsedAsTensor`
     (a ValueError) naming what it tried: such a model edits masks itself and is not supported."""
 
-    def __init__(self, mask_function, q_offset: int, kv_offset: int, padding_mask: torch.Tensor | None):
+    def __init__(self, mask_function, q_offset: int, kv_offset: int, padding_mask: torch.Tensor | None,
+                 handler=None):
         self.mask_function, self.q_offset, self.kv_offset = mask_function, q_offset, kv_offset
+        self._handler = handler
         self.padding = padding_mask is not None and not bool(padding_mask.all())
         self._specs: dict[int, MaskSpec] = {}
 
@@ -89,6 +91,11 @@ class CPMask:
         self._refuse("+")
 
     __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = __add__
+
+    def handler_of_forward(self):
+        """The handler active in the forward that built this mask (``None``: none was), for a layer
+        recomputed in the backward (gradient checkpointing), when no forward is running."""
+        return self._handler
 
     def spec(self, n: int) -> MaskSpec:
         """The mask over global positions ``[0, n)`` (memoised per ``n``)."""
@@ -115,7 +122,9 @@ def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offse
     """transformers mask function of ``attn_implementation="cp_handler"`` (``AttentionMaskInterface``):
     returns a :class:`CPMask` (the other keyword arguments are transformers' sizing hints for
     materialised masks, which are not built)."""
-    return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask)
+    from .hf_model import active_handler
+
+    return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask, active_handler())
 
 
 def _closure_tensors(mask_function):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,7 @@ from torch import nn
 from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
+from .hf_mask import CPMask
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
@@ -141,6 +143,13 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type == "meta":
         return
+    accepted = inspect.signature(model.forward).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        missing = [name for name in ("position_ids", "cache_position") if name not in accepted]
+        if missing:
+            raise ValueError(f"{type(model).__name__}.forward takes no {' / '.join(missing)}: the model derives "
+                             "positions from its input's length, so a rank would use its shard's local positions; "
+                             "the model is not supported under context parallelism")
     vocab = min(int(getattr(text_config(model), "vocab_size", 100) or 100), 100)
     ids = torch.randint(1, vocab, (1, tokens), generator=torch.Generator().manual_seed(0)).to(weight.device)
     handler, was_training = build_cp_handler(ContextParallelConfig()), model.training
@@ -195,6 +204,12 @@ def _rotary_pre_hook(module, args, kwargs):
     handler = _active.get()
     if handler is None:
         return None
+    if "position_ids" not in kwargs and len(args) < 2:
+        given = ", ".join(kwargs) or "only the hidden states"
+        raise ValueError(f"{type(module).__name__} is called without position_ids ({given}): it builds its table "
+                         "from a length its model derives from this rank's inputs (e.g. transformers 4.57's "
+                         "PhiMoE: seq_len=cache_position[-1] + 1), not from the global sequence; refused under "
+                         "context parallelism")
     position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
     appended = [global_max_position(handler, position_ids.shape[-1])]
     cache = getattr(handler, "kv_cache", None)
@@ -254,6 +269,33 @@ def _rotary_hook(module, args, kwargs, output):
     return stripped if isinstance(output, tuple) else stripped[0]
 
 
+def _recompute_pre_hook(module, args, kwargs):
+    """Activation recomputation (gradient checkpointing) re-runs a layer during the backward, outside the
+    model's forward and its active handler: a module that receives the forward's :class:`~.hf_mask.CPMask`
+    makes that forward's handler active again for its call (its attention, and a rotary module inside it)."""
+    if _active.get() is not None:
+        return None
+    mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
+    handler = mask.handler_of_forward() if mask is not None else None
+    if handler is not None:
+        module.__dict__.setdefault("_cp_recompute", []).append(_active.set(handler))
+    return None
+
+
+def _recompute_hook(module, args, kwargs, output):
+    tokens = module.__dict__.get("_cp_recompute")
+    if tokens:
+        _active.reset(tokens.pop())
+    return None
+
+
+def _takes_attention_mask(module: nn.Module) -> bool:
+    try:
+        return "attention_mask" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _model_pre_hook(model, args, kwargs):
     handler = kwargs.pop("cp_handler", None) or _active.get()
     if handler is None:
@@ -300,6 +342,9 @@ def prepare_model(model: nn.Module) -> nn.Module:
             module._cp_name = name or type(module).__name__
             handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
                         module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]
+        if module is not model and _takes_attention_mask(module):  # decoder layers, attention modules
+            handles += [module.register_forward_pre_hook(_recompute_pre_hook, with_kwargs=True),
+                        module.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]
     try:
         check_route_inputs(model)  # a forward at cp=1: also runs the per-forward checks once
     except BaseException:
