@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from cp_handler import ContextParallelHandler, LocalContextParallelHandler
@@ -118,6 +119,14 @@ class GPTModel(nn.Module):
         self.apply(self._init_weights)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.gradient_checkpointing = False
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute every layer's activations in the backward instead of keeping them (non-reentrant
+        ``torch.utils.checkpoint``; Megatron-LM's full recompute, one layer per checkpoint): the recompute
+        runs the layer's attention again, its CP communication included, on every rank in the same order.
+        Named as transformers' method, so cp-train enables it the same way for both kinds of model."""
+        self.gradient_checkpointing = True
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -139,7 +148,10 @@ class GPTModel(nn.Module):
         freqs = handler.get_emb_on_this_cp_rank(freqs)  # (S_local, D) angles of the local tokens
         x = self.embed_tokens(input_ids)  # (B, S_local, hidden)
         for layer in self.layers:
-            x = layer(x, freqs, handler, moe_handler)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, freqs, handler, moe_handler, use_reentrant=False)
+            else:
+                x = layer(x, freqs, handler, moe_handler)
         return self.lm_head(self.norm(x))  # (B, S_local, V)
 
     def shard_experts(self, expert_ids: range) -> None:

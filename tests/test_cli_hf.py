@@ -23,11 +23,13 @@ def _hf_dir(tmp_path, weights: bool):
     return str(folder)
 
 
-@pytest.mark.parametrize("flags", [["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a"],
+@pytest.mark.parametrize("flags", [["--nproc", "2", "--packing", "thd", "--cp-comm-type", "a2a", "--recompute"],
                                    ["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2"]])
 def test_hugging_face_model_trains_with_parity(tmp_path, flags):
     """cp-train drives an unmodified transformers model (Qwen2: q/k/v biases, GQA) through the integration
-    (bshd p2p at cp 2 with --check-parity: the Gemma 2 test below and test_checkpoint's Hugging Face resume)."""
+    (bshd p2p at cp 2 with --check-parity: the Gemma 2 test below and test_checkpoint's Hugging Face resume);
+    the thd case loads weights (from_pretrained: eval mode, put in training mode) and recomputes its layers
+    (transformers' gradient checkpointing, which runs only in training mode)."""
     weights = "thd" in flags
     source = ["--hf-model" if weights else "--hf-config", _hf_dir(tmp_path, weights)]
     result = cp_train(*flags, *source, "--steps", "3", "--seq-len", "128", "--max-corpus-bytes", "2000000",
@@ -130,3 +132,22 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
         Qwen2Config(**{**config.to_dict(), "vocab_size": 200}).save_pretrained(small)
         tokenizer.save_pretrained(small)
         parse(["--nproc", "2", "--hf-config", str(small)])
+
+
+def test_training_randomness_and_recompute_without_support_refused_before_spawn(tmp_path, monkeypatch):
+    """Dropout (GPT-2's defaults) and router jitter would make a step differ from one process's; an
+    architecture without gradient checkpointing cannot --recompute: each named before any rank starts."""
+    from transformers import GPT2Config, JetMoeConfig
+
+    from cp_handler.cli.args import parse
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=256).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(SystemExit, match=r"--hf-config .*gpt2: config.json sets attn_pdrop=0.1, embd_pdrop=0.1, "
+                                         r"resid_pdrop=0.1: cp-train trains without randomness"):
+        parse(["--nproc", "2", "--hf-config", str(tmp_path / "gpt2")])
+    JetMoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
+                 intermediate_size=64, num_local_experts=4).save_pretrained(tmp_path / "jetmoe")
+    parse(["--nproc", "2", "--hf-config", str(tmp_path / "jetmoe")])  # trains without --recompute
+    with pytest.raises(SystemExit, match=r"--recompute: JetMoeForCausalLM does not support gradient checkpointing"):
+        parse(["--nproc", "2", "--hf-config", str(tmp_path / "jetmoe"), "--recompute"])

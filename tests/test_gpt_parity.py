@@ -115,3 +115,31 @@ def _gpt_gpu_worker(rank, world, case):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_on_gpu(world, case):
     run_distributed(_gpt_gpu_worker, world, case, device="cuda")
+
+
+def test_gradient_checkpointing_recomputes_attention_in_the_backward():
+    """``gradient_checkpointing_enable()`` (cp-train --recompute): every layer's attention runs again in
+    the backward (2 calls per layer instead of 1), with the same loss and gradients bitwise (one process)."""
+    from models import GPTModel
+
+    calls = []
+
+    class Counting(get_cp_handler_cls("local", "p2p")):
+        def core_attn(self, *args, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return super().core_attn(*args, **kwargs)
+
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(CONFIG)
+        if recompute:
+            model.gradient_checkpointing_enable()
+        calls.clear()
+        logits = model(tokens, cp_handler=Counting(cp_group=None))
+        F.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+        results.append((len(calls), logits.detach(), [p.grad for p in model.parameters()]))
+    (plain_calls, plain_logits, plain_grads), (calls_with, logits_with, grads_with) = results
+    assert (plain_calls, calls_with) == (CONFIG.num_layers, 2 * CONFIG.num_layers)
+    assert torch.equal(plain_logits, logits_with) and all(map(torch.equal, plain_grads, grads_with))

@@ -122,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "decay (0 <= --min-lr <= --lr)")
     g.add_argument("--clip-grad", type=float, default=0.0,
                    help="clip the global gradient norm to this before each optimizer step (0: no clipping)")
+    g.add_argument("--recompute", action="store_true",
+                   help="recompute every layer's activations in the backward instead of keeping them (activation "
+                        "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
+                        "memory per rank for one more forward of each layer, its CP communication included")
     g = p.add_argument_group("checks")
     g.add_argument("--check-parity", action="store_true",
                    help="before every optimizer step, rank 0 runs the same global batch on one process from the "
@@ -268,6 +272,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         batch_size=args.batch_size, thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
+        recompute=args.recompute,
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,

@@ -80,10 +80,50 @@ def check_hf_architecture(args: argparse.Namespace):
         return None
     try:
         check_architecture(config)
+        check_training_is_deterministic(config)
+        if args.recompute:
+            check_gradient_checkpointing(config)
     except ValueError as err:
         raise ValueError(f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}: "
                          f"{err}") from None
     return config
+
+
+RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter", "layerdrop")
+"""Parts of config field names whose non-zero value draws random numbers in training mode (dropout,
+router jitter, layer drop)."""
+OTHER_HEADS = ("classifier", "summary")
+"""Field prefixes of other tasks' heads (sequence classification, GPT-2's summary): not in a causal LM."""
+
+
+def check_training_is_deterministic(config) -> None:
+    """cp-train trains Hugging Face models in training mode with no randomness: each step must equal one
+    process's (``--check-parity``) and a resume must be exact; attention dropout does not run under CP at
+    all. Raises ValueError naming every config field (of the config and its sub-configs) that would
+    draw random numbers."""
+    def fields(cfg, prefix=""):
+        for name, value in vars(cfg).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):  # a sub-config (text, vision...)
+                yield from fields(value, f"{prefix}{name}.")
+            elif any(part in name for part in RANDOM_IN_TRAINING) and not name.startswith(OTHER_HEADS) and \
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                yield f"{prefix}{name}={value}"
+
+    random = sorted(set(fields(config)))
+    if random:
+        raise ValueError(f"config.json sets {', '.join(random)}: cp-train trains without randomness (every step "
+                         "equals one process's, and attention dropout does not run under context parallelism); "
+                         "set them to 0")
+
+
+def check_gradient_checkpointing(config) -> None:
+    """``--recompute`` needs an architecture with transformers' gradient checkpointing. Raises ValueError."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if not model_class.supports_gradient_checkpointing:
+        raise ValueError(f"--recompute: {model_class.__name__} does not support gradient checkpointing in "
+                         "transformers")
 
 
 def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionShape, str]:

@@ -254,6 +254,14 @@ class CPCausalLM(torch.nn.Module):
         register(model)
         self.model = model
 
+    def gradient_checkpointing_enable(self) -> None:
+        """transformers' gradient checkpointing (non-reentrant) of the wrapped model; it runs only in
+        training mode (transformers' rule). Raises ValueError when the architecture does not support it."""
+        if not getattr(self.model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(self.model).__name__} does not support gradient checkpointing "
+                             "(supports_gradient_checkpointing is False in transformers)")
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
                 moe_handler=None) -> torch.Tensor:
         if moe_handler is not None:

@@ -64,6 +64,8 @@ class TrainConfig:
     """Where the decay ends (``linear`` / ``cosine``; ``cp-train`` resolves its default, ``steps``)."""
     clip_grad: float = 0.0
     """Clip the global gradient norm to this (0: no clipping)."""
+    recompute: bool = False
+    """Recompute every layer's activations in the backward (``gradient_checkpointing_enable``)."""
     check_parity: bool = False
     eval_every: int = 0
     eval_batches: int = 2

@@ -48,7 +48,16 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
     torch.manual_seed(config.seed)
     dtype = getattr(torch, config.dtype)
     if config.hf_source is None:
-        return GPTModel(config.model).to(device=device, dtype=dtype)
+        model = GPTModel(config.model).to(device=device, dtype=dtype)
+    else:
+        model = _hf_model(config, device, dtype, reference)
+    model.train()  # from_pretrained gives eval mode; training randomness is refused before spawn (cli/model_args.py)
+    if config.recompute and not reference:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def _hf_model(config: TrainConfig, device: torch.device, dtype: torch.dtype, reference: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..integrations.transformers import CPCausalLM, HFReference
@@ -196,6 +205,7 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         grad_scale, grad_norm_fn = float(world), None
     moe = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if experts else ""
+    moe += ", every layer recomputed in the backward" if config.recompute else ""
     _say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
          f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{moe}")
     global_batch = config.batch_size * groups.dp_size
