@@ -80,13 +80,27 @@ def check_hf_architecture(args: argparse.Namespace):
         return None
     try:
         check_architecture(config)
+    except ValueError as err:
+        raise ValueError(f"{_hf_flag(args)}: {err}") from None
+    return config
+
+
+def _hf_flag(args: argparse.Namespace) -> str:
+    return f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}"
+
+
+def check_hf_training(args: argparse.Namespace) -> None:
+    """cp-train's rules for a Hugging Face model (generation has none of them): no randomness in
+    training, and gradient checkpointing with ``--recompute``. Raises ValueError naming the flag."""
+    config = hf_config(args)
+    if config is None:
+        return
+    try:
         check_training_is_deterministic(config)
         if args.recompute:
             check_gradient_checkpointing(config)
     except ValueError as err:
-        raise ValueError(f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}: "
-                         f"{err}") from None
-    return config
+        raise ValueError(f"{_hf_flag(args)}: {err}") from None
 
 
 RANDOM_IN_TRAINING = ("dropout", "pdrop", "jitter", "layerdrop")
