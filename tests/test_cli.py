@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from cp_handler.cli.args import build_parser, parse
 
@@ -100,6 +101,25 @@ def test_recompute_is_bitwise_the_same_training(tmp_path):
     assert result.returncode == 0 and "parity passed" in result.stderr, result.stderr[-3000:]
 
 
+def test_micro_batches_accumulate_to_the_same_training(tmp_path):
+    """--micro-batch-size: dp 2 x cp 2, each replica's 2 sequences one at a time; the curve equals the
+    one-pass run's within parity's tolerance (only sums are reordered; the no-micro-batch path shares no
+    row selection with it), and --check-parity passes; MoE over ep 2 with 2 micro-batches passes parity
+    (its reference follows the same micro-batches: the load-balancing loss is per micro-batch)."""
+    curves = []
+    for name, extra in (("one", []), ("micro", ["--micro-batch-size", "1", "--check-parity"])):
+        out = tmp_path / f"{name}.json"
+        result = cp_train("--nproc", "4", "--cp-size", "2", "--batch-size", "2", *SMALL, "--steps", "3", *extra,
+                          "--metrics-out", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        curves.append([r["loss"] for r in json.loads(out.read_text())["steps"]])
+    torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=1e-5, atol=0)
+    assert "parity passed" in result.stderr
+    result = cp_train("--nproc", "2", "--moe-experts", "4", "--expert-parallel-size", "2", "--batch-size", "4",
+                      "--micro-batch-size", "2", *SMALL, "--steps", "2", "--check-parity")
+    assert result.returncode == 0 and "parity passed" in result.stderr, result.stderr[-3000:]
+
+
 def test_hierarchical_parity_and_group_log():
     result = cp_train("--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
                       *SMALL, "--check-parity")
@@ -132,6 +152,9 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--lr", "inf"], "--lr inf must be a finite number > 0"),
         (["--nproc", "2", "--rotary-base", "0"], "--rotary-base 0.0 must be a finite number > 0"),
         (["--nproc", "2", "--clip-grad", "nan"], "--clip-grad nan must be a finite number >= 0"),
+        (["--nproc", "2", "--micro-batch-size", "3"], "--micro-batch-size 3 must divide --batch-size 2"),
+        (["--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "256", "--micro-batch-size", "1"],
+         "--micro-batch-size 1: --dynamic-cp schedules its own micro-batches"),
         (["--nproc", "2", "--lr-warmup-steps", "-1"], "--lr-warmup-steps -1 must be >= 0"),
         (["--nproc", "2", "--min-lr", "1e-4"], "--min-lr 0.0001 needs --lr-decay-style linear or cosine"),
         (["--nproc", "2", "--lr-decay-steps", "10"], "--lr-decay-steps 10 needs --lr-decay-style linear or cosine"),

@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
     g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global, before CP sharding)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward/backward: each step accumulates gradients over --batch-size / "
+                        "--micro-batch-size passes (Megatron-LM's micro-batches; default --batch-size: one pass)")
     g.add_argument("--packing", choices=("bshd", "thd"), default="bshd",
                    help="bshd: fixed-length sequences; thd: files cut into documents of at most --thd-max-doc-len "
                         "tokens, packed into each sequence with cu_seqlens")
@@ -160,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size", "eval_batches", "max_corpus_bytes",
             "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
-            "thd_max_doc_len", "log_every", "save_keep", "lr_decay_steps")
+            "thd_max_doc_len", "log_every", "save_keep", "lr_decay_steps", "micro_batch_size")
 """Integer flags that must be >= 1 when given; zero is never "the default"."""
 POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
 """Float flags that must be finite and > 0 (``--lr nan`` would train on NaN)."""
@@ -270,7 +273,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         hf_source=args.hf_model or args.hf_config, hf_weights=bool(args.hf_model), dynamic=dynamic,
         expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
         data=tuple(args.data) if args.data else None, max_corpus_bytes=args.max_corpus_bytes, seq_len=args.seq_len,
-        batch_size=args.batch_size, thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
+        batch_size=args.batch_size, micro_batch_size=check_micro_batch_size(args),
+        thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
         recompute=args.recompute,
@@ -282,6 +286,19 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     if args.resume:
         check_resume(config, args.resume)
     return config
+
+
+def check_micro_batch_size(args: argparse.Namespace) -> int | None:
+    """``--micro-batch-size`` divides ``--batch-size``; dynamic CP makes its own micro-batches. Returns it.
+    Raises ValueError naming the flags."""
+    if args.micro_batch_size is None:
+        return None
+    if args.dynamic_cp:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: --dynamic-cp schedules its own micro-batches "
+                         "(--max-seqlen-per-rank); drop one of them")
+    if args.batch_size % args.micro_batch_size:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must divide --batch-size {args.batch_size}")
+    return args.micro_batch_size
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:

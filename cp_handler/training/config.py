@@ -51,6 +51,9 @@ class TrainConfig:
     seq_len: int = 512
     batch_size: int = 2
     """Sequences per data-parallel rank and step (dynamic CP: documents per rank and step)."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward (static layouts): the step accumulates gradients over
+    ``batch_size / micro_batch_size`` micro-batches; ``None``: ``batch_size`` (one)."""
     thd_max_doc_len: int | None = None
     dtype: str = "float32"
     seed: int = 0
@@ -85,6 +88,11 @@ class TrainConfig:
     @property
     def lr_schedule(self) -> LRSchedule:
         return LRSchedule(self.lr, self.min_lr, self.lr_warmup_steps, self.lr_decay_style, self.lr_decay_steps)
+
+    @property
+    def micro_batches(self) -> int:
+        """Forward/backward passes per step and data-parallel rank (gradient accumulation)."""
+        return self.batch_size // (self.micro_batch_size or self.batch_size)
 
     @property
     def packing(self) -> str:

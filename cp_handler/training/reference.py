@@ -75,6 +75,14 @@ def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, cu_seqlens: torc
     return F.cross_entropy(flat_logits[index].float(), flat_tokens[index + 1])
 
 
+def predicted_tokens(tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> int:
+    """How many tokens :func:`next_token_loss` averages over: every token but each row's (each
+    document's) last."""
+    if cu_seqlens is None:
+        return tokens.shape[0] * (tokens.shape[1] - 1)
+    return tokens.numel() - (len(cu_seqlens) - 1)
+
+
 def hf_logits(model, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The unmodified Hugging Face model's logits; a pack gets positions restarting per document, from
     which transformers derives the document mask itself."""

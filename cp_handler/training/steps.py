@@ -14,6 +14,8 @@ same whatever group it ran on. Ranks with an empty micro-batch skip it and still
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -23,7 +25,7 @@ from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
 from .loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
-from .reference import PlainAttention, next_token_loss
+from .reference import PlainAttention, next_token_loss, predicted_tokens
 from .tokens import tokens_for
 
 
@@ -53,25 +55,47 @@ def handler_inputs(batch: Batch, packing: str, device) -> tuple[torch.Tensor, di
     return batch.tokens.to(device), {"qkv_format": "bshd"}
 
 
+def micro_batch_rows(config: TrainConfig, dp_size: int, index: int) -> list[int]:
+    """Rows of the global batch in micro-batch ``index`` over all data-parallel replicas (replica ``r``
+    holds rows ``[r * batch_size, (r + 1) * batch_size)`` and runs them ``micro_batch_size`` at a time)."""
+    micro = config.micro_batch_size or config.batch_size
+    return [r * config.batch_size + index * micro + j for r in range(dp_size) for j in range(micro)]
+
+
 def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group,
                 grad_scale: float, device, experts: ExpertGroups | None = None):
     """A fixed CP layout: this DP replica's rows of the global batch on ``groups`` (a
-    :class:`~cp_handler.groups.DataContextParallelGroups`). MoE models add their load-balancing loss
-    and reduce gradients with ``experts``."""
-    rows = slice(groups.dp_rank * config.batch_size, (groups.dp_rank + 1) * config.batch_size)
+    :class:`~cp_handler.groups.DataContextParallelGroups`), ``config.micro_batches`` forward/backward
+    passes accumulating gradients (DDP reduces after the last). The loss is token-weighted over the
+    whole global batch (the count of every micro-batch first, one all-reduce); MoE models add each
+    micro-batch's load-balancing loss divided by the number of micro-batches (Megatron-LM's
+    convention) and reduce gradients with ``experts``."""
 
     def run(step: int):
-        tokens, metadata = handler_inputs(batches.global_batch(step, global_batch).rows(rows), config.packing, device)
-        handler = build_cp_handler(config.cp, groups.cp_group, groups.hierarchical_cp_groups, config.attn_shape,
-                                   **metadata)
-        moe = experts.handler() if experts else None
-        input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-        loss_sum = masked_token_loss_sum(model(input_ids, cp_handler=handler, moe_handler=moe), labels, loss_mask)
-        loss = loss_sum / global_token_count(loss_mask, count_group) + (sum(moe.aux_losses) if moe else 0.0)
-        (loss * grad_scale).backward()
+        batch = batches.global_batch(step, global_batch)
+        parts = []
+        for index in range(config.micro_batches):
+            rows = [r for r in micro_batch_rows(config, groups.dp_size, index)
+                    if r // config.batch_size == groups.dp_rank]
+            tokens, metadata = handler_inputs(batch.rows(rows), config.packing, device)
+            handler = build_cp_handler(config.cp, groups.cp_group, groups.hierarchical_cp_groups, config.attn_shape,
+                                       **metadata)
+            parts.append((handler, *next_token_batch(handler, tokens)))
+        total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), count_group)
+        loss = torch.zeros((), dtype=torch.float64, device=device)
+        for index, (handler, input_ids, labels, loss_mask) in enumerate(parts):
+            last = index == len(parts) - 1
+            with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+                moe = experts.handler() if experts else None
+                logits = model(input_ids, cp_handler=handler, moe_handler=moe)
+                share = masked_token_loss_sum(logits, labels, loss_mask) / total
+                if moe:
+                    share = share + sum(moe.aux_losses) / len(parts)
+                (share * grad_scale).backward()
+            loss += share.detach()
         if experts:
             experts.reduce_gradients(model)
-        return loss.detach(), global_batch * config.seq_len
+        return loss, global_batch * config.seq_len
     return run
 
 
@@ -110,20 +134,32 @@ def reference_step(model, config: TrainConfig, logits_of, source, global_batch: 
     """``--check-parity``: the whole global batch of every step on one process through ``logits_of
     (model, tokens, cu_seqlens, moe_handler) -> logits`` (:mod:`.reference`: no cp_handler code);
     ``source``: the run's batches (:func:`load_batches`), or for dynamic CP its documents
-    (:func:`load_documents`), run as one pack."""
+    (:func:`load_documents`), run as one pack. With micro-batches, one forward per global micro-batch
+    (:func:`micro_batch_rows`), each token weighted the same, MoE load-balancing losses averaged."""
     device = next(model.parameters()).device
     experts = ExpertGroups.local(config.moe_experts) if config.moe_experts else None
 
     def run(step: int):
         if config.dynamic:
             tokens, cu = _pack(source.global_batch(step, config.batch_size * dist.get_world_size()), device)
+            parts = [(tokens, cu)]
         else:
-            tokens, metadata = handler_inputs(source.global_batch(step, global_batch), config.packing, device)
-            cu = metadata.get("cu_seqlens")
-        moe = experts.handler() if experts else None
-        loss = next_token_loss(logits_of(model, tokens, cu, moe), tokens, cu) + (sum(moe.aux_losses) if moe else 0.0)
-        loss.backward()
-        return loss.detach(), tokens.numel()
+            batch = source.global_batch(step, global_batch)
+            parts = [handler_inputs(batch, config.packing, device)] if config.micro_batches == 1 else \
+                [handler_inputs(batch.rows(micro_batch_rows(config, global_batch // config.batch_size, index)),
+                                config.packing, device) for index in range(config.micro_batches)]
+            parts = [(tokens, metadata.get("cu_seqlens")) for tokens, metadata in parts]
+        counts = [predicted_tokens(tokens, cu) for tokens, cu in parts]
+        loss = 0.0
+        for (tokens, cu), count in zip(parts, counts, strict=True):
+            moe = experts.handler() if experts else None
+            share = next_token_loss(logits_of(model, tokens, cu, moe), tokens, cu)
+            if len(parts) > 1:
+                share = share * (count / sum(counts))
+            share = share + (sum(moe.aux_losses) / len(parts) if moe else 0.0)
+            share.backward()
+            loss = loss + share.detach()
+        return loss, sum(tokens.numel() for tokens, _ in parts)
     return run
 
 
