@@ -23,10 +23,10 @@ from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
 from ..training.checkpoint import check_resume
 from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
-from ..training.schedule import DECAY_STYLES
 from ..training.tokens import has_tokenizer, tokens_for
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_hf_training, check_moe_flags, hf_layers, model_shape
+from .training_args import add_training_flags, check_lr_schedule, check_micro_batch_size
 
 DTYPES = ("float32", "bfloat16")
 
@@ -101,39 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-corpus-bytes", type=int, default=32 << 20, help="read at most this many bytes")
     g.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (global, before CP sharding)")
     g.add_argument("--batch-size", type=int, default=2, help="sequences per data-parallel rank and step")
-    g.add_argument("--micro-batch-size", type=int, default=None,
-                   help="sequences per forward/backward: each step accumulates gradients over --batch-size / "
-                        "--micro-batch-size passes (Megatron-LM's micro-batches; default --batch-size: one pass)")
     g.add_argument("--packing", choices=("bshd", "thd"), default="bshd",
                    help="bshd: fixed-length sequences; thd: files cut into documents of at most --thd-max-doc-len "
                         "tokens, packed into each sequence with cu_seqlens")
     g.add_argument("--thd-max-doc-len", type=int, default=None,
                    help="thd: longest document in tokens (default --seq-len // 4, so every sequence packs several)")
     g.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the batch order")
-    g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=50, help="optimizer steps")
-    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (finite, > 0): the peak of the schedule")
-    g.add_argument("--lr-warmup-steps", type=int, default=0, metavar="N",
-                   help="linear warm-up of the learning rate over the first N steps (0: none; Megatron-LM's "
-                        "schedule)")
-    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="constant",
-                   help="after the warm-up: keep --lr, or decay it linearly or along a cosine to --min-lr")
-    g.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
-                   help="linear / cosine: the step at which the decay reaches --min-lr, counted from the start of "
-                        "the run (default: --steps; give it when a resumed run will go on longer)")
-    g.add_argument("--min-lr", type=float, default=0.0, help="linear / cosine: the learning rate at the end of the "
-                                                                  "decay (0 <= --min-lr <= --lr)")
-    g.add_argument("--clip-grad", type=float, default=0.0,
-                   help="clip the global gradient norm to this before each optimizer step (0: no clipping)")
-    g.add_argument("--recompute", action="store_true",
-                   help="recompute every layer's activations in the backward instead of keeping them (activation "
-                        "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
-                        "memory per rank for one more forward of each layer, its CP communication included")
+    add_training_flags(p)
     g = p.add_argument_group("checks")
     g.add_argument("--check-parity", action="store_true",
                    help="before every optimizer step, rank 0 runs the same global batch on one process from the "
-                        "same parameters and compares the loss and the whole gradient (relative difference, "
-                        "tolerance 1e-5 in float32, 2e-2 in bfloat16); non-zero exit if any step differs")
+                        "same parameters and compares the loss, the whole gradient and its global norm (relative "
+                        "difference, tolerance 1e-5 in float32, 2e-2 in bfloat16); non-zero exit if any step differs")
     g.add_argument("--eval-every", type=int, default=0, help="evaluate held-out batches every K steps (0: never)")
     g.add_argument("--eval-batches", type=int, default=2, help="held-out batches per evaluation")
     g.add_argument("--check-eval-cp", action="store_true",
@@ -189,24 +168,6 @@ def check_positive(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number >= 0")
-
-
-def check_lr_schedule(args: argparse.Namespace) -> int | None:
-    """The schedule's flags fit together; returns where the decay ends (``None``: constant).
-    Raises ValueError naming the flag."""
-    if args.lr_decay_style == "constant":
-        for flag, value, default in (("--lr-decay-steps", args.lr_decay_steps, None), ("--min-lr", args.min_lr, 0.0)):
-            if value != default:
-                raise ValueError(f"{flag} {value} needs --lr-decay-style linear or cosine (the learning rate is "
-                                 "constant after the warm-up)")
-        return None
-    decay_steps = args.lr_decay_steps if args.lr_decay_steps is not None else args.steps
-    if decay_steps <= args.lr_warmup_steps:
-        raise ValueError(f"--lr-decay-steps {decay_steps} must be > --lr-warmup-steps {args.lr_warmup_steps} (the "
-                         "decay starts after the warm-up; --lr-decay-steps defaults to --steps)")
-    if args.min_lr > args.lr:
-        raise ValueError(f"--min-lr {args.min_lr} must be <= --lr {args.lr}")
-    return decay_steps
 
 
 def world_size_from(args: argparse.Namespace) -> int:
@@ -286,19 +247,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     if args.resume:
         check_resume(config, args.resume)
     return config
-
-
-def check_micro_batch_size(args: argparse.Namespace) -> int | None:
-    """``--micro-batch-size`` divides ``--batch-size``; dynamic CP makes its own micro-batches. Returns it.
-    Raises ValueError naming the flags."""
-    if args.micro_batch_size is None:
-        return None
-    if args.dynamic_cp:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: --dynamic-cp schedules its own micro-batches "
-                         "(--max-seqlen-per-rank); drop one of them")
-    if args.batch_size % args.micro_batch_size:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must divide --batch-size {args.batch_size}")
-    return args.micro_batch_size
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:

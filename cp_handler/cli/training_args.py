@@ -1,0 +1,65 @@
+"""cp-train's training flags: steps, the learning-rate schedule, gradient clipping, micro-batches
+(gradient accumulation) and activation recomputation, with their rules. Every error names the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..training.schedule import DECAY_STYLES
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The "training" group of cp-train's flags."""
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (finite, > 0): the peak of the schedule")
+    g.add_argument("--lr-warmup-steps", type=int, default=0, metavar="N",
+                   help="linear warm-up of the learning rate over the first N steps (0: none; Megatron-LM's "
+                        "schedule)")
+    g.add_argument("--lr-decay-style", choices=DECAY_STYLES, default="constant",
+                   help="after the warm-up: keep --lr, or decay it linearly or along a cosine to --min-lr")
+    g.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                   help="linear / cosine: the step at which the decay reaches --min-lr, counted from the start of "
+                        "the run (default: --steps; give it when a resumed run will go on longer)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="linear / cosine: the learning rate at the end of the "
+                                                                  "decay (0 <= --min-lr <= --lr)")
+    g.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the global gradient norm to this before each optimizer step (0: no clipping)")
+    g.add_argument("--recompute", action="store_true",
+                   help="recompute every layer's activations in the backward instead of keeping them (activation "
+                        "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
+                        "memory per rank for one more forward of each layer, its CP communication included")
+    g.add_argument("--micro-batch-size", type=int, default=None,
+                   help="sequences per forward/backward: each step accumulates gradients over --batch-size / "
+                        "--micro-batch-size passes (Megatron-LM's micro-batches; default --batch-size: one pass)")
+
+
+def check_lr_schedule(args: argparse.Namespace) -> int | None:
+    """The schedule's flags fit together; returns where the decay ends (``None``: constant).
+    Raises ValueError naming the flag."""
+    if args.lr_decay_style == "constant":
+        for flag, value, default in (("--lr-decay-steps", args.lr_decay_steps, None), ("--min-lr", args.min_lr, 0.0)):
+            if value != default:
+                raise ValueError(f"{flag} {value} needs --lr-decay-style linear or cosine (the learning rate is "
+                                 "constant after the warm-up)")
+        return None
+    decay_steps = args.lr_decay_steps if args.lr_decay_steps is not None else args.steps
+    if decay_steps <= args.lr_warmup_steps:
+        raise ValueError(f"--lr-decay-steps {decay_steps} must be > --lr-warmup-steps {args.lr_warmup_steps} (the "
+                         "decay starts after the warm-up; --lr-decay-steps defaults to --steps)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} must be <= --lr {args.lr}")
+    return decay_steps
+
+
+def check_micro_batch_size(args: argparse.Namespace) -> int | None:
+    """``--micro-batch-size`` divides ``--batch-size``; dynamic CP makes its own micro-batches. Returns it.
+    Raises ValueError naming the flags."""
+    if args.micro_batch_size is None:
+        return None
+    if args.dynamic_cp:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: --dynamic-cp schedules its own micro-batches "
+                         "(--max-seqlen-per-rank); drop one of them")
+    if args.batch_size % args.micro_batch_size:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must divide --batch-size {args.batch_size}")
+    return args.micro_batch_size
