@@ -338,6 +338,7 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
     nan = dict.fromkeys(good, float("nan"))
     assert not parity_result([good, nan], "float32")["passed"]
     assert not parity_result([good, {**good, "grad_norm": 0.5}], "float32")["passed"]  # another global norm
+    assert not parity_result([{**good, "reference_grad_norm": 0.0}], "float32")["passed"]  # not a division by 0
 
 
 def _silent_listener():

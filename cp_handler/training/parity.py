@@ -89,7 +89,9 @@ def _worst(value: float) -> float:
 
 
 def _relative(value: float, reference: float) -> float:
-    return 0.0 if value == reference else _worst(abs(value - reference) / abs(reference))
+    if value == reference:
+        return 0.0
+    return _worst(abs(value - reference) / abs(reference)) if reference else math.inf
 
 
 def parity_result(records: list[dict], dtype: str) -> dict:
