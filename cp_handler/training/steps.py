@@ -145,17 +145,14 @@ def reference_step(model, config: TrainConfig, logits_of, source, global_batch: 
             parts = [(tokens, cu)]
         else:
             batch = source.global_batch(step, global_batch)
-            parts = [handler_inputs(batch, config.packing, device)] if config.micro_batches == 1 else \
-                [handler_inputs(batch.rows(micro_batch_rows(config, global_batch // config.batch_size, index)),
-                                config.packing, device) for index in range(config.micro_batches)]
+            rows = [micro_batch_rows(config, global_batch // config.batch_size, i) for i in range(config.micro_batches)]
+            parts = [handler_inputs(batch.rows(index), config.packing, device) for index in rows]
             parts = [(tokens, metadata.get("cu_seqlens")) for tokens, metadata in parts]
         counts = [predicted_tokens(tokens, cu) for tokens, cu in parts]
         loss = 0.0
-        for (tokens, cu), count in zip(parts, counts, strict=True):
+        for (tokens, cu), count in zip(parts, counts, strict=True):  # one part: weight 1.0, aux / 1 (exact)
             moe = experts.handler() if experts else None
-            share = next_token_loss(logits_of(model, tokens, cu, moe), tokens, cu)
-            if len(parts) > 1:
-                share = share * (count / sum(counts))
+            share = next_token_loss(logits_of(model, tokens, cu, moe), tokens, cu) * (count / sum(counts))
             share = share + (sum(moe.aux_losses) / len(parts) if moe else 0.0)
             share.backward()
             loss = loss + share.detach()
