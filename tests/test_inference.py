@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from cp_handler import build_dp_cp_groups
-from cp_handler.inference import DecodeHandler, KVCache, generate, reference_generate
+from cp_handler.inference import DecodeHandler, KVCache, Sampling, generate, reference_generate
 from models import GPTConfig, GPTModel
 
 TOL = 1e-5
@@ -68,6 +68,16 @@ def _worker(rank, world, comm_types, build):
         assert total.item() == whole * per_token, (label, total.item(), whole * per_token)
         fair = -(-whole // world) + 2 * world * len(PROMPT_LENGTHS)  # zigzag padding of each prompt, per rank
         assert got.kv_cache_bytes <= fair * per_token, (label, got.kv_cache_bytes, fair * per_token)
+    # sampled: the same tokens on every rank as one process drawing with the same seed, and every step's logits
+    # those of the model alone after these tokens
+    sampling = Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=1)
+    group = groups.cp_group if world > 1 else None
+    got = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2, sampling=sampling)
+    alone = generate(model, prompts(), NEW_TOKENS, num_layers=2, sampling=sampling)
+    assert got.tokens == alone.tokens and got.tokens != want.tokens, (got.tokens, alone.tokens, want.tokens)
+    followed = reference_generate(model, prompts(), NEW_TOKENS, follow=got.tokens)
+    for step, (a, b) in enumerate(zip(got.logits, followed.logits, strict=True)):
+        torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=lambda m, s=step: f"sampled step {s}: {m}")
 
 
 @pytest.mark.parametrize("world, comm_types", [(1, ["p2p"]), (2, ["p2p", "all_gather", "a2a"]),
@@ -263,8 +273,12 @@ def test_bad_use_is_a_clear_error():
 
 
 def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
-    """cp-train --save, then cp-generate --checkpoint at cp 2 (p2p and a2a prefill) with --check-parity."""
+    """cp-train --save, then cp-generate --checkpoint at cp 2 (p2p and a2a prefill, greedy; p2p sampled) with
+    --check-parity."""
     from test_cli import SMALL, cp_train
+
+    from cp_handler.cli.generate import until_end
+    from cp_handler.training.tokens import tokens_for
 
     result = cp_train("--nproc", "2", *SMALL, "--save", str(tmp_path / "ckpt"))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -279,6 +293,15 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
         assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
         report = json.loads((tmp_path / "r.json").read_text())
         assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
+    # sampled, and printed up to the first end-of-document token (bytes: NUL)
+    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
+                           str(tmp_path / "ckpt"), "--prompt-file", str(prompt), "--max-new-tokens", "12",
+                           "--temperature", "0.8", "--top-p", "0.9", "--seed", "2", "--check-parity", "--report-out",
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parity passed (float32): sampled tokens followed by the reference" in done.stderr
+    ids = json.loads((tmp_path / "r.json").read_text())["tokens"][0]
+    assert done.stdout == tokens_for(None).decode(until_end(ids, 0)) + "\n"
 
 
 def test_cp_generate_flag_rules(tmp_path, monkeypatch):
@@ -314,6 +337,33 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):
         parse(["--nproc", "2", "--hf-model", hf, "--prompt-file", str(binary)])
+
+
+def test_sampling_distribution_restrictions_and_rules():
+    """Sampling's distribution at hand-computed points (temperature, top-k, top-p: the smallest most-likely set
+    reaching p), draws only inside it and repeatable from the seed; greedy is the argmax; bad values name
+    the field."""
+    logits = torch.tensor([[0.6, 0.3, 0.1]]).log()
+    probs = Sampling(temperature=1.0).probabilities(logits)
+    torch.testing.assert_close(probs, torch.tensor([[0.6, 0.3, 0.1]]))
+    hot = Sampling(temperature=2.0).probabilities(logits)
+    torch.testing.assert_close(hot, torch.tensor([[0.6, 0.3, 0.1]]).sqrt() / torch.tensor([0.6, 0.3, 0.1]).sqrt().sum())
+    for rule, want in ((Sampling(1.0, top_p=0.5), [1.0, 0.0, 0.0]), (Sampling(1.0, top_p=0.8), [2 / 3, 1 / 3, 0.0]),
+                       (Sampling(1.0, top_p=0.9), [2 / 3, 1 / 3, 0.0]), (Sampling(1.0, top_p=0.95), [0.6, 0.3, 0.1]),
+                       (Sampling(1.0, top_k=2), [2 / 3, 1 / 3, 0.0]), (Sampling(1.0, top_k=1), [1.0, 0.0, 0.0])):
+        torch.testing.assert_close(rule.probabilities(logits), torch.tensor([want]), msg=str(rule))
+    rule = Sampling(1.0, top_k=2, seed=5)
+    many = logits.expand(400, -1)
+    draws = rule.choose(many, rule.generator(torch.device("cpu")))
+    assert set(draws.tolist()) == {0, 1} and torch.equal(draws, rule.choose(many, rule.generator(torch.device("cpu"))))
+    assert torch.equal(Sampling().choose(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), None), torch.tensor([1, 0]))
+    for kwargs, message in (({"temperature": -1.0}, "temperature=-1.0 must be a finite number >= 0"),
+                            ({"temperature": float("nan")}, "temperature=nan must be"),
+                            ({"temperature": 1.0, "top_k": -1}, "top_k=-1 must be >= 0"),
+                            ({"temperature": 1.0, "top_p": 0.0}, r"top_p=0.0 must lie in \(0, 1\]"),
+                            ({"top_k": 5}, "top_k=5 restrict sampling: they need temperature > 0")):
+        with pytest.raises(ValueError, match=message):
+            Sampling(**kwargs)
 
 
 def test_generation_parity_accepts_near_ties_and_nothing_else():

@@ -36,6 +36,9 @@ TRAIN_FLAGS = {
     "min_dynamic_context_parallel_size": "--min-cp-size",
     "max_dynamic_context_parallel_size": "--max-cp-size",
     "attn_kernel": "--attn-kernel",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
 }
 """Field (or phrase) of the library -> cp-train flag."""
 

@@ -1,11 +1,11 @@
-"""``cp-generate``: greedy continuation of prompt files under CP, from a ``cp-train --save`` checkpoint or a
-Hugging Face model folder (docs/inference.md).
+"""``cp-generate``: continuation of prompt files under CP (greedy, or sampled), from a ``cp-train --save``
+checkpoint or a Hugging Face model folder (docs/inference.md).
 
 Parses and checks the flags before any rank starts (into a frozen
 :class:`~cp_handler.inference.run.GenerateConfig`), starts the ranks
 (:func:`~cp_handler.inference.run.run_generation`; spawned, or one rank under torchrun) and prints the
-continuation of each prompt on stdout, and on stderr the prefill and decode throughput, the KV cache
-per rank and, with ``--check-parity``, the comparison with one process.
+continuation of each prompt on stdout (up to its first end-of-sequence token), and on stderr the prefill
+and decode throughput, the KV cache per rank and, with ``--check-parity``, the comparison with one process.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
 from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
+from ..inference.sampling import Sampling
 from ..training.checkpoint import find_checkpoint, read_meta
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="UTF-8 text files, one prompt each: tokens from --hf-model's tokenizer when it has one, "
                         "else the bytes")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)")
+    g.add_argument("--top-k", type=int, default=0, help="sampling: only the K most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sampling: only the most likely tokens whose probabilities first reach P (nucleus; 1: all)")
+    g.add_argument("--seed", type=int, default=0, help="sampling: the generator's seed (drawn on rank 0)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="print all --max-new-tokens tokens, not only those before the first end-of-sequence token "
+                        "(the tokenizer's eos token; bytes: NUL, which ends every document cp-train reads)")
     g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the model's dtype; auto: the one it was saved in (--hf-model: its config's dtype, "
                         "float32 when it has none; --checkpoint: cp-train's --dtype); --check-parity's tolerance "
@@ -55,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--check-parity", action="store_true",
                    help="also run rank 0 alone (the whole sequence re-run per token, no cache, after the same "
                         "tokens) and fail unless every step's logits agree (atol = rtol = 1e-5 in float32, 2e-2 "
-                        "in bfloat16, 5e-3 in float16) and each token is its greedy choice (or a near-tie "
-                        "within that tolerance)")
+                        "in bfloat16, 5e-3 in float16) and, greedy, each token is its greedy choice (or a "
+                        "near-tie within that tolerance)")
     g.add_argument("--report-out", default=None, metavar="FILE", help="write the report as JSON")
     return p
 
@@ -134,28 +144,35 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         source = f"--checkpoint {args.checkpoint}" if args.checkpoint else f"--hf-model {args.hf_model}"
         raise ValueError(f"{heads.num_heads} query heads / {heads.num_kv_heads} KV heads of {source} with --nproc "
                          f"{world} and --cp-comm-type {args.cp_comm_type}: {err}") from None
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
                           prompts=prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
-                          check_parity=args.check_parity, timeout=args.timeout, **model_source)
+                          check_parity=args.check_parity, timeout=args.timeout, sampling=sampling, **model_source)
 
 
-def parse(argv: list[str] | None = None) -> tuple[GenerateConfig, str | None]:
+def parse(argv: list[str] | None = None) -> tuple[GenerateConfig, str | None, bool]:
+    """``(the run's config, --report-out, --ignore-eos)``; exits with the error naming the flag."""
     args = build_parser().parse_args(argv)
     try:
         load_plugins()
-        return validate(args), args.report_out
+        return validate(args), args.report_out, args.ignore_eos
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         raise SystemExit(f"cp-generate: error: {to_flags(str(err))}") from None
 
 
+def until_end(ids: list[int], end: int) -> list[int]:
+    """``ids`` up to (without) the first ``end`` token."""
+    return ids[:ids.index(end)] if end in ids else ids
+
+
 def main(argv: list[str] | None = None) -> int:
-    config, report_out = parse(argv)
+    config, report_out, ignore_eos = parse(argv)
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun
         return 0
     tokens = tokens_for(config.hf_model)
     for ids in report["tokens"]:
-        print(tokens.decode(ids))
+        print(tokens.decode(ids if ignore_eos else until_end(ids, tokens.end_of_document)))
     outside = sum(tokens.not_bytes(ids) for ids in report["tokens"])
     if outside:
         print(f"cp-generate: {outside} generated ids are not bytes (the model's vocabulary is larger and it has no "
@@ -175,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parity = report.get("parity")
     if parity is not None:
         verdict = "passed" if parity["passed"] else "FAILED"
-        print(f"cp-generate: parity {verdict} ({report['dtype']}): same tokens {parity['same_tokens']} "
-              f"({parity['near_ties']} near-ties), max logit difference {parity['max_logit_diff']:.2e} "
-              f"(atol = rtol = {parity['tolerance']})", file=sys.stderr)
+        tokens_checked = f"same tokens {parity['same_tokens']} ({parity['near_ties']} near-ties)" \
+            if config.sampling.greedy else "sampled tokens followed by the reference"
+        print(f"cp-generate: parity {verdict} ({report['dtype']}): {tokens_checked}, max logit difference "
+              f"{parity['max_logit_diff']:.2e} (atol = rtol = {parity['tolerance']})", file=sys.stderr)
         return 0 if parity["passed"] else 1
     return 0
 

@@ -4,6 +4,7 @@ handler contract (docs/inference.md)."""
 from .cache import KVCache
 from .decode import DecodeHandler
 from .generate import Generation, check_prompts, compare_generations, generate, reference_generate
+from .sampling import Sampling
 
-__all__ = ["DecodeHandler", "Generation", "KVCache", "check_prompts", "compare_generations", "generate",
+__all__ = ["DecodeHandler", "Generation", "KVCache", "Sampling", "check_prompts", "compare_generations", "generate",
            "reference_generate"]

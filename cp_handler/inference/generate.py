@@ -1,4 +1,4 @@
-"""Greedy generation under CP: a prefill over the prompts dispatched across the group, then decode steps.
+"""Generation under CP: a prefill over the prompts dispatched across the group, then decode steps.
 
 :func:`generate` runs any model with the reference GPT's interface (``model(input_ids, cp_handler=h)
 -> logits``; :class:`~cp_handler.integrations.transformers.CPCausalLM` too): the prompts are one thd
@@ -9,7 +9,8 @@ then each decode step is one forward of the ``B`` new tokens under a :class:`.De
 whose position tables differ from the prefill's (:class:`.PositionTablesChanged`: RoPE that depends on
 the sequence length) is replaced by a prefill of the whole sequence so far, so the cached keys are
 always those the whole sequence gives; and prompts whose own lengths would give other tables than
-the batch's run one at a time, so that no prompt's result depends on the others.
+the batch's run one at a time, so that no prompt's result depends on the others. The next token is the
+argmax, or a sample (:class:`.Sampling`: temperature, top-k, top-p; drawn on the group's rank 0).
 :func:`reference_generate` is the check: the model alone, the whole sequence re-run for every token.
 """
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from ..handlers.local import LocalContextParallelHandler
 from .cache import KVCache, PositionTablesChanged
 from .decode import DecodeHandler
+from .sampling import Sampling
 
 
 @dataclass
@@ -89,8 +91,10 @@ def _last_token_logits(handler: LocalContextParallelHandler, logits: torch.Tenso
 
 @torch.no_grad()
 def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_group=None, cp_comm_type="p2p",
-             hierarchical_cp_groups=None, num_layers: int, max_positions: int | None = None) -> Generation:
-    """Greedy continuation of every prompt (every rank of ``cp_group`` calls it with the same arguments).
+             hierarchical_cp_groups=None, num_layers: int, max_positions: int | None = None,
+             sampling: Sampling | None = None) -> Generation:
+    """Continuation of every prompt (every rank of ``cp_group`` calls it with the same arguments): greedy,
+    or sampled as ``sampling`` says; always ``max_new_tokens`` tokens per prompt.
 
     Args:
         model: ``model(input_ids (1, T), cp_handler=h) -> logits (1, T, V)``.
@@ -100,30 +104,35 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
             uses the group's all-gather).
         num_layers: attention layers of the model (the cache checks every one was filled).
         max_positions: the model's position limit (``None``: none, RoPE).
+        sampling: how each token is chosen (``None``: greedy).
 
     Raises:
         ValueError: :func:`check_prompts`; the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
     """
     check_prompts(prompts, max_new_tokens, max_positions)
+    sampling = sampling or Sampling()
     layout = {"cp_group": cp_group, "cp_comm_type": cp_comm_type, "hierarchical_cp_groups": hierarchical_cp_groups}
     try:
-        return _generate(model, prompts, max_new_tokens, num_layers, layout)
+        return _generate(model, prompts, max_new_tokens, num_layers, layout, sampling)
     except PositionTablesChanged:  # the batch would set each sequence's RoPE frequencies: one prompt at a time
         if len(prompts) == 1:
             raise
-        return Generation.concat([_generate(model, [p], max_new_tokens, num_layers, layout) for p in prompts])
+        return Generation.concat([_generate(model, [p], max_new_tokens, num_layers, layout, sampling)
+                                  for p in prompts])
 
 
-def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layers: int, layout: dict) -> Generation:
+def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layers: int, layout: dict,
+              sampling: Sampling) -> Generation:
     """:func:`generate` of one batch of prompts; a decode step whose position tables changed runs as a prefill
     of the whole sequence so far. Raises PositionTablesChanged when the prompts' own lengths disagree."""
     device = next(model.parameters()).device
     started = time.perf_counter()
+    generator = sampling.generator(device)
     cache, logits = _prefill(model, prompts, num_layers, device, layout)
     result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started, prefills=1)
     started = time.perf_counter()
     for step in range(max_new_tokens):
-        chosen = logits.argmax(-1)
+        chosen = sampling.choose(logits, generator, layout["cp_group"])
         for i, token in enumerate(chosen.tolist()):
             result.tokens[i].append(token)
         if step + 1 == max_new_tokens:
@@ -180,13 +189,14 @@ def reference_generate(model, prompts: list[torch.Tensor], max_new_tokens: int,
     return result
 
 
-def compare_generations(got: Generation, want: Generation, tol: float) -> dict:
+def compare_generations(got: Generation, want: Generation, tol: float, greedy: bool = True) -> dict:
     """Parity of a CP generation ``got`` with ``want`` = :func:`reference_generate` ``(..., follow=got.tokens)``.
 
-    Passed when every step's logits agree (``allclose``, atol = rtol = ``tol``) and every token ``got``
-    chose is the reference's choice, or a near-tie: its reference logit within the tolerance of the
-    reference's largest (in bfloat16 two logits one rounding apart may swap; ``got`` is then still a
-    greedy choice of the reference). Returns ``passed``, ``same_tokens``, ``near_ties`` (count),
+    Passed when every step's logits agree (``allclose``, atol = rtol = ``tol``) and, for a ``greedy``
+    generation, every token ``got`` chose is the reference's choice, or a near-tie: its reference logit
+    within the tolerance of the reference's largest (in bfloat16 two logits one rounding apart may swap;
+    ``got`` is then still a greedy choice of the reference). A sampled generation is checked by its logits
+    only (the reference followed its tokens). Returns ``passed``, ``same_tokens``, ``near_ties`` (count),
     ``max_logit_diff`` (inf when a value is not finite) and ``tolerance``."""
     close, diff, ties, wrong = True, 0.0, 0, 0
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
@@ -194,7 +204,7 @@ def compare_generations(got: Generation, want: Generation, tol: float) -> dict:
         gap = (a - b).abs().max().item()
         diff = max(diff, gap if gap == gap else float("inf"))  # NaN: inf
         for i, (mine, theirs) in enumerate(zip(got.tokens, want.tokens, strict=True)):
-            if mine[step] != theirs[step]:
+            if greedy and mine[step] != theirs[step]:
                 top = b[i].max()
                 near = bool(b[i, mine[step]] >= top - (tol + tol * top.abs()))
                 ties, wrong = ties + near, wrong + (not near)

@@ -12,7 +12,7 @@ comparison with one process re-running the whole sequence per token without cp_h
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits
 from .generate import compare_generations, generate, reference_generate
+from .sampling import Sampling
 
 PARITY_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 """atol = rtol on a step's logits, CP vs one process, by the model's dtype (the attention sums are
@@ -54,6 +55,8 @@ class GenerateConfig:
     """The model's dtype (``cp-generate --dtype``; ``auto`` resolved there to the dtype it was saved in)."""
     check_parity: bool = False
     timeout: float = 300.0
+    sampling: Sampling = Sampling()
+    """Greedy by default; ``cp-generate --temperature / --top-k / --top-p / --seed``."""
 
 
 def load_model(config: GenerateConfig, device: torch.device):
@@ -107,7 +110,7 @@ def generate_rank(config: GenerateConfig) -> dict | None:
         prompts = [torch.tensor(p, dtype=torch.long) for p in config.prompts]
         result = generate(model, prompts, config.max_new_tokens, cp_group=groups.cp_group if world > 1 else None,
                           cp_comm_type=config.cp_comm_type, hierarchical_cp_groups=groups.hierarchical_cp_groups,
-                          num_layers=layers, max_positions=limit)
+                          num_layers=layers, max_positions=limit, sampling=config.sampling)
         heartbeat()
         kv_bytes = [None] * world
         dist.all_gather_object(kv_bytes, result.kv_cache_bytes)
@@ -118,12 +121,12 @@ def generate_rank(config: GenerateConfig) -> dict | None:
                   "prefill_tokens_per_s": sum(p.numel() for p in prompts) / result.prefill_s,
                   "decode_tokens_per_s": len(prompts) * max(0, config.max_new_tokens - 1) / max(result.decode_s, 1e-9),
                   "kv_cache_bytes_per_rank": kv_bytes, "cp_size": world, "prefills": result.prefills,
-                  "dtype": config.dtype}
+                  "dtype": config.dtype, "sampling": asdict(config.sampling)}
         if config.check_parity:
             reference, logits_of = reference_model(config, model, device)
             want = reference_generate(reference, prompts, config.max_new_tokens, follow=result.tokens,
                                       logits_of=logits_of)
-            report["parity"] = compare_generations(result, want, PARITY_TOL[config.dtype])
+            report["parity"] = compare_generations(result, want, PARITY_TOL[config.dtype], config.sampling.greedy)
         return report
     finally:
         destroy_process_groups()
