@@ -174,7 +174,7 @@ def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | Non
     model = build_model(config, device)
     _say(f"dynamic CP over {world} ranks, max_seqlen_per_rank {config.dynamic.max_seqlen_per_rank}, min CP size "
          f"{config.dynamic.min_cp_size}, documents capped at {config.seq_len} tokens, backend {config.cp.backend}, "
-         f"device {device.type}")
+         f"device {device.type}{', every layer recomputed in the backward' if config.recompute else ''}")
     run = dynamic_step(model, config, load_documents(config), GroupPool(device.type), device)
     reference = step_reference(config, device, None, False) if config.check_parity else None
     optim = optimizer(model.parameters())
