@@ -357,6 +357,11 @@ def test_sampling_distribution_restrictions_and_rules():
     draws = rule.choose(many, rule.generator(torch.device("cpu")))
     assert set(draws.tolist()) == {0, 1} and torch.equal(draws, rule.choose(many, rule.generator(torch.device("cpu"))))
     assert torch.equal(Sampling().choose(torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]]), None), torch.tensor([1, 0]))
+    ruled_out = torch.tensor([[0.0, -float("inf"), 1.0]])  # -inf: a token the model rules out
+    assert Sampling().choose(ruled_out, None).item() == 2 and rule.choose(ruled_out, rule.generator("cpu")).item() != 1
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="the logits of sequence 1 hold NaN or \\+inf"):
+            Sampling().choose(torch.tensor([[0.0, 1.0], [bad, 0.0]]), None)
     for kwargs, message in (({"temperature": -1.0}, "temperature=-1.0 must be a finite number >= 0"),
                             ({"temperature": float("nan")}, "temperature=nan must be"),
                             ({"temperature": 1.0, "top_k": -1}, "top_k=-1 must be >= 0"),

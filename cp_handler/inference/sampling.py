@@ -73,7 +73,16 @@ class Sampling:
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None, group=None) -> torch.Tensor:
         """The next token of each row of ``logits (B, V)``: ``(B,)`` int64, the same on every rank of
-        ``group`` (a sample is drawn on its rank 0 and broadcast)."""
+        ``group`` (a sample is drawn on its rank 0 and broadcast).
+
+        Raises:
+            ValueError: a row holds NaN or +inf (on every rank alike, before the broadcast: the logits are
+                the same everywhere); -inf is a token the model rules out.
+        """
+        broken = (logits.isnan() | logits.isposinf()).any(-1).nonzero()
+        if broken.numel():
+            raise ValueError(f"the logits of sequence {int(broken[0])} hold NaN or +inf: no token can be chosen "
+                             "(the model's output is not finite)")
         if self.greedy:
             return logits.argmax(-1)
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
