@@ -137,7 +137,7 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
 def test_training_randomness_and_recompute_without_support_refused_before_spawn(tmp_path, monkeypatch):
     """Dropout (GPT-2's defaults) and router jitter would make a step differ from one process's; an
     architecture without gradient checkpointing cannot --recompute: each named before any rank starts."""
-    from transformers import GPT2Config, JetMoeConfig
+    from transformers import GPT2Config, Qwen2ForCausalLM
 
     from cp_handler.cli.args import parse
 
@@ -146,8 +146,8 @@ def test_training_randomness_and_recompute_without_support_refused_before_spawn(
     with pytest.raises(SystemExit, match=r"--hf-config .*gpt2: config.json sets attn_pdrop=0.1, embd_pdrop=0.1, "
                                          r"resid_pdrop=0.1: cp-train trains without randomness"):
         parse(["--nproc", "2", "--hf-config", str(tmp_path / "gpt2")])
-    JetMoeConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_key_value_heads=2, kv_channels=8,
-                 intermediate_size=64, num_local_experts=4).save_pretrained(tmp_path / "jetmoe")
-    parse(["--nproc", "2", "--hf-config", str(tmp_path / "jetmoe")])  # trains without --recompute
-    with pytest.raises(SystemExit, match=r"--recompute: JetMoeForCausalLM does not support gradient checkpointing"):
-        parse(["--nproc", "2", "--hf-config", str(tmp_path / "jetmoe"), "--recompute"])
+    qwen2 = _hf_dir(tmp_path, False)
+    monkeypatch.setattr(Qwen2ForCausalLM, "supports_gradient_checkpointing", False)  # as CTRL / JetMoE in 5.23
+    parse(["--nproc", "2", "--hf-config", qwen2])  # trains without --recompute
+    with pytest.raises(SystemExit, match=r"--recompute: Qwen2ForCausalLM does not support gradient checkpointing"):
+        parse(["--nproc", "2", "--hf-config", qwen2, "--recompute"])
