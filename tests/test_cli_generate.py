@@ -1,0 +1,102 @@
+"""``cp-generate`` (cp_handler/cli/generate.py, cp_handler/inference/run.py): a checkpoint written by
+cp-train continued at cp 2 with --check-parity (greedy with p2p and a2a prefills; sampled), the flag rules
+checked before any rank starts, and the dtype a model was saved in. The generation itself is tested in
+tests/test_inference.py; the tolerances are cp-generate's (docs/inference.md).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
+    """cp-train --save, then cp-generate --checkpoint at cp 2 (p2p and a2a prefill, greedy; p2p sampled) with
+    --check-parity."""
+    from test_cli import SMALL, cp_train
+
+    from cp_handler.cli.generate import until_end
+    from cp_handler.training.tokens import tokens_for
+
+    result = cp_train("--nproc", "2", *SMALL, "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def main():\n    return ")
+    for comm in ("p2p", "a2a"):
+        done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--cp-comm-type", comm,
+                               "--checkpoint", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
+                               "--max-new-tokens", "12", "--check-parity", "--report-out", str(tmp_path / "r.json")],
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
+        report = json.loads((tmp_path / "r.json").read_text())
+        assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
+    # sampled, and printed up to the first end-of-document token (bytes: NUL)
+    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
+                           str(tmp_path / "ckpt"), "--prompt-file", str(prompt), "--max-new-tokens", "12",
+                           "--temperature", "0.8", "--top-p", "0.9", "--seed", "2", "--check-parity", "--report-out",
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parity passed (float32): sampled tokens followed by the reference" in done.stderr
+    ids = json.loads((tmp_path / "r.json").read_text())["tokens"][0]
+    assert done.stdout == tokens_for(None).decode(until_end(ids, 0)) + "\n"
+
+
+def test_cp_generate_flag_rules(tmp_path, monkeypatch):
+    from test_cli_hf import _hf_dir
+
+    from cp_handler.cli.generate import parse
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("x" * 1000)
+    hf = _hf_dir(tmp_path, False)  # max_position_embeddings 1024
+    cases = [(["--checkpoint", str(tmp_path / "none")], "--checkpoint .*none: no such directory"),
+             (["--hf-model", hf, "--checkpoint", hf], "exactly one of --checkpoint"),
+             (["--hf-model", hf, "--cp-size", "4"], r"--cp-size 4: cp-generate runs one CP group over all 2 ranks"),
+             (["--hf-model", hf, "--max-new-tokens", "100"], r"1000 tokens \+ --max-new-tokens 100 exceed the model's "
+                                                             r"1024 positions"),
+             (["--hf-model", hf, "--max-new-tokens", "0"], r"--max-new-tokens 0 must be >= 1"),
+             (["--hf-model", hf, "--nproc", "3", "--cp-comm-type", "a2a", "--max-new-tokens", "4"],
+              r"4 query heads / 2 KV heads of --hf-model .* with --nproc 3 and --cp-comm-type a2a: a2a needs query "
+              r"heads \(4\) divisible by the a2a size \(3\)")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit, match=rf"cp-generate: error: .*({message})"):
+            parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])
+    from hf_zoo import tiny_config
+
+    lfm2 = tiny_config("lfm2")  # short-convolution layers: the guard, before spawn
+    lfm2.vocab_size = 256
+    lfm2.save_pretrained(tmp_path / "lfm2")
+    with pytest.raises(SystemExit, match=r"--hf-model .*lfm2: Lfm2ForCausalLM: module 'model.layers.0.conv.conv' is a "
+                                         r"convolution over the sequence"):
+        parse(["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "lfm2")])
+    binary = tmp_path / "prompt.bin"
+    binary.write_bytes(bytes(range(256)))
+    with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):
+        parse(["--nproc", "2", "--hf-model", hf, "--prompt-file", str(binary)])
+
+
+def test_cp_generate_runs_a_model_in_the_dtype_it_was_saved_in(tmp_path, monkeypatch):
+    """--dtype auto: a Hugging Face folder saved in bfloat16 runs in bfloat16 (whatever transformers' own
+    default), with bfloat16's parity tolerance; --dtype float32 overrides it; a GPT checkpoint runs in
+    cp-train's --dtype."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from cp_handler.cli.generate import parse
+
+    config = Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def main():\n    return ")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "bf16")]
+    assert parse(base)[0].dtype == "bfloat16" and parse([*base, "--dtype", "float32"])[0].dtype == "float32"
+    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", *base, "--max-new-tokens", "6",
+                           "--check-parity"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "parity passed (bfloat16)" in done.stderr and "atol = rtol = 0.02" in done.stderr
