@@ -25,7 +25,7 @@ from ..training.checkpoint import check_resume
 from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
 from ..training.tokens import has_tokenizer, tokens_for
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
-from .model_args import check_hf_training, check_moe_flags, hf_layers, model_shape
+from .model_args import check_moe_flags, hf_layers, model_shape
 from .training_args import add_training_flags, check_lr_schedule, check_micro_batch_size
 
 DTYPES = ("float32", "bfloat16")
@@ -198,7 +198,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     check_rank_count(args, world, cp_size)
     packing = "thd" if dynamic else args.packing
     model, attn_shape, heads_source = model_shape(args)
-    check_hf_training(args)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),

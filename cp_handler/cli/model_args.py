@@ -89,12 +89,9 @@ def _hf_flag(args: argparse.Namespace) -> str:
     return f"{'--hf-model' if args.hf_model else '--hf-config'} {args.hf_model or args.hf_config}"
 
 
-def check_hf_training(args: argparse.Namespace) -> None:
-    """cp-train's rules for a Hugging Face model (generation has none of them): no randomness in
+def check_hf_training(args: argparse.Namespace, config) -> None:
+    """cp-train's rules for the Hugging Face ``config`` (generation has none of them): no randomness in
     training, and gradient checkpointing with ``--recompute``. Raises ValueError naming the flag."""
-    config = hf_config(args)
-    if config is None:
-        return
     try:
         check_training_is_deterministic(config)
         if args.recompute:
@@ -142,16 +139,19 @@ def check_gradient_checkpointing(config) -> None:
 
 def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionShape, str]:
     """``(reference GPT config or None for a Hugging Face model, its attention shape, the words that
-    name where the heads come from)``; a Hugging Face architecture is checked by the guard first.
+    name where the heads come from)``; a Hugging Face architecture is checked by the guard and by
+    cp-train's training rules first.
 
     Raises:
-        ValueError: a GPT shape rule, or the guard's refusal (:func:`check_hf_architecture`).
+        ValueError: a GPT shape rule, the guard's refusal (:func:`check_hf_architecture`) or a training
+            rule (:func:`check_hf_training`).
     """
     config = check_hf_architecture(args)
     if config is None:
         gpt = model_config(args)
         return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels), \
             f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
+    check_hf_training(args, config)
     shape = hf_attention_shape(config)
     return None, shape, (f"{shape.num_heads} query heads / {shape.num_kv_heads} KV heads of "
                          f"{args.hf_model or args.hf_config}/config.json")

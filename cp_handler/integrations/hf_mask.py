@@ -70,7 +70,9 @@ class CPMask:
     def __init__(self, mask_function, q_offset: int, kv_offset: int, padding_mask: torch.Tensor | None,
                  handler=None):
         self.mask_function, self.q_offset, self.kv_offset = mask_function, q_offset, kv_offset
-        self._handler = handler
+        self.forward_handler = handler
+        """The handler active in the forward that built this mask (``None``: none was), for a layer
+        recomputed in the backward (gradient checkpointing), when no forward is running."""
         self.padding = padding_mask is not None and not bool(padding_mask.all())
         self._specs: dict[int, MaskSpec] = {}
 
@@ -91,11 +93,6 @@ class CPMask:
         self._refuse("+")
 
     __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = __add__
-
-    def handler_of_forward(self):
-        """The handler active in the forward that built this mask (``None``: none was), for a layer
-        recomputed in the backward (gradient checkpointing), when no forward is running."""
-        return self._handler
 
     def spec(self, n: int) -> MaskSpec:
         """The mask over global positions ``[0, n)`` (memoised per ``n``)."""

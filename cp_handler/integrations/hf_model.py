@@ -276,7 +276,7 @@ def _recompute_pre_hook(module, args, kwargs):
     if _active.get() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    handler = mask.handler_of_forward() if mask is not None else None
+    handler = mask.forward_handler if mask is not None else None
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(_active.set(handler))
     return None
