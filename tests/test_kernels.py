@@ -31,21 +31,40 @@ def test_cpu_picks_cpu_flash_and_honours_the_override(monkeypatch):
     assert select_kernel(q).name == "cpu_flash"  # empty = automatic
 
 
-def test_automatic_choice_skips_unverified_and_unsupported(monkeypatch):
-    """The CUDA order (cudnn, flash_varlen, flash_gqa, flash, efficient) run on meta tensors: the first
-    three are unverified, so bf16 gets flash, fp32 efficient; forcing cudnn is allowed (an explicit opt-in)."""
+def test_automatic_choice_skips_unverified_unsupported_and_shape_specialized(monkeypatch):
+    """The CUDA order (cudnn, flash_varlen, flash_gqa, flash, efficient) run on meta tensors: cudnn is
+    unverified (opt-in), so bf16 gets flash_varlen, fp16 flash_gqa (flash_varlen verified in bf16 only),
+    fp32 efficient; cudnn forced for packed documents is refused (a graph per block shape), and once
+    verified (a stand-in) it is chosen for bshd and skipped for packed documents (``varying_shapes``)."""
     meta = {name: dataclasses.replace(k, device_type="meta") for name, k in KERNELS.items() if k.device_type == "cuda"}
     monkeypatch.setattr(kernels, "KERNELS", meta)
     monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
     q = torch.empty(1, 2, 4, 64, device="meta", dtype=torch.bfloat16)
-    assert select_kernel(q).name == "flash"
+    assert select_kernel(q).name == "flash_varlen"
+    assert select_kernel(q.half()).name == "flash_gqa"
     assert select_kernel(q.float()).name == "efficient"
-    assert select_kernel(q, "cudnn").name == "cudnn"
+    assert select_kernel(q, "cudnn").name == "cudnn"  # an explicit opt-in
+    with pytest.raises(ValueError, match=r"attn_kernel='cudnn' cannot run this attention: it builds a plan per "
+                                         r"block shape .* use flash_varlen"):
+        select_kernel(q, "cudnn", varying_shapes=True)
+    monkeypatch.setitem(meta, "cudnn", dataclasses.replace(meta["cudnn"], verified_on="a stand-in"))
+    assert select_kernel(q).name == "cudnn"
+    assert select_kernel(q, varying_shapes=True).name == "flash_varlen"
+    assert select_kernel(torch.empty(1, 2, 4, 192, device="meta", dtype=torch.bfloat16)).name == "flash_varlen"
     with pytest.raises(ValueError, match=r"no attention kernel runs q \(1, 2, 4, 64\) torch.float64 on meta: "
                                          r"cudnn: it takes"):
         select_kernel(q.double())
     with pytest.raises(ValueError, match=r"attn_kernel='flash' cannot run this attention: it takes head dims <= 256"):
         select_kernel(torch.empty(1, 2, 4, 512, device="meta", dtype=torch.bfloat16), "flash")
+
+
+def test_local_handler_marks_thd_plans_as_varying_shapes():
+    """The local handler tells the kernel choice that thd plans have a new block shape per document pair."""
+    from cp_handler import get_cp_handler_cls
+
+    cls = get_cp_handler_cls("local", "p2p")
+    assert cls(cp_group=None, qkv_format="thd", cu_seqlens=torch.tensor([0, 4])).kernel_choice.varying_shapes
+    assert not cls(cp_group=None, qkv_format="bshd").kernel_choice.varying_shapes
 
 
 @pytest.mark.parametrize("name, dtype", [("flash", torch.bfloat16), ("flash", torch.float16),
@@ -161,11 +180,12 @@ def test_each_kernel_states_its_head_dim_limits(name, dtype, head_dim, reason):
     assert meta.cannot_run(torch.empty(1, 2, 4, 64, device="meta", dtype=dtype)) is None
 
 
-def test_half_efficient_is_opt_in_and_causal_blocks_must_be_square(monkeypatch):
-    """bf16 with head dim 264: flash cannot, efficient is not verified in bf16, so the automatic choice
-    is a clear error instead of an unverified kernel; a non-square causal block is refused at the kernel
-    entry (the kernels align such a mask differently)."""
+def test_unverified_dtype_is_opt_in_and_causal_blocks_must_be_square(monkeypatch):
+    """bf16 with head dim 264: only efficient runs it; with bf16 unverified (a stand-in) the automatic
+    choice is a clear error instead of an unverified kernel; a non-square causal block is refused at
+    the kernel entry (the kernels align such a mask differently)."""
     meta = {name: dataclasses.replace(k, device_type="meta") for name, k in KERNELS.items() if k.device_type == "cuda"}
+    meta["efficient"] = dataclasses.replace(meta["efficient"], verified_dtypes=(torch.float32,))
     monkeypatch.setattr(kernels, "KERNELS", meta)
     monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
     q = torch.empty(1, 2, 4, 264, device="meta", dtype=torch.bfloat16)
@@ -173,7 +193,7 @@ def test_half_efficient_is_opt_in_and_causal_blocks_must_be_square(monkeypatch):
                                          r"attn_kernel='efficient'\)"):
         select_kernel(q)
     assert select_kernel(q, "efficient").name == "efficient"
-    assert select_kernel(q.float()).name == "efficient"  # verified in fp32
+    assert select_kernel(q.float()).name == "efficient"
     x = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="a causal block of 4 queries and 6 keys: causal blocks must be square"):
         kernels.block_attn_forward(x, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), causal=True, scale=1.0)

@@ -8,8 +8,8 @@ column of the softmax), gradients by autograd. The handler runs the same float64
 
 Tolerance: atol = rtol = 1e-10 in float64. Each query's output is a log-sum-exp merge of at most a few
 dozen blocks (eps = 2.2e-16 per rounding on values of order 1): measured max error ~1e-14, while a wrong
-mask, a dropped block or a missing sink gives errors of order 1e-2 and more. GPU mode (``-m gpu``, with
-``CP_HANDLER_CUDA_VARIANTS=1``: the opt-in until this runs): the same cases on CUDA in fp32 / bf16 / fp16
+mask, a dropped block or a missing sink gives errors of order 1e-2 and more. GPU mode (``-m gpu``; passed on an
+H100 on 2026-11-24): the same cases on CUDA in fp32 / bf16 / fp16
 against the float64 reference, with the tolerances of tests/device_cases.py.
 """
 
@@ -144,9 +144,8 @@ def test_variants_match_float64_reference(world, patterns, sizes, formats):
 
 
 @pytest.mark.parametrize("case", GPU_CASES)
-def test_variants_on_gpu(case, monkeypatch):
+def test_variants_on_gpu(case):
     """Every variant and comm type on CUDA (ranks sharing a GPU stage collectives through host memory)."""
-    monkeypatch.setenv("CP_HANDLER_CUDA_VARIANTS", "1")
     run_distributed(_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"], case,
                     device="cuda")
 
@@ -225,22 +224,6 @@ def test_bad_variant_attributes_raise(attrs, error, match):
         return
     with pytest.raises(error, match=match):
         handler.core_attn(module, q, q, q)
-
-
-def test_variants_on_cuda_are_opt_in(monkeypatch):
-    """Until a GPU run verifies them, a variant on a CUDA tensor is refused before any collective."""
-    from cp_handler.ops.kernels.masked import check_variant_device
-
-    q = torch.empty(1, HEADS, 4, HEAD_DIM, device="meta")
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda")))
-    monkeypatch.delenv("CP_HANDLER_CUDA_VARIANTS", raising=False)
-    check_variant_device(q, AttentionMask(), None)  # the plain mask runs
-    with pytest.raises(ValueError, match=r"no GPU has run yet: opt in with CP_HANDLER_CUDA_VARIANTS=1"):
-        check_variant_device(q, AttentionMask(window=4), None)
-    with pytest.raises(ValueError, match=r"sinks set"):
-        check_variant_device(q, AttentionMask(), torch.zeros(HEADS))
-    monkeypatch.setenv("CP_HANDLER_CUDA_VARIANTS", "1")
-    check_variant_device(q, AttentionMask(window=4), None)
 
 
 def test_no_mask_with_window_or_chunk_raises():

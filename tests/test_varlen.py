@@ -93,7 +93,7 @@ def test_cpu_varlen_bshd_matches_single_process():
 @pytest.mark.parametrize("pattern, fmt, cp", [("p2p", "thd", 1), ("p2p", "thd", 4), ("all_gather", "thd", 4),
                                               ("a2a+p2p", "thd", 4), ("p2p", "bshd", 4), ("all_gather", "bshd", 4)])
 def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
-    """GPU check of the opt-in packed kernel (and of the packing's views, gathers and scatters on
+    """GPU check of the packed kernel (and of the packing's views, gathers and scatters on
     CUDA): rank 0's whole plan (remote K/V stood in by local ones, as ``cp-bench --modes plan``
     does) through ``flash_varlen`` against the same plan through the verified ``flash`` blocks, bf16,
     outputs, lse and gradients. Tolerance: relative error 1e-2 (each is within 2-3e-3 of float64)."""
@@ -114,5 +114,8 @@ def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
         results[kernel] = (out, lse, *grads)
     for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["flash_varlen"], results["flash"],
                                 strict=True):
+        if label == "lse":  # rows no block reaches (padding) hold -inf in both: compare where, then the rest
+            assert torch.equal(got.isneginf(), want.isneginf())
+            got, want = got[want.isfinite()], want[want.isfinite()]
         error = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
         assert error < 1e-2, (label, error)

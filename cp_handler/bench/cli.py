@@ -232,7 +232,7 @@ def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
         if "launches" in args.modes:
             launches.check_kernels(args.launch_kernels, shape)
         if "plan" in args.modes and args.attn_kernel is not None:
-            plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device))
+            plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device), args.formats)
     except ValueError as err:
         p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
 

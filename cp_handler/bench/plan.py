@@ -60,13 +60,15 @@ def doc_lengths(seq_len: int, mean: int, seed: int = 0) -> list[int]:
 
 @dataclass
 class RankPlan:
-    """One rank's work: query/KV lengths and heads, and the block plans of its steps (first step fresh)."""
+    """One rank's work: query/KV lengths and heads, the block plans of its steps (first step fresh), and
+    whether they come from packed documents (a new block shape per document pair)."""
 
     q_len: int
     kv_len: int
     heads: int
     kv_heads: int
     steps: list
+    varying_shapes: bool = False
 
 
 def hierarchical_sizes(cp_size: int) -> list[int]:
@@ -82,7 +84,7 @@ def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
     pattern = PATTERNS[case.pattern]
     plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1)
     heads = (shape.num_heads // plan.head_divisor, max(1, shape.num_kv_heads // plan.head_divisor))
-    return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps)
+    return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd")
 
 
 def _timer(device: str):
@@ -101,11 +103,11 @@ def _inputs(q_len, kv_len, heads, kv_heads, shape: PlanShape):
     return q, k, v
 
 
-def check_kernel(attn_kernel: str, shape: PlanShape) -> None:
+def check_kernel(attn_kernel: str, shape: PlanShape, formats=("bshd",)) -> None:
     """Raises ``ValueError`` (from :func:`~cp_handler.ops.kernels.select_kernel`) when the forced
-    kernel cannot run blocks of ``shape`` on ``shape.device``."""
+    kernel cannot run blocks of ``shape`` on ``shape.device`` in one of ``formats``."""
     select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
-                              dtype=getattr(torch, shape.dtype)), attn_kernel)
+                              dtype=getattr(torch, shape.dtype)), attn_kernel, varying_shapes="thd" in formats)
 
 
 def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None):
@@ -113,7 +115,8 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
     communication), with ``kernel`` or else ``shape.kernel`` (a name; ``None``: automatic)."""
     q, k, v = _inputs(plan.q_len, plan.kv_len, plan.heads, plan.kv_heads, shape)
     scale = shape.head_dim ** -0.5
-    kernel = KernelChoice(select_kernel(q, kernel or shape.kernel))  # a kernel that cannot run fails here
+    # a kernel that cannot run fails here
+    kernel = KernelChoice(select_kernel(q, kernel or shape.kernel, varying_shapes=plan.varying_shapes))
 
     def run():
         out, lse = new_accumulators(q)

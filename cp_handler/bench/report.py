@@ -236,7 +236,7 @@ def launches_table(launches: dict) -> str:
     for r in launches["rows"]:
         lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
                      f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | "
-                     + " | ".join(str(r["ops"][n]) for n in names) + " |")
+                     + " | ".join("n/a" if r["ops"][n] is None else str(r["ops"][n]) for n in names) + " |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from ..ops.blocks import KernelChoice
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
-from ..ops.kernels.masked import check_variant_device
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
@@ -61,7 +60,8 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         if attn_kernel is not None and attn_kernel not in KERNELS:
             raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
         self.attn_kernel = attn_kernel or AUTOMATIC
-        self.kernel_choice = KernelChoice(self.attn_kernel)  # with the packed calls of this batch's plans
+        # with the packed calls of this batch's plans; thd: a new block shape per document pair
+        self.kernel_choice = KernelChoice(self.attn_kernel, varying_shapes=self.qkv_format == "thd")
         if self.cp_size > 1 and any(PATTERNS[t].hierarchical for t in self.comm_types):
             self._check_levels()
 
@@ -102,7 +102,6 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
         def read_variant():  # a bad attribute fails every rank together, before any collective
             variant["mask"], variant["sinks"] = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
-            check_variant_device(q, variant["mask"], variant["sinks"])
             if self.kv_cache is not None and not variant["mask"].causal:
                 raise ValueError(f"kv_cache: layer {getattr(attn_mod, 'layer_number', '?')} attends bidirectionally "
                                  f"(attn_mask_type={attn_mask_type!r}): a KV cache holds keys and values that later "

@@ -11,17 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..masks import AttentionMask, resolve_mask
-from .kernels.masked import check_variant_device
 from .sinks import check_sinks, sinks_grad
 
 
 def check_variant(q: torch.Tensor, causal: bool, mask: AttentionMask | None, sinks) -> AttentionMask:
-    """The mask an algorithm runs (:func:`~cp_handler.masks.resolve_mask`), with the sinks' shape and the
-    device's opt-in checked (:func:`~.sinks.check_sinks`, :func:`~.kernels.masked.check_variant_device`):
-    the entry checks of every algorithm, before any collective."""
+    """The mask an algorithm runs (:func:`~cp_handler.masks.resolve_mask`), with the sinks' shape checked
+    (:func:`~.sinks.check_sinks`): the entry checks of every algorithm, before any collective."""
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
-    check_variant_device(q, mask, sinks)
     return mask
 
 

@@ -30,16 +30,18 @@ Block = tuple[slice, slice, bool | BlockMask]
 class KernelChoice:
     """A resolved kernel choice and the packed-call cache that goes with it: what a handler passes as
     ``attn_kernel`` to the algorithms (built once per handler; a plain name or ``None`` gets a cache
-    for that call only)."""
+    for that call only). ``varying_shapes``: the plans come from packed documents (thd), see
+    :func:`~.kernels.select_kernel`."""
 
     kernel: str | AttnKernel | None
+    varying_shapes: bool = False
     packed_calls: PackedCallCache = field(default_factory=PackedCallCache)
 
 
 def resolve_kernel(q: torch.Tensor, attn_kernel) -> tuple[AttnKernel, PackedCallCache]:
     """The kernel for ``q`` (:func:`~.kernels.select_kernel`) and the packed-call cache to use."""
     if isinstance(attn_kernel, KernelChoice):
-        return select_kernel(q, attn_kernel.kernel), attn_kernel.packed_calls
+        return select_kernel(q, attn_kernel.kernel, varying_shapes=attn_kernel.varying_shapes), attn_kernel.packed_calls
     return select_kernel(q, attn_kernel), PackedCallCache()
 
 CPU_CAUSAL_TILE = 64

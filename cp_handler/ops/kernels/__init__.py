@@ -4,9 +4,11 @@ Automatic choice, fastest first, among kernels that a GPU run has verified (:att
 
 * CPU: ``cpu_flash`` (any float dtype, GQA native); ``cpu_varlen`` (the packed interface on CPU,
   the reference of the batching: never automatic);
-* CUDA: ``cudnn``, ``flash_varlen`` and ``flash_gqa`` (FlashAttention-2 with K/V at their own head
-  count; not yet verified: opt-in), ``flash`` (FlashAttention-2, fp16/bf16, K/V expanded for GQA),
-  ``efficient`` (memory-efficient; verified in fp32, opt-in in fp16/bf16).
+* CUDA: ``cudnn`` (fp16/bf16, head dim <= 128; opt-in: a graph per block shape, never for packed
+  documents), ``flash_varlen`` (FlashAttention-2 varlen: a plan's blocks in few calls; verified in
+  bf16), ``flash_gqa`` (FlashAttention-2 with K/V at their own head count), ``flash``
+  (FlashAttention-2, K/V expanded for GQA), ``efficient`` (memory-efficient; fp32 too). GPU runs:
+  docs/testing.md.
 
 Each kernel states its limits (dtypes, largest head dim, head-dim multiple by dtype) and
 :meth:`AttnKernel.cannot_run` checks them, so the automatic choice moves on to the next kernel and a
@@ -58,7 +60,8 @@ def kernel_override(attn_kernel: str | None = None) -> tuple[str | None, str]:
     return os.environ.get(ATTN_KERNEL_ENV) or None, ATTN_KERNEL_ENV
 
 
-def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) -> AttnKernel:
+def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, *,
+                  varying_shapes: bool = False) -> AttnKernel:
     """The kernel for blocks shaped like ``q (B, H, S, D)``.
 
     Args:
@@ -66,10 +69,12 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) 
         attn_kernel: force a kernel by name (or pass one, e.g. a kernel re-labelled for ``meta``
             tensors by ``cp-bench --modes launches``); :data:`AUTOMATIC`: the fastest verified kernel
             that can run; ``None``: ``CP_HANDLER_ATTN_KERNEL`` if set, else automatic.
+        varying_shapes: the blocks come from packed documents (thd), a new shape per document pair:
+            kernels that build a plan per shape (:attr:`AttnKernel.shape_specialized`) are skipped.
 
     Raises:
-        ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason), or no
-            verified kernel for this device and dtype.
+        ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason; a
+            shape-specialized kernel with ``varying_shapes``), or no verified kernel for this device and dtype.
     """
     if isinstance(attn_kernel, AttnKernel):
         forced, source = attn_kernel, "attn_kernel"
@@ -79,18 +84,26 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None) 
             raise ValueError(f"{source}={name!r} is not a known attention kernel; known: {list(KERNELS)}")
         forced = KERNELS.get(name) if name is not None else None
     if forced is not None:
-        reason = forced.cannot_run(q)
+        reason = forced.cannot_run(q) or _varying(forced, varying_shapes)
         if reason is not None:
             raise ValueError(f"{source}={forced.name!r} cannot run this attention: {reason}")
         return forced
     reasons = []
     for kernel in KERNELS.values():
         unverified = f"not yet verified on a GPU in {q.dtype} (opt-in: attn_kernel={kernel.name!r})"
-        reason = kernel.cannot_run(q) or (None if kernel.verified_for(q.dtype) else unverified)
+        reason = kernel.cannot_run(q) or _varying(kernel, varying_shapes) or (
+            None if kernel.verified_for(q.dtype) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")
     raise ValueError(f"no attention kernel runs q {tuple(q.shape)} {q.dtype} on {q.device.type}: {'; '.join(reasons)}")
+
+
+def _varying(kernel: AttnKernel, varying_shapes: bool) -> str | None:
+    if varying_shapes and kernel.shape_specialized:
+        return ("it builds a plan per block shape (0.1-1.5 s each on an H100), and packed documents (thd) make a "
+                "new shape per document pair: use flash_varlen (or the automatic choice) for thd")
+    return None
 
 
 def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+H100_RUN = "H100 80GB HBM3, torch 2.11.0+cu130, cuDNN 9.19, 2026-11-24 (issue 23, scripts/gpu_check.py)"
+"""The GPU run that verified the kernels marked with it (docs/testing.md)."""
+
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
@@ -46,6 +49,9 @@ class AttnKernel:
         head_dim_multiple: head dims it runs are multiples of this, by dtype (``{dtype: m}``; absent: any).
         packed: forward/backward take packed segments instead of one block (:mod:`.varlen`):
             ``(q (Tq,H,D), k, v (Tk,Hkv,D), cu_q, cu_k, max_q, max_k, *, causal, scale)``, lse ``(H, Tq)``.
+        shape_specialized: it builds and caches a plan per block shape (cuDNN's graphs: 0.1-1.5 s per new
+            ``(Sq, Sk)`` on an H100, measured), so it runs only plans whose block shapes repeat from step
+            to step (bshd / sbhd), not packed documents (thd), whose every document pair is a new shape.
     """
 
     name: str
@@ -58,6 +64,7 @@ class AttnKernel:
     packed: bool = False
     head_dim_multiple: tuple[tuple[torch.dtype, int], ...] = ()
     verified_dtypes: tuple[torch.dtype, ...] | None = None
+    shape_specialized: bool = False
 
     def verified_for(self, dtype: torch.dtype) -> bool:
         """Whether a GPU run verified this kernel in ``dtype`` (CPU kernels: verified by the suite)."""

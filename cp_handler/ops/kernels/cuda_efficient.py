@@ -9,7 +9,7 @@ rowsum(dO * O) inside the kernel and reads ``out`` with a fixed row stride of ``
 strides from the tensor: ``out`` must be a ``(B, H, S, D)`` view of ``(B, S, H, D)``-contiguous
 memory of exactly its own heads. The backward passes :func:`~.base.seq_major` of ``out``: no copy
 for the sequence-major accumulators of a plan, one copy for a head slice (all_gather's KV-head chunks).
-fp32 was verified on an H100 (issue 13); fp16/bf16 stay opt-in until a GPU run verifies them.
+fp32 was verified on an H100 (issue 13), fp16/bf16 with this layout on 2026-11-24 (issue 23).
 Head dims: multiples of 8 (fp16/bf16) or 4 (fp32), the rule torch's SDPA dispatcher applies to this
 kernel (``check_head_dim_size_mem_efficient``, alignment of the tensor-core GEMMs)."""
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttnKernel, expand_kv, reduce_kv_grad, seq_major
+from .base import H100_RUN, AttnKernel, expand_kv, reduce_kv_grad, seq_major
 
 aten = torch.ops.aten
 
@@ -42,7 +42,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
 
 KERNEL = AttnKernel(
     "efficient", "cuda", (torch.float32, torch.float16, torch.bfloat16), forward, backward,
-    verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): fp32 within 5e-7 of a float64 reference",
-    verified_dtypes=(torch.float32,),
+    verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): fp32 within 5e-7 of a float64 reference; "
+                f"{H100_RUN}: fp16/bf16 with H > 1 and every out layout a plan passes vs float64",
     head_dim_multiple=((torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)),
 )

@@ -11,8 +11,8 @@ Shapes: ``q (Tq, H, D)``, ``k, v (Tk, Hkv, D)`` (GQA native), ``cu_q, cu_k`` int
 
 * ``flash_varlen`` (CUDA, fp16/bf16): ``aten._flash_attention_forward`` / ``_backward`` with
   ``cum_seq_q/k``, the backward given the merged out/lse; the rng tensors are the forward's
-  outputs for dropout 0, rebuilt with the shapes and dtypes of the op's meta kernel. Not yet run on
-  a GPU by this code: opt-in only (``attn_kernel="flash_varlen"``).
+  outputs for dropout 0, rebuilt with the shapes and dtypes of the op's meta kernel. Verified in bf16
+  on an H100 (2026-11-24): the automatic choice in bf16 (fp16 was not run: opt-in there).
 * ``cpu_varlen`` (CPU): the same packed interface computed segment by segment with the CPU flash
   kernel. It is the CPU reference of the batching (gathers, segment offsets, merges, scatters) that
   the CUDA kernel relies on; never chosen automatically (``cpu_flash`` is faster on CPU).
@@ -26,7 +26,7 @@ import torch
 
 from ..qkv_format import to_bhsd
 from . import cpu_flash
-from .base import AttnKernel
+from .base import H100_RUN, AttnKernel
 from .cuda_flash import HEAD_DIMS
 
 aten = torch.ops.aten
@@ -94,7 +94,9 @@ def cpu_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: 
 
 
 FLASH_VARLEN = AttnKernel("flash_varlen", "cuda", (torch.float16, torch.bfloat16), flash_varlen_forward,
-                          flash_varlen_backward, verified_on=None, packed=True, **HEAD_DIMS)
+                          flash_varlen_backward, packed=True, **HEAD_DIMS,
+                          verified_on=f"{H100_RUN}: rank plans vs the flash blocks, every pattern bshd and thd in bf16",
+                          verified_dtypes=(torch.bfloat16,))
 CPU_VARLEN = AttnKernel("cpu_varlen", "cpu", (torch.float16, torch.bfloat16, torch.float32, torch.float64),
                         cpu_varlen_forward, cpu_varlen_backward, verified_on="CPU (tests/test_varlen.py)",
                         packed=True)
