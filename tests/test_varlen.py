@@ -7,6 +7,7 @@ checked on CPU through ``cpu_varlen`` (the same packed interface, computed per s
 * Every pattern with ``CP_HANDLER_ATTN_KERNEL=cpu_varlen`` against the single-process / per-document
   reference: the thd parity test (cp 1, 2, 4; a2a+p2p at [2, 2]) and the bshd pattern test (cp 2),
   with the tolerances of those tests (float32 4e-6 * cp).
+* The attention variants (test_masks' cases at cp 4) through ``cpu_varlen``, against float64.
 * On CUDA (``-m gpu``): rank plans through ``flash_varlen`` against the same plans through ``flash``.
 """
 
@@ -14,6 +15,7 @@ import os
 
 import pytest
 import test_attn_patterns
+import test_masks
 import test_thd
 import torch
 from dist_utils import run_distributed
@@ -86,6 +88,17 @@ def test_cpu_varlen_thd_matches_per_document(world, patterns, sizes):
 
 def test_cpu_varlen_bshd_matches_single_process():
     run_distributed(_bshd_varlen, 2, ["p2p", "all_gather", "a2a"], ["gqa"])
+
+
+def _masks_varlen(rank, world, patterns, sizes, formats):
+    os.environ[ATTN_KERNEL_ENV] = "cpu_varlen"
+    test_masks._worker(rank, world, patterns, sizes, formats)
+
+
+def test_cpu_varlen_attention_variants_match_float64():
+    """The packed calls beside the masked blocks (windows, chunks, soft-caps, sinks): the path of CUDA's
+    automatic bf16 kernel, ``flash_varlen``, checked through ``cpu_varlen`` with test_masks' cases at cp 4."""
+    run_distributed(_masks_varlen, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"])
 
 
 @pytest.mark.gpu
