@@ -27,13 +27,14 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
     for comm in ("p2p", "a2a"):
         done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--cp-comm-type", comm,
                                "--checkpoint", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
-                               "--max-new-tokens", "12", "--check-parity", "--report-out", str(tmp_path / "r.json")],
+                               "--max-new-tokens", "12", "--ignore-eos", "--check-parity", "--report-out",
+                               str(tmp_path / "r.json")],
                               capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
         report = json.loads((tmp_path / "r.json").read_text())
         assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
-    # sampled, and printed up to the first end-of-document token (bytes: NUL)
+    # sampled, stopped at and printed up to the first end-of-document token (bytes: NUL)
     done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
                            str(tmp_path / "ckpt"), "--prompt-file", str(prompt), "--max-new-tokens", "12",
                            "--temperature", "0.8", "--top-p", "0.9", "--seed", "2", "--check-parity", "--report-out",
@@ -41,6 +42,7 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (float32): sampled tokens followed by the reference" in done.stderr
     ids = json.loads((tmp_path / "r.json").read_text())["tokens"][0]
+    assert 0 not in ids[:-1] and (len(ids) == 12 or ids[-1] == 0), ids
     assert done.stdout == tokens_for(None).decode(until_end(ids, 0)) + "\n"
 
 

@@ -65,6 +65,17 @@ def _worker(rank, world, comm_types, build):
         assert total.item() == whole * per_token, (label, total.item(), whole * per_token)
         fair = -(-whole // world) + 2 * world * len(PROMPT_LENGTHS)  # zigzag padding of each prompt, per rank
         assert got.kv_cache_bytes <= fair * per_token, (label, got.kv_cache_bytes, fair * per_token)
+    # stop_token: generation ends after the step at which every prompt has produced it (a token the first prompt
+    # produces at step 2; the others may never: then the batch runs to NEW_TOKENS), with the same tokens and logits
+    for prompt_ids in ([0], range(len(PROMPT_LENGTHS))):
+        stop = want.tokens[0][2]
+        ends = [w.index(stop) if stop in w else NEW_TOKENS - 1 for w in (want.tokens[i] for i in prompt_ids)]
+        got = generate(model, [prompts()[i] for i in prompt_ids], NEW_TOKENS, cp_group=groups.cp_group if world > 1
+                       else None, num_layers=2, stop_token=stop)
+        assert got.tokens == [want.tokens[i][:max(ends) + 1] for i in prompt_ids], (got.tokens, want.tokens, stop)
+        assert len(got.logits) == max(ends) + 1 and (len(ends) > 1 or max(ends) <= 2), (ends, len(got.logits))
+        for a, b in zip(got.logits, want.logits, strict=False):
+            torch.testing.assert_close(a, b[list(prompt_ids)], atol=TOL, rtol=TOL)
     # sampled: the same tokens on every rank as one process drawing with the same seed, and every step's logits
     # those of the model alone after these tokens
     sampling = Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=1)
@@ -189,6 +200,11 @@ def _longrope_worker(rank, world):
     assert got.tokens == want.tokens, (got.tokens, want.tokens)
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         torch.testing.assert_close(a, b, atol=TOL, rtol=TOL, msg=lambda m, s=step: f"step {s}: {m}")
+    # prompts run one at a time with a stop token: each stops on its own, the batch has the longest's steps
+    stop = got.tokens[0][1]
+    steps = max(t.index(stop) if stop in t else NEW_TOKENS - 1 for t in got.tokens) + 1
+    stopped = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2, stop_token=stop)
+    assert stopped.tokens == [t[:steps] for t in got.tokens] and len(stopped.logits) == steps, (stopped.tokens, stop)
     # negative control: without the check, the batch and the keys cached with the short factors make decode differ
     check = hf_model._check_position_tables
     hf_model._check_position_tables = lambda *args: None

@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling: only the most likely tokens whose probabilities first reach P (nucleus; 1: all)")
     g.add_argument("--seed", type=int, default=0, help="sampling: the generator's seed (drawn on rank 0)")
     g.add_argument("--ignore-eos", action="store_true",
-                   help="print all --max-new-tokens tokens, not only those before the first end-of-sequence token "
-                        "(the tokenizer's eos token; bytes: NUL, which ends every document cp-train reads)")
+                   help="generate and print all --max-new-tokens tokens; without it generation stops once every "
+                        "prompt has produced the end-of-sequence token (the tokenizer's eos token; bytes: NUL, "
+                        "which ends every document cp-train reads) and each is printed up to it")
     g.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
                    help="the model's dtype; auto: the one it was saved in (--hf-model: its config's dtype, "
                         "float32 when it has none; --checkpoint: cp-train's --dtype); --check-parity's tolerance "
@@ -115,7 +116,8 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         heads = hf_attention_shape(hf)
         model_source = {"hf_model": args.hf_model}
         saved_dtype = None
-    prompts = read_prompts(args.prompt_file, tokens_for(args.hf_model))
+    tokens = tokens_for(args.hf_model)
+    prompts = read_prompts(args.prompt_file, tokens)
     if args.hf_model:  # the position limit, checked here with the words of the flags
         text = hf.get_text_config()
         limit = getattr(text, "max_position_embeddings", None)
@@ -147,7 +149,8 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     return GenerateConfig(world_size=world, cp_comm_type=args.cp_comm_type, hierarchical_cp_sizes=sizes,
                           prompts=prompts, max_new_tokens=args.max_new_tokens, dtype=dtype,
-                          check_parity=args.check_parity, timeout=args.timeout, sampling=sampling, **model_source)
+                          check_parity=args.check_parity, timeout=args.timeout, sampling=sampling,
+                          stop_token=None if args.ignore_eos else tokens.end_of_document, **model_source)
 
 
 def parse(argv: list[str] | None = None) -> tuple[GenerateConfig, str | None, bool]:

@@ -92,9 +92,9 @@ def _last_token_logits(handler: LocalContextParallelHandler, logits: torch.Tenso
 @torch.no_grad()
 def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_group=None, cp_comm_type="p2p",
              hierarchical_cp_groups=None, num_layers: int, max_positions: int | None = None,
-             sampling: Sampling | None = None) -> Generation:
+             sampling: Sampling | None = None, stop_token: int | None = None) -> Generation:
     """Continuation of every prompt (every rank of ``cp_group`` calls it with the same arguments): greedy,
-    or sampled as ``sampling`` says; always ``max_new_tokens`` tokens per prompt.
+    or sampled as ``sampling`` says; ``max_new_tokens`` tokens per prompt, fewer with ``stop_token``.
 
     Args:
         model: ``model(input_ids (1, T), cp_handler=h) -> logits (1, T, V)``.
@@ -105,6 +105,11 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
         num_layers: attention layers of the model (the cache checks every one was filled).
         max_positions: the model's position limit (``None``: none, RoPE).
         sampling: how each token is chosen (``None``: greedy).
+        stop_token: end-of-sequence id: generation stops after the step at which every sequence has
+            produced it (sequences that ended earlier keep decoding until then, as a batch does; every
+            sequence gets the same number of tokens, cut them at the first stop token). The decision is
+            the same on every rank (the chosen tokens are). Prompts run one at a time (length-dependent
+            RoPE, below) each stop on their own and are then continued to the longest's step count.
 
     Raises:
         ValueError: :func:`check_prompts`; the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
@@ -113,16 +118,19 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
     sampling = sampling or Sampling()
     layout = {"cp_group": cp_group, "cp_comm_type": cp_comm_type, "hierarchical_cp_groups": hierarchical_cp_groups}
     try:
-        return _generate(model, prompts, max_new_tokens, num_layers, layout, sampling)
+        return _generate(model, prompts, max_new_tokens, num_layers, layout, sampling, stop_token)
     except PositionTablesChanged:  # the batch would set each sequence's RoPE frequencies: one prompt at a time
         if len(prompts) == 1:
             raise
-        return Generation.concat([_generate(model, [p], max_new_tokens, num_layers, layout, sampling)
-                                  for p in prompts])
+        parts = [_generate(model, [p], max_new_tokens, num_layers, layout, sampling, stop_token) for p in prompts]
+        steps = max(len(part.logits) for part in parts)  # a batch's step count: run the others on to it
+        return Generation.concat([part if len(part.logits) == steps else
+                                  _generate(model, [p], steps, num_layers, layout, sampling)
+                                  for p, part in zip(prompts, parts, strict=True)])
 
 
 def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layers: int, layout: dict,
-              sampling: Sampling) -> Generation:
+              sampling: Sampling, stop_token: int | None = None) -> Generation:
     """:func:`generate` of one batch of prompts; a decode step whose position tables changed runs as a prefill
     of the whole sequence so far. Raises PositionTablesChanged when the prompts' own lengths disagree."""
     device = next(model.parameters()).device
@@ -131,11 +139,14 @@ def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layer
     cache, logits = _prefill(model, prompts, num_layers, device, layout)
     result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started, prefills=1)
     started = time.perf_counter()
+    ended = torch.zeros(len(prompts), dtype=torch.bool)
     for step in range(max_new_tokens):
         chosen = sampling.choose(logits, generator, layout["cp_group"])
         for i, token in enumerate(chosen.tolist()):
             result.tokens[i].append(token)
-        if step + 1 == max_new_tokens:
+        if stop_token is not None:
+            ended |= chosen.cpu() == stop_token
+        if step + 1 == max_new_tokens or bool(ended.all()):
             break
         handler = DecodeHandler(cache, cp_group=layout["cp_group"])
         try:

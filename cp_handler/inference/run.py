@@ -57,6 +57,9 @@ class GenerateConfig:
     timeout: float = 300.0
     sampling: Sampling = Sampling()
     """Greedy by default; ``cp-generate --temperature / --top-k / --top-p / --seed``."""
+    stop_token: int | None = None
+    """Stop once every prompt has produced this id (``cp-generate``: the end-of-sequence token, unless
+    ``--ignore-eos``); :func:`~cp_handler.inference.generate.generate`."""
 
 
 def load_model(config: GenerateConfig, device: torch.device):
@@ -110,7 +113,8 @@ def generate_rank(config: GenerateConfig) -> dict | None:
         prompts = [torch.tensor(p, dtype=torch.long) for p in config.prompts]
         result = generate(model, prompts, config.max_new_tokens, cp_group=groups.cp_group if world > 1 else None,
                           cp_comm_type=config.cp_comm_type, hierarchical_cp_groups=groups.hierarchical_cp_groups,
-                          num_layers=layers, max_positions=limit, sampling=config.sampling)
+                          num_layers=layers, max_positions=limit, sampling=config.sampling,
+                          stop_token=config.stop_token)
         heartbeat()
         kv_bytes = [None] * world
         dist.all_gather_object(kv_bytes, result.kv_cache_bytes)
@@ -119,12 +123,12 @@ def generate_rank(config: GenerateConfig) -> dict | None:
         report = {"tokens": result.tokens, "prompt_tokens": [p.numel() for p in prompts],
                   "prefill_s": result.prefill_s, "decode_s": result.decode_s,
                   "prefill_tokens_per_s": sum(p.numel() for p in prompts) / result.prefill_s,
-                  "decode_tokens_per_s": len(prompts) * max(0, config.max_new_tokens - 1) / max(result.decode_s, 1e-9),
+                  "decode_tokens_per_s": len(prompts) * (len(result.logits) - 1) / max(result.decode_s, 1e-9),
                   "kv_cache_bytes_per_rank": kv_bytes, "cp_size": world, "prefills": result.prefills,
                   "dtype": config.dtype, "sampling": asdict(config.sampling)}
         if config.check_parity:
             reference, logits_of = reference_model(config, model, device)
-            want = reference_generate(reference, prompts, config.max_new_tokens, follow=result.tokens,
+            want = reference_generate(reference, prompts, len(result.logits), follow=result.tokens,
                                       logits_of=logits_of)
             report["parity"] = compare_generations(result, want, PARITY_TOL[config.dtype], config.sampling.greedy)
         return report
