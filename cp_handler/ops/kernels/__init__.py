@@ -84,26 +84,18 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
             raise ValueError(f"{source}={name!r} is not a known attention kernel; known: {list(KERNELS)}")
         forced = KERNELS.get(name) if name is not None else None
     if forced is not None:
-        reason = forced.cannot_run(q) or _varying(forced, varying_shapes)
+        reason = forced.cannot_run(q, varying_shapes)
         if reason is not None:
             raise ValueError(f"{source}={forced.name!r} cannot run this attention: {reason}")
         return forced
     reasons = []
     for kernel in KERNELS.values():
         unverified = f"not yet verified on a GPU in {q.dtype} (opt-in: attn_kernel={kernel.name!r})"
-        reason = kernel.cannot_run(q) or _varying(kernel, varying_shapes) or (
-            None if kernel.verified_for(q.dtype) else unverified)
+        reason = kernel.cannot_run(q, varying_shapes) or (None if kernel.verified_for(q.dtype) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")
     raise ValueError(f"no attention kernel runs q {tuple(q.shape)} {q.dtype} on {q.device.type}: {'; '.join(reasons)}")
-
-
-def _varying(kernel: AttnKernel, varying_shapes: bool) -> str | None:
-    if varying_shapes and kernel.shape_specialized:
-        return ("it builds a plan per block shape (0.1-1.5 s each on an H100), and packed documents (thd) make a "
-                "new shape per document pair: use flash_varlen (or the automatic choice) for thd")
-    return None
 
 
 def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:

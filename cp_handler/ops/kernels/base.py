@@ -70,8 +70,12 @@ class AttnKernel:
         """Whether a GPU run verified this kernel in ``dtype`` (CPU kernels: verified by the suite)."""
         return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes)
 
-    def cannot_run(self, q: torch.Tensor) -> str | None:
-        """Why this kernel cannot take ``q``, or ``None`` if it can."""
+    def cannot_run(self, q: torch.Tensor, varying_shapes: bool = False) -> str | None:
+        """Why this kernel cannot take ``q`` (in plans of packed documents, with ``varying_shapes``), or
+        ``None`` if it can."""
+        if varying_shapes and self.shape_specialized:
+            return ("it builds a plan per block shape (0.1-1.5 s each on an H100), and packed documents (thd) make "
+                    "a new shape per document pair: use flash_varlen (or the automatic choice) for thd")
         if q.device.type != self.device_type:
             return f"it runs on {self.device_type}, q is on {q.device.type}"
         if q.dtype not in self.dtypes:
