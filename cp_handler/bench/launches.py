@@ -104,7 +104,7 @@ def run(args) -> dict:
         plan = rank_plan(case, shape)
         # a kernel that builds a plan per block shape does not run packed documents (select_kernel refuses it)
         counts = {name: count_launches(case, shape, name) for name in args.launch_kernels
-                  if not (plan.varying_shapes and KERNELS[name].shape_specialized)}
+                  if not KERNELS[name].cannot_plan(plan.varying_shapes)}
         rows.append({**asdict(case), "blocks": sum(len(s) for s in plan.steps),
                      "ops": {name: sum(counts[name].values()) if name in counts else None
                              for name in args.launch_kernels},

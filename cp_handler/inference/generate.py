@@ -139,14 +139,12 @@ def _generate(model, prompts: list[torch.Tensor], max_new_tokens: int, num_layer
     cache, logits = _prefill(model, prompts, num_layers, device, layout)
     result = Generation([[] for _ in prompts], [logits], prefill_s=time.perf_counter() - started, prefills=1)
     started = time.perf_counter()
-    ended = torch.zeros(len(prompts), dtype=torch.bool)
     for step in range(max_new_tokens):
         chosen = sampling.choose(logits, generator, layout["cp_group"])
         for i, token in enumerate(chosen.tolist()):
             result.tokens[i].append(token)
-        if stop_token is not None:
-            ended |= chosen.cpu() == stop_token
-        if step + 1 == max_new_tokens or bool(ended.all()):
+        ended = stop_token is not None and all(stop_token in tokens for tokens in result.tokens)
+        if step + 1 == max_new_tokens or ended:
             break
         handler = DecodeHandler(cache, cp_group=layout["cp_group"])
         try:

@@ -70,12 +70,18 @@ class AttnKernel:
         """Whether a GPU run verified this kernel in ``dtype`` (CPU kernels: verified by the suite)."""
         return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes)
 
-    def cannot_run(self, q: torch.Tensor, varying_shapes: bool = False) -> str | None:
-        """Why this kernel cannot take ``q`` (in plans of packed documents, with ``varying_shapes``), or
-        ``None`` if it can."""
+    def cannot_plan(self, varying_shapes: bool) -> str | None:
+        """Why this kernel cannot run plans of packed documents (``varying_shapes``), or ``None``."""
         if varying_shapes and self.shape_specialized:
             return ("it builds a plan per block shape (0.1-1.5 s each on an H100), and packed documents (thd) make "
                     "a new shape per document pair: use flash_varlen (or the automatic choice) for thd")
+        return None
+
+    def cannot_run(self, q: torch.Tensor, varying_shapes: bool = False) -> str | None:
+        """Why this kernel cannot take ``q`` (in plans of packed documents, with ``varying_shapes``:
+        :meth:`cannot_plan`), or ``None`` if it can."""
+        if reason := self.cannot_plan(varying_shapes):
+            return reason
         if q.device.type != self.device_type:
             return f"it runs on {self.device_type}, q is on {q.device.type}"
         if q.dtype not in self.dtypes:
