@@ -19,11 +19,11 @@ from dist_utils import new_cp_group, run_distributed
 from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
-from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
+from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, rank_plan, whole_tiles
 from cp_handler.bench.report import IMPLEMENTATIONS, add_efficiency, attention_table, style
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
-from cp_handler.ops.kernels.work import block_pairs
+from cp_handler.ops.kernels.work import block_pairs, block_tiles
 from cp_handler.ops.ring import ring_attn
 
 B, H, S, D = 1, 4, 64, 16
@@ -130,6 +130,38 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
         assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
 
 
+def _tiles_of(mask: torch.Tensor, tile: int) -> int:
+    """Tiles of a dense (Sq, Sk) bool mask holding at least one True: the brute-force count."""
+    rows, cols = -(-mask.shape[0] // tile), -(-mask.shape[1] // tile)
+    padded = torch.zeros(rows * tile, cols * tile, dtype=torch.bool)
+    padded[:mask.shape[0], :mask.shape[1]] = mask
+    return int(padded.view(rows, tile, cols, tile).any(3).any(1).sum())
+
+
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 9), (16, 16), (17, 40), (100, 33)])
+def test_block_tiles_counts_the_tiles_a_block_touches(sq, sk):
+    assert block_tiles(sq, sk, False, 16) == _tiles_of(torch.ones(sq, sk, dtype=torch.bool), 16)
+    assert block_tiles(sq, sq, True, 16) == _tiles_of(torch.ones(sq, sq, dtype=torch.bool).tril(), 16)
+
+
+def test_tile_model_against_the_dense_masks():
+    """The whole pack's tiles are those of its document-causal mask (brute force); split into zigzag
+    chunks, bshd visits the same tiles at any cp (chunks of whole tiles) and thd more (pieces of
+    documents shorter than a tile), a2a fewest (whole documents)."""
+    shape, seq_len, tile = PlanShape(num_heads=4, num_kv_heads=4, thd_mean_doc=40), 1024, 128
+    doc = torch.repeat_interleave(torch.arange(len(doc_lengths(seq_len, 40))), torch.tensor(doc_lengths(seq_len, 40)))
+    document_causal = (doc[:, None] == doc[None, :]).tril()
+    assert whole_tiles(PlanCase("whole", "thd", 1, seq_len), shape) == 4 * _tiles_of(document_causal, tile)
+    ratio = {}
+    for fmt in ("bshd", "thd"):
+        whole = whole_tiles(PlanCase("whole", fmt, 1, seq_len), shape)
+        for pattern in ("p2p", "a2a"):
+            case = PlanCase(pattern, fmt, 4, seq_len)
+            ratio[fmt, pattern] = case.cp_size * plan_tiles(rank_plan(case, shape)) / whole
+    assert ratio["bshd", "p2p"] == ratio["bshd", "a2a"] == 1.0
+    assert ratio["thd", "p2p"] > ratio["thd", "a2a"] > 1.0, ratio
+
+
 def test_plan_mode_refuses_cuda_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -159,6 +191,8 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path):
             assert ("index_select" in by_op["flash_varlen"]) == (pattern == "all_gather"), r
         if (fmt, pattern) == ("bshd", "p2p"):  # the steps share two lse row ranges (LseRows): one copy each at most
             assert by_op["flash_gqa"].get("clone", 0) <= 2, by_op["flash_gqa"]
+    assert all(r["tile_ratio"] == 1.0 for r in results["rows"] if r["qkv_format"] == "bshd")
+    assert rows["thd", "p2p"]["tile_ratio"] > 1.0  # documents of mean 64 cut into pieces of 8 rows
     assert "| thd | 2048 | p2p | 4 | 512 |" in (out / "results.md").read_text()
 
 

@@ -8,6 +8,12 @@ aten ops' meta kernels give every shape, so no GPU is needed) and counts the ate
 dispatched, views and allocations left out. Every counted operator launches at least one CUDA
 kernel (the flash backward launches several), so the count is a lower bound of a rank's launches,
 exact in what our code adds around the attention kernels; it does not depend on the machine.
+
+Beside the launches, each row's ``tile_ratio``: the 128 x 128 score tiles the rank's blocks visit
+(partly masked tiles count whole), times cp, over those of the whole-sequence reference
+(:func:`~.plan.plan_tiles`, :func:`~.plan.whole_tiles`): the padded work that splitting adds (1.0 for
+bshd; above 1 where packed documents are cut into pieces shorter than a tile). At one per-tile rate,
+``--modes plan``'s efficiency would be ``1 / tile_ratio``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ops.kernels import KERNELS, AttnKernel
-from .plan import PlanShape, cases, rank_plan, rank_step
+from .plan import PlanShape, cases, plan_tiles, rank_plan, rank_step, whole_tiles
 
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 """Operators that only allocate (no kernel on CUDA)."""
@@ -106,6 +112,7 @@ def run(args) -> dict:
         counts = {name: count_launches(case, shape, name) for name in args.launch_kernels
                   if not KERNELS[name].cannot_plan(plan.varying_shapes)}
         rows.append({**asdict(case), "blocks": sum(len(s) for s in plan.steps),
+                     "tile_ratio": case.cp_size * plan_tiles(plan) / whole_tiles(case, shape),
                      "ops": {name: sum(counts[name].values()) if name in counts else None
                              for name in args.launch_kernels},
                      "by_operator": {name: dict(c.most_common()) for name, c in counts.items()}})

@@ -17,6 +17,8 @@ on CPU (the emulation mode, for small sizes), wall-clock medians.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import random
 import statistics
 import time
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from ..layout import ZigzagDocs
 from ..ops.blocks import KernelChoice, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
+from ..ops.kernels.work import block_tiles
 from ..ops.patterns import PATTERNS
 
 
@@ -85,6 +88,30 @@ def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
     plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1)
     heads = (shape.num_heads // plan.head_divisor, max(1, shape.num_kv_heads // plan.head_divisor))
     return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd")
+
+
+TILE = 128
+"""Tile edge of the work model: FlexAttention's default block size (FlashAttention-2's tiles for head
+dim 128 are 128 x 64 in the forward, 64 x 128 in the backward)."""
+
+
+def plan_tiles(plan: RankPlan, tile: int = TILE) -> int:
+    """Score tiles (summed over query heads) that ``plan``'s blocks visit, partly masked ones included:
+    :func:`~cp_handler.ops.kernels.work.block_tiles` over every block of every step."""
+    return plan.heads * sum(block_tiles(q.stop - q.start, k.stop - k.start, mask is True, tile)
+                            for step in plan.steps for q, k, mask in step)
+
+
+def whole_tiles(case: PlanCase, shape: PlanShape, tile: int = TILE) -> int:
+    """Score tiles (summed over query heads) of the whole-sequence reference: the causal triangle (bshd),
+    or the tiles of the pack's document-causal mask holding a computed pair (thd: FlexAttention's
+    BlockMask; documents are not aligned to tiles, so a tile may straddle two)."""
+    if case.qkv_format == "bshd":
+        return shape.num_heads * block_tiles(case.seq_len, case.seq_len, True, tile)
+    starts = [0, *itertools.accumulate(doc_lengths(case.seq_len, shape.thd_mean_doc))][:-1]
+    # row tile i sees the column tiles from the one holding its first row's document start up to i
+    doc_start = (starts[bisect.bisect_right(starts, i * tile) - 1] for i in range(-(-case.seq_len // tile)))
+    return shape.num_heads * sum(i - start // tile + 1 for i, start in enumerate(doc_start))
 
 
 def _timer(device: str):

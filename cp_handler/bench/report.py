@@ -232,10 +232,10 @@ def launches_table(launches: dict) -> str:
     s, names = launches["shape"], launches["kernels"]
     lines = table_head(f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
                        f"causal fwd+bwd, thd mean document {s['thd_mean_doc']}",
-                       ["format", "S", "pattern", "cp", "tokens/rank", "blocks", *names])
+                       ["format", "S", "pattern", "cp", "tokens/rank", "blocks", "tiles x cp / whole", *names])
     for r in launches["rows"]:
         lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
-                     f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | "
+                     f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | {r['tile_ratio']:.2f} | "
                      + " | ".join("n/a" if r["ops"][n] is None else str(r["ops"][n]) for n in names) + " |")
     return "\n".join(lines)
 

@@ -43,6 +43,13 @@ def block_pairs(sq: int, sk: int, causal: bool) -> int:
     return sq * (sq + 1) // 2 if causal else sq * sk
 
 
+def block_tiles(sq: int, sk: int, causal: bool, tile: int) -> int:
+    """``tile x tile`` score tiles a tiled kernel visits for one block (per batch row and head): every
+    tile that holds a computed pair, partly masked ones included (causal blocks are square)."""
+    rows, cols = -(-sq // tile), -(-sk // tile)
+    return rows * (rows + 1) // 2 if causal else rows * cols
+
+
 def record_attn_pairs(pairs: int, blocks: int) -> None:
     """Record ``pairs`` score pairs computed by ``blocks`` forward blocks."""
     for counter in _work_counters:
