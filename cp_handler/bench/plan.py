@@ -97,7 +97,8 @@ dim 128 are 128 x 64 in the forward, 64 x 128 in the backward)."""
 
 def plan_tiles(plan: RankPlan, tile: int = TILE) -> int:
     """Score tiles (summed over query heads) that ``plan``'s blocks visit, partly masked ones included:
-    :func:`~cp_handler.ops.kernels.work.block_tiles` over every block of every step."""
+    :func:`~cp_handler.ops.kernels.work.block_tiles` over every block of every step (a block with a
+    window or chunk mask counts all its tiles: an upper bound; the plans timed here have none)."""
     return plan.heads * sum(block_tiles(q.stop - q.start, k.stop - k.start, mask is True, tile)
                             for step in plan.steps for q, k, mask in step)
 
