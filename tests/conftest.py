@@ -10,6 +10,10 @@ rules in both.
 * ``database=None``: no ``.hypothesis`` folder written into a clone.
 * example counts: hypothesis' default (100) unless a test states its own (``@settings(max_examples=...)``
   inherits everything else from this profile).
+* :data:`HANG_GUARD_S`: the one wall-clock limit a test may put on a subprocess or a collective, a hang guard
+  only (a loaded 2-core machine ran the suite 2.7x slower than idle, and a 400 s limit failed a correct test);
+  pytest's own per-test limit (pyproject.toml) is above it, so a hung subprocess is killed with its output.
+  ``tests/test_suite_rules.py`` holds every test file to it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 from hypothesis import HealthCheck, settings
 
 PROFILE = "cp_handler"
+HANG_GUARD_S = 1500
+"""Seconds after which a subprocess or a collective of a test is taken to hang (see module doc)."""
 
 
 def load() -> None:

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_GUARD_S
 
 from cp_handler import MagiAttnContextParallelHandler, TEContextParallelHandler
 
@@ -25,7 +26,7 @@ def test_missing_cuda_raises_runtime_error():
     code = ("from cp_handler import TEContextParallelHandler as T, MagiAttnContextParallelHandler as M\n"
             "for cls in (T, M):\n"
             "    try:\n        cls(cp_group=None)\n    except RuntimeError as e:\n        print('RuntimeError:', e)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD_S,
                             env={**os.environ, "PYTHONPATH": FAKES + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert result.stdout.count("RuntimeError:") == 2, result.stdout + result.stderr
     assert "runs on CUDA GPUs only and no CUDA device is available" in result.stdout
@@ -34,7 +35,7 @@ def test_missing_cuda_raises_runtime_error():
 @pytest.mark.parametrize("backend, package", [("transformer_engine", "transformer_engine"), ("magi", "magi_attention")])
 def test_cp_train_gpu_backend_on_cpu_exits_with_the_reason(backend, package):
     result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--nproc", "2", "--backend", backend],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert result.returncode != 0
     assert f"cp-train: error: backend needs the '{package}' package" in result.stderr
     assert "cp-train: world" not in result.stderr

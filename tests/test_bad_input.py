@@ -100,8 +100,8 @@ def _cross_rank(rank, world):
     cu = torch.tensor([0, 4, 8] if rank == 0 else [0, 2, 8], dtype=torch.int32)  # same length, other documents
     h = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu)
     local = torch.randn(h.thd_layout.local_len, 4, 16)
-    with pytest.raises(ValueError, match=r"core_attn: the ranks of the CP group disagree \(rank 0: handler serial="
-                                         r"\d+, local_len=4, .*layout=\d+; rank 1: .*\)"):
+    with pytest.raises(ValueError, match=r"core_attn \(layer_number 1\): the ranks of the CP group disagree \(rank 0: "
+                                         r"handler serial=\d+, local_len=4, .*layout=\d+, variant=\d+; rank 1: .*\)"):
         h.core_attn(ATTN, local, local[:, :2], local[:, :2])
     with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
         h.roll_tensor(local[:, 0], shifts=-1, dims=0)
@@ -118,7 +118,8 @@ def _cross_rank(rank, world):
     agreed = LocalContextParallelHandler(cp_group=group)
     same = torch.randn(1, 8, 4, 16)
     agreed.core_attn(ATTN, same, same[..., :2, :], same[..., :2, :])
-    assert agreed._agreed == {"core_attn"}  # checked once per handler, then remembered
+    agreed.core_attn(ATTN, same, same[..., :2, :], same[..., :2, :])  # the same layer again (a recompute)
+    assert agreed._agreed == {"core_attn (layer_number 1)"}  # checked once per layer and handler, then remembered
 
 
 def _switch_off(rank, world, monkeypatch_env):

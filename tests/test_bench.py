@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from attn_reference import single_process_attention, zigzag_shard
+from conftest import HANG_GUARD_S
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler.bench import torch_ring
@@ -93,7 +94,7 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "cp_handler.bench.cli", "--quick", "--cp-sizes", "1", "2", "--seq-lens", "256",
          "--reps", "1", "--e2e-seq-len", "128", "--e2e-steps", "2", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=400,
+        capture_output=True, text=True, timeout=HANG_GUARD_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 
 from cp_handler.cli.args import build_parser, parse
 
@@ -24,10 +25,10 @@ PLUGINS = {"CP_HANDLER_PLUGINS": "faulty_backends",
 """Loads tests/plugins/faulty_backends.py (faulty backends for the failure tests) into cp-train's ranks."""
 
 
-def cp_train(*flags, env=None, timeout=240):
+def cp_train(*flags, env=None):
     return subprocess.run(
         [sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, **(env or {})},
+        timeout=HANG_GUARD_S, env={**os.environ, **(env or {})},
     )
 
 
@@ -241,7 +242,7 @@ def test_data_errors_exit_before_any_rank(tmp_path):
              (["--data", str(tiny), "--seq-len", "8", "--eval-every", "1", "--eval-batches", "3"],
               "--eval-batches 3 x 2 sequences need 6 held-out sequences")]
     for flags, message in cases:
-        result = cp_train("--nproc", "2", *flags, timeout=60)
+        result = cp_train("--nproc", "2", *flags)
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert "cp-train: world" not in result.stderr
     result = cp_train("--nproc", "2", "--data", str(tiny), "--seq-len", "8", "--steps", "2", "--hidden-size", "32",
@@ -255,7 +256,7 @@ def test_check_parity_holds_at_any_length_and_catches_bugs_its_reference_cannot_
     at once, and so does a bug present at every cp (attention scaled by 1.001), which the old reference
     (the same handler at cp=1) shared and passed."""
     tiny = ["--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64", "--max-corpus-bytes", "2000000"]
-    result = cp_train("--nproc", "2", "--steps", "200", *tiny, "--check-parity", timeout=300)
+    result = cp_train("--nproc", "2", "--steps", "200", *tiny, "--check-parity")
     assert result.returncode == 0 and "parity passed: each of 200 steps" in result.stderr, result.stderr[-2000:]
     for backend in ("rope_bug", "soft_bug"):
         result = cp_train("--nproc", "2", "--steps", "3", *tiny, "--check-parity", "--backend", backend, env=PLUGINS)
@@ -263,7 +264,7 @@ def test_check_parity_holds_at_any_length_and_catches_bugs_its_reference_cannot_
 
 
 def test_frozen_rank_ends_the_job_naming_it():
-    result = cp_train("--nproc", "2", "--timeout", "8", *SMALL, "--backend", "freeze_rank", env=PLUGINS, timeout=120)
+    result = cp_train("--nproc", "2", "--timeout", "8", *SMALL, "--backend", "freeze_rank", env=PLUGINS)
     assert result.returncode != 0
     assert "rank 1 made no progress for 8 s (--timeout); it was killed and all ranks stopped." in result.stderr
 
@@ -296,13 +297,13 @@ def test_one_backend_line_per_job_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_handler.cli.train",
          "--steps", "2", "--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64"],
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stderr.count("--backend auto picked") == 1
 
 
 def test_crashed_rank_stops_every_rank():
-    result = cp_train("--nproc", "2", *SMALL, "--backend", "fail_rank", env=PLUGINS, timeout=120)
+    result = cp_train("--nproc", "2", *SMALL, "--backend", "fail_rank", env=PLUGINS)
     assert result.returncode != 0
     assert "rank 1 failed; all ranks stopped" in result.stderr
     assert "injected failure on rank 1" in result.stderr
@@ -331,7 +332,7 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
     before: Python's max() skips NaN); parity_result fails on any non-finite value."""
     from cp_handler.training.parity import parity_result
 
-    result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS, timeout=120)
+    result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS)
     assert result.returncode != 0 and "step 0: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
     good = {"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0, "reference_grad_norm": 1.0}
     assert parity_result([good], "float32")["passed"]
@@ -359,11 +360,11 @@ def test_startup_obeys_timeout_and_a_port_in_use_is_named():
     base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "1"}
     try:
-        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "1"}, timeout=90)
+        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "1"})
         assert result.returncode == 1, result.stderr[-2000:]
         assert f"rank 1 could not join the process group in 5 s (--timeout): the rendezvous at MASTER_ADDR:" \
                f"MASTER_PORT = 127.0.0.1:{port} did not complete" in result.stderr
-        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "0"}, timeout=90)
+        result = cp_train("--timeout", "5", *SMALL, env={**base, "RANK": "0"})
         assert result.returncode == 1 and f"127.0.0.1:{port}: the port is already in use" in result.stderr, \
             result.stderr[-2000:]
         assert "Traceback" not in result.stderr

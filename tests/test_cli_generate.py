@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 
 
 def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
@@ -29,7 +30,7 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
                                "--checkpoint", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
                                "--max-new-tokens", "12", "--ignore-eos", "--check-parity", "--report-out",
                                str(tmp_path / "r.json")],
-                              capture_output=True, text=True, timeout=240)
+                              capture_output=True, text=True, timeout=HANG_GUARD_S)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
         report = json.loads((tmp_path / "r.json").read_text())
@@ -38,7 +39,7 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
     done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
                            str(tmp_path / "ckpt"), "--prompt-file", str(prompt), "--max-new-tokens", "12",
                            "--temperature", "0.8", "--top-p", "0.9", "--seed", "2", "--check-parity", "--report-out",
-                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
+                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (float32): sampled tokens followed by the reference" in done.stderr
     ids = json.loads((tmp_path / "r.json").read_text())["tokens"][0]
@@ -61,6 +62,10 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
              (["--hf-model", hf, "--max-new-tokens", "100"], r"1000 tokens \+ --max-new-tokens 100 exceed the model's "
                                                              r"1024 positions"),
              (["--hf-model", hf, "--max-new-tokens", "0"], r"--max-new-tokens 0 must be >= 1"),
+             (["--hf-model", hf, "--timeout", "nan"], r"--timeout nan must be a finite number > 0"),
+             (["--hf-model", hf, "--timeout", "0"], r"--timeout 0.0 must be a finite number > 0"),
+             (["--hf-model", hf, "--temperature", "-1"], r"--temperature -1.0 must be a finite number >= 0"),
+             (["--hf-model", hf, "--report-out", str(prompt / "r.json")], r"--report-out .*r.json: cannot write in"),
              (["--hf-model", hf, "--nproc", "3", "--cp-comm-type", "a2a", "--max-new-tokens", "4"],
               r"4 query heads / 2 KV heads of --hf-model .* with --nproc 3 and --cp-comm-type a2a: a2a needs query "
               r"heads \(4\) divisible by the a2a size \(3\)")]
@@ -99,6 +104,25 @@ def test_cp_generate_runs_a_model_in_the_dtype_it_was_saved_in(tmp_path, monkeyp
     base = ["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "bf16")]
     assert parse(base)[0].dtype == "bfloat16" and parse([*base, "--dtype", "float32"])[0].dtype == "float32"
     done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", *base, "--max-new-tokens", "6",
-                           "--check-parity"], capture_output=True, text=True, timeout=240)
+                           "--check-parity"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (bfloat16)" in done.stderr and "atol = rtol = 0.02" in done.stderr
+
+
+def test_cp_generate_names_itself_and_a_tiny_temperature_is_greedy(tmp_path, monkeypatch):
+    """Every message of a cp-generate run says cp-generate (a failed rank was reported as ``cp-train: ...``);
+    ``--temperature 1e-40`` is the greedy limit (it ended in ``probability tensor contains inf/nan``)."""
+    import cp_handler.inference.run as run
+    from cp_handler.inference.sampling import Sampling
+
+    seen = {}
+    monkeypatch.setattr(run, "launch", lambda *args, **kwargs: seen.update(kwargs) or {0: None})
+    run.run_generation(run.GenerateConfig(world_size=2))
+    assert seen["program"] == "cp-generate"
+    logits = torch.randn(3, 50) * 30
+    tiny = Sampling(temperature=1e-40)
+    assert torch.equal(tiny.choose(logits, tiny.generator(logits.device)), logits.argmax(-1))
+    # the shift changes nothing at ordinary temperatures beyond float32 rounding: scores up to ~130 (30 x 3 / 0.7)
+    # are rounded to 1.5e-5 before exp, a relative 1.5e-5 in a probability
+    probs = Sampling(temperature=0.7).probabilities(logits)
+    torch.testing.assert_close(probs, (logits / 0.7).softmax(-1), rtol=3e-5, atol=1e-7)

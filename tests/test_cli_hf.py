@@ -5,6 +5,7 @@ before any rank starts."""
 import re
 
 import pytest
+from conftest import HANG_GUARD_S
 from test_cli import cp_train
 
 from cp_handler.cli.args import parse
@@ -114,7 +115,8 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
     (tmp_path / "prompt.txt").write_text(text)
     done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--hf-model", str(exported),
                            "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5", "--check-parity",
-                           "--report-out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=240)
+                           "--report-out", str(tmp_path / "r.json")], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (float32): same tokens True" in done.stderr
     report = json.loads((tmp_path / "r.json").read_text())

@@ -6,13 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "examples/quickstart.py")],
-        capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     diff = float(result.stdout.split("max |CP - single process| =")[1])
@@ -23,7 +25,7 @@ def test_hf_quickstart_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          str(ROOT / "examples/hf_quickstart.py")],
-        capture_output=True, text=True, timeout=180, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert float(result.stdout.split("difference")[1]) < 1e-5  # float32 loss of order 5; reordered sums only

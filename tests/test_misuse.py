@@ -98,8 +98,8 @@ def _one_rank_fails_worker(rank, world):
     local = [bad.dispatch(t, 1) for t in (q, k, v)]
     if rank == 1:
         local[0] = local[0].double()  # only this rank's inputs are wrong
-    with pytest.raises(RanksRefused, match=r"core_attn: the inputs of some ranks of the CP group were refused "
-                                           r"\(rank 1: TypeError: core_attn q, k, v must share one dtype"):
+    with pytest.raises(RanksRefused, match=r"core_attn \(layer_number 1\): the inputs of some ranks of the CP group "
+                                           r"were refused \(rank 1: TypeError: core_attn q, k, v must share one dtype"):
         bad.core_attn(Attn(), *local)  # every rank raises the same error, no rank entered the ring
     h = LocalContextParallelHandler(cp_group=group)  # the caller goes on to the next batch
     out = h.combine(h.core_attn(Attn(), *(h.dispatch(t, 1) for t in (q, k, v))), 1)
@@ -130,3 +130,45 @@ def _serial_worker(rank, world):
 
 def test_handlers_built_out_of_step_are_refused():
     run_distributed(_serial_worker, 2)
+
+
+def _variant_worker(rank, world):
+    """A window that differs between ranks hung p2p (the halo exchange) and returned an answer of neither
+    window with a2a / all_gather; the second layer differs here, so a check of the first call only would miss it."""
+    group = new_cp_group()
+    q, k, v = _qkv(3, 32)
+    for comm in ("p2p", "a2a", "all_gather"):
+        h = LocalContextParallelHandler(cp_group=group, cp_comm_type=comm)
+        local = [h.dispatch(t, 1) for t in (q, k, v)]
+        first, second = Attn(), Attn()
+        first.window_size, second.layer_number = (3, 0), 2
+        second.window_size = (3, 0) if rank == 0 else (5, 0)
+        h.core_attn(first, *local)
+        with pytest.raises(RanksRefused, match=r"core_attn \(layer_number 2\): the ranks of the CP group disagree "
+                                               r"\(rank 0: .*variant=(\d+); rank 1: .*variant=(?!\1)"):
+            h.core_attn(second, *local)
+    scaled = Attn()
+    scaled.softmax_scale = 0.5 + rank  # another scale on each rank: another result
+    h = LocalContextParallelHandler(cp_group=group)
+    with pytest.raises(RanksRefused, match=r"disagree"):
+        h.core_attn(scaled, *(h.dispatch(t, 1) for t in (q, k, v)))
+    dist.barrier()
+
+
+def test_an_attention_variant_that_differs_between_ranks_is_every_ranks_error():
+    run_distributed(_variant_worker, 2)
+
+
+def test_an_unbounded_left_window_without_a_causal_mask_is_refused():
+    """``window_size=(-1, 0)`` with ``no_mask`` says "nothing to the right": it ran fully bidirectional (the 0
+    was ignored). Transformer Engine refuses it; so do we, naming the causal mask it describes."""
+    attn = Attn()
+    attn.window_size = (-1, 0)
+    q, k, v = _qkv(4, 8)
+    with pytest.raises(ValueError, match=r"window_size=\(-1, 0\) with attn_mask_type='no_mask'.*\(-1, 0\) is the "
+                                         r"causal mask: pass attn_mask_type='causal'"):
+        LocalContextParallelHandler().core_attn(attn, q, k, v, attn_mask_type="no_mask")
+    attn.window_size = (-1, -1)
+    out = LocalContextParallelHandler().core_attn(attn, q, k, v, attn_mask_type="no_mask")
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)

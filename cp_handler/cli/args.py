@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import tempfile
 from dataclasses import replace
 
 import torch
@@ -21,9 +19,10 @@ from ..launch import under_torchrun
 from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
-from ..training.checkpoint import check_resume
 from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
 from ..training.tokens import has_tokenizer, tokens_for
+from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints
+from .common import check_numbers, check_writable, world_size_from
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
 from .training_args import add_training_flags, check_lr_schedule, check_micro_batch_size
@@ -123,19 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write JSON metrics (config, per-step loss, tokens/s, memory), atomically")
     g.add_argument("--log-every", type=int, default=None,
                    help="progress line every N steps when stderr is not a terminal (default: --steps // 10)")
-    g = p.add_argument_group("checkpoints (torch.distributed.checkpoint; docs/cp-train.md)")
-    g.add_argument("--save", default=None, metavar="DIR",
-                   help="save model, optimizer, step and RNG state to DIR/step-N (published atomically; DIR/latest "
-                        "names the newest) after the last step and every --save-every steps")
-    g.add_argument("--save-every", type=int, default=0, metavar="N", help="also save after every N steps (0: only "
-                                                                           "after the last one)")
-    g.add_argument("--save-keep", type=int, default=2, metavar="K", help="complete checkpoints kept in DIR")
-    g.add_argument("--resume", default=None, metavar="DIR",
-                   help="continue from a checkpoint (a --save DIR: its latest; or one step-N folder), at any layout "
-                        "(cp, dp, comm type, ep, dynamic CP); --steps counts from the start of the run")
-    g.add_argument("--export-hf", default=None, metavar="DIR",
-                   help="after training, write the Hugging Face model (and its tokenizer, if any) with "
-                        "save_pretrained (plain transformers loads it); needs --hf-config or --hf-model")
+    add_checkpoint_flags(p)
     return p
 
 
@@ -148,33 +135,13 @@ POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
 """Float flags that must be finite and > 0 (``--lr nan`` would train on NaN)."""
 NON_NEGATIVE_FLOATS = ("moe_aux_loss_coeff", "min_lr", "clip_grad")
 """Float flags that must be finite and >= 0."""
+NON_NEGATIVE = ("eval_every", "moe_experts", "save_every", "lr_warmup_steps")
+"""Integer flags that must be >= 0."""
 
 
 def check_positive(args: argparse.Namespace) -> None:
-    """Raises ValueError naming the first size flag below 1 (``--eval-every`` and ``--moe-experts``: below 0),
-    or a float flag that is not finite and positive (``--moe-aux-loss-coeff``: finite and >= 0)."""
-    for name in POSITIVE:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    for name in ("eval_every", "moe_experts", "save_every", "lr_warmup_steps"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
-    for name in POSITIVE_FLOATS:
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number > 0")
-    for name in NON_NEGATIVE_FLOATS:
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"--{name.replace('_', '-')} {value} must be a finite number >= 0")
-
-
-def world_size_from(args: argparse.Namespace) -> int:
-    """The run's world size: ``WORLD_SIZE`` under torchrun, else ``--nproc`` (default 1)."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    return args.nproc if args.nproc is not None else 1
+    """cp-train's number flags (:func:`~.rules.check_numbers`). Raises ValueError naming the first broken one."""
+    check_numbers(args, POSITIVE, NON_NEGATIVE, POSITIVE_FLOATS, NON_NEGATIVE_FLOATS)
 
 
 def comm_type_arg(text: str) -> str | list[str]:
@@ -226,7 +193,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         except ValueError as err:
             raise ValueError(f"{heads_source} with {flag} {cp_config.context_parallel_size}: {err}") from None
     check_data(args, world // evaluation.context_parallel_size, dynamic is not None)
-    check_writable(args.metrics_out)
+    check_writable("--metrics-out", args.metrics_out)
     check_checkpoint_flags(args)
     config = TrainConfig(
         world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model,
@@ -241,25 +208,9 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
-        export_hf=args.export_hf,
+        export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
-    if args.resume:
-        check_resume(config, args.resume)
-    return config
-
-
-def check_checkpoint_flags(args: argparse.Namespace) -> None:
-    """``--save-every`` needs ``--save``; ``--export-hf`` a Hugging Face model; the folders can be written.
-    Raises ValueError naming the flag."""
-    if args.save_every and not args.save:
-        raise ValueError(f"--save-every {args.save_every} needs --save DIR")
-    if args.export_hf and not (args.hf_config or args.hf_model):
-        raise ValueError("--export-hf writes a Hugging Face model: it needs --hf-config or --hf-model (the reference "
-                         "GPT is saved with --save)")
-    if args.save:
-        check_folder("--save", args.save, args.save)
-    if args.export_hf:
-        check_folder("--export-hf", args.export_hf, os.path.dirname(os.path.abspath(args.export_hf)))
+    return check_checkpoints(args, config)
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:
@@ -271,23 +222,6 @@ def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None
         check_world_divisible(world, cp_size)
     except ValueError as err:
         raise ValueError(f"--cp-size {cp_size}: {err}") from None
-
-
-def check_writable(path: str | None) -> None:
-    """``--metrics-out`` can be written (its folder exists or can be made, and takes a new file), checked
-    before any rank starts instead of failing after training. Raises ValueError."""
-    if path is not None:
-        check_folder("--metrics-out", path, os.path.dirname(os.path.abspath(path)))
-
-
-def check_folder(flag: str, value: str, folder: str) -> None:
-    """``folder`` exists or can be made, and takes a new file. Raises ValueError naming ``flag``."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".cp-train-check-"):
-            pass
-    except OSError as err:
-        raise ValueError(f"{flag} {value}: cannot write in {folder} ({err.strerror or err})") from None
 
 
 def check_data(args: argparse.Namespace, eval_dp_size: int, dynamic: bool = False) -> None:

@@ -11,7 +11,6 @@ and decode throughput, the KV cache per rank and, with ``--check-parity``, the c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -20,9 +19,10 @@ from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
 from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
 from ..inference.sampling import Sampling
-from ..training.checkpoint import find_checkpoint, read_meta
+from ..training.checkpoint_meta import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
+from .common import check_numbers, check_writable, world_size_from, write_json_atomically
 from .flag_names import HelpFormatter, to_flags
 from .model_args import check_hf_architecture, hf_attention_shape
 
@@ -91,19 +91,20 @@ def read_prompts(paths: list[str], tokens: ByteTokens | HFTokens) -> tuple[tuple
 
 def validate(args: argparse.Namespace) -> GenerateConfig:
     """Every rule before any rank starts. Raises ValueError naming the flag."""
-    under_torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else (args.nproc or 1)
-    sizes = (("--nproc", args.nproc), ("--cp-size", args.cp_size), ("--max-new-tokens", args.max_new_tokens))
-    for flag, value in sizes:
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
+    check_numbers(args, positive=("nproc", "cp_size", "max_new_tokens"), non_negative=("top_k",),
+                  positive_floats=("timeout",), non_negative_floats=("temperature",))
+    world = world_size_from(args)
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
+    check_writable("--report-out", args.report_out)
     if args.cp_size is not None and args.cp_size != world:
         raise ValueError(f"--cp-size {args.cp_size}: cp-generate runs one CP group over all {world} ranks (--nproc)")
     if bool(args.checkpoint) == bool(args.hf_model):
         raise ValueError("give exactly one of --checkpoint (a cp-train --save folder) and --hf-model")
     if args.checkpoint:
         checkpoint = find_checkpoint(args.checkpoint, "--checkpoint")
-        meta = read_meta(checkpoint)
+        meta = read_meta(checkpoint, "--checkpoint")
+        verify_checkpoint(checkpoint, meta, "--checkpoint")  # format 1 recorded no checksums: nothing to verify
         if meta["model"]["kind"] != "gpt":
             raise ValueError(f"--checkpoint {args.checkpoint}: a Hugging Face model's checkpoint; export it with "
                              "cp-train --export-hf DIR and pass --hf-model DIR")
@@ -190,8 +191,12 @@ def main(argv: list[str] | None = None) -> int:
               "model's rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE), so the cached keys "
               "had to be rotated again", file=sys.stderr)
     if report_out:
-        with open(report_out, "w") as f:
-            json.dump(report, f, indent=2)
+        try:
+            write_json_atomically(report_out, report)
+        except OSError as err:
+            print(f"cp-generate: error: could not write --report-out {os.path.abspath(report_out)}: "
+                  f"{err.strerror or err}; the previous file there (if any) is unchanged", file=sys.stderr)
+            return 1
     parity = report.get("parity")
     if parity is not None:
         verdict = "passed" if parity["passed"] else "FAILED"

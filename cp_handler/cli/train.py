@@ -8,34 +8,12 @@ the checks' verdicts and ``--metrics-out``.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 
 from ..training.run import run_training
 from .args import parse
-
-
-def write_json_atomically(path: str, data: dict) -> None:
-    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader (or a
-    full disk) never sees a truncated file; the previous file stays until the new one is whole.
-
-    Raises:
-        OSError: with the path in the message (e.g. the disk is full); the previous file is untouched.
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".metrics-", suffix=".json")
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+from .common import write_json_atomically
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -181,6 +181,7 @@ class ContextParallelHandler(ABC):
             values, error = local_checks(), None
         except (ValueError, TypeError) as err:
             values, error = dict.fromkeys(fields, 0), err
+        values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
         self.agree(what, values, device, error)
         return values
 

@@ -149,10 +149,12 @@ def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int
                              f"ignored); set attn_mod.{name} instead")
     causal = attn_mask_type == "causal"
     window, left = window_size(attn_mod), None
-    if window is not None and window not in ((-1, 0), (-1, -1)):
+    unbounded = ((-1, 0), (-1, -1)) if causal else ((-1, -1),)  # no_mask with (-1, 0) would be a causal mask
+    if window is not None and window not in unbounded:
         if window[1] != 0 or not causal:
             raise ValueError(f"attn_mod.window_size={window} with attn_mask_type={attn_mask_type!r}: only causal left "
-                             "windows (W - 1, 0) are supported")
+                             "windows (W - 1, 0) are supported (with 'no_mask' only the unbounded (-1, -1); (-1, 0) "
+                             "is the causal mask: pass attn_mask_type='causal')")
         left = window[0] + 1
     chunk = getattr(attn_mod, "attention_chunk_size", None)
     softcap = getattr(attn_mod, "softcap", None)
@@ -173,6 +175,15 @@ def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int
 def fingerprint(*parts) -> int:
     """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
     return zlib.crc32(repr(parts).encode())
+
+
+def variant_fingerprint(comm_type: str, mask, sinks, scale: float) -> int:
+    """An integer of what shapes a ``core_attn`` call's communication and result beyond the tensors' shapes:
+    the layer's comm type, its mask (causal, window, chunk, soft-cap), the sinks' shape and the softmax scale
+    (compared across ranks: a window that differs between ranks would hang the halo exchange, or return an
+    answer of neither window)."""
+    return fingerprint(comm_type, mask.causal, mask.window, mask.chunk, mask.softcap,
+                       None if sinks is None else tuple(sinks.shape), float(scale))
 
 
 def ranks_check_enabled(check_ranks: bool | None) -> bool:

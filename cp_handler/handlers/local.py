@@ -14,7 +14,7 @@ from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
 from .base import ATTN_MASK_TYPES
-from .checks import softmax_scale
+from .checks import softmax_scale, variant_fingerprint
 from .zigzag import ZigzagContextParallelHandler
 
 
@@ -107,8 +107,9 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
                                  f"(attn_mask_type={attn_mask_type!r}): a KV cache holds keys and values that later "
                                  "tokens do not change, which holds only for causal attention; an encoder-style "
                                  "model cannot generate with a cache")
+            return {"variant": variant_fingerprint(self.comm_type_for(attn_mod), *variant.values(), scale)}
 
-        self.check_attention_inputs(q, k, v, read_variant)
+        self.check_attention_inputs(q, k, v, attn_mod, read_variant)
         mask, sinks = variant["mask"], variant["sinks"]
         q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
         options = {"causal": mask.causal, "scale": scale, "layout": self.layout(q_.shape[2]),

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..ops.patterns import PATTERNS
 from .base import ATTN_MASK_TYPES, variant_names
-from .checks import softmax_scale, window_size
+from .checks import softmax_scale, variant_fingerprint, window_size
 from .requirements import import_backend, release, require_cuda
 from .zigzag import ZigzagContextParallelHandler
 
@@ -212,7 +212,12 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        self.check_attention_inputs(q, k, v, lambda: self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2]))
+        def read_variant():
+            mask, sinks = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
+            return {"variant": variant_fingerprint(self.comm_type_for(attn_mod), mask, sinks,
+                                                   softmax_scale(attn_mod, q.shape[-1]))}
+
+        self.check_attention_inputs(q, k, v, attn_mod, read_variant)
         shape = q.shape
         if self.qkv_format == "thd" and q.dim() == 4:
             q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)

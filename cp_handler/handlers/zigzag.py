@@ -79,16 +79,20 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             )
         return self.thd_layout
 
-    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, more_checks=None) -> None:
+    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mod=None,
+                               more_checks=None) -> None:
         """The checks every ``core_attn`` of this layout runs first: q/k/v agree (:func:`.checks.check_qkv`),
-        the local length fits the layout (:meth:`layout`), ``more_checks()`` (a handler's own, e.g. the
-        attention variant) passes, and, once per handler, the ranks agree on length, batch, heads,
-        head dim, dtype and layout. A local failure fails every rank together (:meth:`checked`).
+        the local length fits the layout (:meth:`layout`), ``more_checks() -> {field: int} or None`` (a
+        handler's own, e.g. the attention variant) passes, and, at the first call of each layer
+        (``attn_mod.layer_number``, else the call's index) per handler, the ranks agree on length, batch, heads,
+        head dim, dtype, layout and what ``more_checks`` returned (the variant: it shapes the communication and
+        the result, and may differ between layers). A local failure fails every rank together (:meth:`checked`).
 
         Raises:
             ValueError / TypeError: naming the tensors, their shapes or dtypes, and the rule.
         """
-        fields = ("local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout")
+        fields = ["local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout"]
+        extra = {}
 
         def local_checks():
             dims = (3, 4) if self.qkv_format == "thd" else (4,)
@@ -99,12 +103,15 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             check_qkv(q, k, v, seq_dim)
             self.layout(q.shape[seq_dim])
             if more_checks is not None:
-                more_checks()
+                extra.update(more_checks() or {})
             return {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
                     "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
-                    "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint}
+                    "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint, **extra}
 
-        self.checked("core_attn", getattr(q, "device", "cpu"), fields, local_checks)
+        layer = getattr(attn_mod, "layer_number", None)
+        self._attn_calls = getattr(self, "_attn_calls", 0) + 1
+        key = f"core_attn (layer_number {layer})" if layer is not None else f"core_attn (call {self._attn_calls})"
+        self.checked(key, getattr(q, "device", "cpu"), (*fields, "variant"), local_checks)
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.

@@ -25,7 +25,7 @@ from models import GPTConfig, GPTModel
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
-from ..training.checkpoint import read_meta
+from ..training.checkpoint_meta import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits
 from .generate import compare_generations, generate, reference_generate
@@ -104,7 +104,8 @@ def generate_rank(config: GenerateConfig) -> dict | None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if not cuda:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    init_process_group_bounded("nccl" if cuda else "gloo", config.timeout, device_id=device if cuda else None)
+    init_process_group_bounded("nccl" if cuda else "gloo", config.timeout, program="cp-generate",
+                               device_id=device if cuda else None)
     heartbeat()
     try:
         world = dist.get_world_size()
@@ -142,4 +143,4 @@ def run_generation(config: GenerateConfig) -> dict | None:
     Raises:
         SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
     """
-    return launch(generate_rank, config.world_size, config, timeout=config.timeout).get(0)
+    return launch(generate_rank, config.world_size, config, program="cp-generate", timeout=config.timeout).get(0)

@@ -60,7 +60,10 @@ class Sampling:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """``(B, V)`` float32 logits -> the sampling distribution ``(B, V)`` (zeros outside top-k / top-p)."""
-        scores = logits.float() / self.temperature
+        scores = logits.float()
+        # softmax((l - max) / T) = softmax(l / T): the shift keeps a tiny T finite (l / 1e-40 overflows to inf and
+        # the softmax to NaN; shifted, the most likely token gets probability 1: greedy, the limit of T -> 0)
+        scores = (scores - scores.amax(-1, keepdim=True)) / self.temperature
         if self.top_k and self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[:, -1:]
             scores = scores.masked_fill(scores < kth, -math.inf)

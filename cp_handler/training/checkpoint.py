@@ -1,24 +1,23 @@
 """Checkpoints of ``cp-train`` (``--save`` / ``--resume``) with ``torch.distributed.checkpoint`` (DCP).
 
 A checkpoint holds the model, the optimizer state (AdamW's moments, its step count and learning
-rate), every rank's RNG state, and ``cp_train.json``: the learning-rate scheduler's state, the
-completed step count (the data position: batches are drawn by step index, :mod:`.data`), and what the
-run's data and model were. DCP writes
-each tensor once (parameters replicated over dp x cp are deduplicated; each expert shard is written
-by a rank that holds it), and reads back at any layout: another CP size, data-parallel size, comm
-type, expert-parallel size, or dynamic CP.
+rate), every rank's RNG state, and ``cp_train.json`` (:mod:`.checkpoint_meta`: the step, the scheduler, what
+the model and data were, every file's size and sha256). DCP writes each tensor once (parameters replicated
+over dp x cp are deduplicated; each expert shard is written by a rank that holds it), and reads back at any
+layout: another CP size, data-parallel size, comm type, expert-parallel size, or dynamic CP.
 
 Layout of ``--save DIR``: ``DIR/step-00000010/`` (one complete checkpoint each), ``DIR/latest`` (the
-name of the newest complete one). A save writes ``DIR/.step-00000010.partial/`` first, then rank 0
-adds ``cp_train.json`` and renames the folder into place (an atomic rename), and only then points
-``latest`` at it (written to a temporary file and renamed). A rank killed during a save leaves a
-``.partial`` folder, which nothing reads; ``latest`` still names the previous checkpoint. The newest
-``keep`` complete checkpoints are kept.
+name of the newest complete one). A save writes ``DIR/.step-00000010.partial/`` first; every rank hashes
+its share of the files, then rank 0 adds ``cp_train.json`` and renames the folder into place (an atomic
+rename onto a name that does not exist: a run never re-saves a step), and only then points ``latest`` at it
+(a temporary file renamed). A rank killed during a save leaves a ``.partial`` folder, which nothing reads;
+``latest`` still names the previous checkpoint. :class:`CheckpointWriter` prunes only checkpoints its own
+run wrote (:mod:`.save_folder` has the folder's rules: one writer, a run owns what it writes).
 
-Errors (:class:`CheckpointError`, a ``ValueError``): ``--resume`` of a missing, partial or incompatible
-checkpoint (another model shape or vocabulary, another expert count, other data or tokens, another global
-batch, learning rate or schedule, or dtype: each named with its flag), checked before any rank starts; a save that
-fails (disk full: named as such) on every rank, with the previous checkpoint intact.
+Errors (:class:`CheckpointError`, a ``ValueError``): ``--resume`` of a missing, partial, damaged or
+incompatible checkpoint, checked before any rank starts (:func:`~.checkpoint_meta.check_resume`); a save
+that fails (disk full: named as such) on every rank, with the previous checkpoint intact; a step that
+already exists (never replaced).
 """
 
 from __future__ import annotations
@@ -27,157 +26,20 @@ import errno
 import json
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig
-from .tokens import ByteTokens, tokens_for
+from .checkpoint_meta import CheckpointError, read_meta
+from .save_folder import LATEST, META, checkpoint_files, file_digests
 
 # torch.distributed.checkpoint is imported inside the functions that save and load: imported here it
 # would cost every launch and rank 0.5 s of start-up.
 
-META = "cp_train.json"
-LATEST = "latest"
-FORMAT = 1
-HF_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts",
-                 "n_routed_experts", "tie_word_embeddings")
-"""Fields of a Hugging Face config that decide the shape of its parameters (compared on resume)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from, or a save that failed (the message says which)."""
-
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def global_batch(config: TrainConfig) -> int:
-    """Sequences (static) or documents (dynamic CP) per optimizer step over all ranks."""
-    if config.dynamic:
-        return config.batch_size * config.world_size
-    return config.batch_size * (config.world_size // config.cp.context_parallel_size)
-
-
-def model_identity(config: TrainConfig) -> dict:
-    """What decides the parameters' names and shapes: the GPT config, or the Hugging Face config's shape fields."""
-    if config.model is not None:
-        return {"kind": "gpt", **asdict(config.model)}
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(config.hf_source, local_files_only=True).to_dict()
-    return {"kind": "hf", **{k: hf[k] for k in HF_SHAPE_KEYS if k in hf}}
-
-
-def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
-    """``cp_train.json`` of a checkpoint after ``step`` completed steps."""
-    return {"format": FORMAT, "step": step, "world_size": config.world_size, "optimizer": optimizer,
-            "model": model_identity(config),
-            "training": {"lr": config.lr, "min_lr": config.min_lr, "lr_warmup_steps": config.lr_warmup_steps,
-                         "lr_decay_style": config.lr_decay_style, "lr_decay_steps": config.lr_decay_steps,
-                         "dtype": config.dtype, "seq_len": config.seq_len, "seed": config.seed,
-                         "data": list(config.data) if config.data else None,
-                         "max_corpus_bytes": config.max_corpus_bytes, "tokens": tokens_for(config.hf_source).identity,
-                         "packing": config.packing,
-                         "thd_max_doc_len": config.thd_max_doc_len, "dynamic": config.dynamic is not None,
-                         "global_batch": global_batch(config)},
-            "layout": {"cp_size": None if config.dynamic else config.cp.context_parallel_size,
-                       "cp_comm_type": config.cp.cp_comm_type, "expert_parallel_size": config.expert_parallel_size}}
-
-
-TRAINING_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-steps",
-                  "lr_decay_style": "--lr-decay-style", "lr_decay_steps": "--lr-decay-steps (default: --steps)",
-                  "dtype": "--dtype", "seq_len": "--seq-len", "seed": "--seed", "data": "--data",
-                  "max_corpus_bytes": "--max-corpus-bytes", "packing": "--packing",
-                  "thd_max_doc_len": "--thd-max-doc-len",
-                  "tokens": "the tokens (the model folder's tokenizer, else bytes)"}
-SAVED_BEFORE = {"tokens": ByteTokens.identity, "min_lr": 0.0, "lr_warmup_steps": 0, "lr_decay_style": "constant",
-                "lr_decay_steps": None}
-"""Values of fields that checkpoints written before the fields existed lack (they were all byte-level, at a
-constant learning rate)."""
-
-
-def mismatches(saved: dict, current: dict) -> list[str]:
-    """What differs between a checkpoint's ``cp_train.json`` and this run, each named with its flag or field.
-    The layout (cp, dp, comm type, ep, dynamic CP) may differ; the model, the data and the optimization may not."""
-    problems = []
-    if saved.get("format") != FORMAT:
-        return [f"checkpoint format {saved.get('format')!r}, this cp-train reads format {FORMAT}"]
-    for key in sorted(set(saved["model"]) | set(current["model"])):
-        if saved["model"].get(key) != current["model"].get(key):
-            problems.append(f"model {key}: checkpoint {saved['model'].get(key)!r}, this run "
-                            f"{current['model'].get(key)!r}")
-    same_mode = saved["training"]["dynamic"] == current["training"]["dynamic"]
-    for key, flag in TRAINING_FLAGS.items():
-        if key in ("packing", "thd_max_doc_len") and not same_mode:
-            continue  # dynamic CP packs whole documents: its own data source, continued at the same step
-        was = saved["training"].get(key, SAVED_BEFORE.get(key))
-        if was != current["training"][key]:
-            problems.append(f"{flag}: checkpoint {was!r}, this run {current['training'][key]!r}")
-    if same_mode and saved["training"]["global_batch"] != current["training"]["global_batch"]:
-        problems.append(f"global batch: checkpoint {saved['training']['global_batch']}, this run "
-                        f"{current['training']['global_batch']} (--batch-size x data-parallel ranks; the data "
-                        "position is a step index into batches of that size)")
-    if saved["optimizer"] != current["optimizer"]:
-        problems.append(f"optimizer: checkpoint {saved['optimizer']}, this run {current['optimizer']}")
-    return problems
-
-
-def find_checkpoint(path: str, flag: str = "--resume") -> Path:
-    """The complete checkpoint ``path`` (given as ``flag``) names: a checkpoint folder, or a ``--save``
-    folder (its ``latest``).
-
-    Raises:
-        CheckpointError: nothing there, only a partial save, or ``latest`` naming a missing / incomplete one.
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{flag} {path}: no such directory")
-    if root.name.endswith(".partial"):
-        raise CheckpointError(f"{flag} {path}: a partial checkpoint (a save that did not finish); resume from "
-                              f"{root.parent} (its latest complete checkpoint)")
-    if (root / META).is_file():
-        candidate = root
-    elif (root / LATEST).is_file():
-        candidate = root / (root / LATEST).read_text().strip()
-    else:
-        partial = sorted(p.name for p in root.glob(".step-*.partial"))
-        what = f"only partial checkpoints ({', '.join(partial)}: saves that did not finish)" if partial else \
-            "no checkpoint"
-        raise CheckpointError(f"{flag} {path}: {what}")
-    if not ((candidate / META).is_file() and (candidate / ".metadata").is_file()):
-        raise CheckpointError(f"{flag} {path}: {candidate.name} is missing or incomplete (no {META} or DCP "
-                              ".metadata)")
-    return candidate
-
-
-def read_meta(checkpoint: Path) -> dict:
-    try:
-        return json.loads((checkpoint / META).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"--resume {checkpoint}: unreadable {META} ({err})") from None
-
-
-def check_resume(config: TrainConfig, path: str, optimizer: str = "AdamW") -> tuple[Path, int]:
-    """``(checkpoint folder, completed steps)`` to resume ``config`` from, checked before any rank starts.
-
-    Raises:
-        CheckpointError: see :func:`find_checkpoint`; an incompatible checkpoint (:func:`mismatches`, every
-            difference listed); ``--steps`` not beyond the checkpoint's step.
-    """
-    checkpoint = find_checkpoint(path)
-    saved = read_meta(checkpoint)
-    problems = mismatches(saved, run_meta(config, 0, optimizer))
-    if problems:
-        raise CheckpointError(f"--resume {path}: {checkpoint.name} does not fit this run: " + "; ".join(problems))
-    if saved["step"] >= config.steps:
-        raise CheckpointError(f"--steps {config.steps}: {checkpoint.name} has already trained {saved['step']} steps "
-                              "(--steps counts from the start of the run)")
-    return checkpoint, saved["step"]
 
 
 def _state(trained, optim, with_rng: bool) -> dict:
@@ -198,7 +60,8 @@ def _agreed(error: str | None) -> None:
         raise CheckpointError(box[0])
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file beside it, fsynced and renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -220,11 +83,22 @@ def _failure(err: BaseException) -> str:
     return f"{type(shown).__name__}: {str(shown).splitlines()[0] if str(shown) else ''}"
 
 
-def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int = 2) -> Path:
+def _digests(partial: Path) -> dict[str, dict]:
+    """Every file's size and sha256, each rank hashing its share (one object all-gather)."""
+    names = [checkpoint_files(partial) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shares = [None] * world
+    dist.all_gather_object(shares, file_digests(partial, names[0][rank::world]))
+    return {name: entry for share in shares for name, entry in share.items()}
+
+
+def save_checkpoint(root: str, step: int, trained, optim, meta: dict) -> Path:
     """Save after ``step`` completed steps (every rank calls it) and publish it atomically (module doc).
 
     Raises:
-        CheckpointError: on every rank when the save failed; the previous checkpoint is untouched.
+        CheckpointError: on every rank when the save failed (the previous checkpoint is untouched), or when
+            ``root`` already holds this step (a checkpoint is never replaced).
     """
     root_path, rank = Path(root), dist.get_rank()
     final, partial = root_path / step_name(step), root_path / f".{step_name(step)}.partial"
@@ -232,6 +106,8 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
     if rank == 0:
         try:
             root_path.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                error = f"--save {root}: {final.name} exists already; a checkpoint is never replaced"
             shutil.rmtree(partial, ignore_errors=True)  # a save of this step that did not finish before
         except OSError as err:
             error = f"--save {root}: cannot write there ({err.strerror or err})"
@@ -240,6 +116,7 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
 
     try:
         dcp.save(_state(trained, optim, True), storage_writer=dcp.FileSystemWriter(partial))
+        files = _digests(partial)
     except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's (a BaseException) on every rank: one line
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
@@ -248,7 +125,9 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
     error = None
     if rank == 0:
         try:
-            _publish(root_path, partial, final, meta, keep)
+            write_atomic(partial / META, json.dumps({**meta, "files": files}, indent=1))
+            os.rename(partial, final)
+            write_atomic(root_path / LATEST, final.name)
         except OSError as err:
             shutil.rmtree(partial, ignore_errors=True)
             error = f"publishing step {step} in {root} failed ({_failure(err)}); the previous checkpoint is intact"
@@ -256,33 +135,45 @@ def save_checkpoint(root: str, step: int, trained, optim, meta: dict, keep: int 
     return final
 
 
-def _publish(root: Path, partial: Path, final: Path, meta: dict, keep: int) -> None:
-    _write_atomic(partial / META, json.dumps(meta, indent=1))
-    if final.exists():  # the same step saved by an earlier run: replaced only once the new one is complete
-        old = root / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-        os.rename(partial, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, final)
-    _write_atomic(root / LATEST, final.name)
-    complete = sorted(p for p in root.glob("step-*") if (p / META).is_file())
-    for stale in complete[:-keep] if keep > 0 else []:
-        shutil.rmtree(stale, ignore_errors=True)
+class CheckpointWriter:
+    """The checkpoints of one run in ``root``: saves them and keeps the newest ``keep`` of those **this run
+    wrote** (a checkpoint of an earlier run in the folder, the one resumed from included, is never deleted;
+    ``latest`` names this run's newest, which is always kept)."""
+
+    def __init__(self, root: str, keep: int):
+        self.root, self.keep = root, keep
+        self.written: list[Path] = []
+
+    def save(self, step: int, trained, optim, meta: dict) -> Path:
+        """:func:`save_checkpoint`, then the pruning of this run's older checkpoints (rank 0)."""
+        path = save_checkpoint(self.root, step, trained, optim, meta)
+        self.written.append(path)
+        stale, self.written = self.written[:-self.keep], self.written[-self.keep:]
+        if dist.get_rank() == 0:
+            for old in stale:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
 
 
 def load_checkpoint(checkpoint: Path, trained, optim, scheduler=None) -> int:
     """Load model and optimizer (and the RNG state, when the world size is the checkpoint's; the
     learning-rate ``scheduler``'s position, when given) into this rank's ``trained`` / ``optim`` (every rank
-    calls it; ``scheduler`` built on ``optim`` before); returns the completed step count."""
+    calls it; ``scheduler`` built on ``optim`` before); returns the completed step count.
+
+    Raises:
+        CheckpointError: a file DCP cannot read, naming the checkpoint (its checksums were verified before
+            the ranks started: this is a file changed since, or read failing).
+    """
     meta = read_meta(checkpoint)
     same_world = meta["world_size"] == dist.get_world_size()
     state = _state(trained, optim, same_world)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(checkpoint))
+    except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - one line naming the folder
+        raise CheckpointError(f"--resume {checkpoint}: reading the checkpoint failed ({_failure(err)})") from None
     set_state_dict(trained, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if same_world:
         torch.set_rng_state(state["rng"][f"rank{dist.get_rank()}"])

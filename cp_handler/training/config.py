@@ -48,6 +48,9 @@ class TrainConfig:
     data: tuple[str, ...] | None = None
     """Text files or folders; ``None``: the Python standard library's sources."""
     max_corpus_bytes: int = 32 << 20
+    data_fingerprint: str | None = None
+    """sha256 of the bytes the run reads (:func:`~.data.data_fingerprint`; ``cp-train`` computes it once);
+    ``None``: computed where a checkpoint needs it."""
     seq_len: int = 512
     batch_size: int = 2
     """Sequences per data-parallel rank and step (dynamic CP: documents per rank and step)."""
@@ -82,6 +85,8 @@ class TrainConfig:
     """Complete checkpoints kept in ``save_dir`` (the newest)."""
     resume: str | None = None
     """``--resume``: a checkpoint (or a ``--save`` folder) to continue from; ``steps`` counts from the run's start."""
+    allow_data_change: bool = False
+    """``--allow-data-change``: resume on other data (paths, contents, ``max_corpus_bytes``) than the checkpoint's."""
     export_hf: str | None = None
     """A Hugging Face model's trained weights, written with ``save_pretrained`` after the last step."""
 

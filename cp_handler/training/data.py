@@ -14,6 +14,7 @@ documents, at its boundaries) in it. Sampling is deterministic in the seed.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,22 @@ def read_token_stream(files: list[Path], max_bytes: int, tokens: ByteTokens | HF
         if read >= max_bytes:
             break
     return torch.cat(parts), torch.tensor(starts)
+
+
+def data_fingerprint(files: list[Path], max_bytes: int) -> str:
+    """sha256 of the bytes :func:`read_token_stream` reads from ``files`` (each file's length, then its bytes,
+    in order, up to ``max_bytes``): the identity of a run's data, recorded in its checkpoints. The same files
+    in another order, another file at the same path, or an edited file give another fingerprint; the paths
+    themselves do not count (a corpus moved elsewhere is the same data)."""
+    digest, read = hashlib.sha256(), 0
+    for path in files:
+        with open(path, "rb") as f:
+            text = f.read(max_bytes - read)
+        digest.update(len(text).to_bytes(8, "little") + text)
+        read += len(text) + (len(text) < max_bytes - read)
+        if read >= max_bytes:
+            break
+    return digest.hexdigest()
 
 
 def cut_documents(doc_starts: torch.Tensor, total: int, max_doc_len: int | None) -> torch.Tensor:

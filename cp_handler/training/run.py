@@ -13,6 +13,7 @@ import os
 import resource
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 
@@ -28,13 +29,15 @@ from ..groups import data_context_parallel_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
 from ..parallel_layout import ParallelLayout
-from .checkpoint import check_resume, load_checkpoint, run_meta, save_checkpoint
+from .checkpoint import CheckpointWriter, load_checkpoint
+from .checkpoint_meta import CheckpointError, check_resume, run_meta
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
 from .loop import default_optimizer, local_grad_norm, train_steps
 from .parity import StepReference, parity_result, unwrap
 from .reference import hf_logits
+from .save_folder import SaveLock
 from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_documents, reference_step, static_step
 from .tokens import has_tokenizer, tokens_for
 
@@ -133,19 +136,19 @@ def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, 
     and after the last one."""
     start = 0
     if config.resume:
-        checkpoint, _ = check_resume(config, config.resume, type(optim).__name__)
+        checkpoint, _ = check_resume(config, config.resume, type(optim).__name__, verify=False)  # verified at launch
         began = time.perf_counter()
         start = load_checkpoint(checkpoint, trained, optim, scheduler)
         _say(f"resumed from {checkpoint} after step {start} (loaded in {time.perf_counter() - began:.2f} s)")
     if not config.save_dir:
         return start, None
     meta = run_meta(config, 0, type(optim).__name__)  # read once (a Hugging Face config from disk)
+    writer = CheckpointWriter(config.save_dir, config.save_keep)
 
     def save(done: int) -> None:
         if done == config.steps or (config.save_every and done % config.save_every == 0):
             began = time.perf_counter()
-            path = save_checkpoint(config.save_dir, done, trained, optim,
-                                   {**meta, "step": done, "lr_scheduler": scheduler.state_dict()}, config.save_keep)
+            path = writer.save(done, trained, optim, {**meta, "step": done, "lr_scheduler": scheduler.state_dict()})
             size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
             _say(f"saved {path} ({size:.1f} MiB) in {time.perf_counter() - began:.2f} s")
     return start, save
@@ -153,19 +156,26 @@ def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, 
 
 def export_hf(config: TrainConfig, trained) -> None:
     """``--export-hf``: rank 0 writes the Hugging Face model (and the tokenizer it was trained with, if
-    any) with ``save_pretrained`` into a temporary folder, renamed into place when complete (plain
-    transformers loads it)."""
+    any) with ``save_pretrained`` into a new temporary folder beside the target, renamed onto the target
+    (new or empty: :func:`~.save_folder.check_export_target`, checked before the ranks started) when
+    complete; plain transformers loads it. Nothing the export did not write is deleted.
+
+    Raises:
+        CheckpointError: the target received files since the launch (the export is left unpublished).
+    """
     if not config.export_hf or dist.get_rank() != 0:
         return
     target = os.path.abspath(config.export_hf)
-    partial = f"{target}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    unwrap(trained).model.save_pretrained(partial)
-    if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
-        tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
-    if os.path.exists(target):
-        shutil.rmtree(target)
-    os.rename(partial, target)
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=os.path.dirname(target))
+    try:
+        unwrap(trained).model.save_pretrained(partial)
+        if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
+            tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
+        os.rename(partial, target)  # onto a missing or empty folder only
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"--export-hf {config.export_hf}: could not publish the export ({err.strerror or err}); "
+                              "the folder was left as it was") from None
     _say(f"exported the Hugging Face model to {target}")
 
 
@@ -261,4 +271,30 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     Raises:
         SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
     """
-    return launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout).get(0)
+    lock = save_lock(config)
+    try:
+        return launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout).get(0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def save_lock(config: TrainConfig) -> SaveLock | None:
+    """The ``--save`` folder's lock (:class:`~.save_folder.SaveLock`) taken for the run by the launcher (under
+    torchrun: by rank 0); a stale lock taken over is named on stderr.
+
+    Raises:
+        SystemExit: another run writes the folder (named).
+    """
+    if not config.save_dir or os.environ.get("RANK", "0") != "0":
+        return None
+    lock = SaveLock(config.save_dir)
+    try:
+        lock.acquire()
+    except ValueError as err:
+        raise SystemExit(f"cp-train: error: {err}") from None
+    if lock.took_over:
+        owner = lock.took_over
+        print(f"cp-train: --save {config.save_dir}: took over a stale lock (pid {owner.get('pid')} on "
+              f"{owner.get('host')} since {owner.get('since')} is no longer running)", file=sys.stderr)
+    return lock
