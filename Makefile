@@ -15,4 +15,4 @@ test: setup
 	$(PYTHON) -m pytest -q
 
 lint: setup
-	ruff check cp_handler models tests
+	ruff check cp_handler tests

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from cp_handler import destroy_process_groups, get_cp_handler_cls
-from models import GPTConfig, GPTModel
+from cp_handler.models import GPTConfig, GPTModel
 
 
 def main() -> None:

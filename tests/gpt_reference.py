@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
-from models import GPTConfig, GPTModel
+from cp_handler.models import GPTConfig, GPTModel
 
 CONFIG = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                    ffn_hidden_size=128)

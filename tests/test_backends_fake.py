@@ -29,7 +29,7 @@ from dist_utils import run_distributed
 from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, loss_and_grads
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
-from models import GPTConfig, GPTModel
+from cp_handler.models import GPTConfig, GPTModel
 
 FAKES = str(Path(__file__).parent / "fakes")
 GQA = CONFIG  # 4 query heads, 2 KV heads, head dim 16
@@ -133,7 +133,7 @@ def _te_restrictions(groups, version):
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     from cp_handler import TEContextParallelHandler
-    from models.gpt import SelfAttention
+    from cp_handler.models.gpt import SelfAttention
 
     q = torch.randn(1, 8, 6, 16, dtype=BF16)
     attn = SelfAttention(GPTConfig(**{**vars(CONFIG), "num_attention_heads": 6, "num_query_groups": 3,
@@ -192,7 +192,7 @@ def _te_window(rank, world, groups):
     from transformer_engine.pytorch import CALLS
 
     from cp_handler import TEContextParallelHandler
-    from models.gpt import SelfAttention
+    from cp_handler.models.gpt import SelfAttention
 
     attn = SelfAttention(MHA, 1)
     attn.window_size = (5, 0)
@@ -310,7 +310,7 @@ def _te_odd_heads_worker(rank, world):
     TE would have no backend left."""
     use_fakes()
     from cp_handler import TEContextParallelHandler
-    from models.gpt import SelfAttention
+    from cp_handler.models.gpt import SelfAttention
 
     q = torch.randn(1, 6, 3, 16, dtype=BF16)
     with pytest.raises(ValueError, match=r"odd head counts \(3, 3\) disable FusedAttention, and flash_attn is not "

@@ -21,7 +21,8 @@ from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
 from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, rank_plan, whole_tiles
-from cp_handler.bench.report import IMPLEMENTATIONS, add_efficiency, attention_table, style
+from cp_handler.bench.plots import IMPLEMENTATIONS, style
+from cp_handler.bench.report import add_efficiency, attention_table
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
 from cp_handler.ops.kernels import count_attn_work
 from cp_handler.ops.kernels.work import block_pairs, block_tiles
@@ -276,3 +277,37 @@ def test_every_implementation_has_one_style_in_every_plot():
     styles = [tuple(style(name).values()) for name in IMPLEMENTATIONS]
     assert len(set(styles)) == len(styles)
     assert style("p2p") == style("local p2p") and style("a2a+p2p") == style("local a2a+p2p")  # plan patterns
+
+
+def test_plots_without_matplotlib_name_the_extra_before_any_benchmark(monkeypatch, capsys):
+    """matplotlib is the ``bench`` extra: without it cp-bench stops before measuring anything, naming the
+    extra (or runs with ``--no-plots``)."""
+    import sys
+
+    from cp_handler.bench import plots
+    from cp_handler.bench.cli import parse_args
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(ImportError, match=r"cp-bench plots need matplotlib, an optional dependency: pip install "
+                                          r"'cp_handler\[bench\]' \(or run cp-bench --no-plots\)"):
+        plots.require_matplotlib()
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--modes", "attn"])
+    assert "pip install 'cp_handler[bench]'" in capsys.readouterr().err
+    assert parse_args(["--quick", "--modes", "attn", "--no-plots"]).no_plots
+
+
+def test_the_package_installs_no_top_level_module_but_cp_handler():
+    """The reference models live in cp_handler.models: a top-level ``models`` shadowed (or was shadowed by)
+    users' own packages of that very common name."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(str(root), include=config["include"])
+    assert packages and all(p == "cp_handler" or p.startswith("cp_handler.") for p in packages), packages
+    assert "cp_handler.models" in packages and not (root / "models").exists()
+    assert "matplotlib" not in " ".join(tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"])

@@ -16,7 +16,7 @@ from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
 from cp_handler.ops.seq_gather import all_gather_seq
 from cp_handler.rope import apply_rotary
-from models import GPTConfig
+from cp_handler.models import GPTConfig
 
 
 class ContiguousAllGatherHandler(ContextParallelHandler):
@@ -124,7 +124,7 @@ def test_gpt_on_gpu(world, case):
 def test_gradient_checkpointing_recomputes_attention_in_the_backward():
     """``gradient_checkpointing_enable()`` (cp-train --recompute): every layer's attention runs again in
     the backward (2 calls per layer instead of 1), with the same loss and gradients bitwise (one process)."""
-    from models import GPTModel
+    from cp_handler.models import GPTModel
 
     calls = []
 

@@ -20,7 +20,7 @@ def _attention_parity(rank, world, backend):
     import torch.distributed as dist
 
     from cp_handler import get_cp_handler_cls
-    from models.gpt import GPTConfig, SelfAttention
+    from cp_handler.models.gpt import GPTConfig, SelfAttention
 
     torch.cuda.set_device(rank)
     group = dist.new_group(list(range(world)), backend="nccl")

@@ -1,4 +1,4 @@
-"""models.hf_llama.from_hf_llama: logits equal a Hugging Face LlamaForCausalLM built offline from a config.
+"""cp_handler.models.hf_llama.from_hf_llama: logits equal a Hugging Face LlamaForCausalLM built offline from a config.
 
 Tolerance: float32 atol 1e-5 on logits of order 1e-1..1: both run the same math (RMSNorm, rotate-half
 RoPE, SDPA, SwiGLU) and differ at most in float32 operation order.
@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from models.hf_llama import from_hf_llama  # noqa: E402
+from cp_handler.models.hf_llama import from_hf_llama  # noqa: E402
 
 
 def tiny_llama(**overrides):

@@ -18,7 +18,7 @@ from dist_utils import run_distributed
 
 from cp_handler import build_dp_cp_groups
 from cp_handler.inference import DecodeHandler, KVCache, Sampling, generate, reference_generate
-from models import GPTConfig, GPTModel
+from cp_handler.models import GPTConfig, GPTModel
 
 TOL = 1e-5
 PROMPT_LENGTHS = (13, 30, 5)  # none a multiple of 2 * cp at cp 2 or 4

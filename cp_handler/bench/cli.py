@@ -22,7 +22,8 @@ Modes (``--modes``, default both):
   K/V tokens each rank sends.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
-Writes ``results.json``, ``results.md`` and PNG plots to ``--out-dir`` and prints the tables.
+Writes ``results.json``, ``results.md`` and PNG plots (:mod:`.plots`, matplotlib: the ``bench`` extra; ``--no-plots``
+without it) to ``--out-dir`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from ..groups import destroy_process_groups
 from ..launch import launch
 from ..ops.patterns import PATTERNS
 from ..progress import Progress
-from . import e2e, generation, launches, masks, plan, report
+from . import e2e, generation, launches, masks, plan, plots, report
 from .attention import PASSES, Case, Shape, run_cases
 from .torch_ring import ROTATE_METHODS, check_available
 
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0] + " Tables and plots: docs/benchmarks.md.")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and the plots go")
+    g.add_argument("--no-plots", action="store_true",
+                   help="write no PNG plots (plots need matplotlib: pip install 'cp_handler[bench]')")
     g.add_argument("--quick", action="store_true",
                    help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
                         f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
@@ -252,6 +255,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, value in {**(QUICK if args.quick else FULL), **PLAN[plan_device]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if not args.no_plots:
+        try:
+            plots.require_matplotlib()
+        except ImportError as err:
+            p.error(str(err))
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here")
     if args.device == "cuda" and "e2e" in args.modes:
@@ -308,10 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report.markdown(results)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(markdown)
-    report.plots(results, args.out_dir)
+    if not args.no_plots:
+        plots.plots(results, args.out_dir)
     print(markdown)
-    print(f"cp-bench: wrote {args.out_dir}/results.json, results.md and plots in {results['seconds']:.0f} s",
-          file=sys.stderr)
+    print(f"cp-bench: wrote {args.out_dir}/results.json, results.md{'' if args.no_plots else ' and plots'} in "
+          f"{results['seconds']:.0f} s", file=sys.stderr)
     return 0
 
 

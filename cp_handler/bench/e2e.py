@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from models import GPTConfig, GPTModel
+from ..models import GPTConfig, GPTModel
 
 from ..config import AttentionShape, ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups

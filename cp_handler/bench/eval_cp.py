@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from models import GPTConfig, GPTModel
+from ..models import GPTConfig, GPTModel
 
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config

@@ -25,7 +25,7 @@ from ..progress import Progress
 
 
 def _model(args):
-    from models import GPTConfig, GPTModel
+    from ..models import GPTConfig, GPTModel
 
     torch.manual_seed(0)
     return GPTModel(GPTConfig(hidden_size=args.gen_hidden_size, num_layers=args.gen_layers,

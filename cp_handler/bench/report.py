@@ -1,42 +1,12 @@
-"""Tables and plots of ``cp-bench`` results (markdown and matplotlib PNGs)."""
+"""Tables of ``cp-bench`` results (markdown) and the ratios they print (plots: :mod:`.plots`)."""
 
 from __future__ import annotations
 
-import os
 import statistics
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after choosing the non-interactive backend
 
 MIB = 1 << 20
 NOISY_SPREAD = 0.10
 """A row whose repetitions spread more than this ((max - min) / median) gets no ratio verdict."""
-
-IMPLEMENTATIONS = ("local p2p", "local all_gather", "local a2a", "local a2a+p2p", "torch_ring allgather",
-                   "torch_ring alltoall", "single none")
-"""Every implementation a plot can show, in the order of their fixed styles."""
-_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
-
-
-def style(name: str) -> dict:
-    """The colour and marker of implementation ``name`` (``"local p2p"``, ``"torch_ring allgather"``; a
-    plan pattern ``"p2p"`` is ``"local p2p"``): the same in every panel and every figure."""
-    if name in ("p2p", "all_gather", "a2a", "a2a+p2p"):
-        name = f"local {name}"
-    i = IMPLEMENTATIONS.index(name) if name in IMPLEMENTATIONS else len(IMPLEMENTATIONS)
-    return {"color": _COLOURS[i % len(_COLOURS)] if i < len(IMPLEMENTATIONS) else "black",
-            "marker": _MARKERS[i % len(_MARKERS)] if i < len(IMPLEMENTATIONS) else "*"}
-
-
-def plain_log_axis(ax, values) -> None:
-    """A log-scale x axis with a plain tick label at each value (2048, 4096, ... not 2x10^3)."""
-    ticks = sorted(set(values))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [str(v) for v in ticks])
-    ax.minorticks_off()
 
 
 def _key(row: dict, *fields: str) -> tuple:
@@ -170,22 +140,6 @@ def generate_table(gen: dict) -> str:
     return "\n".join(lines)
 
 
-def generate_plot(gen: dict, out_dir: str) -> str:
-    """Prefill time and decode time per token against prompt length, one line per CP size."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for cp in sorted({r["cp_size"] for r in gen["rows"]}):
-        points = sorted((r["prompt_len"], r) for r in gen["rows"] if r["cp_size"] == cp)
-        xs = [x for x, _ in points]
-        axes[0].plot(xs, [r["prefill_s"] for _, r in points], marker="o", label=f"cp={cp}")
-        axes[1].plot(xs, [1e3 * r["decode_s_per_token"] for _, r in points], marker="o", label=f"cp={cp}")
-    axes[0].set(title="prefill", xlabel="prompt tokens", ylabel="s", yscale="log")
-    axes[1].set(title="decode", xlabel="prompt tokens", ylabel="ms per token")
-    for ax in axes:
-        plain_log_axis(ax, [r["prompt_len"] for r in gen["rows"]])
-        ax.legend(fontsize=7)
-    return save_figure(fig, out_dir, "generate.png")
-
-
 def masks_table(masks: dict) -> str:
     """Full causal vs window vs chunks: the slowest rank's fwd+bwd, score pairs and K/V sent per rank."""
     s = masks["shape"]
@@ -198,17 +152,6 @@ def masks_table(masks: dict) -> str:
         lines.append(f"| {r['case']} | {exchange} | {r['median_ms']:.1f} | {r['time_vs_full']:.3f} "
                      f"| {r['pairs_vs_full']:.3f} | {r['kv_tokens_sent']} | {r['kv_bytes_sent'] / 2**20:.2f} |")
     return "\n".join(lines)
-
-
-def masks_plot(masks: dict, out_dir: str) -> str:
-    """Two bar panels: the slowest rank's time and the K/V tokens sent per rank, per case."""
-    names = [r["case"] for r in masks["rows"]]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].bar(names, [r["median_ms"] for r in masks["rows"]], color="tab:blue")
-    axes[0].set(title=f"fwd+bwd per rank, S={masks['seq_len']} cp={masks['cp_size']}", ylabel="ms (slowest rank)")
-    axes[1].bar(names, [r["kv_tokens_sent"] for r in masks["rows"]], color="tab:orange")
-    axes[1].set(title="K/V sent per rank per layer (forward)", ylabel="tokens")
-    return save_figure(fig, out_dir, "masks.png")
 
 
 def plan_table(plan: dict) -> str:
@@ -238,69 +181,3 @@ def launches_table(launches: dict) -> str:
                      f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | {r['tile_ratio']:.2f} | "
                      + " | ".join("n/a" if r["ops"][n] is None else str(r["ops"][n]) for n in names) + " |")
     return "\n".join(lines)
-
-
-def save_figure(fig, out_dir: str, name: str) -> str:
-    """Lay out, write ``out_dir/name`` (PNG, 90 dpi), close; the path."""
-    fig.tight_layout()
-    path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def plan_plot(plan: dict, out_dir: str) -> str:
-    """Efficiency against tokens per rank, one panel per format, one line per pattern."""
-    formats = sorted({r["qkv_format"] for r in plan["rows"]})
-    fig, axes = plt.subplots(1, len(formats), figsize=(6 * len(formats), 4.5), squeeze=False)
-    for ax, fmt in zip(axes[0], formats, strict=True):
-        for pattern in sorted({r["pattern"] for r in plan["rows"]} - {"whole"}):
-            points = sorted((r["seq_len"] // r["cp_size"], r["efficiency"]) for r in plan["rows"]
-                            if r["qkv_format"] == fmt and r["pattern"] == pattern)
-            if points:
-                ax.plot([x for x, _ in points], [y for _, y in points], linestyle="", label=pattern, **style(pattern))
-        ax.set(title=f"{fmt}: per-rank compute efficiency", xlabel="tokens per rank",
-               ylabel="T(whole) / (cp T(rank))")
-        plain_log_axis(ax, [r["seq_len"] // r["cp_size"] for r in plan["rows"] if r["pattern"] != "whole"])
-        ax.legend(fontsize=7)
-    return save_figure(fig, out_dir, "plan_efficiency.png")
-
-
-def _series(rows: list[dict], pass_name: str, fmt: str, cp: int) -> dict[str, list[tuple[int, dict]]]:
-    series: dict[str, list[tuple[int, dict]]] = {}
-    for r in rows:
-        if r["pass_name"] == pass_name and r["qkv_format"] == fmt and r["cp_size"] == cp and r["impl"] != "single":
-            series.setdefault(f"{r['impl']} {r['comm_type']}", []).append((r["seq_len"], r))
-    return {name: sorted(points, key=lambda p: p[0]) for name, points in series.items()}
-
-
-def plots(results: dict, out_dir: str) -> list[str]:
-    """One PNG per (pass, format): time and CP efficiency against sequence length, one panel per cp."""
-    rows = results.get("attention", [])
-    written = []
-    for pass_name in sorted({r["pass_name"] for r in rows}):
-        for fmt in sorted({r["qkv_format"] for r in rows}):
-            cps = sorted({r["cp_size"] for r in rows if r["cp_size"] > 1})
-            if not cps:
-                continue
-            fig, axes = plt.subplots(2, len(cps), figsize=(5 * len(cps), 7), squeeze=False)
-            for col, cp in enumerate(cps):
-                for name, points in _series(rows, pass_name, fmt, cp).items():
-                    xs = [s for s, _ in points]
-                    axes[0][col].plot(xs, [r["median_ms"] for _, r in points], label=name, **style(name))
-                    axes[1][col].plot(xs, [r.get("cp_efficiency") or float("nan") for _, r in points], label=name,
-                                      **style(name))
-                axes[0][col].set(title=f"{pass_name} {fmt} cp={cp}", yscale="log", ylabel="median ms")
-                axes[1][col].set(xlabel="sequence length (tokens)", ylabel="CP efficiency (noisy rows: gaps)")
-                for ax in axes[:, col]:
-                    plain_log_axis(ax, [r["seq_len"] for r in rows])
-                    if ax.lines:
-                        ax.legend(fontsize=7)
-            written.append(save_figure(fig, out_dir, f"attn_{pass_name}_{fmt}.png"))
-    if "plan" in results:
-        written.append(plan_plot(results["plan"], out_dir))
-    if "masks" in results:
-        written.append(masks_plot(results["masks"], out_dir))
-    if "generate" in results:
-        written.append(generate_plot(results["generate"], out_dir))
-    return written

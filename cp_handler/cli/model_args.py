@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from models import GPTConfig
+from ..models import GPTConfig
 
 from ..config import AttentionShape
 from ..integrations.transformers import check_architecture, check_transformers_version

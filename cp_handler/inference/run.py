@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from models import GPTConfig, GPTModel
+from ..models import GPTConfig, GPTModel
 
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import load_plugins

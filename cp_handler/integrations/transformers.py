@@ -241,7 +241,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
 
 class CPCausalLM(torch.nn.Module):
     """A Hugging Face causal LM driven by a CP handler: ``forward(input_ids (B, S_local), cp_handler,
-    moe_handler=None) -> logits (B, S_local, V)`` (the interface of :class:`models.GPTModel`, so
+    moe_handler=None) -> logits (B, S_local, V)`` (the interface of :class:`cp_handler.models.GPTModel`, so
     cp-train, evaluation and dynamic CP run it unchanged). ``register(model)`` is applied (checks and
     hooks); parameters and ``state_dict`` are the wrapped model's (``self.model``).
 

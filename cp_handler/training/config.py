@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models import GPTConfig
+from ..models import GPTConfig
 
 from ..config import AttentionShape, ContextParallelConfig
 from .schedule import LRSchedule

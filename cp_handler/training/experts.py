@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models.moe import MoEFeedForward
+from ..models.moe import MoEFeedForward
 
 from ..moe import ExpertParallelHandler
 from ..parallel_layout import ParallelGroups

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from models import GPTModel
+from ..models import GPTModel
 
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups, destroy_process_groups

@@ -1,4 +1,4 @@
-"""Load a Hugging Face ``LlamaForCausalLM`` into :class:`models.gpt.GPTModel` (``from_hf_llama``; this
+"""Load a Hugging Face ``LlamaForCausalLM`` into :class:`cp_handler.models.gpt.GPTModel` (``from_hf_llama``; this
 module imports the model, the model does not import it).
 
 Parameter names match HF's (``model.`` prefix dropped), so the state dict maps one to one.
@@ -47,7 +47,7 @@ def gpt_config_from_hf(hf_config) -> GPTConfig:
 
 
 def from_hf_llama(hf_model) -> GPTModel:
-    """A :class:`~models.gpt.GPTModel` with the weights of a Hugging Face ``LlamaForCausalLM``, same dtype.
+    """A :class:`~cp_handler.models.gpt.GPTModel` with the weights of a Hugging Face ``LlamaForCausalLM``, same dtype.
 
     Raises:
         ValueError: a feature the reference model does not have (:func:`gpt_config_from_hf`), or a

@@ -3,7 +3,7 @@
 Context parallelism enters only through the ``cp_handler`` argument of ``forward``: the model
 calls its methods for RoPE and attention and never imports ``torch.distributed`` or reads a CP
 size. Without a handler it builds a cp=1 one and runs alone. MoE layers (``num_moe_experts``)
-exchange tokens the same way, through a ``moe_handler`` (:mod:`models.moe`).
+exchange tokens the same way, through a ``moe_handler`` (:mod:`cp_handler.models.moe`).
 """
 
 from __future__ import annotations
