@@ -17,8 +17,8 @@ also passes within twice that run's own error (``assert_close_by_norm``).
 import torch
 import torch.distributed as dist
 
-from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
 from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
 
 CONFIG = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                    ffn_hidden_size=128)

@@ -300,9 +300,9 @@ def test_plots_without_matplotlib_name_the_extra_before_any_benchmark(monkeypatc
 def test_the_package_installs_no_top_level_module_but_cp_handler():
     """The reference models live in cp_handler.models: a top-level ``models`` shadowed (or was shadowed by)
     users' own packages of that very common name."""
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from setuptools import find_packages
 
     root = Path(__file__).parent.parent

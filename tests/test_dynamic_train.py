@@ -13,9 +13,9 @@ from gpt_reference import CONFIG
 
 from cp_handler import AttentionShape, ContextParallelConfig
 from cp_handler.dynamic import GroupPool, schedule_sequences
+from cp_handler.models import GPTModel
 from cp_handler.training import DynamicCP, TrainConfig
 from cp_handler.training.steps import dynamic_step, gpt_logits, reference_step
-from cp_handler.models import GPTModel
 
 LENGTHS = [120, 7, 60, 33, 1, 250, 15, 18]  # budget 64: needs CP sizes 4, 1, 1, 1, 1, 4(+), 1, 1
 

@@ -14,9 +14,9 @@ from device_cases import GPU_CASES
 from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
+from cp_handler.models import GPTConfig
 from cp_handler.ops.seq_gather import all_gather_seq
 from cp_handler.rope import apply_rotary
-from cp_handler.models import GPTConfig
 
 
 class ContiguousAllGatherHandler(ContextParallelHandler):

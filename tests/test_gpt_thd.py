@@ -10,8 +10,8 @@ from dist_utils import run_distributed
 from gpt_reference import CONFIG, assert_parity, loss_and_grads
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
-from cp_handler.training import masked_token_loss_sum, next_token_batch
 from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.training import masked_token_loss_sum, next_token_batch
 
 LENGTHS = [5, 1, 17, 2, 30, 9]  # none a multiple of 2*cp
 COMM_TYPES = ["p2p", "all_gather", "a2a", "a2a+p2p"]

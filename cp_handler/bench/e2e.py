@@ -23,12 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..models import GPTConfig, GPTModel
-
 from ..config import AttentionShape, ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers import build_cp_handler
 from ..launch import launch
+from ..models import GPTConfig, GPTModel
 from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
 from ..training.reference import PlainAttention
 from ..training.run import run_training

@@ -19,12 +19,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..models import GPTConfig, GPTModel
-
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config
 from ..groups import destroy_process_groups
 from ..launch import launch
+from ..models import GPTConfig, GPTModel
 
 
 class _Rows:

@@ -7,10 +7,9 @@ import argparse
 import json
 import os
 
-from ..models import GPTConfig
-
 from ..config import AttentionShape
 from ..integrations.transformers import check_architecture, check_transformers_version
+from ..models import GPTConfig
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
 
 

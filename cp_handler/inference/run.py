@@ -20,11 +20,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from ..models import GPTConfig, GPTModel
-
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
+from ..models import GPTConfig, GPTModel
 from ..training.checkpoint_meta import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits

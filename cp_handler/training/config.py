@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import GPTConfig
-
 from ..config import AttentionShape, ContextParallelConfig
+from ..models import GPTConfig
 from .schedule import LRSchedule
 
 

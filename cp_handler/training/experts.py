@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ..models.moe import MoEFeedForward
-
 from ..moe import ExpertParallelHandler
 from ..parallel_layout import ParallelGroups
 from .loss import all_reduce_grads

@@ -22,12 +22,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
-from ..models import GPTModel
-
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups, destroy_process_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, init_process_group_bounded, launch
+from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
 from .checkpoint import CheckpointWriter, load_checkpoint
 from .checkpoint_meta import CheckpointError, check_resume, run_meta
