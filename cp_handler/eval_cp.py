@@ -25,7 +25,7 @@ import torch.distributed as dist
 from .config import AttentionShape, ContextParallelConfig, check_seq_len
 from .groups import DataContextParallelGroups, build_dp_cp_groups, check_world_divisible
 from .handlers import build_cp_handler
-from .training import masked_token_loss_sum, next_token_batch
+from .loss import masked_token_loss_sum, next_token_batch
 
 
 def eval_config(train: ContextParallelConfig, eval_context_parallel_size: int,

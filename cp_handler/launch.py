@@ -17,6 +17,7 @@ dead process before the ranks that only wait on it), and covers the time before 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -26,11 +27,40 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from .groups import destroy_process_groups
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in a job, as torchrun (or :func:`launch`) puts it in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    local_world_size: int = 1
+
+
+def rank_env() -> RankEnv | None:
+    """The one reader of the torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``): ``None`` when this process was not started as one rank of a job."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def is_first_rank() -> bool:
+    """Rank 0 of the job, or a process that is no rank at all (the launcher)."""
+    env = rank_env()
+    return env is None or env.rank == 0
 
 
 def _describe(failure) -> str:
@@ -66,7 +96,7 @@ def heartbeat() -> None:
     heartbeat folder; nothing when not started by :func:`launch`)."""
     folder = os.environ.get(HEARTBEAT_ENV)
     if folder:
-        with open(os.path.join(folder, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+        with open(os.path.join(folder, f"rank{(rank_env() or RankEnv(0, 1)).rank}"), "w") as f:
             f.write(str(os.getpid()))
 
 
@@ -138,7 +168,7 @@ def init_process_group_bounded(backend: str, timeout: float, program: str = "cp-
         RendezvousError: the rendezvous failed (e.g. ``MASTER_PORT`` already in use), naming the address.
     """
     address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
-    rank = os.environ.get("RANK", "0")
+    rank = (rank_env() or RankEnv(0, 1)).rank
     done = threading.Event()
 
     def give_up() -> None:
@@ -162,7 +192,39 @@ def init_process_group_bounded(backend: str, timeout: float, program: str = "cp-
 
 def under_torchrun() -> bool:
     """True when this process is one rank started by torchrun (or another env:// launcher)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return rank_env() is not None
+
+
+@contextlib.contextmanager
+def rank_session(program: str = "cp-train", timeout: float | None = None, device_type: str | None = None,
+                 threads: int | None = None):
+    """This process as one rank of the job (under :func:`launch` or torchrun), inside the block; yields its
+    device. The one place a rank starts: the device (``cuda:LOCAL_RANK`` when ``device_type`` is ``"cuda"``,
+    or ``None`` and CUDA is available; else the CPU with ``threads`` threads, default the cores divided by
+    the ranks on this node), the default process group (NCCL on CUDA, gloo on CPU; with ``timeout`` seconds
+    the rendezvous is bounded and it is the collectives' timeout, :func:`init_process_group_bounded`), a
+    first :func:`heartbeat`; on exit :func:`~cp_handler.groups.destroy_process_groups`.
+
+    Raises:
+        RendezvousError: the rendezvous failed (``timeout`` given).
+    """
+    env = rank_env() or RankEnv(0, 1)
+    cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
+    device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // env.local_world_size))
+    backend, options = ("nccl", {"device_id": device}) if cuda else ("gloo", {})
+    if timeout:
+        init_process_group_bounded(backend, timeout, program, **options)
+    else:
+        dist.init_process_group(backend, **options)
+    heartbeat()
+    try:
+        yield device
+    finally:
+        destroy_process_groups()
 
 
 def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: float | None = None) -> dict:
@@ -174,7 +236,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
     """
     if under_torchrun():
         try:
-            return {int(os.environ["RANK"]): entrypoint(*args)}
+            return {rank_env().rank: entrypoint(*args)}
         except RendezvousError as err:
             raise SystemExit(str(err)) from None
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures below

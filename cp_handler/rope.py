@@ -46,3 +46,11 @@ def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str) -> torch
     angles = {"bshd": freqs[None, :, None, :], "sbhd": freqs[:, None, None, :], "thd": freqs[:, None, :]}[qkv_format]
     t32 = t.float()
     return (t32 * angles.cos() + _rotate_half(t32) * angles.sin()).to(t.dtype)
+
+
+class PositionTablesChanged(RuntimeError):
+    """A decode step's position tables (RoPE) differ from the prefill's at the same position: the model's
+    rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE past its original length), so
+    the cached keys, rotated at the prefill's length, are no longer what the whole sequence would give.
+    Raised on every rank alike, before the step's first collective; :func:`~cp_handler.inference.generate` catches
+    it and prefills the whole sequence so far again."""

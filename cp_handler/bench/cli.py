@@ -41,8 +41,7 @@ import torch.distributed as dist
 
 from ..cli.flag_names import HelpFormatter
 from ..config import CP_COMM_TYPES
-from ..groups import destroy_process_groups
-from ..launch import launch
+from ..launch import launch, rank_session
 from ..ops.patterns import PATTERNS
 from ..progress import Progress
 from . import e2e, generation, launches, masks, plan, plots, report
@@ -88,20 +87,13 @@ def build_cases(args) -> dict[int, list[Case]]:
 
 
 def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
-    if shape.device == "cuda":  # one GPU per rank, NCCL
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    else:
-        dist.init_process_group("gloo")
-    try:
+    with rank_session("cp-bench", device_type=shape.device):  # CUDA: one GPU per rank, NCCL
         rank0 = dist.get_rank() == 0
         bar = Progress(len(cases), f"cp-bench: attn cp={dist.get_world_size()} case", enabled=rank0)
         rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
             case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
         bar.close()
         return rows if rank0 else None
-    finally:
-        destroy_process_groups()
 
 
 def run_attn(args) -> list[dict]:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -24,9 +23,9 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..config import AttentionShape, ContextParallelConfig
-from ..groups import build_dp_cp_groups, destroy_process_groups
+from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
-from ..launch import launch
+from ..launch import launch, rank_session
 from ..models import GPTConfig, GPTModel
 from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
 from ..training.reference import PlainAttention
@@ -54,9 +53,7 @@ def _train_step(model: GPTModel, handler, tokens: torch.Tensor) -> None:
 
 def memory_worker(seq_len: int) -> list[dict]:
     """One training step per rank under MemTracker; rows of every rank (on rank 0)."""
-    dist.init_process_group("gloo")
-    try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    with rank_session("cp-bench", device_type="cpu"):
         groups = build_dp_cp_groups(dist.get_world_size())
         handler = build_cp_handler(ContextParallelConfig(context_parallel_size=groups.cp_size),
                                    groups.cp_group if groups.cp_size > 1 else None)
@@ -76,8 +73,6 @@ def memory_worker(seq_len: int) -> list[dict]:
         rows = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         return rows
-    finally:
-        destroy_process_groups()
 
 
 def overhead(seq_len: int, reps: int) -> dict:

@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config
-from ..groups import destroy_process_groups
-from ..launch import launch
+from ..launch import launch, rank_session
 from ..models import GPTConfig, GPTModel
 
 
@@ -50,9 +49,7 @@ def _time_eval(evaluator, model, batch, reps: int) -> float:
 
 
 def worker(args) -> list[dict] | None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group("gloo")
-    try:
+    with rank_session("bench.eval_cp", device_type="cpu"):
         base = ContextParallelConfig(context_parallel_size=args.train_cp_size)
         at_train = EvalContextParallel.build(base)
         at_eval = EvalContextParallel.build(eval_config(base, args.eval_cp_size))
@@ -66,8 +63,6 @@ def worker(args) -> list[dict] | None:
                          "train_cp_size": args.train_cp_size, "eval_cp_size": args.eval_cp_size,
                          "train_cp_ms": 1e3 * t_train, "eval_cp_ms": 1e3 * t_eval, "speedup": t_train / t_eval})
         return rows if dist.get_rank() == 0 else None
-    finally:
-        destroy_process_groups()
 
 
 def main(argv: list[str] | None = None) -> int:

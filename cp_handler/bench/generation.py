@@ -18,9 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..groups import destroy_process_groups
 from ..inference import generate
-from ..launch import launch
+from ..launch import launch, rank_session
 from ..progress import Progress
 
 
@@ -34,9 +33,7 @@ def _model(args):
 
 
 def gen_worker(args, threads: int) -> list[dict] | None:
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo")
-    try:
+    with rank_session("cp-bench", device_type="cpu", threads=threads):
         cp = dist.get_world_size()
         group = dist.group.WORLD if cp > 1 else None
         model = _model(args)
@@ -61,8 +58,6 @@ def gen_worker(args, threads: int) -> list[dict] | None:
             bar.update(prompt=length)
         bar.close()
         return rows if rank0 else None
-    finally:
-        destroy_process_groups()
 
 
 def run(args) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 
@@ -15,7 +14,7 @@ from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..launch import under_torchrun
+from ..launch import is_first_rank, under_torchrun
 from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
@@ -301,6 +300,6 @@ def parse(argv: list[str] | None = None) -> tuple[TrainConfig, str | None]:
         config = validate(args)
     except (ValueError, TypeError, ImportError, RuntimeError) as err:
         raise SystemExit(f"cp-train: error: {to_flags(str(err))}") from None
-    if args.backend == "auto" and os.environ.get("RANK", "0") == "0":  # once per job, also under torchrun
+    if args.backend == "auto" and is_first_rank():  # once per job, also under torchrun
         print(f"cp-train: --backend auto picked {config.cp.backend!r}", file=sys.stderr)
     return config, args.metrics_out

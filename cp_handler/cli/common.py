@@ -10,6 +10,8 @@ import math
 import os
 import tempfile
 
+from ..launch import rank_env
+
 
 def check_numbers(args: argparse.Namespace, positive=(), non_negative=(), positive_floats=(),
                   non_negative_floats=()) -> None:
@@ -42,8 +44,9 @@ def check_numbers(args: argparse.Namespace, positive=(), non_negative=(), positi
 
 def world_size_from(args: argparse.Namespace) -> int:
     """The run's world size: ``WORLD_SIZE`` under torchrun, else ``--nproc`` (default 1)."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+    env = rank_env()
+    if env is not None:
+        return env.world_size
     return args.nproc if args.nproc is not None else 1
 
 

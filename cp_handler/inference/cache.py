@@ -19,14 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ZigzagDocs
-
-
-class PositionTablesChanged(RuntimeError):
-    """A decode step's position tables (RoPE) differ from the prefill's at the same position: the model's
-    rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE past its original length), so
-    the cached keys, rotated at the prefill's length, are no longer what the whole sequence would give.
-    Raised on every rank alike, before the step's first collective; :func:`~.generate.generate` catches
-    it and prefills the whole sequence so far again."""
+from ..rope import PositionTablesChanged
 
 
 class _Shard:

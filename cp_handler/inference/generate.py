@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
-from .cache import KVCache, PositionTablesChanged
+from ..rope import PositionTablesChanged
+from .cache import KVCache
 from .decode import DecodeHandler
 from .sampling import Sampling
 

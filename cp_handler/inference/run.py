@@ -11,7 +11,6 @@ comparison with one process re-running the whole sequence per token without cp_h
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,9 +19,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from ..groups import build_dp_cp_groups, destroy_process_groups
+from ..groups import build_dp_cp_groups
 from ..handlers.registry import load_plugins
-from ..launch import heartbeat, init_process_group_bounded, launch
+from ..launch import heartbeat, launch, rank_session
 from ..models import GPTConfig, GPTModel
 from ..training.checkpoint_meta import read_meta
 from ..training.reference import hf_logits
@@ -99,14 +98,7 @@ def reference_model(config: GenerateConfig, model, device: torch.device):
 def generate_rank(config: GenerateConfig) -> dict | None:
     """One rank of the run: the report on rank 0, ``None`` elsewhere."""
     load_plugins()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    init_process_group_bounded("nccl" if cuda else "gloo", config.timeout, program="cp-generate",
-                               device_id=device if cuda else None)
-    heartbeat()
-    try:
+    with rank_session("cp-generate", config.timeout) as device:
         world = dist.get_world_size()
         groups = build_dp_cp_groups(world, device.type, list(config.hierarchical_cp_sizes or []) or None)
         model, layers, limit = load_model(config, device)
@@ -132,8 +124,6 @@ def generate_rank(config: GenerateConfig) -> dict | None:
                                       logits_of=logits_of)
             report["parity"] = compare_generations(result, want, PARITY_TOL[config.dtype], config.sampling.greedy)
         return report
-    finally:
-        destroy_process_groups()
 
 
 def run_generation(config: GenerateConfig) -> dict | None:

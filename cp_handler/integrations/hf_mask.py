@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .hf_active import active_handler
+
 _SMALL_DISTANCES = range(-2, 65)
 
 
@@ -119,7 +121,6 @@ def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offse
     """transformers mask function of ``attn_implementation="cp_handler"`` (``AttentionMaskInterface``):
     returns a :class:`CPMask` (the other keyword arguments are transformers' sizing hints for
     materialised masks, which are not built)."""
-    from .hf_model import active_handler
 
     return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask, active_handler())
 

@@ -32,10 +32,7 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,44 +40,12 @@ from torch import nn
 from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
+from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
 from .hf_mask import CPMask
+from .hf_rotary import install_rotary_hooks
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
-
-_active: contextvars.ContextVar[ContextParallelHandler | None] = contextvars.ContextVar("cp_handler", default=None)
-_record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
-
-
-def active_handler() -> ContextParallelHandler | None:
-    """The handler of the forward running now (keyword or context manager), if any."""
-    return _active.get()
-
-
-@contextlib.contextmanager
-def handler_context(handler: ContextParallelHandler):
-    """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
-    token = _active.set(handler)
-    try:
-        yield handler
-    finally:
-        _active.reset(token)
-
-
-@dataclass
-class ForwardRecord:
-    """The attention layers that went through cp_handler during one forward of a prepared model."""
-
-    layers: set = field(default_factory=set)
-
-
-def record_attention_call(module: nn.Module) -> None:
-    """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
-    one counts by identity)."""
-    record = _record.get()
-    if record is not None:
-        layer = getattr(module, "layer_idx", None)
-        record.layers.add(layer if isinstance(layer, int) else f"module {id(module)}")
 
 
 def text_config(model: nn.Module):
@@ -177,115 +142,23 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
                          "under context parallelism")
 
 
-def global_max_position(handler: ContextParallelHandler, local_len: int) -> int:
-    """The largest position of a real token in the global batch (thd: the longest document's last)."""
-    longest = getattr(handler, "max_seqlen", None)
-    return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
-
-
-POSITION_PROBE = 1
-"""A position whose rotary rows a generation's prefill keeps and every decode step recomputes
-(:meth:`~cp_handler.inference.KVCache.check_position_tables`): if they differ, the frequencies depend on
-the sequence length and the cached keys are stale (position 0 would not show it: cos 1, sin 0)."""
-
-
-def _is_rotary(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RotaryEmbedding")
-
-
-def _with_positions(args, kwargs, position_ids: torch.Tensor):
-    """A rotary module's call arguments with ``position_ids`` replaced (keyword or second positional)."""
-    if "position_ids" in kwargs:
-        return args, {**kwargs, "position_ids": position_ids}
-    return (args[0], position_ids, *args[2:]), kwargs
-
-
-def _rotary_pre_hook(module, args, kwargs):
-    handler = _active.get()
-    if handler is None:
-        return None
-    if "position_ids" not in kwargs and len(args) < 2:
-        given = ", ".join(kwargs) or "only the hidden states"
-        raise ValueError(f"{type(module).__name__} is called without position_ids ({given}): it builds its table "
-                         "from a length its model derives from this rank's inputs (e.g. transformers 4.57's "
-                         "PhiMoE: seq_len=cache_position[-1] + 1), not from the global sequence; refused under "
-                         "context parallelism")
-    position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-    appended = [global_max_position(handler, position_ids.shape[-1])]
-    cache = getattr(handler, "kv_cache", None)
-    lengths = ()
-    if cache is not None:
-        appended.append(POSITION_PROBE)
-        lengths = cache.lengths if cache.prefilled else handler.thd_layout.lengths
-    extra = torch.tensor(appended, dtype=position_ids.dtype, device=position_ids.device)
-    module._cp_rows = (position_ids.shape[-1], cache, tuple(lengths))
-    return _with_positions(args, kwargs, torch.cat([position_ids, extra.expand(*position_ids.shape[:-1], -1)], -1))
-
-
-def _tables(output) -> tuple:
-    return output if isinstance(output, tuple) else (output,)
-
-
-def _check_position_tables(module, args, kwargs, probe: tuple, cache, lengths: tuple) -> None:
-    """Generation: the probe rows of this forward (``probe``) must be those of every sequence alone (its
-    own length) and those of the prefill (:meth:`~cp_handler.inference.KVCache.check_position_tables`).
-
-    Raises:
-        PositionTablesChanged: they differ (RoPE that depends on the sequence length).
-    """
-    from ..inference.cache import PositionTablesChanged
-
-    name = getattr(module, "_cp_name", type(module).__name__)
-    def shown(value) -> str:
-        return "tensor" if isinstance(value, torch.Tensor) else str(value)
-
-    others = [*map(shown, args[2:]), *(f"{k}={shown(v)}" for k, v in sorted(kwargs.items()) if k != "position_ids")]
-    if others:  # one module serving several tables (ModernBERT, Gemma 3: a layer_type argument)
-        name += f" ({', '.join(others)})"
-    position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-    for length in sorted(set(lengths)):
-        alone = torch.tensor([length - 1, POSITION_PROBE], dtype=position_ids.dtype, device=position_ids.device)
-        own_args, own_kwargs = _with_positions(args, kwargs, alone.expand(*position_ids.shape[:-1], -1))
-        own = _tables(module.forward(*own_args, **own_kwargs))
-        if any(not torch.equal(t.narrow(-2, 1, 1), p) for t, p in zip(own, probe, strict=True)):
-            raise PositionTablesChanged(f"{name}: a sequence of {length} tokens alone has other position tables than "
-                                        f"the batch of lengths {sorted(set(lengths))}")
-    cache.check_position_tables(name, probe)
-
-
-def _rotary_hook(module, args, kwargs, output):
-    if module.__dict__.get("_cp_rows") is None:
-        return None
-    rows, cache, lengths = module.__dict__.pop("_cp_rows")
-    width = rows + (2 if cache is not None else 1)
-    tables = _tables(output)
-    for t in tables:
-        if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2] == width):
-            raise ValueError(f"{type(module).__name__} returned {tuple(getattr(t, 'shape', ()))}: cp_handler expects "
-                             f"rotary tables with {width} positions along dim -2")
-    if cache is not None:
-        _check_position_tables(module, args, kwargs, tuple(t.narrow(-2, rows + 1, 1) for t in tables), cache, lengths)
-    stripped = tuple(t.narrow(-2, 0, rows) for t in tables)
-    return stripped if isinstance(output, tuple) else stripped[0]
-
-
 def _recompute_pre_hook(module, args, kwargs):
     """Activation recomputation (gradient checkpointing) re-runs a layer during the backward, outside the
     model's forward and its active handler: a module that receives the forward's :class:`~.hf_mask.CPMask`
     makes that forward's handler active again for its call (its attention, and a rotary module inside it)."""
-    if _active.get() is not None:
+    if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
     handler = mask.forward_handler if mask is not None else None
     if handler is not None:
-        module.__dict__.setdefault("_cp_recompute", []).append(_active.set(handler))
+        module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
 
 
 def _recompute_hook(module, args, kwargs, output):
     tokens = module.__dict__.get("_cp_recompute")
     if tokens:
-        _active.reset(tokens.pop())
+        reset_active(tokens.pop())
     return None
 
 
@@ -297,10 +170,10 @@ def _takes_attention_mask(module: nn.Module) -> bool:
 
 
 def _model_pre_hook(model, args, kwargs):
-    handler = kwargs.pop("cp_handler", None) or _active.get()
+    handler = kwargs.pop("cp_handler", None) or active_handler()
     if handler is None:
         return args, kwargs
-    model._cp_tokens = (_active.set(handler), _record.set(ForwardRecord()))
+    model._cp_tokens = (set_active(handler), start_record())
     return args, kwargs
 
 
@@ -308,9 +181,8 @@ def _model_hook(model, args, kwargs, output):
     tokens = model.__dict__.pop("_cp_tokens", None)
     if tokens is None:
         return None
-    seen = _record.get().layers
-    _record.reset(tokens[1])
-    _active.reset(tokens[0])
+    seen = end_record(tokens[1])
+    reset_active(tokens[0])
     if output is None:  # the forward raised: its own error propagates
         return None
     layers = text_config(model).num_hidden_layers
@@ -336,12 +208,9 @@ def prepare_model(model: nn.Module) -> nn.Module:
     check_model(model)
     handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True),
                model.register_forward_hook(_model_hook, with_kwargs=True, always_call=True)]
-    for name, module in model.named_modules():
+    handles += install_rotary_hooks(model)
+    for module in model.modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
-        if _is_rotary(module):
-            module._cp_name = name or type(module).__name__
-            handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
-                        module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]
         if module is not model and _takes_attention_mask(module):  # decoder layers, attention modules
             handles += [module.register_forward_pre_hook(_recompute_pre_hook, with_kwargs=True),
                         module.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]

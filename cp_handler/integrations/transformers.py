@@ -42,15 +42,9 @@ from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
+from .hf_active import active_handler, handler_context, record_attention_call
 from .hf_mask import CPMask, cp_mask
-from .hf_model import (
-    active_handler,
-    cp_model_inputs,
-    handler_context,
-    local_position_ids,
-    prepare_model,
-    record_attention_call,
-)
+from .hf_model import cp_model_inputs, local_position_ids, prepare_model
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))

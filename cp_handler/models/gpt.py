@@ -14,10 +14,10 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from cp_handler import ContextParallelHandler, LocalContextParallelHandler
-from cp_handler.moe import ExpertParallelHandler
-from cp_handler.rope import rotary_freqs
-
+from ..handlers.base import ContextParallelHandler
+from ..handlers.local import LocalContextParallelHandler
+from ..moe import ExpertParallelHandler
+from ..rope import rotary_freqs
 from .moe import MoEFeedForward, SwiGLU
 
 

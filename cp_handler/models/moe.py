@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cp_handler.moe import ExpertParallelHandler
+from ..moe import ExpertParallelHandler
 
 
 class SwiGLU(nn.Module):

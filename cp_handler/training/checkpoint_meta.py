@@ -12,10 +12,10 @@ ep, dynamic CP) may differ.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
+from ..launch import rank_env
 from .config import TrainConfig
 from .data import collect_files, data_fingerprint
 from .save_folder import LATEST, META, SaveFolderError, verify_files
@@ -173,8 +173,8 @@ def verify_checkpoint(checkpoint: Path, meta: dict, flag: str = "--resume") -> N
     Raises:
         CheckpointError: a missing, truncated or changed file, named with its path.
     """
-    share = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if "RANK" in os.environ and \
-        "WORLD_SIZE" in os.environ else (0, 1)
+    env = rank_env()
+    share = (env.rank, env.world_size) if env else (0, 1)
     try:
         verify_files(checkpoint, meta.get("files", {}), flag, share)
     except SaveFolderError as err:

@@ -23,9 +23,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
-from ..groups import data_context_parallel_groups, destroy_process_groups
+from ..groups import data_context_parallel_groups
 from ..handlers.registry import load_plugins
-from ..launch import heartbeat, init_process_group_bounded, launch
+from ..launch import is_first_rank, launch, rank_session
 from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
 from .checkpoint import CheckpointWriter, load_checkpoint
@@ -113,20 +113,10 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
         optimizer: ``params -> torch.optim.Optimizer`` (picklable); default AdamW at ``config.lr``.
     """
     load_plugins()
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     _log_to_stderr()
-    init_process_group_bounded("nccl" if cuda else "gloo", config.timeout, device_id=device if cuda else None)
-    heartbeat()
-    optimizer = optimizer or default_optimizer(config.lr)
-    try:
+    with rank_session("cp-train", config.timeout) as device:
         run = _dynamic if config.dynamic else _static
-        return run(config, device, optimizer)
-    finally:
-        destroy_process_groups()
+        return run(config, device, optimizer or default_optimizer(config.lr))
 
 
 def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, object]:
@@ -285,7 +275,7 @@ def save_lock(config: TrainConfig) -> SaveLock | None:
     Raises:
         SystemExit: another run writes the folder (named).
     """
-    if not config.save_dir or os.environ.get("RANK", "0") != "0":
+    if not config.save_dir or not is_first_rank():
         return None
     lock = SaveLock(config.save_dir)
     try:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
+from ..loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
-from .loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
 from .reference import PlainAttention, next_token_loss, predicted_tokens
 from .tokens import tokens_for
 

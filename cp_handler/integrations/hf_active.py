@@ -1,0 +1,70 @@
+"""The handler of the Hugging Face forward running now: a context variable set by the model's forward hook
+(:mod:`.hf_model`), by :func:`handler_context`, or by a layer recomputed in the backward; read by the
+attention and mask functions and the rotary hooks. The bottom of the integration: it imports nothing of it."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..handlers.base import ContextParallelHandler
+
+_active: contextvars.ContextVar[ContextParallelHandler | None] = contextvars.ContextVar("cp_handler", default=None)
+
+
+def active_handler() -> ContextParallelHandler | None:
+    """The handler of the forward running now (keyword or context manager), if any."""
+    return _active.get()
+
+
+def set_active(handler: ContextParallelHandler | None) -> contextvars.Token:
+    """Make ``handler`` active; returns the token :func:`reset_active` takes."""
+    return _active.set(handler)
+
+
+def reset_active(token: contextvars.Token) -> None:
+    _active.reset(token)
+
+
+@contextlib.contextmanager
+def handler_context(handler: ContextParallelHandler):
+    """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
+    token = _active.set(handler)
+    try:
+        yield handler
+    finally:
+        _active.reset(token)
+
+
+@dataclass
+class ForwardRecord:
+    """The attention layers that went through cp_handler during one forward of a prepared model."""
+
+    layers: set = field(default_factory=set)
+
+
+_record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
+
+
+def start_record() -> contextvars.Token:
+    """A new :class:`ForwardRecord` for the forward starting now; returns the token :func:`end_record` takes."""
+    return _record.set(ForwardRecord())
+
+
+def end_record(token: contextvars.Token) -> set:
+    """The layers recorded in the forward that ends now (the record is reset)."""
+    layers = _record.get().layers
+    _record.reset(token)
+    return layers
+
+
+def record_attention_call(module: nn.Module) -> None:
+    """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
+    one counts by identity)."""
+    record = _record.get()
+    if record is not None:
+        layer = getattr(module, "layer_idx", None)
+        record.layers.add(layer if isinstance(layer, int) else f"module {id(module)}")
