@@ -34,7 +34,8 @@ def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str) -> torch
     """Rotate ``t`` by per-token angles.
 
     Args:
-        t: ``(B, S, H, D)`` for bshd, ``(S, B, H, D)`` for sbhd, ``(T, H, D)`` for thd.
+        t: ``(B, S, H, D)`` for bshd, ``(S, B, H, D)`` for sbhd, ``(T, H, D)`` or ``(1, T, H, D)`` for thd
+            (the angles broadcast over the leading 1).
         freqs: float32 ``(S, D)`` (``(T, D)`` for thd), one row per token of ``t``.
         qkv_format: ``"bshd"``, ``"sbhd"`` or ``"thd"``.
 

@@ -31,9 +31,9 @@ def run_pattern(pattern, q, k, v, groups, *, causal, scale, layout=None):
         return all_gather_attn(q, k, v, group=cp_group, causal=causal, scale=scale, layout=layout,
                                kv_heads_per_chunk=1)
     if pattern == "a2a":
-        return a2a_attn(q, k, v, group=cp_group, causal=causal, scale=scale, layout=layout, return_lse=True)
+        return a2a_attn(q, k, v, a2a_group=cp_group, causal=causal, scale=scale, layout=layout, return_lse=True)
     a2a_group, p2p_group = groups.hierarchical_cp_groups
-    return a2a_attn(q, k, v, group=a2a_group, inner_group=p2p_group, causal=causal, scale=scale, layout=layout,
+    return a2a_attn(q, k, v, a2a_group=a2a_group, p2p_group=p2p_group, causal=causal, scale=scale, layout=layout,
                     return_lse=True)
 
 

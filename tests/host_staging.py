@@ -7,7 +7,8 @@ the copies, and copies what it wrote back into the caller's (device) tensors, af
 async calls. The library is unchanged: it calls ``torch.distributed`` as on any machine.
 
 ``install(force=True)`` stages CPU tensors too (into fresh host copies): the CPU self-test of this
-harness (tests/test_host_staging.py), which would catch a missing copy-back.
+harness (tests/test_attn_patterns.py::test_host_staging_harness_on_cpu), which would catch a missing
+copy-back.
 """
 
 from __future__ import annotations

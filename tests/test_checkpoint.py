@@ -20,6 +20,7 @@ import errno
 import json
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -164,6 +165,8 @@ def _kill_during_save_worker(rank, world, root):
     save_checkpoint(root, 1, model, optim, {"step": 1, "world_size": world})
     if rank == 1:  # the second save dies half-way on rank 1 (a SIGKILL: no cleanup of any kind)
         dcp.FileSystemWriter.write_data = lambda self, plan, planner: os.kill(os.getpid(), signal.SIGKILL)
+    else:  # rank 0 is still writing (a slow disk) when the job is stopped: it never gets to clean up either
+        dcp.FileSystemWriter.write_data = lambda self, plan, planner: threading.Event().wait()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)

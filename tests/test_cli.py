@@ -284,7 +284,7 @@ def test_metrics_atomic_progress_lines_and_thd_documents(tmp_path):
 
 
 def test_metrics_write_keeps_the_old_file_when_writing_fails(tmp_path):
-    from cp_handler.cli.train import write_json_atomically
+    from cp_handler.cli.common import write_json_atomically
 
     out = tmp_path / "m.json"
     write_json_atomically(str(out), {"step": 1})
@@ -375,6 +375,7 @@ def test_startup_obeys_timeout_and_a_port_in_use_is_named():
 def test_metrics_out_unwritable_before_spawn_and_a_full_disk_named(tmp_path, monkeypatch, capsys):
     """--metrics-out that cannot be written is refused before any rank starts; a failed write after
     training (a full disk) names the file and keeps the previous one."""
+    import cp_handler.cli.common as common
     import cp_handler.cli.train as train_cli
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -390,7 +391,7 @@ def test_metrics_out_unwritable_before_spawn_and_a_full_disk_named(tmp_path, mon
 
     fake = {"steps": [{"loss": 1.0}], "tokens_per_s_mean": 1.0}
     monkeypatch.setattr(train_cli, "run_training", lambda config: fake)
-    monkeypatch.setattr(train_cli, "write_json_atomically", disk_full)
+    monkeypatch.setattr(common, "write_json_atomically", disk_full)
     assert train_cli.main(["--metrics-out", str(out), "--steps", "1"]) == 1
     assert json.loads(out.read_text()) == {"previous": True}
     assert f"could not write --metrics-out {out}: No space left on device; the previous file" in capsys.readouterr().err

@@ -186,7 +186,7 @@ def _longrope_models():
 
 
 def _longrope_worker(rank, world):
-    from cp_handler.integrations import hf_model
+    from cp_handler.integrations import hf_rotary
     from cp_handler.training.reference import hf_logits
 
     group = dist.group.WORLD
@@ -206,12 +206,12 @@ def _longrope_worker(rank, world):
     stopped = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2, stop_token=stop)
     assert stopped.tokens == [t[:steps] for t in got.tokens] and len(stopped.logits) == steps, (stopped.tokens, stop)
     # negative control: without the check, the batch and the keys cached with the short factors make decode differ
-    check = hf_model._check_position_tables
-    hf_model._check_position_tables = lambda *args: None
+    check = hf_rotary._check_position_tables
+    hf_rotary._check_position_tables = lambda *args: None
     try:
         stale = generate(model, prompts(), NEW_TOKENS, cp_group=group, num_layers=2)
     finally:
-        hf_model._check_position_tables = check
+        hf_rotary._check_position_tables = check
     assert stale.prefills == 1
     worst = max((a - b).abs().max().item() for a, b in zip(stale.logits[1:], want.logits[1:], strict=True))
     assert worst > 100 * TOL, worst

@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
 from cp_handler.layout import ZigzagDocs
-from cp_handler.masks import AttentionMask
+from cp_handler.masks import CAUSAL, AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
-from cp_handler.ops.kernels import ATTN_KERNEL_ENV
+from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from cp_handler.ops.packed_blocks import packed_calls, plan_key
 from cp_handler.ops.ring import ring_blocks
+from cp_handler.ops.spec import AttnSpec
 
 
 def _plans(lengths, cp):
@@ -117,13 +118,14 @@ def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
     k, v = (torch.randn(1, plan.kv_heads, plan.kv_len, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     results = {}
     for kernel in ("flash", "flash_varlen"):
+        spec = AttnSpec(CAUSAL, 0.125, None, KERNELS[kernel])
         out, lse = new_accumulators(q)
         for i, blocks in enumerate(plan.steps):
-            blocks_forward_(out, lse, q, k, v, blocks, 0.125, fresh=i == 0, attn_kernel=kernel)
+            blocks_forward_(out, lse, q, k, v, blocks, spec, fresh=i == 0)
         out = out.to(q.dtype)
         grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
         for blocks in plan.steps:
-            blocks_backward_(*grads, dout, q, k, v, out, lse, blocks, 0.125, attn_kernel=kernel)
+            blocks_backward_(*grads, dout, q, k, v, out, lse, blocks, spec)
         results[kernel] = (out, lse, *grads)
     for label, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["flash_varlen"], results["flash"],
                                 strict=True):

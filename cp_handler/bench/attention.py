@@ -30,13 +30,16 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
+from ..launch import launch, rank_session
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
+from ..progress import Progress
 from ..training.data import stdlib_files
+from . import report
 from .plan import hierarchical_sizes
-from .torch_ring import torch_ring_attn
+from .torch_ring import ROTATE_METHODS, check_available, torch_ring_attn
 
 IMPLS = ("single", "local", "torch_ring")
 PASSES = ("fwd", "fwd_bwd")
@@ -223,3 +226,49 @@ def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress)
             rows.append(measure(run, group, times))
             progress(run.case)
     return rows
+
+
+def threads_per_rank(cp_size: int, cores: int) -> int:
+    """Threads of each of ``cp_size`` ranks sharing ``cores`` cores (at least one)."""
+    return max(1, cores // cp_size)
+
+
+def build_cases(args) -> dict[int, list[Case]]:
+    """Cases grouped by the launch that runs them (key: number of ranks)."""
+    by_world: dict[int, list[Case]] = {}
+    peer = check_available() is None
+    for cp in args.cp_sizes:
+        threads = threads_per_rank(cp, args.cores)
+        for seq_len in args.seq_lens:
+            for fmt in args.formats:
+                for pass_name in args.passes:  # the single-process reference runs in the same launch
+                    by_world.setdefault(cp, []).append(Case("single", "none", cp, seq_len, fmt, pass_name,
+                                                            threads * cp))
+                    if cp == 1:
+                        continue
+                    impls = [("local", c) for c in args.comm_types if not PATTERNS[c].hierarchical or cp >= 4]
+                    if peer and fmt == "bshd":
+                        impls += [("torch_ring", m) for m in ROTATE_METHODS]
+                    by_world.setdefault(cp, []).extend(
+                        Case(impl, comm, cp, seq_len, fmt, pass_name, threads) for impl, comm in impls
+                    )
+    return by_world
+
+
+def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
+    with rank_session("cp-bench", device_type=shape.device):  # CUDA: one GPU per rank, NCCL
+        rank0 = dist.get_rank() == 0
+        bar = Progress(len(cases), f"cp-bench: attn cp={dist.get_world_size()} case", enabled=rank0)
+        rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
+            case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
+        bar.close()
+        return rows if rank0 else None
+
+
+def run_attn(args) -> list[dict]:
+    shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
+                  device=args.device)
+    rows = []
+    for world, cases in sorted(build_cases(args).items()):
+        rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps, program="cp-bench")[0]
+    return report.add_efficiency(rows)

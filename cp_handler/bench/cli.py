@@ -37,16 +37,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..cli.flag_names import HelpFormatter
 from ..config import CP_COMM_TYPES
-from ..launch import launch, rank_session
 from ..ops.patterns import PATTERNS
-from ..progress import Progress
 from . import e2e, generation, launches, masks, plan, plots, report
-from .attention import PASSES, Case, Shape, run_cases
-from .torch_ring import ROTATE_METHODS, check_available
+from .attention import PASSES, run_attn
+from .torch_ring import check_available
 
 QUICK = {"seq_lens": [2048, 4096], "cp_sizes": [1, 2, 4], "reps": 3, "comm_types": list(CP_COMM_TYPES),
          "num_heads": 4, "num_kv_heads": 4}
@@ -56,53 +53,7 @@ PLAN = {"cuda": {"plan_seq_lens": [4096, 8192, 16384, 32768, 65536, 131072], "pl
                  "plan_heads": 32, "plan_kv_heads": 8, "plan_head_dim": 128, "plan_dtype": "bfloat16"},
         "cpu": {"plan_seq_lens": [1024, 4096], "plan_cp_sizes": [1, 2, 4, 8], "plan_heads": 8, "plan_kv_heads": 2,
                 "plan_head_dim": 64, "plan_dtype": "float32"}}
-"""Defaults of ``--modes plan`` by device (CUDA: a Llama-3-8B attention layer, issue 14's shape)."""
-
-
-def threads_per_rank(cp_size: int, cores: int) -> int:
-    """Threads of each of ``cp_size`` ranks sharing ``cores`` cores (at least one)."""
-    return max(1, cores // cp_size)
-
-
-def build_cases(args) -> dict[int, list[Case]]:
-    """Cases grouped by the launch that runs them (key: number of ranks)."""
-    by_world: dict[int, list[Case]] = {}
-    peer = check_available() is None
-    for cp in args.cp_sizes:
-        threads = threads_per_rank(cp, args.cores)
-        for seq_len in args.seq_lens:
-            for fmt in args.formats:
-                for pass_name in args.passes:  # the single-process reference runs in the same launch
-                    by_world.setdefault(cp, []).append(Case("single", "none", cp, seq_len, fmt, pass_name,
-                                                            threads * cp))
-                    if cp == 1:
-                        continue
-                    impls = [("local", c) for c in args.comm_types if not PATTERNS[c].hierarchical or cp >= 4]
-                    if peer and fmt == "bshd":
-                        impls += [("torch_ring", m) for m in ROTATE_METHODS]
-                    by_world.setdefault(cp, []).extend(
-                        Case(impl, comm, cp, seq_len, fmt, pass_name, threads) for impl, comm in impls
-                    )
-    return by_world
-
-
-def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
-    with rank_session("cp-bench", device_type=shape.device):  # CUDA: one GPU per rank, NCCL
-        rank0 = dist.get_rank() == 0
-        bar = Progress(len(cases), f"cp-bench: attn cp={dist.get_world_size()} case", enabled=rank0)
-        rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
-            case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
-        bar.close()
-        return rows if rank0 else None
-
-
-def run_attn(args) -> list[dict]:
-    shape = Shape(num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=args.dtype,
-                  device=args.device)
-    rows = []
-    for world, cases in sorted(build_cases(args).items()):
-        rows += launch(attn_worker, world, cases, shape, args.warmup, args.reps, program="cp-bench")[0]
-    return report.add_efficiency(rows)
+"""Defaults of ``--modes plan`` by device (CUDA: a Llama-3-8B attention layer)."""
 
 
 def _quick_default(what: str, key: str, table_quick=QUICK, table_full=FULL) -> str:

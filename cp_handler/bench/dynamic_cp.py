@@ -1,6 +1,6 @@
 """Dynamic CP benchmarks (``python -m cp_handler.bench.dynamic_cp``): tables and JSON.
 
-1. **Scheduler quality** (issue 17's protocol): the Python stdlib's file sizes (tokens) cut at 32768,
+1. **Scheduler quality**: the Python stdlib's file sizes (tokens) cut at 32768,
    4096 tokens per rank, cost ``L^2 / cp`` for every scheduler; makespan (sum over micro-batches of
    the busiest rank) over the lower bound ``sum L^2 / ranks``, and scheduling time; median of 5
    draws; Megatron-LM's ``BalancedCPScheduler`` beside ours where megatron-core is installed

@@ -1,13 +1,12 @@
 """Kernel launches of one rank's plan, counted without a GPU (``cp-bench --modes launches``).
 
-Small shards on CUDA are bound by launches, not by math (issue 14: 1146 launches and 11 ms of CPU
-per rank-step for 4.5 ms of GPU work at 512 tokens per rank). This mode runs rank 0's plan of every
-pattern (:func:`~.plan.rank_plan`, forward + backward, exactly the code ``--modes plan`` times) on
-``meta`` tensors through a CUDA kernel's own Python code (the kernel re-labelled for ``meta``; the
-aten ops' meta kernels give every shape, so no GPU is needed) and counts the aten operators
-dispatched, views and allocations left out. Every counted operator launches at least one CUDA
-kernel (the flash backward launches several), so the count is a lower bound of a rank's launches,
-exact in what our code adds around the attention kernels; it does not depend on the machine.
+Small shards on CUDA are bound by launches, not by math (measured: docs/performance.md). This mode runs rank
+0's plan of every pattern (:func:`~.plan.rank_plan`, forward + backward, exactly the code ``--modes plan``
+times) on ``meta`` tensors through a CUDA kernel's own Python code (the kernel re-labelled for ``meta``; the
+aten ops' meta kernels give every shape, so no GPU is needed) and counts the aten operators dispatched, views
+and allocations left out. Every counted operator launches at least one CUDA kernel (the flash backward
+launches several), so the count is a lower bound of a rank's launches, exact in what our code adds around the
+attention kernels; it does not depend on the machine.
 
 Beside the launches, each row's ``tile_ratio``: the 128 x 128 score tiles the rank's blocks visit
 (partly masked tiles count whole), times cp, over those of the whole-sequence reference

@@ -8,7 +8,7 @@ the a2a's whole-sequence block on ``H / cp`` heads, a2a+p2p's ring on ``H / A`` 
 sequence on one device: ``F.scaled_dot_product_attention`` for bshd, and for thd FlexAttention with
 a document-causal BlockMask where it compiles (CUDA), else SDPA per document. Per-rank compute
 efficiency = ``T(reference) / (cp * T(rank))``: 1.0 means splitting costs nothing but communication
-(issue 14's method; communication is measured by ``--modes attn`` on several ranks).
+(communication is measured by ``--modes attn`` on several ranks).
 
 Forward + backward, causal, batch 1; thd packs ``seq_len`` tokens as documents with exponentially
 distributed lengths of mean ``--thd-mean-doc`` (seeded). On CUDA, times are CUDA-event medians;
@@ -28,10 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import ZigzagDocs
-from ..ops.blocks import KernelChoice, LseRows, blocks_backward_, blocks_forward_, new_accumulators
+from ..masks import CAUSAL
+from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles
 from ..ops.patterns import PATTERNS
+from ..ops.spec import AttnSpec
 
 
 @dataclass(frozen=True)
@@ -143,18 +145,18 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
     communication), with ``kernel`` or else ``shape.kernel`` (a name; ``None``: automatic)."""
     q, k, v = _inputs(plan.q_len, plan.kv_len, plan.heads, plan.kv_heads, shape)
     scale = shape.head_dim ** -0.5
-    # a kernel that cannot run fails here
-    kernel = KernelChoice(select_kernel(q, kernel or shape.kernel, varying_shapes=plan.varying_shapes))
+    # a kernel that cannot run fails here; the spec as a handler's call gives it (the layout is not read)
+    spec = AttnSpec(CAUSAL, scale, None, select_kernel(q, kernel or shape.kernel, varying_shapes=plan.varying_shapes))
 
     def run():
         out, lse = new_accumulators(q)
         for i, blocks in enumerate(plan.steps):
-            blocks_forward_(out, lse, q, k, v, blocks, scale, fresh=i == 0, attn_kernel=kernel)
+            blocks_forward_(out, lse, q, k, v, blocks, spec, fresh=i == 0)
         out = out.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         lse_rows = LseRows(lse)  # shared by the steps, as the ring's backward shares it
         for blocks in plan.steps:
-            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse_rows, blocks, scale, attn_kernel=kernel)
+            blocks_backward_(dq, dk, dv, out, q, k, v, out, lse_rows, blocks, spec)
     return run
 
 

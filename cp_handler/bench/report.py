@@ -126,58 +126,56 @@ def table_head(caption: str, columns: list[str]) -> list[str]:
     return [caption + "\n", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
+def table(caption: str, columns: list[str], rows) -> str:
+    """A Markdown table: :func:`table_head`, then one line per row of ``rows`` (each a list of cells, shown as
+    ``str``; ``None``: ``-``)."""
+    lines = ["| " + " | ".join("-" if cell is None else str(cell) for cell in cells) + " |" for cells in rows]
+    return "\n".join([*table_head(caption, columns), *lines])
+
+
 def generate_table(gen: dict) -> str:
     """Prefill time, its CP efficiency, decode time per token (and vs cp=1), KV cache per rank."""
     m = gen["model"]
-    lines = table_head(f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/"
-                       f"{m['kv_heads']} heads, float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} "
-                       "cores shared by the ranks", ["prompt", "cp", "prefill s", "prefill CP eff. (same cores)",
-                                                   "decode ms/token", "decode vs cp=1", "KV MiB/rank"])
-    for r in sorted(gen["rows"], key=lambda r: (r["prompt_len"], r["cp_size"])):
-        lines.append(f"| {r['prompt_len']} | {r['cp_size']} | {r['prefill_s']:.2f} | "
-                     f"{_fmt(r.get('prefill_efficiency'), '.2f')} | {1e3 * r['decode_s_per_token']:.2f} | "
-                     f"{_fmt(r.get('decode_vs_cp1'), '.2f')} | {r['kv_bytes_per_rank_max'] / 2**20:.2f} |")
-    return "\n".join(lines)
+    rows = sorted(gen["rows"], key=lambda r: (r["prompt_len"], r["cp_size"]))
+    return table(f"reference GPT hidden {m['hidden_size']}, {m['num_layers']} layers, {m['heads']}/{m['kv_heads']} "
+                 f"heads, float32, one prompt, {gen['new_tokens']} new tokens, {gen['cores']} cores shared by the "
+                 "ranks", ["prompt", "cp", "prefill s", "prefill CP eff. (same cores)", "decode ms/token",
+                           "decode vs cp=1", "KV MiB/rank"],
+                 [[r["prompt_len"], r["cp_size"], f"{r['prefill_s']:.2f}", _fmt(r.get("prefill_efficiency"), ".2f"),
+                   f"{1e3 * r['decode_s_per_token']:.2f}", _fmt(r.get("decode_vs_cp1"), ".2f"),
+                   f"{r['kv_bytes_per_rank_max'] / 2**20:.2f}"] for r in rows])
 
 
 def masks_table(masks: dict) -> str:
     """Full causal vs window vs chunks: the slowest rank's fwd+bwd, score pairs and K/V sent per rank."""
     s = masks["shape"]
-    lines = table_head(f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
-                       f"kernel {masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, "
-                       "slowest rank", ["case", "exchange", "rank ms", "time vs full", "score pairs vs full",
-                                        "K/V tokens sent per rank", "K/V MiB sent"])
-    for r in masks["rows"]:
-        exchange = "halo" if r["halo"] else "ring"
-        lines.append(f"| {r['case']} | {exchange} | {r['median_ms']:.1f} | {r['time_vs_full']:.3f} "
-                     f"| {r['pairs_vs_full']:.3f} | {r['kv_tokens_sent']} | {r['kv_bytes_sent'] / 2**20:.2f} |")
-    return "\n".join(lines)
+    caption = (f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, kernel "
+               f"{masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, slowest rank")
+    columns = ["case", "exchange", "rank ms", "time vs full", "score pairs vs full", "K/V tokens sent per rank",
+               "K/V MiB sent"]
+    return table(caption, columns, [[r["case"], "halo" if r["halo"] else "ring", f"{r['median_ms']:.1f}",
+                                     f"{r['time_vs_full']:.3f}", f"{r['pairs_vs_full']:.3f}", r["kv_tokens_sent"],
+                                     f"{r['kv_bytes_sent'] / 2**20:.2f}"] for r in masks["rows"]])
 
 
 def plan_table(plan: dict) -> str:
     """Per-rank compute efficiency ``T(whole) / (cp * T(rank))`` of every pattern."""
     s = plan["shape"]
-    lines = table_head(f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} "
-                       f"D={s['head_dim']}, kernel {plan['kernel']}, causal fwd+bwd, thd mean document "
-                       f"{s['thd_mean_doc']}", ["format", "S", "pattern", "cp", "tokens/rank", "rank ms", "whole ms",
-                                                "efficiency"])
     whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in plan["rows"] if r["pattern"] == "whole"}
-    for r in plan["rows"]:
-        if r["pattern"] != "whole":
-            lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
-                         f"| {r['seq_len'] // r['cp_size']} | {r['median_ms']:.2f} "
-                         f"| {whole[(r['qkv_format'], r['seq_len'])]:.2f} | {r['efficiency']:.3f} |")
-    return "\n".join(lines)
+    return table(f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
+                 f"kernel {plan['kernel']}, causal fwd+bwd, thd mean document {s['thd_mean_doc']}",
+                 ["format", "S", "pattern", "cp", "tokens/rank", "rank ms", "whole ms", "efficiency"],
+                 [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"],
+                   f"{r['median_ms']:.2f}", f"{whole[(r['qkv_format'], r['seq_len'])]:.2f}", f"{r['efficiency']:.3f}"]
+                  for r in plan["rows"] if r["pattern"] != "whole"])
 
 
 def launches_table(launches: dict) -> str:
     """Operators (kernel launches, a lower bound) of one rank's fwd+bwd, per CUDA kernel."""
     s, names = launches["shape"], launches["kernels"]
-    lines = table_head(f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
-                       f"causal fwd+bwd, thd mean document {s['thd_mean_doc']}",
-                       ["format", "S", "pattern", "cp", "tokens/rank", "blocks", "tiles x cp / whole", *names])
-    for r in launches["rows"]:
-        lines.append(f"| {r['qkv_format']} | {r['seq_len']} | {r['pattern']} | {r['cp_size']} "
-                     f"| {r['seq_len'] // r['cp_size']} | {r['blocks']} | {r['tile_ratio']:.2f} | "
-                     + " | ".join("n/a" if r["ops"][n] is None else str(r["ops"][n]) for n in names) + " |")
-    return "\n".join(lines)
+    caption = (f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, causal "
+               f"fwd+bwd, thd mean document {s['thd_mean_doc']}")
+    return table(caption, ["format", "S", "pattern", "cp", "tokens/rank", "blocks", "tiles x cp / whole", *names],
+                 [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"], r["blocks"],
+                   f"{r['tile_ratio']:.2f}", *("n/a" if r["ops"][n] is None else r["ops"][n] for n in names)]
+                  for r in launches["rows"]])

@@ -18,10 +18,9 @@ from ..launch import is_first_rank, under_torchrun
 from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
-from ..training.data import HOLDOUT_FRACTION, check_text_files, collect_files, read_token_stream
-from ..training.tokens import has_tokenizer, tokens_for
 from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints
 from .common import check_numbers, check_writable, world_size_from
+from .data_args import check_data
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
 from .training_args import add_training_flags, check_lr_schedule, check_micro_batch_size
@@ -221,38 +220,6 @@ def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None
         check_world_divisible(world, cp_size)
     except ValueError as err:
         raise ValueError(f"--cp-size {cp_size}: {err}") from None
-
-
-def check_data(args: argparse.Namespace, eval_dp_size: int, dynamic: bool = False) -> None:
-    """The corpus exists and holds enough sequences for training (and for evaluation when it is on).
-    Raises ValueError naming --data / --seq-len / --eval-batches."""
-    try:
-        files = collect_files(args.data)
-    except FileNotFoundError as err:
-        raise ValueError(str(err)) from None
-    if args.data:
-        check_text_files(files, args.max_corpus_bytes)
-    source = f"--data {' '.join(args.data)}" if args.data else "the stdlib corpus"
-    if dynamic:
-        if len(files) < 2:
-            raise ValueError(f"{source}: --dynamic-cp needs at least two documents (files), found {len(files)}")
-        return
-    folder = args.hf_model or args.hf_config
-    if has_tokenizer(folder):  # the folder's tokenizer: count its tokens (a few seconds at 32 MiB)
-        tokens = read_token_stream(files, args.max_corpus_bytes, tokens_for(folder))[0].numel()
-    else:
-        tokens = min(args.max_corpus_bytes, sum(p.stat().st_size + 1 for p in files))
-    sequences = tokens // args.seq_len
-    if sequences < 2:
-        raise ValueError(f"{source} has {tokens} tokens (--max-corpus-bytes {args.max_corpus_bytes}): too few for two "
-                         f"sequences of --seq-len {args.seq_len}")
-    if args.eval_every or args.check_eval_cp:
-        heldout = sequences - max(1, int(sequences * (1 - HOLDOUT_FRACTION)))
-        needed = args.eval_batches * args.batch_size * eval_dp_size
-        if needed > heldout:
-            raise ValueError(f"--eval-batches {args.eval_batches} x {args.batch_size * eval_dp_size} sequences "
-                             f"need {needed} held-out sequences; {source} holds out {heldout} (5% of {sequences}); "
-                             "use fewer or a larger corpus")
 
 
 def check_dynamic(args: argparse.Namespace, world: int) -> DynamicCP:

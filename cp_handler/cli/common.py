@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import tempfile
 
 from ..launch import rank_env
@@ -86,3 +87,15 @@ def write_json_atomically(path: str, data: dict) -> None:
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def write_output(program: str, flag: str, path: str, data: dict) -> bool:
+    """Write a command's JSON output (:func:`write_json_atomically`); on failure print one line naming ``flag``,
+    the file and the reason (the previous file is unchanged) and return False."""
+    try:
+        write_json_atomically(path, data)
+    except OSError as err:
+        print(f"{program}: error: could not write {flag} {os.path.abspath(path)}: {err.strerror or err}; the previous "
+              "file there (if any) is unchanged", file=sys.stderr)
+        return False
+    return True

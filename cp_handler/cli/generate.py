@@ -22,7 +22,7 @@ from ..inference.sampling import Sampling
 from ..training.checkpoint_meta import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
-from .common import check_numbers, check_writable, world_size_from, write_json_atomically
+from .common import check_numbers, check_writable, world_size_from, write_output
 from .flag_names import HelpFormatter, to_flags
 from .model_args import check_hf_architecture, hf_attention_shape
 
@@ -190,13 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cp-generate: {report['prefills'] - 1} decode step(s) ran as a prefill of the whole sequence: the "
               "model's rotary frequencies depend on the sequence length (dynamic NTK, LongRoPE), so the cached keys "
               "had to be rotated again", file=sys.stderr)
-    if report_out:
-        try:
-            write_json_atomically(report_out, report)
-        except OSError as err:
-            print(f"cp-generate: error: could not write --report-out {os.path.abspath(report_out)}: "
-                  f"{err.strerror or err}; the previous file there (if any) is unchanged", file=sys.stderr)
-            return 1
+    if report_out and not write_output("cp-generate", "--report-out", report_out, report):
+        return 1
     parity = report.get("parity")
     if parity is not None:
         verdict = "passed" if parity["passed"] else "FAILED"

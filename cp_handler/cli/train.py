@@ -13,7 +13,7 @@ import sys
 
 from ..training.run import run_training
 from .args import parse
-from .common import write_json_atomically
+from .common import write_output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,11 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cp-train: loss {first:.4f} -> {last:.4f} over {len(metrics['steps'])} steps, "
           f"{metrics['tokens_per_s_mean']:.0f} tokens/s", file=sys.stderr)
     if metrics_out:
-        try:
-            write_json_atomically(metrics_out, metrics)
-        except OSError as err:
-            print(f"cp-train: error: could not write --metrics-out {os.path.abspath(metrics_out)}: "
-                  f"{err.strerror or err}; the previous file there (if any) is unchanged", file=sys.stderr)
+        if not write_output("cp-train", "--metrics-out", metrics_out, metrics):
             return 1
         print(f"cp-train: metrics written to {os.path.abspath(metrics_out)}", file=sys.stderr)
     checks = [metrics.get(name, {"passed": True})["passed"] for name in ("parity", "eval_cp_check")]

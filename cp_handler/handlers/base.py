@@ -8,7 +8,6 @@ the identity or plain attention, so one model file runs alone and context-parall
 
 from __future__ import annotations
 
-import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -18,74 +17,24 @@ from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
 from ..ops.patterns import PATTERNS
 from ..ops.ulysses import check_a2a_heads
 from .checks import (
-    RanksRefused,
     attention_variant,
     check_cu_seqlens,
     check_member,
     check_ranks_agree,
     ranks_check_enabled,
+    variant_names,
 )
-
-ATTN_MASK_TYPES = ("causal", "no_mask")
-"""Mask types of ``core_attn`` (Transformer Engine's names)."""
+from .guard import Guard, next_serial, poisoning
+from .preflight import AttnCall, preflight
 
 GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
-"""Methods after whose failure a handler refuses every further call on this rank (it is poisoned)."""
-
-_serials: dict[str, int] = {}
-
-
-def variant_names(mask, sinks) -> list[str]:
-    """The attributes of ``attn_mod`` behind ``mask`` / ``sinks`` that go beyond the plain mask, for errors."""
-    used = []
-    if mask.window is not None:
-        used.append(f"attn_mod.window_size={(mask.window - 1, 0)} (sliding window)")
-    if mask.chunk is not None:
-        used.append(f"attn_mod.attention_chunk_size={mask.chunk} (chunked attention)")
-    if mask.softcap is not None:
-        used.append(f"attn_mod.softcap={mask.softcap} (soft-capping)")
-    if sinks is not None:
-        used.append(f"attn_mod.sinks {tuple(sinks.shape)} (learnable sinks)")
-    return used
-
-
-def next_serial(group: dist.ProcessGroup | None) -> int:
-    """How many handlers this process built on ``group`` before (compared across ranks by the
-    agreement check: ranks that build their handlers in different orders would pair collectives of
-    different batches)."""
-    if group is None:
-        return 0
-    name = getattr(group, "group_name", None) or str(dist.get_process_group_ranks(group))
-    _serials[name] = _serials.get(name, -1) + 1
-    return _serials[name]
-
-
-def _poisoning(method):
-    """``method`` that refuses to run on a handler whose earlier call failed on this rank, and marks
-    the handler failed when it raises at cp > 1 (except a :class:`~.checks.RanksRefused`, which every
-    rank raised at the same point). After such a failure the ranks' collectives may no longer be paired
-    (another rank may be inside one): reusing the handler could pair them with the wrong ones."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        if self.failure is not None:
-            raise RuntimeError(f"{type(self).__name__}.{method.__name__}: an earlier call of this handler failed on "
-                               f"this rank ({self.failure}); its ranks' collectives may be out of step, so it refuses "
-                               "every further call: build a new handler on every rank (docs/architecture.md)")
-        try:
-            return method(self, *args, **kwargs)
-        except RanksRefused:  # every rank raised it at the same point: still in step
-            raise
-        except BaseException as err:
-            if self.failure is None and self.cp_size > 1:
-                self.failure = f"{method.__name__}: {type(err).__name__}: {err}"
-            raise
-
-    return guarded
+"""Methods after whose failure a handler refuses every further call on this rank (it is poisoned): a subclass's
+own are wrapped in the :class:`~.guard.Guard`; the base's ``core_attn`` runs its guard inline."""
 
 
 class ContextParallelHandler(ABC):
-    """Abstract CP strategy. Subclasses implement the seven methods below.
+    """Abstract CP strategy. Subclasses implement the methods below (attention as :meth:`attend`, after the
+    one pre-flight of :meth:`core_attn`).
 
     Args:
         cp_group: the CP process group; ``None`` means cp=1.
@@ -149,7 +98,7 @@ class ContextParallelHandler(ABC):
         super().__init_subclass__(**kwargs)
         for name in GUARDED_METHODS:
             if name in cls.__dict__:
-                setattr(cls, name, _poisoning(cls.__dict__[name]))
+                setattr(cls, name, poisoning(cls.__dict__[name]))
 
     def _resolve_comm_type(self, cp_comm_type):
         bound = self.bound_cp_comm_type
@@ -184,6 +133,22 @@ class ContextParallelHandler(ABC):
         values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
         self.agree(what, values, device, error)
         return values
+
+    def agreement_key(self, attn_mod) -> str | None:
+        """The agreement key of a ``core_attn`` call: one per layer (``attn_mod.layer_number``, else the call's
+        index in this handler), so the ranks compare every layer's variant once per handler; ``None``: no
+        agreement (a backend whose calls were agreed elsewhere)."""
+        layer = getattr(attn_mod, "layer_number", None)
+        self._attn_calls = getattr(self, "_attn_calls", 0) + 1
+        return f"core_attn (layer_number {layer})" if layer is not None else f"core_attn (call {self._attn_calls})"
+
+    def call_layout(self, local_len: int):
+        """The batch's layout for a local length (checked: ValueError), or ``None`` (default: no zigzag layout)."""
+        return None
+
+    def check_call(self, call: AttnCall) -> None:
+        """This backend's rules for one call, run inside the pre-flight (raise ValueError / TypeError)."""
+        return None  # noqa: B027 - optional hook, not abstract
 
     @classmethod
     def check_config(cls, config, attn_shape=None, dtype: torch.dtype | None = None) -> None:
@@ -287,7 +252,6 @@ class ContextParallelHandler(ABC):
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE at the global positions of the local tokens; ``freqs`` from :meth:`get_emb_on_this_cp_rank`."""
 
-    @abstractmethod
     def core_attn(
         self,
         attn_mod: torch.nn.Module,
@@ -297,9 +261,18 @@ class ContextParallelHandler(ABC):
         *,
         attn_mask_type: str = "causal",
     ) -> torch.Tensor:
-        """Attention of the local queries over the whole sequence; output shaped like ``q``.
+        """Attention of the local queries over the whole sequence; output shaped like ``q``: one pre-flight
+        (:func:`~.preflight.preflight`: every check, once) and the backend's :meth:`attend`.
 
         Attention variants are attributes of ``attn_mod`` (:func:`~.checks.attention_variant`):
         ``window_size`` (a causal left window ``(W - 1, 0)``), ``attention_chunk_size``, ``softcap`` and
         ``sinks``; a backend that does not run one raises ``ValueError`` naming it
         (:meth:`unsupported_variant`), never ignores it."""
+        with Guard(self, "core_attn"):
+            return self.attend(preflight(self, attn_mod, q, k, v, attn_mask_type))
+
+    def attend(self, call: AttnCall) -> torch.Tensor:
+        """The attention of a checked call (:class:`~.preflight.AttnCall`), shaped like the q passed
+        (``call.restore``): the backend's algorithm, which checks nothing again. A backend implements this (or,
+        as before the pre-flight existed, overrides :meth:`core_attn` whole and does its own checks)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither attend(call) nor core_attn")

@@ -172,6 +172,20 @@ def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int
     return mask, sinks
 
 
+def variant_names(mask, sinks) -> list[str]:
+    """The attributes of ``attn_mod`` behind ``mask`` / ``sinks`` that go beyond the plain mask, for errors."""
+    used = []
+    if mask.window is not None:
+        used.append(f"attn_mod.window_size={(mask.window - 1, 0)} (sliding window)")
+    if mask.chunk is not None:
+        used.append(f"attn_mod.attention_chunk_size={mask.chunk} (chunked attention)")
+    if mask.softcap is not None:
+        used.append(f"attn_mod.softcap={mask.softcap} (soft-capping)")
+    if sinks is not None:
+        used.append(f"attn_mod.sinks {tuple(sinks.shape)} (learnable sinks)")
+    return used
+
+
 def fingerprint(*parts) -> int:
     """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
     return zlib.crc32(repr(parts).encode())
@@ -182,8 +196,7 @@ def variant_fingerprint(comm_type: str, mask, sinks, scale: float) -> int:
     the layer's comm type, its mask (causal, window, chunk, soft-cap), the sinks' shape and the softmax scale
     (compared across ranks: a window that differs between ranks would hang the halo exchange, or return an
     answer of neither window)."""
-    return fingerprint(comm_type, mask.causal, mask.window, mask.chunk, mask.softcap,
-                       None if sinks is None else tuple(sinks.shape), float(scale))
+    return fingerprint(comm_type, mask, None if sinks is None else tuple(sinks.shape), float(scale))
 
 
 def ranks_check_enabled(check_ranks: bool | None) -> bool:

@@ -8,13 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..ops.blocks import KernelChoice
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
 from ..ops.patterns import PATTERNS
-from ..ops.qkv_format import from_bhsd, to_bhsd
-from ..ops.ring import ring_attn
-from .base import ATTN_MASK_TYPES
-from .checks import softmax_scale, variant_fingerprint
+from ..ops.spec import AttnSpec, KernelChoice
+from .preflight import AttnCall
 from .zigzag import ZigzagContextParallelHandler
 
 
@@ -94,40 +91,29 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)
 
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        if attn_mask_type not in ATTN_MASK_TYPES:
-            raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        scale = softmax_scale(attn_mod, q.shape[-1])
-        variant = {}
+    def check_call(self, call: AttnCall) -> None:
+        """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate)."""
+        if self.kv_cache is not None and not call.mask.causal:
+            raise ValueError(f"kv_cache: layer {call.layer if call.layer is not None else '?'} attends bidirectionally "
+                             "(attn_mask_type='no_mask'): a KV cache holds keys and values that later tokens do not "
+                             "change, which holds only for causal attention; an encoder-style model cannot generate "
+                             "with a cache")
 
-        def read_variant():  # a bad attribute fails every rank together, before any collective
-            variant["mask"], variant["sinks"] = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
-            if self.kv_cache is not None and not variant["mask"].causal:
-                raise ValueError(f"kv_cache: layer {getattr(attn_mod, 'layer_number', '?')} attends bidirectionally "
-                                 f"(attn_mask_type={attn_mask_type!r}): a KV cache holds keys and values that later "
-                                 "tokens do not change, which holds only for causal attention; an encoder-style "
-                                 "model cannot generate with a cache")
-            return {"variant": variant_fingerprint(self.comm_type_for(attn_mod), *variant.values(), scale)}
-
-        self.check_attention_inputs(q, k, v, attn_mod, read_variant)
-        mask, sinks = variant["mask"], variant["sinks"]
-        q_, k_, v_ = (to_bhsd(t, self.qkv_format) for t in (q, k, v))
-        options = {"causal": mask.causal, "scale": scale, "layout": self.layout(q_.shape[2]),
-                   "attn_kernel": self.kernel_choice, "mask": mask, "sinks": sinks}
+    def attend(self, call: AttnCall) -> torch.Tensor:
+        q, k, v, mask = call.q, call.k, call.v, call.mask
         if self.cp_size == 1 and self.thd_layout is None and self.attn_kernel == AUTOMATIC and mask.plain \
-                and sinks is None:
-            out = F.scaled_dot_product_attention(
-                q_, k_, v_, is_causal=mask.causal, scale=scale, enable_gqa=q_.shape[1] != k_.shape[1]
-            )
-        elif self.cp_size == 1:  # packed documents alone, a variant, or a forced kernel: blockwise attention
-            out = ring_attn(q_, k_, v_, group=None, **options)[0]
-        else:
-            pattern = PATTERNS[self.comm_type_for(attn_mod)]
-            out = pattern.attention(q_, k_, v_, self.cp_group, self.hierarchical_cp_groups, **options)
+                and call.sinks is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
+            pattern = PATTERNS[call.comm_type if self.cp_size > 1 else "p2p"]
+            groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
+            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q),
+                            self.kernel_choice.packed_calls, sinks=call.sinks, **groups)
+            out = pattern.attention(q, k, v, spec)[0]
         if self.kv_cache is not None:
-            thd = (k.squeeze(0), v.squeeze(0)) if k.dim() == 4 else (k, v)
-            self.kv_cache.store_prefill(getattr(attn_mod, "layer_number", 0), *thd, options["layout"])
-        return from_bhsd(out, self.qkv_format, q)
+            self.kv_cache.store_prefill(call.layer or 0, call.in_format(k), call.in_format(v), call.layout)
+        return call.restore(out)
 
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler

@@ -32,12 +32,11 @@ import inspect
 
 import torch
 
-from ..layout import ZigzagDocs
-from ..ops.qkv_format import from_bhsd, to_bhsd
-from ..ops.ring import ring_attn
 from ..rope import apply_rotary
-from .base import ATTN_MASK_TYPES, ContextParallelHandler
-from .checks import check_dim, check_qkv, check_shift, fingerprint, softmax_scale
+from .base import ContextParallelHandler
+from .checks import check_dim, check_shift, fingerprint
+from .magi_alone import alone_attn, alone_positions, alone_roll
+from .preflight import AttnCall
 from .requirements import import_backend, release, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
@@ -225,7 +224,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         """Roll in global order within each document; zero where the source leaves the document."""
         shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
         if self.cp_size == 1:
-            return _roll_alone(self, tensor, shifts, dims)
+            return alone_roll(self, tensor, shifts, dims)
         self._require_key()
         tokens = tensor.movedim(dims, 0) if self.qkv_format == "thd" else tensor.movedim(dims, 1)[0]
         if hasattr(self.api, "roll"):
@@ -245,58 +244,32 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
 
     def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
         if self.cp_size == 1:
-            return emb if self.qkv_format != "thd" else emb.index_select(0, _alone_positions(self).to(emb.device))
+            return emb if self.qkv_format != "thd" else emb.index_select(0, alone_positions(self).to(emb.device))
         self._require_key()
         return emb.index_select(0, self._doc_positions()[0].to(emb.device))
 
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 4:  # (1, T, H, D)
-            return apply_rotary(t[0], freqs, "thd").unsqueeze(0)
-        return apply_rotary(t, freqs, "thd")
+        return apply_rotary(t, freqs, "thd")  # (T, H, D) or (1, T, H, D)
 
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        if attn_mask_type not in ATTN_MASK_TYPES or (attn_mask_type == "causal") != self.causal:
-            raise ValueError(f"attn_mask_type={attn_mask_type!r} must match the handler's key (causal={self.causal})")
-        check_qkv(q, k, v, seq_dim=1 if q.dim() == 4 else 0)
-        self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])  # plain masks only (refused by name)
-        shape, scale = q.shape, softmax_scale(attn_mod, q.shape[-1])
-        q, k, v = (t.reshape(-1, *t.shape[-2:]) for t in (q, k, v))  # (T_local, H, D)
+    def check_call(self, call: AttnCall) -> None:
+        """The mask of the handler's key; at cp > 1 a key (dispatch first), fp16/bf16, the key's heads."""
+        if call.mask.causal != self.causal:
+            raise ValueError(f"attn_mask_type={'causal' if call.mask.causal else 'no_mask'!r} must match the handler's "
+                             f"key (causal={self.causal})")
         if self.cp_size == 1:
-            return _attn_alone(self, q, k, v, scale, shape).reshape(shape)
+            return
         self._require_key()
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"backend='magi': q has dtype {q.dtype}; MagiAttention computes in float16 or bfloat16 "
-                             "only (cast the model, or use backend='local' for float32)")
-        if (q.shape[1], k.shape[1], q.shape[2]) != self.heads:
-            raise ValueError(f"backend='magi': q/k heads and head_dim {(q.shape[1], k.shape[1], q.shape[2])} differ "
-                             f"from the handler's (num_heads_q, num_heads_kv, head_dim) = {self.heads}")
-        out = self.api.calc_attn(q, k, v, self.key, softmax_scale=scale)[0]  # (out, lse) or (out, meta)
-        return out.reshape(shape)
+        if call.q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"backend='magi': q has dtype {call.q.dtype}; MagiAttention computes in float16 or "
+                             "bfloat16 only (cast the model, or use backend='local' for float32)")
+        heads = (call.q.shape[1], call.k.shape[1], call.q.shape[3])
+        if heads != self.heads:
+            raise ValueError(f"backend='magi': q/k heads and head_dim {heads} differ from the handler's (num_heads_q, "
+                             f"num_heads_kv, head_dim) = {self.heads}")
 
-
-def _alone_layout(handler) -> ZigzagDocs:
-    return ZigzagDocs.from_cu_seqlens(handler.cu_seqlens, 1)
-
-
-def _alone_positions(handler) -> torch.Tensor:
-    return _alone_layout(handler).positions(0)
-
-
-def _attn_alone(handler, q, k, v, scale, shape) -> torch.Tensor:
-    """cp=1: per-document attention with the local blockwise kernels (no MagiAttention needed);
-    a bshd batch ``(B, S, H, D)`` is ``B`` documents of ``S`` tokens."""
-    if handler.qkv_format == "thd":
-        layout = _alone_layout(handler)
-    else:
-        layout = ZigzagDocs.from_lengths([shape[1]] * shape[0], 1)
-    bhsd = [to_bhsd(x, "thd") for x in (q, k, v)]
-    out = ring_attn(*bhsd, group=None, causal=handler.causal, scale=scale, layout=layout)[0]
-    return from_bhsd(out, "thd", q)
-
-
-def _roll_alone(handler, tensor, shifts, dims):
-    from ..ops.roll import zigzag_roll
-
-    layout = _alone_layout(handler) if handler.qkv_format == "thd" else ZigzagDocs.uniform(tensor.shape[dims], 1)
-    rolled = zigzag_roll(tensor, shifts, dims, None, layout)
-    return rolled, rolled.sum()
+    def attend(self, call: AttnCall) -> torch.Tensor:
+        q, k, v = (call.in_format(t).reshape(-1, *t.shape[1:2], t.shape[-1]) for t in (call.q, call.k, call.v))
+        if self.cp_size == 1:  # (T_local, H, D)
+            return alone_attn(self, q, k, v, call.scale, call.given.shape).reshape(call.given.shape)
+        out = self.api.calc_attn(q, k, v, self.key, softmax_scale=call.scale)[0]  # (out, lse) or (out, meta)
+        return out.reshape(call.given.shape)

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..ops.patterns import PATTERNS
-from .base import ATTN_MASK_TYPES, variant_names
-from .checks import softmax_scale, variant_fingerprint, window_size
+from .checks import softmax_scale, variant_names, window_size
+from .preflight import AttnCall
 from .requirements import import_backend, release, require_cuda
 from .zigzag import ZigzagContextParallelHandler
 
@@ -136,7 +136,12 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             return list(self.hierarchical_cp_groups), ranks
         return self.cp_group, ranks
 
-    def _check_call(self, comm_type: str, attn_mod, q: torch.Tensor, heads: int, kv_heads: int) -> None:
+    def check_call(self, call: AttnCall) -> None:
+        """TE's own rules under CP: fp16/bf16, a2a head counts, FP8 attention not with thd (inside the pre-flight:
+        a failure fails every rank together)."""
+        if self.cp_size == 1:
+            return
+        q, comm_type, heads, kv_heads = call.q, call.comm_type, call.q.shape[1], call.k.shape[1]
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"transformer_engine: q has dtype {q.dtype}, but TE has no {q.dtype} attention backend "
                              "under context parallelism (float16 or bfloat16 only); cast the model to bfloat16 or "
@@ -209,31 +214,19 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             raise ValueError("transformer_engine DotProductAttention has cp_group=None after binding: it would run "
                              "without context parallelism")
 
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        if attn_mask_type not in ATTN_MASK_TYPES:
-            raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
-        def read_variant():
-            mask, sinks = self.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
-            return {"variant": variant_fingerprint(self.comm_type_for(attn_mod), mask, sinks,
-                                                   softmax_scale(attn_mod, q.shape[-1]))}
-
-        self.check_attention_inputs(q, k, v, attn_mod, read_variant)
-        shape = q.shape
-        if self.qkv_format == "thd" and q.dim() == 4:
-            q, k, v = q.squeeze(0), k.squeeze(0), v.squeeze(0)
+    def attend(self, call: AttnCall) -> torch.Tensor:
+        q, k, v = (call.in_format(t) for t in (call.q, call.k, call.v))
         heads, kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-        comm_type = self.comm_type_for(attn_mod)
-        if self.cp_size > 1:
-            self._check_call(comm_type, attn_mod, q, heads, kv_heads)
-        module = self.te_module(attn_mod, heads, kv_heads, head_dim)
-        self.bind(module, comm_type)
-        kwargs = {"qkv_format": self.qkv_format, "attn_mask_type": _te_mask_type(attn_mask_type, self.qkv_format)}
-        if window_size(attn_mod) is not None:
-            kwargs["window_size"] = window_size(attn_mod)
+        module = self.te_module(call.attn_mod, heads, kv_heads, head_dim)
+        self.bind(module, call.comm_type)
+        mask_type = "causal" if call.mask.causal else "no_mask"
+        kwargs = {"qkv_format": self.qkv_format, "attn_mask_type": _te_mask_type(mask_type, self.qkv_format)}
+        if window_size(call.attn_mod) is not None:
+            kwargs["window_size"] = window_size(call.attn_mod)
         if self.qkv_format == "thd":
             cu_seqlens = self.cu_seqlens.to(device=q.device, dtype=torch.int32)
             padded = self.cu_seqlens_padded.to(q.device)
             max_seqlen = max(self.thd_layout.padded_lengths)
             kwargs.update(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=padded,
                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-        return module(q, k, v, **kwargs).reshape(shape)
+        return module(q, k, v, **kwargs).reshape(call.given.shape)

@@ -18,7 +18,7 @@ from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
-from .checks import check_dim, check_qkv, check_shift, fingerprint
+from .checks import check_dim, check_shift, fingerprint
 
 
 class ZigzagContextParallelHandler(ContextParallelHandler):
@@ -79,39 +79,9 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
             )
         return self.thd_layout
 
-    def check_attention_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mod=None,
-                               more_checks=None) -> None:
-        """The checks every ``core_attn`` of this layout runs first: q/k/v agree (:func:`.checks.check_qkv`),
-        the local length fits the layout (:meth:`layout`), ``more_checks() -> {field: int} or None`` (a
-        handler's own, e.g. the attention variant) passes, and, at the first call of each layer
-        (``attn_mod.layer_number``, else the call's index) per handler, the ranks agree on length, batch, heads,
-        head dim, dtype, layout and what ``more_checks`` returned (the variant: it shapes the communication and
-        the result, and may differ between layers). A local failure fails every rank together (:meth:`checked`).
-
-        Raises:
-            ValueError / TypeError: naming the tensors, their shapes or dtypes, and the rule.
-        """
-        fields = ["local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout"]
-        extra = {}
-
-        def local_checks():
-            dims = (3, 4) if self.qkv_format == "thd" else (4,)
-            if q.dim() not in dims or (q.dim() == 4 and self.qkv_format == "thd" and q.shape[0] != 1):
-                raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format={self.qkv_format!r} takes "
-                                 f"{'(T, H, D) or (1, T, H, D)' if self.qkv_format == 'thd' else 'a 4-D tensor'}")
-            seq_dim = 0 if self.qkv_format == "sbhd" or q.dim() == 3 else 1
-            check_qkv(q, k, v, seq_dim)
-            self.layout(q.shape[seq_dim])
-            if more_checks is not None:
-                extra.update(more_checks() or {})
-            return {"local_len": q.shape[seq_dim], "batch": q.shape[1 - seq_dim] if q.dim() == 4 else 1,
-                    "heads": q.shape[-2], "kv_heads": k.shape[-2], "head_dim": q.shape[-1],
-                    "dtype": fingerprint(str(q.dtype)), "layout": self.layout_fingerprint, **extra}
-
-        layer = getattr(attn_mod, "layer_number", None)
-        self._attn_calls = getattr(self, "_attn_calls", 0) + 1
-        key = f"core_attn (layer_number {layer})" if layer is not None else f"core_attn (call {self._attn_calls})"
-        self.checked(key, getattr(q, "device", "cpu"), (*fields, "variant"), local_checks)
+    def call_layout(self, local_len: int) -> ZigzagDocs:
+        """The pre-flight's layout of a ``core_attn`` call (:meth:`layout`: the local length checked)."""
+        return self.layout(local_len)
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.
@@ -203,6 +173,4 @@ class ZigzagContextParallelHandler(ContextParallelHandler):
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE on ``t`` in this handler's qkv_format; ``freqs (S_local, D)`` float32 angles
         (thd: ``t`` is ``(T, H, D)`` or ``(1, T, H, D)``)."""
-        if self.qkv_format == "thd" and t.dim() == 4:
-            return apply_rotary(t.squeeze(0), freqs, "thd").unsqueeze(0)
         return apply_rotary(t, freqs, self.qkv_format)

@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from ..handlers.base import ContextParallelHandler
-from ..handlers.checks import check_qkv, softmax_scale
+from ..handlers.preflight import AttnCall
 from ..masks import AttentionMask
 from ..ops.collectives import all_gather_single
-from ..ops.merge import acc_dtype
+from ..ops.kernels.masked import softmax_out, visible_scores
+from ..ops.merge import merge_attn_out_
 from ..ops.sinks import fold_sinks
 from ..rope import apply_rotary
 from .cache import KVCache
@@ -80,31 +81,34 @@ class DecodeHandler(ContextParallelHandler):
         return emb.index_select(0, torch.tensor(self.positions, device=emb.device))
 
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 4:
-            return apply_rotary(t.squeeze(0), freqs, "thd").unsqueeze(0)
-        return apply_rotary(t, freqs, "thd")
+        return apply_rotary(t, freqs, "thd")  # (B, H, D) or (1, B, H, D)
 
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type: str = "causal") -> torch.Tensor:
-        if attn_mask_type != "causal":
-            raise ValueError(f"attn_mask_type={attn_mask_type!r}: a decode step attends causally to the cache")
-        q3, k3, v3 = (t.squeeze(0) if t.dim() == 4 else t for t in (q, k, v))
-        check_qkv(q3, k3, v3, seq_dim=0)
-        self._check_tokens(q3.shape[0], "core_attn")
-        mask, sinks = self.attention_variant(attn_mod, attn_mask_type, q3, q3.shape[1])
-        shard = self.kv_cache.layer(getattr(attn_mod, "layer_number", 0))
+    def agreement_key(self, attn_mod) -> None:
+        """No agreement per layer: the prefill agreed every layer's variant, and a decode step's only
+        collective per layer is the merge."""
+        return None
+
+    def check_call(self, call: AttnCall) -> None:
+        if not call.mask.causal:
+            raise ValueError("attn_mask_type='no_mask': a decode step attends causally to the cache")
+        self._check_tokens(call.q.shape[2], "core_attn")
+
+    def attend(self, call: AttnCall) -> torch.Tensor:
+        q, k, v = (call.in_format(t) for t in (call.q, call.k, call.v))  # (B, H, D): one new token per sequence
+        shard = self.kv_cache.layer(call.layer or 0)
         for i, owner in enumerate(self.owners):
             if owner == self.cp_rank:
-                shard.append(k3[i], v3[i], i, self.positions[i])
-        q_pos = torch.tensor(self.positions, device=q3.device)
-        out, lse = _attend(q3, q_pos, *shard.rows(), softmax_scale(attn_mod, q3.shape[-1]), mask)
-        if mask.restricted:  # rows the next query of their sequence cannot see, no later one can (monotone)
+                shard.append(k[i], v[i], i, self.positions[i])
+        q_pos = torch.tensor(self.positions, device=q.device)
+        out, lse = _attend(q, q_pos, *shard.rows(), call.scale, call.mask)
+        if call.mask.restricted:  # rows the next query of their sequence cannot see, no later one can (monotone)
             seq, pos = shard.rows()[2:]
-            shard.keep(mask.visible(q_pos[seq] + 1, pos))
+            shard.keep(call.mask.visible(q_pos[seq] + 1, pos))
         if self.cp_size > 1:
             out, lse = _merge_over_ranks(out, lse, self.cp_group)
-        if sinks is not None:
-            out = fold_sinks(out.unsqueeze(2), lse.unsqueeze(2), sinks)[0].squeeze(2)
-        return out.to(q.dtype).reshape(q.shape)
+        if call.sinks is not None:
+            out = fold_sinks(out, lse, call.sinks)[0]
+        return call.restore(out.to(q.dtype))
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         """Every variant runs here (see the module doc)."""
@@ -113,32 +117,25 @@ class DecodeHandler(ContextParallelHandler):
 
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor,
             pos: torch.Tensor, scale: float, mask: AttentionMask):
-    """``q (B, H, D)`` of sequence ``i`` at position ``q_pos[i]`` against this rank's rows of sequence ``i``
-    (at positions ``pos``) that ``mask`` lets it see: ``(out (B, H, D), lse (B, H))`` in the accumulation
-    dtype; a sequence with no visible rows here gets ``out = 0`` and the lowest finite lse (it weighs
-    nothing in the merge)."""
-    dtype = acc_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]  # GQA: each KV head serves this many query heads
-    keys, values = (t.repeat_interleave(groups, dim=1).transpose(0, 1).to(dtype) for t in (k, v))  # (H, N, D)
-    scores = torch.einsum("bhd,hnd->bhn", q.to(dtype), keys) * scale
-    if mask.softcap is not None:
-        scores = torch.tanh(scores / mask.softcap) * mask.softcap
-    mine = seq[None, None, :] == torch.arange(q.shape[0], device=q.device)[:, None, None]
-    mine = mine & mask.visible(q_pos[:, None, None], pos[None, None, :])
-    scores = scores.masked_fill(~mine, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = torch.isneginf(lse)
-    probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
-    out = torch.einsum("bhn,hnd->bhd", probs, values)
-    return out, lse.masked_fill(empty, torch.finfo(dtype).min)
+    """``q (B, H, D)`` of sequence ``i`` at position ``q_pos[i]`` against this rank's rows ``k, v (N, Hkv, D)`` of
+    sequence ``i`` (at positions ``pos``) that ``mask`` lets it see: ``(out (1, H, B, D), lse (1, H, B))`` in the
+    accumulation dtype, as one block of ``B`` queries (the masked kernel's scoring and softmax,
+    :func:`~cp_handler.ops.kernels.masked.visible_scores`); a sequence with no visible rows here gets ``out = 0``
+    and the lowest finite lse (it weighs nothing in the merge)."""
+    visible = (seq[None, :] == torch.arange(q.shape[0], device=q.device)[:, None]) & \
+        mask.visible(q_pos[:, None], pos[None, :])  # (B, N)
+    q4, k4, v4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    scores, _ = visible_scores(q4, k4, scale, mask.softcap, visible)
+    return softmax_out(scores, q4, v4)
 
 
 def _merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp merge of every rank's ``(out (B, H, D), lse (B, H))``: one all-gather; the same on every rank."""
-    local = torch.cat([out, lse.unsqueeze(-1)], dim=-1).unsqueeze(0).contiguous()  # (1, B, H, D + 1)
+    """Every rank's ``(out (1, H, B, D), lse (1, H, B))`` merged by log-sum-exp (:func:`~cp_handler.ops.merge.
+    merge_attn_out_`, rank by rank in rank order): one all-gather; the same result on every rank."""
+    local = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # (1, H, B, D + 1)
     gathered = local.new_empty((torch.distributed.get_world_size(group), *local.shape[1:]))
     all_gather_single(gathered, local, group)
-    outs, lses = gathered[..., :-1], gathered[..., -1]
-    total = torch.logsumexp(lses, dim=0)
-    weights = torch.exp(lses - total).unsqueeze(-1)
-    return (weights * outs).sum(0), total
+    out, lse = gathered[:1, ..., :-1].clone(), gathered[:1, ..., -1].clone()
+    for rank in range(1, gathered.shape[0]):
+        merge_attn_out_(out, lse, gathered[rank:rank + 1, ..., :-1], gathered[rank:rank + 1, ..., -1])
+    return out, lse

@@ -25,13 +25,14 @@ import torch.distributed as dist
 
 from ..layout import ZigzagDocs, zigzag_chunk_ids
 from ..masks import AttentionMask, mask_blocks
-from .attn_function import attention_function, check_variant
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
+from .kernels import check_plan
 from .kernels.base import seq_major
 from .merge import acc_dtype
 from .ring import default_layout
 from .sinks import fold_sinks
+from .spec import AttentionFunction, AttnSpec, attn_spec
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,7 +62,7 @@ def all_gather_blocks(layout: ZigzagDocs, rank: int, mask: AttentionMask) -> lis
                 blocks.append((slice(q0, q0 + rows), slice(start, start + chunk_id * chunk), False))
             diagonal = start + chunk_id * chunk
             blocks.append((slice(q0, q0 + rows), slice(diagonal, diagonal + rows), True))
-    return blocks
+    return check_plan(blocks)
 
 
 def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> list[slice]:
@@ -89,36 +90,35 @@ def _query_heads(kv_heads: slice, groups: int) -> slice:
     return slice(kv_heads.start * groups, kv_heads.stop * groups)
 
 
-def all_gather_attn_forward(q, k, v, group, layout, mask: AttentionMask, scale: float, kv_heads_per_chunk=None,
-                            attn_kernel=None, sinks=None):
-    blocks = all_gather_blocks(layout, dist.get_rank(group), mask)
+def all_gather_attn_forward(q, k, v, spec: AttnSpec, sinks=None):
+    group, layout = spec.group, spec.layout
+    blocks = all_gather_blocks(layout, dist.get_rank(group), spec.mask)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     out, lse = new_accumulators(q)
     groups = q.shape[1] // k.shape[1]
-    chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
+    chunks = kv_head_chunks(k.shape[1], spec.kv_heads_per_chunk)
     pending = _KVGather(k, v, chunks[0], group, global_index)
     for i, heads in enumerate(chunks):
         kv = pending.wait()
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
-        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, scale, fresh=True,
-                        attn_kernel=attn_kernel)
+        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, spec, fresh=True)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, mask: AttentionMask, scale: float,
-                             kv_heads_per_chunk=None, attn_kernel=None):
-    blocks = all_gather_blocks(layout, dist.get_rank(group), mask)
+def all_gather_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
+    group, layout = spec.group, spec.layout
+    blocks = all_gather_blocks(layout, dist.get_rank(group), spec.mask)
     global_index = layout.gathered_index(real_only=False).to(q.device)
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)  # as out: the kernels take its rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
     groups = q.shape[1] // k.shape[1]
-    chunks = kv_head_chunks(k.shape[1], kv_heads_per_chunk)
+    chunks = kv_head_chunks(k.shape[1], spec.kv_heads_per_chunk)
     pending, scatters = _KVGather(k, v, chunks[0], group, global_index), []
     for i, heads in enumerate(chunks):
         kv = pending.wait()
@@ -127,7 +127,7 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, group, layout, mask: Atten
         qh = _query_heads(heads, groups)
         dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         blocks_backward_(dq[:, qh], dkv_global[0], dkv_global[1], dout[:, qh], q[:, qh], kv[0], kv[1],
-                         out[:, qh], lse[:, qh], blocks, scale, attn_kernel)
+                         out[:, qh], lse[:, qh], blocks, spec)
         by_position = dkv_global.movedim(3, 0)  # (S, 2, B, hc, D) global order -> rank-major rows:
         send = torch.empty_like(by_position, memory_format=torch.contiguous_format).index_copy_(
             0, global_index, by_position)
@@ -145,7 +145,7 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
                     attn_kernel: str | None = None,
                     mask: AttentionMask | None = None,
                     sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable KV all-gather attention over ``group``.
+    """Differentiable KV all-gather attention over ``group``, its arguments checked (:func:`~.spec.attn_spec`).
 
     Args:
         q: ``(B, H, S_local, D)`` local queries (zigzag layout when ``causal``).
@@ -163,7 +163,12 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
     Raises:
         TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
-    mask = check_variant(q, causal, mask, sinks)
-    layout = layout or default_layout(q, group)
-    return attention_function(all_gather_attn_forward, all_gather_attn_backward, q, k, v, sinks, group, layout, mask,
-                              scale, kv_heads_per_chunk, attn_kernel)
+    spec = attn_spec(q, causal=causal, scale=scale, layout=layout or default_layout(q, group), attn_kernel=attn_kernel,
+                     mask=mask, sinks=sinks, group=group, kv_heads_per_chunk=kv_heads_per_chunk)
+    return all_gather_attention(q, k, v, spec)
+
+
+def all_gather_attention(q, k, v, spec: AttnSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable KV all-gather attention of a checked call (:class:`~.spec.AttnSpec`; :func:`all_gather_attn`
+    checks a direct one)."""
+    return AttentionFunction.apply(q, k, v, spec.sinks, all_gather_attn_forward, all_gather_attn_backward, spec)

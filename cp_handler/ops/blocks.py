@@ -10,39 +10,20 @@ All tensors ``(B, H, S, D)``; accumulators in :func:`~.merge.acc_dtype`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from ..masks import BlockMask
-from .attn_function import attention_function
-from .kernels import AttnKernel, block_attn_backward, block_attn_forward, select_kernel
+from .kernels import AttnKernel
 from .kernels.base import seq_major
 from .kernels.masked import masked_backward, masked_forward
+from .kernels.work import block_pairs, counting_work, record_attn_pairs
 from .merge import acc_dtype, merge_attn_out_
-from .packed_blocks import PackedCallCache, packed_backward_, packed_forward_
+from .packed_blocks import packed_backward_, packed_forward_
 from .sinks import fold_sinks
+from .spec import AttentionFunction, AttnSpec
 
 Block = tuple[slice, slice, bool | BlockMask]
 
-
-@dataclass(frozen=True, eq=False)
-class KernelChoice:
-    """A resolved kernel choice and the packed-call cache that goes with it: what a handler passes as
-    ``attn_kernel`` to the algorithms (built once per handler; a plain name or ``None`` gets a cache
-    for that call only). ``varying_shapes``: the plans come from packed documents (thd), see
-    :func:`~.kernels.select_kernel`."""
-
-    kernel: str | AttnKernel | None
-    varying_shapes: bool = False
-    packed_calls: PackedCallCache = field(default_factory=PackedCallCache)
-
-
-def resolve_kernel(q: torch.Tensor, attn_kernel) -> tuple[AttnKernel, PackedCallCache]:
-    """The kernel for ``q`` (:func:`~.kernels.select_kernel`) and the packed-call cache to use."""
-    if isinstance(attn_kernel, KernelChoice):
-        return select_kernel(q, attn_kernel.kernel, varying_shapes=attn_kernel.varying_shapes), attn_kernel.packed_calls
-    return select_kernel(q, attn_kernel), PackedCallCache()
 
 CPU_CAUSAL_TILE = 64
 """Smallest causal block run on CPU. The CPU flash kernel skips masked work only in whole key blocks
@@ -98,27 +79,28 @@ def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def blocks_forward_(out, lse, q, k, v, blocks: list[Block], scale: float, fresh: bool = False,
-                    attn_kernel: str | AttnKernel | KernelChoice | None = None) -> None:
-    """Merge the attention of every block into ``out``/``lse`` (in place), with the kernel
-    :func:`~.kernels.select_kernel` picks for ``q`` and ``attn_kernel``.
+def blocks_forward_(out, lse, q, k, v, blocks: list[Block], spec: AttnSpec, fresh: bool = False) -> None:
+    """Merge the attention of every block into ``out``/``lse`` (in place), with ``spec``'s kernel and scale.
 
     ``fresh``: the accumulators are still empty (zeros / -inf), so a block starting at or past the
     furthest row written so far is copied in instead of merged (saves the merge's passes; exact, as
     merging into an empty accumulator is a copy). Plans list query rows in non-decreasing order; a
     block out of order is merged, which is always correct. A packed kernel runs the plan in few
-    calls (:mod:`.packed_blocks`).
+    calls (:mod:`.packed_blocks`). The work counters (:func:`~.kernels.work.count_attn_work`) are read
+    once per plan, never per kernel call.
     """
-    kernel, cache = resolve_kernel(q, attn_kernel)
+    kernel, scale = spec.kernel, spec.scale
     plain, masked = _plan(blocks, kernel)
     if kernel.packed:
-        packed_forward_(out, lse, q, k, v, plain, scale, fresh, kernel, cache)
+        packed_forward_(out, lse, q, k, v, plain, scale, fresh, kernel, spec.packed_calls)
     else:
+        if counting_work():
+            record_attn_pairs(q.shape[0] * q.shape[1] * sum(block_pairs(qr.stop - qr.start, kr.stop - kr.start, c)
+                                                            for qr, kr, c in plain), len(plain))
         frontier = 0 if fresh else None
         for q_rows, kv_rows, causal in plain:
-            block_out, block_lse = block_attn_forward(
-                rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal, scale=scale, kernel=kernel
-            )
+            block_out, block_lse = kernel.forward(rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal,
+                                                  scale=scale)
             if frontier is not None and q_rows.start >= frontier:
                 rows(out, q_rows).copy_(block_out)
                 rows(lse, q_rows).copy_(block_lse)
@@ -146,21 +128,19 @@ class LseRows:
         return self._rows[key]
 
 
-def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows, blocks: list[Block], scale: float,
-                     attn_kernel: str | AttnKernel | KernelChoice | None = None) -> None:
+def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows, blocks: list[Block],
+                     spec: AttnSpec) -> None:
     """Add every block's gradients to ``dq``/``dk``/``dv`` (in place), given the merged out/lse
     (pass one :class:`LseRows` to every call of a backward pass to share its row copies)."""
-    kernel, cache = resolve_kernel(q, attn_kernel)
+    kernel, scale = spec.kernel, spec.scale
     lse_rows = lse if isinstance(lse, LseRows) else LseRows(lse)
     plain, masked = _plan(blocks, kernel)
     if kernel.packed:
-        packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, plain, scale, kernel, cache)
+        packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, plain, scale, kernel, spec.packed_calls)
     else:
         for q_rows, kv_rows, causal in plain:
-            grads = block_attn_backward(
-                rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-                rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale, kernel=kernel,
-            )
+            grads = kernel.backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
+                                    rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale)
             _add_grads_(dq, dk, dv, q_rows, kv_rows, grads)
     for q_rows, kv_rows, block in masked:
         grads = masked_backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
@@ -174,25 +154,25 @@ def _add_grads_(dq, dk, dv, q_rows: slice, kv_rows: slice, grads) -> None:
     rows(dv, kv_rows).add_(grads[2])
 
 
-def plan_forward(q, k, v, blocks, scale: float, attn_kernel=None, sinks=None):
+def plan_forward(q, k, v, spec: AttnSpec, blocks, sinks=None):
     """Forward of one fixed plan on local tensors: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``, sinks folded in."""
     out, lse = new_accumulators(q)
-    blocks_forward_(out, lse, q, k, v, list(blocks), scale, fresh=True, attn_kernel=attn_kernel)
+    blocks_forward_(out, lse, q, k, v, list(blocks), spec, fresh=True)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
-def plan_backward(dout, q, k, v, out, lse, blocks, scale: float, attn_kernel=None):
+def plan_backward(dout, q, k, v, out, lse, spec: AttnSpec, blocks):
     """Backward of :func:`plan_forward`: ``(dq, dk, dv)`` in the inputs' dtypes."""
     dtype = acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
-    blocks_backward_(dq, dk, dv, seq_major(dout), q, k, v, out, lse, list(blocks), scale, attn_kernel)
+    blocks_backward_(dq, dk, dv, seq_major(dout), q, k, v, out, lse, list(blocks), spec)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def plan_attn(q, k, v, blocks, scale: float, attn_kernel=None, sinks: torch.Tensor | None = None):
+def plan_attn(q, k, v, blocks, spec: AttnSpec):
     """Differentiable attention of local ``q (B,H,Sq,D)`` over local ``k, v (B,Hkv,Sk,D)`` by one fixed
     block plan (a tuple of blocks: keys of K/V rows already on this rank, e.g. after a halo exchange),
-    with ``sinks (H,)`` folded in after the merge: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``."""
-    return attention_function(plan_forward, plan_backward, q, k, v, sinks, tuple(blocks), scale, attn_kernel)
+    with ``spec.sinks (H,)`` folded in after the merge: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``."""
+    return AttentionFunction.apply(q, k, v, spec.sinks, plan_forward, plan_backward, spec, tuple(blocks))

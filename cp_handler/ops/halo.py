@@ -11,7 +11,7 @@ window within a chunk, nothing at all for chunks aligned with the zigzag chunks)
 the local K/V; the attention then runs one block plan (:func:`~cp_handler.masks.mask_blocks`) on this
 rank, and autograd returns the received rows' dK/dV by the reverse all-to-all.
 
-Chosen by :func:`~.ring.ring_attn` when no rank would receive more than half of what the ring passes
+Chosen by :func:`~.ring.ring_attention` when no rank would receive more than half of what the ring passes
 it (``(cp - 1) * S_local`` rows); otherwise the ring runs (its blocks still planned by the mask). Megatron-LM's open
 PR #5597 proposes a halo exchange for Transformer Engine's ring; this one is ours, on the block planner.
 """
@@ -28,6 +28,8 @@ from ..layout import ZigzagDocs
 from ..masks import AttentionMask, mask_blocks
 from .blocks import Block, plan_attn
 from .collectives import all_to_all
+from .kernels import check_plan
+from .spec import AttnSpec
 
 Piece = tuple[int, int, int]  # (local row on the sending rank, rows, position of the first row in its document)
 
@@ -86,12 +88,12 @@ def halo_plan(layout: ZigzagDocs, mask: AttentionMask, rank: int) -> HaloPlan:
             for q_id, q_row, q_real in mine(i, rank):
                 blocks += mask_blocks(slice(q_row, q_row + q_real), q_id * c, slice(row, row + n), pos, mask)
             row += n
-    return HaloPlan(tuple(send_rows), tuple(send_splits), tuple(recv_splits), tuple(blocks))
+    return HaloPlan(tuple(send_rows), tuple(send_splits), tuple(recv_splits), tuple(check_plan(blocks)))
 
 
 @functools.lru_cache(maxsize=256)
 def halo_applies(layout: ZigzagDocs, mask: AttentionMask) -> bool:
-    """Whether :func:`~.ring.ring_attn` uses the halo exchange: a causal window or chunks, more than one
+    """Whether :func:`~.ring.ring_attention` uses the halo exchange: a causal window or chunks, more than one
     rank, and no rank receiving more than half of the ``(size - 1) * local_len`` rows the ring passes it."""
     if not (mask.restricted and mask.causal) or layout.size == 1:
         return False
@@ -119,10 +121,9 @@ def halo_exchange(k: torch.Tensor, v: torch.Tensor, group, layout: ZigzagDocs, m
     return extended[0], extended[1]
 
 
-def halo_attn(q, k, v, *, group: dist.ProcessGroup, layout: ZigzagDocs, mask: AttentionMask, scale: float,
-              attn_kernel=None, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sliding-window / chunked attention with the halo exchange (see the module doc): the arguments and
-    results of :func:`~.ring.ring_attn`."""
-    plan = halo_plan(layout, mask, dist.get_rank(group))
-    k_ext, v_ext = halo_exchange(k, v, group, layout, mask, plan)
-    return plan_attn(q, k_ext, v_ext, plan.blocks, scale, attn_kernel, sinks)
+def halo_attention(q, k, v, spec: AttnSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sliding-window / chunked attention with the halo exchange over ``spec.group`` (see the module doc): the
+    results of :func:`~.ring.ring_attention`."""
+    plan = halo_plan(spec.layout, spec.mask, dist.get_rank(spec.group))
+    k_ext, v_ext = halo_exchange(k, v, spec.group, spec.layout, spec.mask, plan)
+    return plan_attn(q, k_ext, v_ext, plan.blocks, spec)

@@ -30,7 +30,7 @@ def merge_attn_out_(
     ``out`` (B,H,S,D) and ``lse`` (B,H,S) are in :func:`acc_dtype` and may be views (row slices)
     of larger accumulators. Not differentiable: called inside autograd.Function forwards. Four
     elementwise kernels (subtract, sigmoid, lerp, logaddexp), five when ``block_out`` needs a cast
-    to the accumulator dtype: small shards on CUDA are bound by kernel launches (issue 14).
+    to the accumulator dtype: small shards on CUDA are bound by kernel launches.
     """
     weight = torch.sub(block_lse, lse).sigmoid_().unsqueeze(-1)
     out.lerp_(block_out.to(out.dtype), weight)  # out + weight * (block_out - out), one kernel

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 from ..layout import ZigzagDocs
 from ..masks import CAUSAL
-from .all_gather import all_gather_attn, all_gather_blocks
+from .all_gather import all_gather_attention, all_gather_blocks
 from .blocks import Block
-from .ring import ring_attn, ring_blocks
-from .ulysses import a2a_attn
+from .ring import ring_attention, ring_blocks
+from .ulysses import a2a_attention
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,8 @@ class CommPattern:
 
     Attributes:
         name: the ``cp_comm_type`` value.
-        attention: ``(q, k, v, cp_group, levels, *, causal, scale, layout, attn_kernel) -> out`` on
-            ``(B, H, S_local, D)`` tensors; ``levels``: ``[a2a_group, p2p_group]`` when hierarchical.
+        attention: ``(q, k, v, spec) -> (out, lse or None)`` on ``(B, H, S_local, D)`` tensors, a checked call
+            (:class:`~.spec.AttnSpec`, its groups from :meth:`spec_groups`).
         rank_steps: ``(layout, rank, a2a_size) -> RankSteps``: the causal plan of ``rank`` (no
             communication), ``layout`` over the whole CP group.
         hierarchical: runs on two levels of groups (``hierarchical_context_parallel_sizes``).
@@ -50,6 +50,13 @@ class CommPattern:
     rank_steps: Callable[[ZigzagDocs, int, int], RankSteps]
     hierarchical: bool = False
     splits_heads: bool = False
+
+    def spec_groups(self, cp_group, levels) -> dict:
+        """The :class:`~.spec.AttnSpec` groups of this pattern: the CP group, or for a hierarchical pattern its
+        a2a level (``levels[0]``) with the ring over the p2p level (``levels[1]``)."""
+        if self.hierarchical:
+            return {"group": levels[0], "p2p_group": levels[1]}
+        return {"group": cp_group}
 
     def a2a_size(self, cp_size: int, hierarchical_sizes: list[int] | None) -> int | None:
         """The all-to-all size its heads are divided over (``None``: heads are not divided)."""
@@ -74,15 +81,10 @@ def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
 
 
 PATTERNS: dict[str, CommPattern] = {p.name: p for p in (
-    CommPattern("p2p", lambda q, k, v, cp_group, levels, **kw: ring_attn(q, k, v, group=cp_group, **kw)[0],
-                _ring_steps),
-    CommPattern("all_gather", lambda q, k, v, cp_group, levels, **kw: all_gather_attn(q, k, v, group=cp_group,
-                                                                                      **kw)[0],
-                _all_gather_steps),
-    CommPattern("a2a", lambda q, k, v, cp_group, levels, **kw: a2a_attn(q, k, v, group=cp_group, **kw)[0],
-                lambda layout, rank, a2a_size: _a2a_steps(layout, rank, layout.size), splits_heads=True),
-    CommPattern("a2a+p2p", lambda q, k, v, cp_group, levels, **kw: a2a_attn(q, k, v, group=levels[0],
-                                                                             inner_group=levels[1], **kw)[0],
-                _a2a_steps, hierarchical=True, splits_heads=True),
+    CommPattern("p2p", ring_attention, _ring_steps),
+    CommPattern("all_gather", all_gather_attention, _all_gather_steps),
+    CommPattern("a2a", a2a_attention, lambda layout, rank, a2a_size: _a2a_steps(layout, rank, layout.size),
+                splits_heads=True),
+    CommPattern("a2a+p2p", a2a_attention, _a2a_steps, hierarchical=True, splits_heads=True),
 )}
 """Every communication pattern by ``cp_comm_type`` (Transformer Engine's and Megatron-LM's names)."""

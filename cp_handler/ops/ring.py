@@ -35,13 +35,14 @@ import torch.distributed as dist
 
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask, mask_blocks
-from .attn_function import attention_function, check_variant
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
-from .halo import halo_applies, halo_attn
+from .halo import halo_applies, halo_attention
+from .kernels import check_plan
 from .kernels.base import seq_major
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
 from .sinks import fold_sinks
+from .spec import AttentionFunction, AttnSpec, attn_spec
 
 
 @functools.lru_cache(maxsize=512)
@@ -51,10 +52,10 @@ def ring_blocks(layout: ZigzagDocs, step: int, rank: int, mask: AttentionMask) -
     tokens (padding is neither attended to nor computed)."""
     src = (rank - step) % layout.size
     if not mask.plain:
-        return [block for i in range(layout.num_docs) for q_id, q_row, q_real in layout.rank_chunks(i, rank)
+        return check_plan([block for i in range(layout.num_docs) for q_id, q_row, q_real in layout.rank_chunks(i, rank)
                 for k_id, k_row, k_real in layout.rank_chunks(i, src)
                 for block in mask_blocks(slice(q_row, q_row + q_real), q_id * layout.chunk(i),
-                                         slice(k_row, k_row + k_real), k_id * layout.chunk(i), mask)]
+                                         slice(k_row, k_row + k_real), k_id * layout.chunk(i), mask)])
     causal = mask.causal
     blocks = []
     for i in range(layout.num_docs):
@@ -70,7 +71,7 @@ def ring_blocks(layout: ZigzagDocs, step: int, rank: int, mask: AttentionMask) -
             q, kv, flag = (off + chunk, mine_b), (off, src_a + src_b), False
         if q[1] and kv[1]:
             blocks.append((slice(q[0], q[0] + q[1]), slice(kv[0], kv[0] + kv[1]), flag))
-    return blocks
+    return check_plan(blocks)
 
 
 def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
@@ -79,18 +80,17 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
     return ZigzagDocs.uniform(q.shape[2] * size, size)
 
 
-def ring_attn_forward(q, k, v, group, layout: ZigzagDocs, mask: AttentionMask, scale: float, attn_kernel=None,
-                      sinks: torch.Tensor | None = None):
-    """Forward ring: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's dtype, ``lse (B,H,S)``
-    (with ``sinks``: folded in, :mod:`.sinks`)."""
-    comm = RingComm(group)
+def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None):
+    """Forward ring over ``spec.group``: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's
+    dtype, ``lse (B,H,S)`` (with ``sinks``: folded in, :mod:`.sinks`)."""
+    comm = RingComm(spec.group)
     steps = comm.size
     kv = torch.stack([k, v])
     out, lse = new_accumulators(q)
     for step in range(steps):
         pending = comm.send_recv(kv) if step + 1 < steps else None
-        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(layout, step, comm.rank, mask), scale,
-                        fresh=step == 0, attn_kernel=attn_kernel)
+        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(spec.layout, step, comm.rank, spec.mask), spec,
+                        fresh=step == 0)
         if pending is not None:
             kv = pending.wait()[0]
     if sinks is not None:
@@ -118,11 +118,10 @@ def local_blocks_split(layout: ZigzagDocs, rank: int, mask: AttentionMask) -> tu
         first, second = slice(off, off + a), slice(off + a, off + a + b)
         head += [(first, first, True), (second, first, False)]
         tail.append((second, second, True))
-    return head, tail
+    return check_plan(head), check_plan(tail)
 
 
-def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, mask: AttentionMask, scale: float,
-                       attn_kernel=None):
+def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     """Backward ring: returns ``dq, dk, dv`` for the local q, k, v (``out``/``lse``: the forward's,
     sinks folded in).
 
@@ -131,6 +130,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, mask:
     accumulated on the way); the local block is split (:func:`local_blocks_split`) so that its
     tail runs after the last remote step and hides the last partial's trip home.
     """
+    group, layout, mask = spec.group, spec.layout, spec.mask
     comm = RingComm(group)
     steps = comm.size
     dtype = acc_dtype(q.dtype)
@@ -140,23 +140,32 @@ def ring_attn_backward(dout, q, k, v, out, lse, group, layout: ZigzagDocs, mask:
     head, tail = local_blocks_split(layout, comm.rank, mask)
     lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
     kv_pending = comm.send_recv(torch.stack([k, v])) if steps > 1 else None
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, scale, attn_kernel)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, spec)
     partial = None
     for step in range(1, steps):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
         dkv_remote = torch.zeros_like(dkv)
         blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
-                         ring_blocks(layout, step, comm.rank, mask), scale, attn_kernel)
+                         ring_blocks(layout, step, comm.rank, mask), spec)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, tail, scale, attn_kernel)
+    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, tail, spec)
     if partial is not None:
         dkv += partial.wait()[0]
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ring attention of a checked call (:class:`~.spec.AttnSpec`; :func:`ring_attn` checks a
+    direct one): the halo exchange when it applies to the spec's window or chunks, else the ring."""
+    if spec.group is not None and halo_applies(spec.layout, spec.mask):
+        return halo_attention(q, k, v, spec)
+    return AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward, spec)
 
 
 def ring_attn(
@@ -172,7 +181,7 @@ def ring_attn(
     mask: AttentionMask | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable ring attention over ``group``.
+    """Differentiable ring attention over ``group``, its arguments checked (:func:`~.spec.attn_spec`).
 
     Args:
         q: ``(B, H, S_local, D)`` local queries (zigzag layout when ``causal``).
@@ -184,7 +193,7 @@ def ring_attn(
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
         mask: a sliding window, chunks and/or a soft-cap (:class:`~cp_handler.masks.AttentionMask`, its
             ``causal`` equal to ``causal``); default the plain causal / full mask. A window or chunk
-            that a halo exchange covers runs :func:`~.halo.halo_attn` instead of the ring.
+            that a halo exchange covers runs the halo exchange (:mod:`.halo`) instead of the ring.
         sinks: ``(H,)`` learnable sink logits, one per query head (:mod:`.sinks`), or ``None``.
 
     Returns:
@@ -192,12 +201,9 @@ def ring_attn(
         float64 inputs; with sinks, the log-sum-exp including them); ``lse`` is not differentiable.
 
     Raises:
-        TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
+        TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape; a
+            forced kernel that cannot run.
     """
-    mask = check_variant(q, causal, mask, sinks)
-    layout = layout or default_layout(q, group)
-    if group is not None and halo_applies(layout, mask):
-        return halo_attn(q, k, v, group=group, layout=layout, mask=mask, scale=scale, attn_kernel=attn_kernel,
-                         sinks=sinks)
-    return attention_function(ring_attn_forward, ring_attn_backward, q, k, v, sinks, group, layout, mask, scale,
-                              attn_kernel)
+    spec = attn_spec(q, causal=causal, scale=scale, layout=layout or default_layout(q, group),
+                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=group)
+    return ring_attention(q, k, v, spec)

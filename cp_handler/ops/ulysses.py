@@ -20,15 +20,17 @@ copies that give every rank one), and the replicas' gradients are summed back.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from einops import rearrange
 
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask
-from .attn_function import check_variant
 from .collectives import all_to_all
-from .ring import ring_attn
+from .ring import ring_attention
+from .spec import AttnSpec, attn_spec
 
 
 def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
@@ -65,18 +67,19 @@ def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
     )
 
 
-def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
-             inner_group: dist.ProcessGroup | None = None, layout: ZigzagDocs | None = None,
+def a2a_attn(q, k, v, *, a2a_group: dist.ProcessGroup, causal: bool, scale: float,
+             p2p_group: dist.ProcessGroup | None = None, layout: ZigzagDocs | None = None,
              return_lse: bool = False, attn_kernel: str | None = None, mask: AttentionMask | None = None,
              sinks: torch.Tensor | None = None):
-    """Differentiable a2a attention; with ``inner_group``, hierarchical a2a+p2p.
+    """Differentiable a2a attention; with ``p2p_group``, hierarchical a2a+p2p. Its arguments are checked
+    (:func:`~.spec.attn_spec`, :func:`check_a2a_heads`).
 
     Args:
         q: ``(B, H, S_local, D)`` local queries, zigzag layout over the whole CP group
             (rank ``p * A + a`` is member ``a`` of a2a group ``p``).
         k, v: ``(B, Hkv, S_local, D)``.
-        group: the a2a group (size ``A``).
-        inner_group: the ring group across a2a groups (size ``P``); ``None`` for plain a2a.
+        a2a_group: the all-to-all level (size ``A``; plain a2a: the whole CP group).
+        p2p_group: the ring level across a2a groups (size ``P``, a2a+p2p); ``None`` for plain a2a.
         layout: documents of the local sequence over the whole CP group (thd); default one
             document (bshd).
         return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
@@ -91,28 +94,36 @@ def a2a_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
 
     Raises:
         ValueError: head counts that the a2a cannot split (see :func:`check_a2a_heads`); a mask or
-            sinks that :func:`~.ring.ring_attn` refuses.
+            sinks that :func:`~.spec.attn_spec` refuses.
     """
-    mask = check_variant(q, causal, mask, sinks)
-    a2a_size = dist.get_world_size(group)
-    replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
-    outer_size = 1 if inner_group is None else dist.get_world_size(inner_group)
-    if layout is None:
-        layout = ZigzagDocs.uniform(q.shape[2] * a2a_size * outer_size, a2a_size * outer_size)
+    size = dist.get_world_size(a2a_group) * (1 if p2p_group is None else dist.get_world_size(p2p_group))
+    spec = attn_spec(q, causal=causal, scale=scale, layout=layout or ZigzagDocs.uniform(q.shape[2] * size, size),
+                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=a2a_group, p2p_group=p2p_group)
+    check_a2a_heads(q.shape[1], k.shape[1], dist.get_world_size(a2a_group))
+    return a2a_attention(q, k, v, spec, return_lse)
+
+
+def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
+    """a2a (and a2a+p2p) attention of a checked call: ``spec.group`` is the a2a level, ``spec.p2p_group`` the
+    ring level (:func:`a2a_attn` checks a direct call; a handler's pre-flight checks the heads with the
+    config). Returns ``(out, lse or None)`` as :func:`a2a_attn`."""
+    a2a_size = dist.get_world_size(spec.group)
+    ring_spec = replace(spec, group=spec.p2p_group, p2p_group=None)
     if a2a_size == 1:
-        return ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout,
-                         attn_kernel=attn_kernel, mask=mask, sinks=sinks)
-    if sinks is not None:
+        return ring_attention(q, k, v, ring_spec)
+    replicas = check_a2a_heads(q.shape[1], k.shape[1], a2a_size)
+    if spec.sinks is not None:
         heads = q.shape[1] // a2a_size
-        sinks = sinks[dist.get_rank(group) * heads:(dist.get_rank(group) + 1) * heads]
+        rank = dist.get_rank(spec.group)
+        ring_spec = replace(ring_spec, sinks=spec.sinks[rank * heads:(rank + 1) * heads])
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
+    layout = spec.layout
     order = layout.a2a_reorder_index(a2a_size).to(q.device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
-    q, k, v = (seq_to_heads(t, group).index_select(2, order) for t in (q, k, v))
-    out, lse = ring_attn(q, k, v, group=inner_group, causal=causal, scale=scale, layout=layout.inner(a2a_size),
-                         attn_kernel=attn_kernel, mask=mask, sinks=sinks)
-    out = heads_to_seq(out.index_select(2, inverse), group)
+    q, k, v = (seq_to_heads(t, spec.group).index_select(2, order) for t in (q, k, v))
+    out, lse = ring_attention(q, k, v, replace(ring_spec, layout=layout.inner(a2a_size)))
+    out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
-        lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), group).squeeze(-1)
+        lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), spec.group).squeeze(-1)
     return out, lse if return_lse else None

@@ -42,7 +42,8 @@ KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.C
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
 __all__ = ["ATTN_KERNEL_ENV", "AUTOMATIC", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward",
-           "block_attn_forward", "count_attn_work", "kernel_override", "record_attn_work", "select_kernel"]
+           "block_attn_forward", "check_plan", "count_attn_work", "kernel_override", "record_attn_work",
+           "select_kernel"]
 
 
 AUTOMATIC = "automatic"
@@ -103,13 +104,26 @@ def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"block attention got a zero-length block: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
+def check_plan(blocks: list) -> list:
+    """``blocks`` (``(q rows, kv rows, mask)``), checked once where a planner makes them (its results are
+    cached): no empty block, every causal block square (:func:`~.base.check_causal_square`). Returns them.
+
+    Raises:
+        ValueError: naming the block (a bug in the planner).
+    """
+    for q_rows, kv_rows, causal in blocks:
+        if q_rows.stop <= q_rows.start or kv_rows.stop <= kv_rows.start:
+            raise ValueError(f"the block plan holds an empty block {q_rows} x {kv_rows}: a bug in the planner")
+        check_causal_square(q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start, causal is True)
+    return blocks
+
+
 def block_attn_forward(q, k, v, *, causal: bool, scale: float, kernel: AttnKernel | None = None):
-    """Attention of one (q block, kv block) pair: ``(out (B,H,Sq,D), lse (B,H,Sq))``; ``kernel``
-    (a block kernel, not a packed one) default :func:`select_kernel`. Records the work
-    (:func:`count_attn_work`)."""
+    """Attention of one (q block, kv block) pair, checked: ``(out (B,H,Sq,D), lse (B,H,Sq))``; ``kernel``
+    (a block kernel, not a packed one) default :func:`select_kernel`. For direct use: the algorithms call the
+    kernel of their spec, on blocks their planners checked (:func:`check_plan`)."""
     _check_nonempty(q, k)
     check_causal_square(q.shape[-2], k.shape[-2], causal)
-    record_attn_work(q, k, causal)
     return (kernel or select_kernel(q)).forward(q, k, v, causal=causal, scale=scale)
 
 

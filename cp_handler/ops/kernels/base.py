@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-H100_RUN = "H100 80GB HBM3, torch 2.11.0+cu130, cuDNN 9.19, 2026-11-24 (issue 23, scripts/gpu_check.py)"
+H100_RUN = "H100 80GB HBM3, torch 2.11.0+cu130, cuDNN 9.19, 2026-11-24 (scripts/gpu_check.py)"
 """The GPU run that verified the kernels marked with it (docs/testing.md)."""
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]

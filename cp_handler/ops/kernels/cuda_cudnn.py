@@ -1,14 +1,10 @@
 """CUDA cuDNN attention: ``aten._scaled_dot_product_cudnn_attention`` and its backward (fp16/bf16).
 
-The fastest single-GPU kernel on an H100 (489-540 TFLOP/s against FlashAttention-2's 317-320,
-issue 14), and the fastest here: per-rank efficiency 0.87-0.97 at 16k-64k tokens per rank against
-0.52-0.58 for FlashAttention-2 (H100, 2026-11-24, docs/performance.md). Checked on that H100: fp16/bf16
-blocks against float64 and every pattern in bshd, bf16 (scripts/gpu_check.py kernels / opt_in). Still
-opt-in (``attn_kernel="cudnn"``), not automatic: cuDNN builds a graph per ``(Sq, Sk)`` in every
-process, 0.1-1.5 s each (measured), so any run with many block shapes pays seconds per new shape (the
-GPU suite through it took minutes instead of seconds), and the GPT and masks suites have not run
-through it. Never for packed documents (thd), where every document pair is a new shape
-(``shape_specialized``: refused there).
+The fastest single-GPU kernel on an H100 and the fastest block kernel of the ring plans there
+(docs/performance.md has the measured efficiencies). Opt-in (``attn_kernel="cudnn"``), not automatic:
+cuDNN builds a graph per ``(Sq, Sk)`` in every process, 0.1-1.5 s each on an H100, so any run with many
+block shapes pays seconds per new shape. Never for packed documents (thd), where every document pair
+is a new shape (``shape_specialized``: refused there). GPU runs: docs/testing.md.
 
 The forward returns lse as ``(B, H, Sq, 1)`` on some torch versions and ``(B, H, Sq)`` on others;
 the backward wants the forward's layout, which is read off the op's meta kernel (same shapes as

@@ -3,15 +3,14 @@
 for the backward. No attention bias; dropout 0, so the philox arguments are never read (empty int64
 tensors stand for them). GQA by expanding K/V.
 
-``out`` layout (a correctness rule, not a speed one): for fp16/bf16 the backward computes Delta =
-rowsum(dO * O) inside the kernel and reads ``out`` with a fixed row stride of ``head_dim * num_heads``
-(``o_strideM()`` in torch's ``mem_eff_attention/kernel_backward.h``), taking only its batch and head
-strides from the tensor: ``out`` must be a ``(B, H, S, D)`` view of ``(B, S, H, D)``-contiguous
-memory of exactly its own heads. The backward passes :func:`~.base.seq_major` of ``out``: no copy
-for the sequence-major accumulators of a plan, one copy for a head slice (all_gather's KV-head chunks).
-fp32 was verified on an H100 (issue 13), fp16/bf16 with this layout on 2026-11-24 (issue 23).
-Head dims: multiples of 8 (fp16/bf16) or 4 (fp32), the rule torch's SDPA dispatcher applies to this
-kernel (``check_head_dim_size_mem_efficient``, alignment of the tensor-core GEMMs)."""
+``out`` layout (a correctness rule, not a speed one): for fp16/bf16 the backward computes Delta = rowsum(dO *
+O) inside the kernel and reads ``out`` with a fixed row stride of ``head_dim * num_heads`` (``o_strideM()`` in
+torch's ``mem_eff_attention/kernel_backward.h``), taking only its batch and head strides from the tensor:
+``out`` must be a ``(B, H, S, D)`` view of ``(B, S, H, D)``-contiguous memory of exactly its own heads. The
+backward passes :func:`~.base.seq_major` of ``out``: no copy for the sequence-major accumulators of a plan,
+one copy for a head slice (all_gather's KV-head chunks). GPU runs: :attr:`~.base.AttnKernel.verified_on`. Head
+dims: multiples of 8 (fp16/bf16) or 4 (fp32), the rule torch's SDPA dispatcher applies to this kernel
+(``check_head_dim_size_mem_efficient``, alignment of the tensor-core GEMMs)."""
 
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
 
 KERNEL = AttnKernel(
     "efficient", "cuda", (torch.float32, torch.float16, torch.bfloat16), forward, backward,
-    verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): fp32 within 5e-7 of a float64 reference; "
+    verified_on="H100, torch 2.11.0+cu130, 2026-11-22: fp32 within 5e-7 of a float64 reference; "
                 f"{H100_RUN}: fp16/bf16 with H > 1 and every out layout a plan passes vs float64",
     head_dim_multiple=((torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)),
 )

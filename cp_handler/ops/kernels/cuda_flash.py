@@ -2,7 +2,7 @@
 
 Every argument of the backward is named as in the op's schema and takes the value the forward op
 returns for a dense (non-varlen) call: ``cum_seq_q`` / ``cum_seq_k`` undefined (``None``; a defined
-tensor there selects the varlen path, which wants int32 offsets: the bf16 crash of issue 13),
+tensor there selects the varlen path, which wants int32 offsets, and crashes in bf16),
 ``max_q`` / ``max_k`` the block lengths. The philox state is read only when ``dropout_p > 0``;
 dropout is always 0 here, so an empty int64 tensor stands for it. The op transposes ``grad_out``
 and ``out`` to ``(B, S, H, D)`` and makes them contiguous: they are passed sequence-major
@@ -16,8 +16,8 @@ GQA, two kernels:
 * ``flash_gqa``: K/V passed with their own ``Hkv`` heads. FlashAttention-2 handles ``H % Hkv == 0``
   itself and returns dk/dv with ``Hkv`` heads; this is the path PyTorch's SDPA takes for
   ``enable_gqa=True`` (its docs: GQA "works only for Flash_attention and math kernel on CUDA"), and
-  the op's meta kernel gives these shapes. No K/V copies, 96 fewer kernel launches per rank-step of
-  issue 14's 512-token shards (``cp-bench --modes launches``). Verified on an H100 (2026-11-24).
+  the op's meta kernel gives these shapes. No K/V copies and fewer kernel launches per rank-step
+  (``cp-bench --modes launches``; figures in docs/performance.md). GPU runs: :attr:`~.base.AttnKernel.verified_on`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ HEAD_DIMS = {"max_head_dim": 256, "head_dim_multiple": ((torch.float16, 8), (tor
 
 KERNEL = AttnKernel(
     "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, **HEAD_DIMS,
-    verified_on="H100, torch 2.11.0+cu130, 2026-11-22 (issue 13): this call (undefined cum_seq_q/k) within "
+    verified_on="H100, torch 2.11.0+cu130, 2026-11-22: this call (undefined cum_seq_q/k) within "
                 "2-3e-3 (bf16) / 3e-4 (fp16) relative error of a float64 reference; "
                 f"{H100_RUN}: every pattern, thd, layout ops, the GPT step and the masks in fp16/bf16",
 )

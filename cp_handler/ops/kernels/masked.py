@@ -15,9 +15,8 @@ their gradient), with ``Sq <= 64`` and ``Sk <= 512`` for the tiles the planners 
 each in float32. GQA: K/V are expanded to the query heads inside the block, their gradients summed back.
 
 Why ours: torch 2.13's FlexAttention has no CPU backward ("FlexAttention does not support backward on
-CPU"), and the CUDA kernels take only causal / full blocks. On CUDA this kernel is plain torch math;
-it and the sink folding were verified on an H100 (2026-11-24, ``scripts/gpu_check.py masks``: every
-variant and comm type, bshd and thd, fp32 / bf16 / fp16 against float64).
+CPU"), and the CUDA kernels take only causal / full blocks. On CUDA this kernel is plain torch math
+(its GPU runs: docs/testing.md).
 """
 
 from __future__ import annotations
@@ -27,29 +26,27 @@ import torch
 from ...masks import BlockMask
 from ..merge import acc_dtype
 from .base import expand_kv, reduce_kv_grad
-from .work import record_attn_pairs
+from .work import counting_work, record_attn_pairs
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, block: BlockMask, scale: float):
-    """``(capped scores with -inf where masked, visible (Sq, Sk), tanh of the scaled scores or None)``."""
+def visible_scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None, visible: torch.Tensor):
+    """The one scoring function of explicit attention (this kernel, and a decode step: :mod:`cp_handler.inference`):
+    ``q (B,H,Sq,D)`` against ``k (B,Hkv,Sk,D)`` (GQA: K expanded to the query heads) in the accumulation dtype,
+    scaled, soft-capped (``softcap * tanh(s / softcap)``, Gemma 2) and ``-inf`` where ``visible`` (broadcast to
+    ``(B, H, Sq, Sk)``) is False. Returns ``(scores, tanh of the scaled scores / softcap, or None)``."""
     dtype = acc_dtype(q.dtype)
     scores = torch.matmul(q.to(dtype), expand_kv(q, k).to(dtype).transpose(-1, -2)).mul_(scale)
     tanh = None
-    if block.mask.softcap is not None:
-        tanh = scores.div_(block.mask.softcap).tanh_()
-        scores = tanh * block.mask.softcap
-    q_pos = torch.arange(block.q_pos, block.q_pos + q.shape[-2], device=q.device)
-    k_pos = torch.arange(block.k_pos, block.k_pos + k.shape[-2], device=q.device)
-    visible = block.mask.visible(q_pos[:, None], k_pos[None, :])
-    return scores.masked_fill(~visible, float("-inf")), visible, tanh
+    if softcap is not None:
+        tanh = scores.div_(softcap).tanh_()
+        scores = tanh * softcap
+    return scores.masked_fill(~visible, float("-inf")), tanh
 
 
-def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: BlockMask, scale: float):
-    """``q (B,H,Sq,D)``, ``k, v (B,Hkv,Sk,D)`` -> ``(out (B,H,Sq,D), lse (B,H,Sq))``, both in the
-    accumulation dtype. A row that sees no key of the block gets ``out = 0`` and the dtype's lowest
-    finite lse (so that merging two such rows stays finite: :func:`~..merge.merge_attn_out_`)."""
-    scores, visible, _ = _scores(q, k, block, scale)
-    record_attn_pairs(q.shape[0] * q.shape[1] * visible.numel(), 1)
+def softmax_out(scores: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B,H,Sq,D), lse (B,H,Sq))`` of ``scores`` (:func:`visible_scores`) against ``v (B,Hkv,Sk,D)``. A row
+    that sees no key gets ``out = 0`` and the dtype's lowest finite lse (so that merging two such rows stays
+    finite: :func:`~..merge.merge_attn_out_`)."""
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0).unsqueeze(-1))
@@ -57,11 +54,28 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Blo
     return out, lse.masked_fill_(empty, torch.finfo(lse.dtype).min)
 
 
+def _block_scores(q: torch.Tensor, k: torch.Tensor, block: BlockMask, scale: float):
+    """:func:`visible_scores` of a planned block (its visibility from the positions of its rows and keys)."""
+    q_pos = torch.arange(block.q_pos, block.q_pos + q.shape[-2], device=q.device)
+    k_pos = torch.arange(block.k_pos, block.k_pos + k.shape[-2], device=q.device)
+    visible = block.mask.visible(q_pos[:, None], k_pos[None, :])
+    return (*visible_scores(q, k, scale, block.mask.softcap, visible), visible)
+
+
+def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: BlockMask, scale: float):
+    """``q (B,H,Sq,D)``, ``k, v (B,Hkv,Sk,D)`` -> ``(out (B,H,Sq,D), lse (B,H,Sq))``, both in the
+    accumulation dtype (:func:`softmax_out`)."""
+    scores, _, visible = _block_scores(q, k, block, scale)
+    if counting_work():
+        record_attn_pairs(q.shape[0] * q.shape[1] * visible.numel(), 1)  # computed, masked or not
+    return softmax_out(scores, q, v)
+
+
 def masked_backward(dout, q, k, v, out, lse, block: BlockMask, scale: float):
     """Gradients ``(dq (B,H,Sq,D), dk, dv (B,Hkv,Sk,D))`` in the accumulation dtype of one block, given
     the merged ``out (B,H,Sq,D)`` and ``lse (B,H,Sq)`` of its rows (finite: every real query sees a key)."""
     dtype = acc_dtype(q.dtype)
-    scores, _, tanh = _scores(q, k, block, scale)
+    scores, tanh, _ = _block_scores(q, k, block, scale)
     probs = torch.exp(scores - lse.to(dtype).unsqueeze(-1))
     dout = dout.to(dtype)
     v_full = expand_kv(q, v).to(dtype)

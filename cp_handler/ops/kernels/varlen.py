@@ -2,17 +2,16 @@
 
 A packed kernel attends segment ``i`` of the packed queries (rows ``cu_q[i]:cu_q[i+1]``) to segment
 ``i`` of the packed keys, all with one mask flag, in one launch: a ring step of a pack of hundreds
-of documents is one or two calls instead of hundreds (issue 14: 107.6 ms per-document loop vs
-4.6 ms for one varlen call on an H100, 32k tokens in 265 documents). Causal segments are square
-here (top-left and bottom-right alignment coincide).
+of documents is one or two calls instead of hundreds (measured on an H100: docs/performance.md).
+Causal segments are square here (top-left and bottom-right alignment coincide).
 
 Shapes: ``q (Tq, H, D)``, ``k, v (Tk, Hkv, D)`` (GQA native), ``cu_q, cu_k`` int32
 ``[segments + 1]`` on q's device, ``lse (H, Tq)`` float32.
 
 * ``flash_varlen`` (CUDA, fp16/bf16): ``aten._flash_attention_forward`` / ``_backward`` with
   ``cum_seq_q/k``, the backward given the merged out/lse; the rng tensors are the forward's
-  outputs for dropout 0, rebuilt with the shapes and dtypes of the op's meta kernel. Verified in bf16
-  on an H100 (2026-11-24): the automatic choice in bf16 (fp16 was not run: opt-in there).
+  outputs for dropout 0, rebuilt with the shapes and dtypes of the op's meta kernel. Automatic in the
+  dtypes a GPU run verified (:attr:`~.base.AttnKernel.verified_dtypes`), opt-in in the others.
 * ``cpu_varlen`` (CPU): the same packed interface computed segment by segment with the CPU flash
   kernel. It is the CPU reference of the batching (gathers, segment offsets, merges, scatters) that
   the CUDA kernel relies on; never chosen automatically (``cpu_flash`` is faster on CPU).

@@ -1,4 +1,5 @@
-"""Attention work accounting: the (query, key) score pairs the forward blocks compute on this rank.
+"""Attention work accounting: the (query, key) score pairs the forward blocks compute on this rank,
+recorded once per plan (never per kernel call), and only inside :func:`count_attn_work`.
 
 The benchmark's load-balance figure, as :func:`~cp_handler.ops.collectives.count_comms` counts bytes::
 
@@ -36,6 +37,11 @@ def count_attn_work():
         yield counter
     finally:
         _work_counters.remove(counter)
+
+
+def counting_work() -> bool:
+    """Whether a :func:`count_attn_work` block is open (the callers skip their accounting otherwise)."""
+    return bool(_work_counters)
 
 
 def block_pairs(sq: int, sk: int, causal: bool) -> int:

@@ -131,8 +131,8 @@ class DotProductAttention(nn.Module):
         if comm == "all_gather":
             return all_gather_attn(q, k, v, group=self.cp_group, **kwargs)[0]
         if comm == "a2a":
-            return a2a_attn(q, k, v, group=self.cp_group, **kwargs)[0]
-        return a2a_attn(q, k, v, group=self.cp_group[0], inner_group=self.cp_group[1], **kwargs)[0]
+            return a2a_attn(q, k, v, a2a_group=self.cp_group, **kwargs)[0]
+        return a2a_attn(q, k, v, a2a_group=self.cp_group[0], p2p_group=self.cp_group[1], **kwargs)[0]
 
     def _sliding_window(self, q, k, v, window, cp, qkv_format):
         """Query at global position i attends keys in [i - left, i + right] (TE's convention, sq == sk)."""

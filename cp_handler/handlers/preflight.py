@@ -1,0 +1,117 @@
+"""The one pre-flight step of a ``core_attn`` call: every check and resolution, once, before any collective.
+
+:func:`preflight` takes what the model passed (``attn_mod``, q, k, v in the handler's ``qkv_format``,
+``attn_mask_type``) and returns an :class:`AttnCall`: q/k/v as ``(B, H, S, D)`` views (thd: ``B = 1``,
+the ``(T, H, D)`` / ``(1, T, H, D)`` rule applied once, :mod:`cp_handler.ops.qkv_format`), the resolved
+mask, sinks and softmax scale (:func:`~.checks.attention_variant`, :func:`~.checks.softmax_scale`), the
+layer's comm type and the batch's layout. Its checks: the mask type, q/k/v (:func:`~.checks.check_qkv`),
+the local length against the layout, the variant and the backend's own rules (``handler.check_call``); a
+failure on one rank fails every rank together, and at the first call of each layer per handler the ranks
+agree on the call's shape, layout and variant (:meth:`~.base.ContextParallelHandler.checked`). The
+backend's ``attend`` and the algorithms behind it trust the call and check nothing again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..layout import ZigzagDocs
+from ..masks import AttentionMask
+from ..ops.qkv_format import from_bhsd, to_bhsd
+from .checks import check_qkv, fingerprint, softmax_scale, variant_fingerprint
+
+ATTN_MASK_TYPES = ("causal", "no_mask")
+"""Mask types of ``core_attn`` (Transformer Engine's names)."""
+
+AGREED_FIELDS = ("local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout", "variant")
+"""What the ranks of a CP group compare at the first call of each layer (:func:`preflight`)."""
+
+
+@dataclass(frozen=True, eq=False)
+class AttnCall:
+    """One ``core_attn`` call, checked and resolved (see the module doc).
+
+    Attributes:
+        q, k, v: ``(B, H, S_local, D)`` / ``(B, Hkv, S_local, D)`` views of the tensors passed.
+        mask, sinks, scale: the attention variant of ``attn_mod`` and its softmax scale.
+        comm_type: the layer's ``cp_comm_type``.
+        layout: the batch's documents (:class:`~cp_handler.layout.ZigzagDocs`), or ``None`` for a backend
+            without the zigzag layout.
+        layer: ``attn_mod.layer_number`` (``None``: not given).
+        qkv_format: the handler's format; ``given``: the q passed (:meth:`restore` shapes the output like it).
+        attn_mod: the module passed (a backend that keeps per-module state, Transformer Engine's, reads it).
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: AttentionMask
+    sinks: torch.Tensor | None
+    scale: float
+    comm_type: str
+    layout: ZigzagDocs | None
+    layer: int | None
+    qkv_format: str
+    given: torch.Tensor
+    attn_mod: object = None
+
+    def restore(self, out: torch.Tensor) -> torch.Tensor:
+        """``out (B, H, S_local, D)`` shaped like the q that was passed."""
+        return from_bhsd(out, self.qkv_format, self.given)
+
+    def in_format(self, t: torch.Tensor) -> torch.Tensor:
+        """``t (B, H, S, D)`` of this call in the handler's ``qkv_format``, thd as ``(T, H, D)``."""
+        return from_bhsd(t, self.qkv_format, self.given[0] if self.qkv_format == "thd" and self.given.dim() == 4
+                         else self.given)
+
+
+def _seq_dim(qkv_format: str, q: torch.Tensor) -> int:
+    """The sequence dim of a q passed in ``qkv_format`` (checked shape: raises ValueError)."""
+    if qkv_format == "thd":
+        if q.dim() == 3 or (q.dim() == 4 and q.shape[0] == 1):
+            return q.dim() - 3
+        raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format='thd' takes (T, H, D) or (1, T, H, D)")
+    if q.dim() != 4:
+        raise ValueError(f"core_attn q {tuple(q.shape)}: qkv_format={qkv_format!r} takes a 4-D tensor")
+    return 0 if qkv_format == "sbhd" else 1
+
+
+def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
+    """The :class:`AttnCall` of one ``core_attn`` of ``handler`` (see the module doc).
+
+    Raises:
+        ValueError / TypeError: naming the argument, the value and the rule (on every rank of the group when
+            the agreement check runs); :class:`~.checks.RanksRefused` when the ranks disagree.
+    """
+    resolved = {}
+
+    def local_checks() -> dict[str, int]:
+        if attn_mask_type not in ATTN_MASK_TYPES:
+            raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
+        if not isinstance(q, torch.Tensor):
+            check_qkv(q, k, v, seq_dim=0)  # raises, naming q
+        seq_dim = _seq_dim(handler.qkv_format, q)
+        check_qkv(q, k, v, seq_dim)
+        layout = handler.call_layout(q.shape[seq_dim])
+        scale = softmax_scale(attn_mod, q.shape[-1])
+        mask, sinks = handler.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
+        comm_type = handler.comm_type_for(attn_mod)
+        call = AttnCall(*(to_bhsd(t, handler.qkv_format) for t in (q, k, v)), mask, sinks, scale, comm_type,
+                        layout, getattr(attn_mod, "layer_number", None), handler.qkv_format, q, attn_mod)
+        handler.check_call(call)
+        resolved["call"] = call
+        batch = q.shape[1 - seq_dim] if q.dim() == 4 and handler.qkv_format != "thd" else 1
+        return {"local_len": q.shape[seq_dim], "batch": batch, "heads": q.shape[-2], "kv_heads": k.shape[-2],
+                "head_dim": q.shape[-1], "dtype": fingerprint(str(q.dtype)),
+                "layout": 0 if layout is None else fingerprint(layout.lengths),
+                "variant": variant_fingerprint(comm_type, mask, sinks, scale)}
+
+    key = handler.agreement_key(attn_mod)
+    device = q.device if isinstance(q, torch.Tensor) else "cpu"
+    if key is None:
+        local_checks()
+    else:
+        handler.checked(key, device, AGREED_FIELDS, local_checks)
+    return resolved["call"]

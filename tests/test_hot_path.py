@@ -1,0 +1,95 @@
+"""The hot path of a ``core_attn`` call stays short: from the model's attention call to the kernel call.
+
+Traced with ``sys.setprofile`` on 2 gloo ranks, the forward of the reference GPT's attention with the local
+handler's ``p2p`` ring: at the kernel's call, the Python frames strictly between the model's
+``SelfAttention.forward`` and the kernel's function are counted. Before the one pre-flight (issue 40) they
+were 10 (the guard wrapper, the handler, a registry lambda, ``ring_attn`` and its checks, ``attention_function``,
+``Function.apply``, the autograd forward, the ring step, ``blocks_forward_``, ``block_attn_forward`` with its
+checks and work counter); the bound is 7. Also: the kernel is chosen once per call (not per ring step), and
+the work counter costs nothing when no one counts.
+"""
+
+import sys
+
+import torch
+from dist_utils import new_cp_group, run_distributed
+
+from cp_handler.handlers.local import LocalContextParallelHandler
+from cp_handler.models.gpt import GPTConfig, SelfAttention
+from cp_handler.ops import spec as spec_module
+from cp_handler.ops.kernels import cpu_flash, work
+
+MAX_FRAMES = 7
+
+
+def frames_between(outer_code, inner_code, run) -> list[list[str]]:
+    """For every call of ``inner_code`` while ``run()`` runs: the functions of the frames between it and the
+    nearest frame of ``outer_code`` (innermost first)."""
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is inner_code:
+            names, caller = [], frame.f_back
+            while caller is not None and caller.f_code is not outer_code:
+                names.append(caller.f_code.co_qualname)
+                caller = caller.f_back
+            if caller is not None:
+                seen.append(names)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def _trace_worker(rank, world):
+    torch.manual_seed(0)
+    config = GPTConfig(hidden_size=32, num_layers=1, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64)
+    attn = SelfAttention(config, layer_number=1)
+    handler = LocalContextParallelHandler(cp_group=new_cp_group(), cp_comm_type="p2p")
+    x = handler.dispatch(torch.randn(1, 32, 32), 1)
+    freqs = handler.get_emb_on_this_cp_rank(torch.zeros(32, 8))
+    selections = []
+    original = spec_module.KernelChoice.select
+    spec_module.KernelChoice.select = lambda self, q: selections.append(1) or original(self, q)
+    try:
+        stacks = frames_between(SelfAttention.forward.__code__, cpu_flash.forward.__code__,
+                                lambda: attn(x, freqs, handler))
+    finally:
+        spec_module.KernelChoice.select = original
+    assert len(stacks) >= world, stacks  # one kernel call per ring step at least
+    assert max(len(s) for s in stacks) <= MAX_FRAMES, stacks[0]
+    assert len(selections) == 1  # the kernel chosen once for the call, not once per ring step (2 steps here)
+
+
+def test_a_ring_core_attn_reaches_the_kernel_within_7_frames_and_chooses_it_once():
+    run_distributed(_trace_worker, 2)
+
+
+def test_the_work_counter_is_not_read_per_kernel_call():
+    """Without a ``count_attn_work`` block, a plan's forward never records (the check is one bool per plan)."""
+    calls = []
+    original = work.record_attn_pairs
+    work.record_attn_pairs = lambda *args: calls.append(args)
+    try:
+        from cp_handler.ops import blocks
+
+        blocks.record_attn_pairs, saved = work.record_attn_pairs, blocks.record_attn_pairs
+        handler = LocalContextParallelHandler(attn_kernel="cpu_flash")
+        q = torch.randn(1, 16, 2, 8)
+        handler.core_attn(SelfAttentionStub(), q, q, q)
+        assert not calls
+        with work.count_attn_work() as counted:
+            blocks.record_attn_pairs = original
+            handler.core_attn(SelfAttentionStub(), q, q, q)
+        assert counted.pairs == 2 * 16 * 17 // 2  # heads x the causal triangle with its diagonal
+    finally:
+        work.record_attn_pairs = original
+        blocks.record_attn_pairs = saved
+
+
+class SelfAttentionStub:
+    softmax_scale = None
+    layer_number = 1
