@@ -31,7 +31,8 @@ class DeviceCase:
 
     @property
     def on_cpu(self) -> bool:
-        return self.device == "cpu"
+        """The default suite's case: CPU in float32, the reference the same float32 computation."""
+        return self.device == "cpu" and self.dtype == torch.float32
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """An input as the ranks get it."""
@@ -54,6 +55,9 @@ class DeviceCase:
 
 
 CPU = DeviceCase("cpu", torch.float32)
+CPU_BF16 = DeviceCase("cpu", torch.bfloat16)
+"""CPU in bfloat16 (the FlashAttention-4 contract fake computes only fp16 / bf16): a float64 reference and the
+bfloat16 tolerance, as the GPU cases."""
 
 _needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_CASES = [pytest.param(DeviceCase("cuda", dtype), marks=[pytest.mark.gpu, _needs_cuda], id=f"cuda-{name}")

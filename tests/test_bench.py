@@ -123,7 +123,8 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
     rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
     assert {(r["pattern"], r["qkv_format"]) for r in rows} == {
         (p, f) for p in ("whole", "p2p", "all_gather", "a2a", "a2a+p2p") for f in ("bshd", "thd")}
-    assert all(r["efficiency"] > 0 for r in rows if r["pattern"] != "whole")
+    assert all(r["efficiency"] > 0 and set(r["efficiency_vs"]) == {"sdpa"} for r in rows if r["pattern"] != "whole")
+    assert {r["reference"] for r in rows if r["pattern"] == "whole"} == {"sdpa"}  # auto on CPU: SDPA (per document)
     assert (out / "plan_efficiency.png").exists() and "| bshd | 128 | a2a+p2p | 4 |" in (out / "results.md").read_text()
     shape = PlanShape(num_heads=4, num_kv_heads=2)
     for pattern, cp in (("p2p", 4), ("all_gather", 4), ("a2a", 2), ("a2a+p2p", 4)):
@@ -210,6 +211,8 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path):
     (["--modes", "plan", "--plan-seq-lens", "1000", "--plan-cp-sizes", "8"],
      "--plan-seq-lens 1000 must be divisible by 2 * cp = 16"),
     (["--modes", "plan", "--attn-kernel", "flash"], "--attn-kernel 'flash' cannot run this attention: it runs on cuda"),
+    (["--modes", "plan", "--whole-kernels", "flex"], "--whole-kernels flex (bshd): FlexAttention has no CPU backward"),
+    (["--modes", "plan", "--whole-kernels", "fa4"], "--whole-kernels fa4 (bshd): FlashAttention-4 runs on CUDA only"),
 ])
 def test_plan_and_launches_flags_are_checked_before_running(capsys, flags, message):
     """Each rule of the plan / launches flags is one line naming the flag, before any case runs

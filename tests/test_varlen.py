@@ -27,6 +27,7 @@ from cp_handler.layout import ZigzagDocs
 from cp_handler.masks import CAUSAL, AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
+from cp_handler.ops.halves import halves_order, halves_step_plans
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from cp_handler.ops.packed_blocks import packed_calls, plan_key
 from cp_handler.ops.ring import ring_blocks
@@ -134,3 +135,31 @@ def test_flash_varlen_plans_match_flash_blocks(pattern, fmt, cp):
             got, want = got[want.isfinite()], want[want.isfinite()]
         error = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
         assert error < 1e-2, (label, error)
+
+
+def _pairs(blocks, row_map_q, row_map_k):
+    """The (query row, key row) pairs ``blocks`` compute, through row maps (reordered -> local rows)."""
+    return sorted((row_map_q[a], row_map_k[b]) for q, k, c in blocks for a in range(q.start, q.stop)
+                  for b in range(k.start, k.stop) if c is not True or b - k.start <= a - q.start)
+
+
+@settings(max_examples=40)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=10), cp=st.sampled_from([2, 4]))
+def test_reordered_ring_steps_cover_the_same_pairs_in_contiguous_calls(lengths, cp):
+    """The ring over reordered rows (ops/halves.py, packed documents through a packed kernel): every step's
+    plans hold exactly the (query, key) token pairs of :func:`ring_blocks`, and every packed call's query and key
+    rows are one range each (views: no gather, no scatter)."""
+    layout = ZigzagDocs.from_lengths(lengths, cp)
+    for rank in range(cp):
+        order = halves_order(layout, rank, torch.device("cpu"))[0].tolist()
+        for step in range(cp):
+            src = (rank - step) % cp
+            src_order = halves_order(layout, src, torch.device("cpu"))[0].tolist()
+            plans = halves_step_plans(layout, step, rank)
+            got = sorted(p for plan in plans for p in _pairs(plan, order, src_order))
+            identity = list(range(layout.local_len))
+            assert got == _pairs(ring_blocks(layout, step, rank, CAUSAL), identity, identity)
+            assert step > 0 or len(plans) <= 1  # step 0 is one plan: its first call writes fresh
+            for plan in plans:
+                for call in packed_calls(plan_key(plan), torch.device("cpu")):
+                    assert call.q_span is not None and call.kv_span is not None, (lengths, cp, rank, step)

@@ -41,7 +41,7 @@ import torch
 from ..cli.flag_names import HelpFormatter
 from ..config import CP_COMM_TYPES
 from ..ops.patterns import PATTERNS
-from . import e2e, generation, launches, masks, plan, plots, report
+from . import e2e, generation, launches, masks, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .torch_ring import check_available
 
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="dtype (default: bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
+    g.add_argument("--whole-kernels", nargs="+", choices=whole.WHOLE_KERNELS, default=["auto"],
+                   help="plan: the whole-sequence references the efficiency is measured against (sdpa; flex: "
+                        "FlexAttention with a document-causal mask, CUDA; fa4: FlashAttention-4, one block or one "
+                        "varlen call over the pack; auto: sdpa for bshd, flex for thd on CUDA, sdpa on CPU)")
     g.add_argument("--launch-kernels", nargs="+", default=list(launches.DEFAULT_KERNELS),
                    help="--modes launches: the CUDA kernels whose launches are counted")
     g = p.add_argument_group("attention variants (--modes masks: every rank's p2p plan, no communication)")
@@ -181,6 +185,13 @@ def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> N
             plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device), args.formats)
     except ValueError as err:
         p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
+    if "plan" in args.modes:
+        for fmt in args.formats:
+            for name in args.whole_kernels:
+                reason = whole.cannot_run(whole.resolve(name, fmt, args.device), args.device,
+                                          getattr(torch, args.plan_dtype))
+                if reason:
+                    p.error(f"--whole-kernels {name} ({fmt}): {reason}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

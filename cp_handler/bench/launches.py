@@ -91,7 +91,8 @@ def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Coun
     """
     check_kernels([kernel_name])
     meta_shape = dataclasses.replace(shape, device="meta", kernel=None)
-    step = rank_step(rank_plan(case, meta_shape), meta_shape, meta_kernel(kernel_name))
+    kernel = meta_kernel(kernel_name)
+    step = rank_step(rank_plan(case, meta_shape, kernel.packed), meta_shape, kernel)
     step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
     with LaunchCounter() as counter:
         step()

@@ -5,9 +5,9 @@ pattern (:func:`~cp_handler.ops.ring.ring_blocks`, :func:`~cp_handler.ops.all_ga
 the a2a's whole-sequence block on ``H / cp`` heads, a2a+p2p's ring on ``H / A`` heads) through
 :func:`~cp_handler.ops.blocks.blocks_forward_` / ``blocks_backward_`` on tensors of the rank's shapes
 (remote K/V stand in with the local ones: same shapes, same work). The reference is the whole
-sequence on one device: ``F.scaled_dot_product_attention`` for bshd, and for thd FlexAttention with
-a document-causal BlockMask where it compiles (CUDA), else SDPA per document. Per-rank compute
-efficiency = ``T(reference) / (cp * T(rank))``: 1.0 means splitting costs nothing but communication
+sequence on one device, by each of ``--whole-kernels`` (:mod:`.whole`: SDPA, FlexAttention with a
+document-causal mask, FlashAttention-4). Per-rank compute efficiency = ``T(reference) / (cp * T(rank))``
+against each: 1.0 means splitting costs nothing but communication
 (communication is measured by ``--modes attn`` on several ranks).
 
 Forward + backward, causal, batch 1; thd packs ``seq_len`` tokens as documents with exponentially
@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..layout import ZigzagDocs
 from ..masks import CAUSAL
@@ -34,14 +33,16 @@ from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles
 from ..ops.patterns import PATTERNS
 from ..ops.spec import AttnSpec
+from .whole import resolve, whole_step
 
 
 @dataclass(frozen=True)
 class PlanCase:
-    pattern: str  # "whole" (the reference) or a cp_comm_type
+    pattern: str  # "whole" (a reference) or a cp_comm_type
     qkv_format: str
     cp_size: int
     seq_len: int
+    reference: str = ""  # "whole" rows: the whole-sequence kernel (:mod:`.whole`)
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,14 @@ def hierarchical_sizes(cp_size: int) -> list[int]:
     return [2, cp_size // 2] if cp_size % 2 == 0 else [cp_size, 1]
 
 
-def rank_plan(case: PlanCase, shape: PlanShape) -> RankPlan:
-    """Rank 0's work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`)."""
+def rank_plan(case: PlanCase, shape: PlanShape, packed: bool = False) -> RankPlan:
+    """Rank 0's work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`), as a
+    packed kernel (``packed``) or a block kernel runs it."""
     lengths = [case.seq_len] if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
     layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
     pattern = PATTERNS[case.pattern]
-    plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1)
+    plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1,
+                              packed)
     heads = (shape.num_heads // plan.head_divisor, max(1, shape.num_kv_heads // plan.head_divisor))
     return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd")
 
@@ -161,37 +164,20 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
 
 
 def _whole_step(case: PlanCase, shape: PlanShape):
-    q, k, v = (t.requires_grad_() for t in _inputs(case.seq_len, case.seq_len, shape.num_heads,
-                                                    shape.num_kv_heads, shape))
-    if case.qkv_format == "bshd":
-        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
-    lengths = doc_lengths(case.seq_len, shape.thd_mean_doc)
-    if shape.device == "cuda":
-        return _flex_step(q, k, v, lengths)
-    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    documents = list(zip(bounds[:-1], bounds[1:], strict=True))
-
-    def per_document():
-        total = sum(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                                   enable_gqa=True).sum() for a, b in documents)
-        total.backward()
-    return per_document
-
-
-def _flex_step(q, k, v, lengths):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=q.device), torch.tensor(lengths, device=q.device))
-    # _compile: build the block mask blockwise; the eager form materialises an S x S bool mask (17 GB at 131072)
-    mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, q.shape[2], q.shape[2],
-                             device=q.device, _compile=True)
-    flex = torch.compile(flex_attention)
-    return lambda: flex(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()
+    q, k, v = _inputs(case.seq_len, case.seq_len, shape.num_heads, shape.num_kv_heads, shape)
+    lengths = None if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
+    return whole_step(case.reference, q, k, v, lengths)
 
 
 def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
     """Median forward+backward milliseconds of ``case`` (rank 0's plan, or the whole-sequence reference)."""
-    step = _whole_step(case, shape) if case.pattern == "whole" else rank_step(rank_plan(case, shape), shape)
+    if case.pattern == "whole":
+        step = _whole_step(case, shape)
+    else:
+        kernel = select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
+                                           dtype=getattr(torch, shape.dtype)), shape.kernel,
+                               varying_shapes=case.qkv_format == "thd")
+        step = rank_step(rank_plan(case, shape, kernel.packed), shape, kernel)
     times = []
     for i in range(warmup + reps):
         stop = _timer(shape.device)
@@ -202,7 +188,7 @@ def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
     return {**asdict(case), "median_ms": statistics.median(times), "times_ms": times}
 
 
-def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
+def cases(seq_lens, cp_sizes, comm_types, formats, whole_kernels=("auto",), device: str = "cuda") -> list[PlanCase]:
     """The reference and every pattern's rank plan for each (format, seq_len, cp > 1).
 
     Raises:
@@ -211,7 +197,8 @@ def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
     out = []
     for fmt in formats:
         for seq_len in seq_lens:
-            out.append(PlanCase("whole", fmt, 1, seq_len))
+            out += [PlanCase("whole", fmt, 1, seq_len, reference) for reference in
+                    dict.fromkeys(resolve(name, fmt, device) for name in whole_kernels)]
             for cp in cp_sizes:
                 if seq_len % (2 * cp):
                     raise ValueError(f"seq_len {seq_len} is not divisible by 2 * cp = {2 * cp} (zigzag chunks)")
@@ -223,11 +210,17 @@ def cases(seq_lens, cp_sizes, comm_types, formats) -> list[PlanCase]:
 
 
 def add_efficiency(rows: list[dict]) -> list[dict]:
-    """``efficiency = T(whole) / (cp * T(rank))`` on every rank row."""
-    whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in rows if r["pattern"] == "whole"}
+    """``efficiency = T(whole) / (cp * T(rank))`` on every rank row against each whole-sequence reference
+    (``efficiency_vs``; ``efficiency``: against the first one listed)."""
+    whole: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["pattern"] == "whole":
+            whole.setdefault((r["qkv_format"], r["seq_len"]), {})[r["reference"]] = r["median_ms"]
     for r in rows:
         if r["pattern"] != "whole":
-            r["efficiency"] = whole[(r["qkv_format"], r["seq_len"])] / (r["cp_size"] * r["median_ms"])
+            refs = whole[(r["qkv_format"], r["seq_len"])]
+            r["efficiency_vs"] = {name: ms / (r["cp_size"] * r["median_ms"]) for name, ms in refs.items()}
+            r["efficiency"] = next(iter(r["efficiency_vs"].values()))
     return rows
 
 
@@ -239,7 +232,8 @@ def run(args) -> dict:
     if shape.device == "cpu":
         torch.set_num_threads(args.cores)
     rows = [time_case(c, shape, args.warmup, args.reps)
-            for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats)]
+            for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats, args.whole_kernels,
+                           shape.device)]
     probe = torch.empty(1, 1, 1, shape.head_dim, device=shape.device, dtype=getattr(torch, shape.dtype))
     kernel = select_kernel(probe, shape.kernel).name
     device_name = torch.cuda.get_device_name() if shape.device == "cuda" else "cpu"

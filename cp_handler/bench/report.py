@@ -159,15 +159,22 @@ def masks_table(masks: dict) -> str:
 
 
 def plan_table(plan: dict) -> str:
-    """Per-rank compute efficiency ``T(whole) / (cp * T(rank))`` of every pattern."""
+    """Per-rank compute efficiency ``T(whole) / (cp * T(rank))`` of every pattern, against each whole-sequence
+    reference (``--whole-kernels``)."""
     s = plan["shape"]
-    whole = {(r["qkv_format"], r["seq_len"]): r["median_ms"] for r in plan["rows"] if r["pattern"] == "whole"}
+    whole = {(r["qkv_format"], r["seq_len"], r.get("reference", "sdpa")): r["median_ms"] for r in plan["rows"]
+             if r["pattern"] == "whole"}
+    rows = [r for r in plan["rows"] if r["pattern"] != "whole"]
+    references = list(dict.fromkeys(name for r in rows for name in r.get("efficiency_vs", {"whole": 0})))
     return table(f"{plan['device_name']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, "
                  f"kernel {plan['kernel']}, causal fwd+bwd, thd mean document {s['thd_mean_doc']}",
-                 ["format", "S", "pattern", "cp", "tokens/rank", "rank ms", "whole ms", "efficiency"],
+                 ["format", "S", "pattern", "cp", "tokens/rank", "rank ms",
+                  *(f"{name} ms" for name in references), *(f"efficiency vs {name}" for name in references)],
                  [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"],
-                   f"{r['median_ms']:.2f}", f"{whole[(r['qkv_format'], r['seq_len'])]:.2f}", f"{r['efficiency']:.3f}"]
-                  for r in plan["rows"] if r["pattern"] != "whole"])
+                   f"{r['median_ms']:.2f}",
+                   *(_fmt(whole.get((r["qkv_format"], r["seq_len"], name)), ".2f") for name in references),
+                   *(_fmt(r.get("efficiency_vs", {}).get(name, r["efficiency"] if name == "whole" else None), ".3f")
+                     for name in references)] for r in rows])
 
 
 def launches_table(launches: dict) -> str:

@@ -16,6 +16,7 @@ from ..layout import ZigzagDocs
 from ..masks import CAUSAL
 from .all_gather import all_gather_attention, all_gather_blocks
 from .blocks import Block
+from .halves import halves_step_plans, uses_halves
 from .ring import ring_attention, ring_blocks
 from .ulysses import a2a_attention
 
@@ -39,15 +40,16 @@ class CommPattern:
         name: the ``cp_comm_type`` value.
         attention: ``(q, k, v, spec) -> (out, lse or None)`` on ``(B, H, S_local, D)`` tensors, a checked call
             (:class:`~.spec.AttnSpec`, its groups from :meth:`spec_groups`).
-        rank_steps: ``(layout, rank, a2a_size) -> RankSteps``: the causal plan of ``rank`` (no
-            communication), ``layout`` over the whole CP group.
+        rank_steps: ``(layout, rank, a2a_size, packed) -> RankSteps``: the causal plan of ``rank`` (no
+            communication), ``layout`` over the whole CP group; ``packed``: as a packed kernel runs it (the ring
+            over reordered rows for packed documents, :mod:`.halves`).
         hierarchical: runs on two levels of groups (``hierarchical_context_parallel_sizes``).
         splits_heads: divides heads over an all-to-all group (the whole CP group, or the inner level).
     """
 
     name: str
     attention: Callable
-    rank_steps: Callable[[ZigzagDocs, int, int], RankSteps]
+    rank_steps: Callable[[ZigzagDocs, int, int, bool], RankSteps]
     hierarchical: bool = False
     splits_heads: bool = False
 
@@ -65,25 +67,32 @@ class CommPattern:
         return (hierarchical_sizes or [1])[0] if self.hierarchical else cp_size
 
 
-def _ring_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
-    return RankSteps(layout.local_len, layout.local_len, 1, [ring_blocks(layout, s, rank, CAUSAL)
-                                                             for s in range(layout.size)])
+def _ring_plans(layout: ZigzagDocs, rank: int, packed: bool) -> list[list[Block]]:
+    """The ring's plans of every step as the ring runs them (over reordered rows for a packed kernel on packed
+    documents: several plans per step, the first of step 0 fresh)."""
+    if uses_halves(layout, packed, CAUSAL):
+        return [plan for s in range(layout.size) for plan in halves_step_plans(layout, s, rank)]
+    return [ring_blocks(layout, s, rank, CAUSAL) for s in range(layout.size)]
 
 
-def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
+def _ring_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
+    return RankSteps(layout.local_len, layout.local_len, 1, _ring_plans(layout, rank, packed))
+
+
+def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
     return RankSteps(layout.local_len, int(layout.cu_seqlens_padded[-1]), 1, [all_gather_blocks(layout, rank, CAUSAL)])
 
 
-def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int) -> RankSteps:
+def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
     inner = layout.inner(a2a_size)  # after the all-to-all: a ring over the outer ranks (rank 0's position)
-    return RankSteps(inner.local_len, inner.local_len, a2a_size,
-                     [ring_blocks(inner, s, rank // a2a_size, CAUSAL) for s in range(inner.size)])
+    return RankSteps(inner.local_len, inner.local_len, a2a_size, _ring_plans(inner, rank // a2a_size, packed))
 
 
 PATTERNS: dict[str, CommPattern] = {p.name: p for p in (
     CommPattern("p2p", ring_attention, _ring_steps),
     CommPattern("all_gather", all_gather_attention, _all_gather_steps),
-    CommPattern("a2a", a2a_attention, lambda layout, rank, a2a_size: _a2a_steps(layout, rank, layout.size),
+    CommPattern("a2a", a2a_attention, lambda layout, rank, a2a_size, packed=False: _a2a_steps(layout, rank,
+                                                                                                layout.size, packed),
                 splits_heads=True),
     CommPattern("a2a+p2p", a2a_attention, _a2a_steps, hierarchical=True, splits_heads=True),
 )}

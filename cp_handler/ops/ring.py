@@ -29,6 +29,7 @@ folded in after the merge (:mod:`.sinks`).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from ..layout import ZigzagDocs
 from ..masks import AttentionMask, mask_blocks
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .halo import halo_applies, halo_attention
+from .halves import halves_local_split, halves_order, halves_step_plans, uses_halves
 from .kernels import check_plan
 from .kernels.base import seq_major
 from .merge import acc_dtype
@@ -89,13 +91,20 @@ def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None
     out, lse = new_accumulators(q)
     for step in range(steps):
         pending = comm.send_recv(kv) if step + 1 < steps else None
-        blocks_forward_(out, lse, q, kv[0], kv[1], ring_blocks(spec.layout, step, comm.rank, spec.mask), spec,
-                        fresh=step == 0)
+        for i, plan in enumerate(step_plans(spec, step, comm.rank)):
+            blocks_forward_(out, lse, q, kv[0], kv[1], plan, spec, fresh=step == 0 and i == 0)
         if pending is not None:
             kv = pending.wait()[0]
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
+
+
+def step_plans(spec: AttnSpec, step: int, rank: int) -> tuple[list[Block], ...]:
+    """The plans of ring step ``step`` on ``rank`` (one, or over reordered rows several: :mod:`.halves`)."""
+    if spec.halves:
+        return halves_step_plans(spec.layout, step, rank)
+    return (ring_blocks(spec.layout, step, rank, spec.mask),)
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,7 +146,8 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     dout = seq_major(dout)  # once per call: the kernels then take every block's rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
     dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
-    head, tail = local_blocks_split(layout, comm.rank, mask)
+    head, tail = (halves_local_split(layout, comm.rank) if spec.halves else
+                  local_blocks_split(layout, comm.rank, mask))
     lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
     kv_pending = comm.send_recv(torch.stack([k, v])) if steps > 1 else None
     blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, spec)
@@ -146,8 +156,9 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
         dkv_remote = torch.zeros_like(dkv)
-        blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
-                         ring_blocks(layout, step, comm.rank, mask), spec)
+        for plan in step_plans(spec, step, comm.rank):
+            blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
+                             plan, spec)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
@@ -165,6 +176,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     direct one): the halo exchange when it applies to the spec's window or chunks, else the ring."""
     if spec.group is not None and halo_applies(spec.layout, spec.mask):
         return halo_attention(q, k, v, spec)
+    if spec.group is not None and uses_halves(spec.layout, spec.kernel.packed, spec.mask):
+        order, inverse = halves_order(spec.layout, dist.get_rank(spec.group), q.device)
+        q, k, v = (t.index_select(2, order) for t in (q, k, v))
+        out, lse = AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward,
+                                           replace(spec, halves=True))
+        return out.index_select(2, inverse), lse.index_select(2, inverse)
     return AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward, spec)
 
 

@@ -57,6 +57,8 @@ class AttnSpec:
         p2p_group: a2a+p2p's ring level (``None`` otherwise).
         sinks: ``(H,)`` learnable sink logits, or ``None``.
         kv_heads_per_chunk: ``all_gather``: KV heads gathered at once (``None``: ``ceil(Hkv / 2)``).
+        halves: the ring runs over its rows reordered (:mod:`.halves`: packed documents without per-step gathers);
+            set by the ring itself.
     """
 
     mask: AttentionMask
@@ -68,6 +70,7 @@ class AttnSpec:
     p2p_group: dist.ProcessGroup | None = None
     sinks: torch.Tensor | None = None
     kv_heads_per_chunk: int | None = None
+    halves: bool = False
 
 
 def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs, attn_kernel=None,

@@ -4,11 +4,13 @@ Automatic choice, fastest first, among kernels that a GPU run has verified (:att
 
 * CPU: ``cpu_flash`` (any float dtype, GQA native); ``cpu_varlen`` (the packed interface on CPU,
   the reference of the batching: never automatic);
-* CUDA: ``cudnn`` (fp16/bf16, head dim <= 128; opt-in: a graph per block shape, never for packed
-  documents), ``flash_varlen`` (FlashAttention-2 varlen: a plan's blocks in few calls; verified in
-  bf16), ``flash_gqa`` (FlashAttention-2 with K/V at their own head count), ``flash``
-  (FlashAttention-2, K/V expanded for GQA), ``efficient`` (memory-efficient; fp32 too). GPU runs:
-  docs/testing.md.
+* CUDA: ``fa4_varlen`` and ``fa4`` (FlashAttention-4 packed calls and blocks, :mod:`.fa4`: sm90+, fp16/bf16,
+  GQA native; the optional ``fa4`` extra; opt-in until a GPU run verifies them), ``cudnn`` (fp16/bf16, head
+  dim <= 128; opt-in: a graph per block shape, never for packed documents), ``cudnn_ragged`` (the same with
+  ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``: a graph per power-of-two bucket of lengths; opt-in),
+  ``flash_varlen`` (FlashAttention-2 varlen: a plan's blocks in few calls; verified in bf16), ``flash_gqa``
+  (FlashAttention-2 with K/V at their own head count), ``flash`` (FlashAttention-2, K/V expanded for GQA),
+  ``efficient`` (memory-efficient; fp32 too). GPU runs: docs/testing.md.
 
 Each kernel states its limits (dtypes, largest head dim, head-dim multiple by dtype) and
 :meth:`AttnKernel.cannot_run` checks them, so the automatic choice moves on to the next kernel and a
@@ -29,14 +31,15 @@ import os
 
 import torch
 
-from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, varlen
+from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, fa4, varlen
 from .base import AttnKernel, check_causal_square
 from .work import WorkCounter, count_attn_work, record_attn_work
 
 ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
 """Environment variable that forces a kernel by name (a key of :data:`KERNELS`)."""
 
-KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.CPU_VARLEN, cuda_cudnn.KERNEL,
+KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.CPU_VARLEN, fa4.VARLEN_KERNEL,
+                                                      fa4.KERNEL, cuda_cudnn.KERNEL, cuda_cudnn.RAGGED_KERNEL,
                                                       varlen.FLASH_VARLEN, cuda_flash.GQA_KERNEL, cuda_flash.KERNEL,
                                                       cuda_efficient.KERNEL)}
 """Every kernel by name, in order of preference (fastest first) within a device type."""
@@ -91,8 +94,10 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
         return forced
     reasons = []
     for kernel in KERNELS.values():
-        unverified = f"not yet verified on a GPU in {q.dtype} (opt-in: attn_kernel={kernel.name!r})"
-        reason = kernel.cannot_run(q, varying_shapes) or (None if kernel.verified_for(q.dtype) else unverified)
+        unverified = f"not yet verified on a GPU in {q.dtype} at head dim {q.shape[-1]} (opt-in: " \
+                     f"attn_kernel={kernel.name!r})"
+        reason = kernel.cannot_run(q, varying_shapes) or \
+            (None if kernel.verified_for(q.dtype, q.shape[-1]) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")
@@ -104,15 +109,16 @@ def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
         raise ValueError(f"block attention got a zero-length block: q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
-def check_plan(blocks: list) -> list:
+def check_plan(blocks: list, empty_queries: bool = False) -> list:
     """``blocks`` (``(q rows, kv rows, mask)``), checked once where a planner makes them (its results are
-    cached): no empty block, every causal block square (:func:`~.base.check_causal_square`). Returns them.
+    cached): no empty block (``empty_queries``: blocks without query rows allowed, a packed kernel's empty
+    segments), every causal block square (:func:`~.base.check_causal_square`). Returns them.
 
     Raises:
         ValueError: naming the block (a bug in the planner).
     """
     for q_rows, kv_rows, causal in blocks:
-        if q_rows.stop <= q_rows.start or kv_rows.stop <= kv_rows.start:
+        if (q_rows.stop <= q_rows.start and not empty_queries) or kv_rows.stop <= kv_rows.start:
             raise ValueError(f"the block plan holds an empty block {q_rows} x {kv_rows}: a bug in the planner")
         check_causal_square(q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start, causal is True)
     return blocks

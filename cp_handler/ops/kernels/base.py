@@ -52,6 +52,10 @@ class AttnKernel:
         shape_specialized: it builds and caches a plan per block shape (cuDNN's graphs: 0.1-1.5 s per new
             ``(Sq, Sk)`` on an H100, measured), so it runs only plans whose block shapes repeat from step
             to step (bshd / sbhd), not packed documents (thd), whose every document pair is a new shape.
+        requirement: ``q -> reason or None``: what it needs of this machine beyond the device type (an optional
+            package at its pinned release, a compute capability); ``None``: nothing.
+        verified_head_dims: the head dims a GPU run verified (forward and backward); ``None``: every head dim
+            within its limits. The automatic choice takes it only for those.
     """
 
     name: str
@@ -65,10 +69,14 @@ class AttnKernel:
     head_dim_multiple: tuple[tuple[torch.dtype, int], ...] = ()
     verified_dtypes: tuple[torch.dtype, ...] | None = None
     shape_specialized: bool = False
+    requirement: Callable[[torch.Tensor], str | None] | None = None
+    verified_head_dims: tuple[int, ...] | None = None
 
-    def verified_for(self, dtype: torch.dtype) -> bool:
-        """Whether a GPU run verified this kernel in ``dtype`` (CPU kernels: verified by the suite)."""
-        return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes)
+    def verified_for(self, dtype: torch.dtype, head_dim: int | None = None) -> bool:
+        """Whether a GPU run verified this kernel in ``dtype`` (and ``head_dim``; CPU kernels: verified by the
+        suite)."""
+        head_dim_ok = head_dim is None or self.verified_head_dims is None or head_dim in self.verified_head_dims
+        return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes) and head_dim_ok
 
     def cannot_plan(self, varying_shapes: bool) -> str | None:
         """Why this kernel cannot run plans of packed documents (``varying_shapes``), or ``None``."""
@@ -91,7 +99,7 @@ class AttnKernel:
         multiple = dict(self.head_dim_multiple).get(q.dtype, 1)
         if q.shape[-1] % multiple:
             return f"it takes head dims that are multiples of {multiple} in {q.dtype}, q has {q.shape[-1]}"
-        return None
+        return self.requirement(q) if self.requirement is not None else None
 
 
 def check_causal_square(q_len: int, k_len: int, causal: bool) -> None:

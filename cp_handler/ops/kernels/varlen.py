@@ -63,9 +63,12 @@ def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k
     )
 
 
-def _segments(cu: torch.Tensor) -> list[slice]:
-    bounds = cu.tolist()
-    return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+def _segments(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[slice, slice]]:
+    """The ``(query rows, key rows)`` of every segment with queries (an empty one computes nothing, as in the
+    CUDA varlen kernels)."""
+    q_bounds, k_bounds = cu_q.tolist(), cu_k.tolist()
+    return [(slice(qa, qb), slice(ka, kb)) for qa, qb, ka, kb in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1],
+                                                                     k_bounds[1:], strict=True) if qb > qa]
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -73,18 +76,19 @@ def _bhsd(t: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
-    outs, lses = [], []
-    for qs, ks in zip(_segments(cu_q), _segments(cu_k), strict=True):
-        out, lse = cpu_flash.forward(_bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), causal=causal, scale=scale)
-        outs.append(out[0].transpose(0, 1))
-        lses.append(lse[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64 else
+                     torch.float32)
+    for qs, ks in _segments(cu_q, cu_k):
+        seg_out, seg_lse = cpu_flash.forward(_bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), causal=causal, scale=scale)
+        out[qs], lse[:, qs] = seg_out[0].transpose(0, 1), seg_lse[0]
+    return out, lse
 
 
 def cpu_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
                         scale: float):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for qs, ks in zip(_segments(cu_q), _segments(cu_k), strict=True):
+    for qs, ks in _segments(cu_q, cu_k):
         grads = cpu_flash.backward(_bhsd(dout[qs]), _bhsd(q[qs]), _bhsd(k[ks]), _bhsd(v[ks]), _bhsd(out[qs]),
                                    lse[:, qs].unsqueeze(0).contiguous(), causal=causal, scale=scale)
         for acc, rows, grad in ((dq, qs, grads[0]), (dk, ks, grads[1]), (dv, ks, grads[2])):

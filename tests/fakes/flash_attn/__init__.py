@@ -1,0 +1,1 @@
+"""Contract fake of the flash-attn-4 distribution (tests/fakes/README.md): only ``flash_attn.cute`` exists."""
