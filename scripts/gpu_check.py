@@ -1,5 +1,19 @@
 """The pending GPU checks, in stages that each fit one command on a lent GPU machine.
 
+FlashAttention-4 first (it needs the two-call bundle of ../shared/gpu/fa4_bundle.sh installed into /tmp/site and
+``PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:.``; its compile cache in
+``FLASH_ATTENTION_CUTE_DSL_CACHE_DIR``, default /tmp/$USER/...):
+
+    python3 scripts/gpu_check.py fa4_kernels   # fa4 / fa4_varlen vs float64 (blocks, merged-lse backward, packed
+                                               # calls: length 1, Sq != Sk, > 256 segments), no recompile across
+                                               # 20 changing block shapes; the kernel contract tests
+    python3 scripts/gpu_check.py fa4_patterns  # every pattern in bf16 and fp16 forced to fa4 (bshd) / fa4_varlen (thd)
+    python3 scripts/gpu_check.py fa4_plan      # cp-bench --modes plan per kernel (fa4, fa4_varlen, automatic) beside
+                                               # whole-sequence SDPA, FlexAttention and FA4: the efficiency table
+    python3 scripts/gpu_check.py cudnn_ragged  # TORCH_CUDNN_SDPA_AVOID_RECOMPILE: two lengths of one bucket exact
+
+Then the earlier stages:
+
     python3 scripts/gpu_check.py kernels    # every CUDA kernel vs float64 (every dtype it claims, H > 1, the
                                             # out layouts the plans pass), the packed varlen kernel
     python3 scripts/gpu_check.py opt_in     # every pattern (bshd, thd; cudnn: bshd) in bf16 through each
@@ -41,7 +55,16 @@ FORCED_KERNELS = ("flash_gqa", "flash_varlen", "cudnn")  # the stage keeps its f
 def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
     """Each stage's parts: ``(name, command, extra environment)``."""
     patterns = ["tests/test_attn_patterns.py", "tests/test_thd.py"]
+    plan_fa4 = [*BENCH, "--whole-kernels", "sdpa", "flex", "fa4"]
     return {
+        "fa4_kernels": [("fa4_vs_float64", [*PYTEST, "tests/test_fa4.py", "tests/test_kernels.py", "-k",
+                                            "fa4 or gpu"], {})],
+        "fa4_patterns": [(f"patterns_{k}_{d}", [*PYTEST, "-k", d, test], {"CP_HANDLER_ATTN_KERNEL": k})
+                         for d in ("bf16", "fp16") for k, test in (("fa4", patterns[0]), ("fa4_varlen", patterns[1]))],
+        "fa4_plan": [(f"plan_{k}_{fmt}", [*plan_fa4, *(["--attn-kernel", k] if k != "auto" else []), "--formats",
+                                          fmt, "--out-dir", str(scratch / f"{k}_{fmt}")], {})
+                     for k, fmt in (("fa4", "bshd"), ("fa4_varlen", "thd"), ("auto", "bshd"), ("auto", "thd"))],
+        "cudnn_ragged": [("cudnn_ragged", [*PYTEST, "tests/test_cudnn_ragged.py"], {})],
         "kernels": [("kernels_vs_float64", [*PYTEST, "tests/test_kernels.py", "tests/test_varlen.py"], {})],
         "opt_in": [(f"patterns_{k}", [*PYTEST, "-k", "bf16", *(patterns[:1] if k == "cudnn" else patterns)],
                     {"CP_HANDLER_ATTN_KERNEL": k}) for k in FORCED_KERNELS],  # cudnn: not for thd (a graph per shape)
@@ -51,6 +74,16 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
         "gpt": [("gpt", [*PYTEST, "tests/test_gpt_parity.py", "tests/test_gpu_backends.py"], {})],
         "masks": [("masks", [*PYTEST, "tests/test_masks.py"], {})],
     }
+
+
+def fa4_release() -> str | None:
+    """The flash-attn-4 release importable here (``None``: not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> dict:
@@ -70,7 +103,8 @@ def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> d
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("stage", choices=("kernels", "opt_in", "plan", "patterns", "gpt", "masks"))
+    parser.add_argument("stage", choices=("fa4_kernels", "fa4_patterns", "fa4_plan", "cudnn_ragged", "kernels",
+                                          "opt_in", "plan", "patterns", "gpt", "masks"))
     parser.add_argument("--budget", type=float, default=420.0, help="seconds the stage may spend (default 420)")
     args = parser.parse_args(argv)
     import torch
@@ -81,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
     out.mkdir(parents=True, exist_ok=True)
     device = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d")}
+              "cudnn": torch.backends.cudnn.version(), "date": time.strftime("%Y-%m-%d"), "fa4": fa4_release()}
     started, results = time.monotonic(), []
     with tempfile.TemporaryDirectory() as scratch, open(out / f"gpu_check_{args.stage}.log", "w") as log:
         for name, command, env in stages(Path(scratch))[args.stage]:

@@ -206,3 +206,77 @@ def _patterns_worker(rank, world):
 
 def test_every_pattern_in_bf16_through_fa4_and_fa4_varlen():
     run_distributed(_patterns_worker, 2)
+
+
+def _real_fa4_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return fa4.cannot_run_here(torch.empty(1, device="cuda"))
+
+
+# The GPU tests below run the real FlashAttention-4 (``pytest -m gpu`` with the ``fa4`` extra on sm90+);
+# elsewhere they are skipped, never counted as passed (scripts/gpu_check.py fa4_kernels).
+
+def _cuda_qkv(b, h, hkv, sq, sk, d, dtype, seed):
+    return [t.cuda() for t in _qkv(b, h, hkv, sq, sk, d, dtype, seed)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_real_fa4_reason() is not None, reason=str(_real_fa4_reason()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("causal, sq, sk, b", [(True, 512, 512, 1), (False, 384, 640, 2)])
+def test_fa4_blocks_on_gpu_against_float64(dtype, d, heads, causal, sq, sk, b):
+    """Forward out and lse of a block (GQA 4:1 and 1:1, head dims 64 / 128, batch 1 / 2, a causal square and a
+    full rectangular block) against float64; the backward given its own out / lse against float64 autograd."""
+    q, k, v = _cuda_qkv(b, *heads, sq, sk, d, dtype, 0)
+    dout = torch.randn(b, sq, heads[0], d, device="cuda").to(dtype).transpose(1, 2)
+    out, lse = fa4.forward(q, k, v, causal=causal, scale=d ** -0.5)
+    want_out, want_lse = reference(q.cpu(), k.cpu(), v.cpu(), causal, d ** -0.5)
+    close(out.cpu(), want_out, dtype, "out")
+    torch.testing.assert_close(lse.cpu().double(), want_lse, atol=2e-2, rtol=2e-3)
+    dq, dk, dv = fa4.backward(dout, q, k, v, out, lse, causal=causal, scale=d ** -0.5)
+    qr, kr, vr = (t.cpu().double().requires_grad_() for t in (q, k, v))
+    reference(qr, kr, vr, causal, d ** -0.5)[0].backward(dout.cpu().double())
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), (qr.grad, kr.grad, vr.grad), strict=True):
+        close(got.cpu(), want, dtype, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_real_fa4_reason() is not None, reason=str(_real_fa4_reason()))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fa4_varlen_on_gpu_and_no_recompile_across_block_shapes(dtype):
+    """Packed calls on the GPU against float64 (length-1 segments, Sq != Sk full segments, 300 segments in one
+    call), then 20 calls whose segment lengths change: FA4 compiles per variant, not per length, so no new
+    entry appears in its compile caches after the first of each variant."""
+    g = torch.Generator().manual_seed(5)
+
+    def pack(lengths_q, lengths_k, causal):
+        q = torch.randn(sum(lengths_q), 8, 128, generator=g).to(dtype).cuda()
+        k, v = (torch.randn(sum(lengths_k), 2, 128, generator=g).to(dtype).cuda() for _ in range(2))
+        cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0)], dtype=torch.int32, device="cuda")
+                      for n in (lengths_q, lengths_k))
+        out, lse = fa4.varlen_forward(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                                      scale=0.09)
+        fa4.varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=causal,
+                            scale=0.09)
+        return q, k, v, out, cu_q, cu_k
+
+    lengths_q, lengths_k = [1, 33, 200, 1, *[5] * 296], [1, 70, 200, 1, *[5] * 296]
+    q, k, v, out, cu_q, cu_k = pack(lengths_q, lengths_k, False)
+    for i in range(len(lengths_q)):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        want, _ = reference(*(t[s].cpu().transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))), False, 0.09)
+        close(out[qs].cpu().transpose(0, 1)[None], want, dtype, f"segment {i}")
+    interface = fa4.interface()
+    caches = (interface._flash_attn_fwd.compile_cache.cache, interface._flash_attn_bwd.compile_cache.cache)
+    for causal in (True, False):
+        pack([40, 90], [40, 90], causal)  # warm each variant once
+    sizes = [len(c) for c in caches]
+    rng = torch.Generator().manual_seed(6)
+    for _ in range(20):
+        lengths = torch.randint(2, 300, (int(torch.randint(2, 40, (1,), generator=rng)),), generator=rng).tolist()
+        pack(lengths, lengths, True)
+        pack(lengths, lengths, False)
+    assert [len(c) for c in caches] == sizes, "FA4 compiled again for new block shapes"
