@@ -77,6 +77,8 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int | None = None
+    """The values' head dim when it differs (multi-head latent attention); ``None``: ``head_dim``."""
 
 
 @dataclass

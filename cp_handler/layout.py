@@ -28,12 +28,13 @@ def zigzag_chunk_owner(chunk: int, cp_size: int) -> tuple[int, int]:
 
 
 def check_cu_seqlens(cu_seqlens) -> None:
-    """``cu_seqlens``: a 1-D int32/int64 tensor ``[num_docs + 1]`` from 0, strictly increasing
-    (documents of at least one token).
+    """``cu_seqlens``: a 1-D int32/int64 tensor ``[num_docs + 1]`` from 0, non-decreasing (a repeated value is
+    a zero-length document, as data loaders pad the number of documents of a batch; Transformer Engine
+    accepts them too), with at least one token in all.
 
     Raises:
         TypeError: not a tensor, or another dtype (uint8/int8 wrap around). ValueError: the shape,
-        the start or the order.
+        the start, a decreasing value (a negative length), or no token at all.
     """
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an int32 tensor [num_docs + 1], got {type(cu_seqlens).__name__}")
@@ -44,10 +45,12 @@ def check_cu_seqlens(cu_seqlens) -> None:
     if values is None or len(values) < 2 or values[0] != 0:
         raise ValueError(f"cu_seqlens must be 1-D [num_docs + 1] starting at 0, got shape {tuple(cu_seqlens.shape)}"
                          f"{'' if values is None else f' and values {values[:8]}'}")
-    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    bad = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
     if bad is not None:
-        raise ValueError(f"cu_seqlens must be strictly increasing (documents of length >= 1): cu_seqlens[{bad - 1}]="
+        raise ValueError(f"cu_seqlens must be non-decreasing (no negative document length): cu_seqlens[{bad - 1}]="
                          f"{values[bad - 1]}, cu_seqlens[{bad}]={values[bad]}")
+    if values[-1] == 0:
+        raise ValueError(f"cu_seqlens={values[:8]} holds no token (every document has length 0)")
 
 
 def padded_length(seq_len: int, cp_size: int) -> int:
@@ -71,7 +74,8 @@ class ZigzagDocs:
     ``2size-1-r`` of every document (``thd_get_partitioned_indices``). A rank's local tensor is its
     two chunks of document 0, then of document 1, ...: every rank holds the same number of tokens,
     ``local_offsets[i]`` is where document ``i`` starts on every rank. bshd is one document with
-    no padding. With ``size == 1`` a document is one chunk and need not be padded.
+    no padding. With ``size == 1`` a document is one chunk and need not be padded. A zero-length document
+    has chunks of 0 tokens: it holds no row anywhere, produces nothing and receives nothing.
     """
 
     lengths: tuple[int, ...]
@@ -83,16 +87,17 @@ class ZigzagDocs:
         """Pad each document to a multiple of ``2 * size`` (none at ``size == 1``).
 
         Raises:
-            ValueError: an empty document list or a document length < 1.
+            ValueError: an empty document list, a negative length, or no token at all.
         """
         lengths = tuple(int(n) for n in lengths)
-        if not lengths or min(lengths) < 1:
-            raise ValueError(f"document lengths {list(lengths)[:8]}... must be >= 1 (and at least one document)")
+        if not lengths or min(lengths) < 0 or sum(lengths) == 0:
+            raise ValueError(f"document lengths {list(lengths)[:8]}... must be >= 0 with at least one token (and at "
+                             "least one document)")
         return cls(lengths, tuple(padded_length(n, size) for n in lengths), size)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, size: int) -> ZigzagDocs:
-        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, strictly increasing).
+        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, non-decreasing).
 
         Raises:
             TypeError / ValueError: :func:`check_cu_seqlens`.
@@ -184,7 +189,7 @@ class ZigzagDocs:
         for i in range(self.num_docs):
             c = self.chunk(i)
             n_tokens = self.lengths[i] if real_only else self.padded_lengths[i]
-            for chunk_id in range(-(-n_tokens // c)):
+            for chunk_id in range(-(-n_tokens // c) if c else 0):
                 rank, row = self.chunk_owner_slot(i, chunk_id)
                 parts.append(_arange(rank * self.local_len + row, min(c, n_tokens - chunk_id * c)))
         return torch.cat(parts)

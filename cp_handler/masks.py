@@ -2,7 +2,9 @@
 
 :class:`AttentionMask` is causal (or bidirectional), optionally with a sliding window (left window
 ``W``: a query at position ``q`` sees keys ``q - W < k <= q``, transformers' ``sliding_window``
-convention, i.e. Transformer Engine's ``window_size = (W - 1, 0)``) and/or chunked attention (chunk
+convention, i.e. Transformer Engine's ``window_size = (W - 1, 0)``; without the causal mask also a right
+window ``R``: keys ``k <= q + R``, so ``window_size = (W - 1, R)`` is two-sided local attention, as encoders
+with local layers use) and/or chunked attention (chunk
 ``C``: only keys in the query's chunk ``k // C == q // C``), plus a soft-cap of the scores
 (``softcap * tanh(s / softcap)``, Gemma 2). Positions are inside a document (thd: each document
 restarts at 0), so windows and chunks stay within documents.
@@ -38,31 +40,36 @@ class AttentionMask:
 
     Attributes:
         causal: keys up to the query's own position (else every key of the document).
-        window: sliding window ``W >= 1``: keys ``q - W < k`` (with ``causal``), ``None``: unbounded.
-        chunk: chunked attention ``C >= 1``: keys of the query's chunk, ``None``: no chunks.
+        window: sliding window ``W >= 1``: keys ``q - W < k``, ``None``: unbounded.
+        chunk: chunked attention ``C >= 1``: keys of the query's chunk, ``None``: no chunks (causal only).
         softcap: soft-capping of the scores, ``None``: none.
+        window_right: without ``causal``: keys ``k <= q + R`` (``R >= 0``), ``None``: unbounded.
 
     Raises:
-        ValueError / TypeError: a window, chunk or soft-cap that is not a positive number; a window or
-            chunk without ``causal``.
+        ValueError / TypeError: a window, chunk or soft-cap that is not a positive number (``window_right``:
+            negative); chunks without ``causal``; ``window_right`` with ``causal`` (the causal mask is its 0).
     """
 
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     softcap: float | None = None
+    window_right: int | None = None
 
     def __post_init__(self):
-        for name in ("window", "chunk"):
+        for name, least in (("window", 1), ("chunk", 1), ("window_right", 0)):
             value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"attention mask {name}={value!r} must be an int >= 1")
-            if value < 1:
-                raise ValueError(f"attention mask {name}={value} must be >= 1")
-            if not self.causal:
-                raise ValueError(f"attention mask {name}={value} needs a causal mask (left windows / chunks)")
+                raise TypeError(f"attention mask {name}={value!r} must be an int >= {least}")
+            if value < least:
+                raise ValueError(f"attention mask {name}={value} must be >= {least}")
+        if self.chunk is not None and not self.causal:
+            raise ValueError(f"attention mask chunk={self.chunk} needs a causal mask (chunks of earlier keys)")
+        if self.window_right is not None and self.causal:
+            raise ValueError(f"attention mask window_right={self.window_right} without causal=False: the causal mask "
+                             "is a right window of 0")
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise ValueError(f"attention mask softcap={self.softcap!r} must be a finite number > 0")
@@ -70,7 +77,7 @@ class AttentionMask:
     @property
     def restricted(self) -> bool:
         """A window or chunks: blocks may be empty or partial beyond the causal rule."""
-        return self.window is not None or self.chunk is not None
+        return self.window is not None or self.chunk is not None or self.window_right is not None
 
     @property
     def plain(self) -> bool:
@@ -84,6 +91,8 @@ class AttentionMask:
             seen = seen & (k_pos > q_pos - self.window)
         if self.chunk is not None:
             seen = seen & (k_pos // self.chunk == q_pos // self.chunk)
+        if self.window_right is not None:
+            seen = seen & (k_pos <= q_pos + self.window_right)
         return seen
 
     def lookback(self, q_pos: int) -> int:
@@ -96,6 +105,13 @@ class AttentionMask:
             reach = min(reach, q_pos % self.chunk)
         return reach
 
+    def reach_after(self, end: int) -> float:
+        """The first key position no query before ``end`` may see past its own (exclusive): ``end`` causal,
+        ``end - 1 + R + 1`` with a right window, unbounded otherwise."""
+        if self.causal:
+            return end
+        return end + self.window_right if self.window_right is not None else math.inf
+
     def classify(self, q0: int, q1: int, k0: int, k1: int) -> str:
         """Queries at positions ``[q0, q1)`` against keys ``[k0, k1)``: ``"empty"``, ``"full"``,
         ``"causal"`` (square, on the diagonal, nothing else masked) or ``"partial"``."""
@@ -107,7 +123,10 @@ class AttentionMask:
         if self.chunk is not None and (last_k // self.chunk < first_q // self.chunk
                                        or first_k // self.chunk > last_q // self.chunk):
             return "empty"
-        window_ok = self.window is None or first_k > last_q - self.window
+        if self.window_right is not None and first_k > last_q + self.window_right:
+            return "empty"
+        window_ok = (self.window is None or first_k > last_q - self.window) and \
+            (self.window_right is None or last_k <= first_q + self.window_right)
         chunk_ok = self.chunk is None or first_q // self.chunk == last_q // self.chunk == \
             first_k // self.chunk == last_k // self.chunk
         if not self.causal or last_k <= first_q:
@@ -204,12 +223,14 @@ def _chunk_starts(mask: AttentionMask, pos: int, n: int) -> list[int]:
 
 def _edges(mask: AttentionMask, q0: int, q1: int, k_pos: int, nk: int) -> list[int]:
     """Key offsets (from ``k_pos``) where the visibility of the queries at ``[q0, q1)`` can change:
-    the ends of the causal diagonal band, of the window's left-edge band (each at most ``q1 - q0``
-    keys wide) and of the chunk of those queries (a tile never straddles a chunk). Between two cuts
-    every row sees all keys or none, except inside a band."""
+    the ends of the causal diagonal band, of the window's left-edge band and right-edge band (each at most
+    ``q1 - q0`` keys wide) and of the chunk of those queries (a tile never straddles a chunk). Between two
+    cuts every row sees all keys or none, except inside a band."""
     points = [q0, q1] if mask.causal else []
     if mask.window is not None:
         points += [q0 - mask.window + 1, q1 - mask.window + 1]
     if mask.chunk is not None:
         points += [q0 // mask.chunk * mask.chunk, ((q1 - 1) // mask.chunk + 1) * mask.chunk]
+    if mask.window_right is not None:
+        points += [q0 + mask.window_right + 1, q1 + mask.window_right]
     return [p - k_pos for p in points if 0 < p - k_pos < nk]

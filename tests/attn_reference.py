@@ -42,7 +42,7 @@ def per_document_attention(q, k, v, dout, cu_seqlens, causal):
     (out, lse ``(H, T)``, dq, dk, dv)."""
     bounds = cu_seqlens.tolist()
     parts = [single_process_attention(*(t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v, dout)), causal)
-             for s, e in zip(bounds[:-1], bounds[1:], strict=True)]
+             for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]  # a zero-length document: nothing
     out, lse, dq, dk, dv = (torch.cat([p[i][0] for p in parts], dim=1) for i in range(5))
     return out.transpose(0, 1), lse, dq.transpose(0, 1), dk.transpose(0, 1), dv.transpose(0, 1)
 

@@ -28,13 +28,14 @@ import torch.nn.functional as F
 from dist_utils import run_distributed
 from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, loss_and_grads
 
-from cp_handler import build_dp_cp_groups, get_cp_handler_cls
+from cp_handler import AttentionShape, ContextParallelConfig, build_dp_cp_groups, get_cp_handler_cls
 from cp_handler.models import GPTConfig, GPTModel
 
 FAKES = str(Path(__file__).parent / "fakes")
 GQA = CONFIG  # 4 query heads, 2 KV heads, head dim 16
 MHA = GPTConfig(**{**vars(CONFIG), "num_query_groups": 4})
-LENGTHS = [5, 1, 17, 2, 7]
+MLA = {"v_head_dim": 24}  # multi-head latent attention: values 24 wide, queries and keys 16
+LENGTHS = [5, 0, 1, 17, 2, 7, 0]  # zero-length documents too (Magi gets cu_seqlens without them)
 BF16 = torch.bfloat16
 TE_TOL, MAGI_TOL = 1e-2, GPT_GPU_TOLERANCE[BF16]
 
@@ -67,6 +68,8 @@ def _te_worker(rank, world, version):
     for comm in ("p2p", "all_gather", "a2a", "a2a+p2p"):
         te_cls, local_cls = get_cp_handler_cls("transformer_engine", comm), get_cp_handler_cls("local", comm)
         config = MHA if comm.startswith("a2a") else GQA  # TE's a2a needs KV heads divisible by the a2a size
+        if comm in ("all_gather", "a2a+p2p"):
+            config = GPTConfig(**{**vars(config), **MLA})
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm,
                   "hierarchical_cp_groups": groups.hierarchical_cp_groups}
         CALLS.clear()
@@ -79,10 +82,12 @@ def _te_worker(rank, world, version):
             and b["cp_global_ranks"] == dist.get_process_group_ranks(groups.cp_group) for b in binds)
         assert all(c["qkv_format"] == "bshd" and c["attn_mask_type"] == "causal" and c["window_size"] == (-1, 0)
                    for c in CALLS if c["call"] == "forward")
+        channels = 16 if config.v_head_dim == 16 else (16, 24)  # TE's kv_channels: an int, or (k, v) for MLA
+        assert all(c["kv_channels"] == channels for c in CALLS if c["call"] == "__init__")
     thd_tokens, cu = thd_batch(tokens)
     for comm in ("p2p", "a2a", "all_gather") if version >= "2.18" else ("p2p", "a2a"):
         te_cls, local_cls = get_cp_handler_cls("transformer_engine", comm), get_cp_handler_cls("local", comm)
-        config = MHA if comm == "a2a" else GQA
+        config = GPTConfig(**{**vars(MHA if comm == "a2a" else GQA), **MLA})
         common = {"cp_group": groups.cp_group, "cp_comm_type": comm, "qkv_format": "thd", "cu_seqlens": cu}
         CALLS.clear()
         handler = te_cls(**common)
@@ -145,8 +150,15 @@ def _te_restrictions(groups, version):
                                          r"backend under context parallelism"):
         TEContextParallelHandler(cp_group=groups.cp_group).core_attn(attn, q.float(), q.float(), q.float())
     attn.window_size = (16, 0)
-    with pytest.raises(ValueError, match=r"sliding window attention \(window_size=\(16, 0\)\) is not supported"):
+    with pytest.raises(ValueError, match=r"window_size=\(16, 0\) \(sliding window\) is not supported by Transformer "
+                                         r"Engine with cp_comm_type='p2p'"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="p2p").core_attn(attn, q, q, q)
+    attn.window_size = (3, 3)  # two-sided: a sliding window to TE too
+    with pytest.raises(ValueError, match=r"window_size=\(3, 3\) \(sliding window\) is not supported by Transformer "
+                                         r"Engine with cp_comm_type='a2a\+p2p'"):
+        TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p",
+                                 hierarchical_cp_groups=groups.hierarchical_cp_groups).core_attn(
+            attn, q, q, q, attn_mask_type="no_mask")
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     if version < "2.18":
         with pytest.raises(ValueError, match=r"transformer_engine 2.17.1 does not support qkv_format='thd' with "
@@ -179,33 +191,37 @@ def _te_restrictions(groups, version):
 
 
 def _sliding_window_reference(q, k, v, window, scale):
-    """Single process, float64: query i attends keys [i - window, i]."""
-    n = q.shape[2]
+    """Single process, float64: query i attends keys [i - left, i + right] (TE's ``window_size``)."""
+    n, (left, right) = q.shape[2], window
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=(j <= i) & (j >= i - window),
-                                          scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=(j <= i + right) &
+                                          (j >= i - left), scale=scale, enable_gqa=True)
 
 
 def _te_window(rank, world, groups):
-    """A sliding-window attention module through TE (a2a, all_gather): the window reaches TE and the
-    result is the single-process sliding-window attention (not full causal)."""
+    """Sliding-window attention modules through TE (a2a, all_gather): causal (5, 0) and two-sided (3, 3) with
+    ``no_mask``, values of their own head dim in the second (MLA); the window reaches TE and the result is the
+    single-process sliding-window attention (not full attention)."""
     from transformer_engine.pytorch import CALLS
 
     from cp_handler import TEContextParallelHandler
     from cp_handler.models.gpt import SelfAttention
 
-    attn = SelfAttention(MHA, 1)
-    attn.window_size = (5, 0)
     torch.manual_seed(3)
-    q, k, v = (torch.randn(1, 8 * world, 4, 16).to(BF16) for _ in range(3))
-    expected = _sliding_window_reference(*(t.transpose(1, 2) for t in (q, k, v)), 5, attn.softmax_scale)
-    for comm in ("a2a", "all_gather"):
-        h = TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type=comm)
-        CALLS.clear()
-        out = h.combine(h.core_attn(attn, *(h.dispatch(t, 1) for t in (q, k, v))), 1)
-        assert all(c["window_size"] == (5, 0) for c in CALLS if c["call"] == "forward")
-        torch.testing.assert_close(out.transpose(1, 2).double(), expected, atol=2.5e-2, rtol=2.5e-2)
-        del attn.te_attention  # next comm type builds its module afresh
+    for window, mask_type, v_head_dim in (((5, 0), "causal", 16), ((3, 3), "no_mask", 24)):
+        attn = SelfAttention(MHA, 1)
+        attn.window_size = window
+        q, k = (torch.randn(1, 8 * world, 4, 16).to(BF16) for _ in range(2))
+        v = torch.randn(1, 8 * world, 4, v_head_dim).to(BF16)
+        expected = _sliding_window_reference(*(t.transpose(1, 2) for t in (q, k, v)), window, attn.softmax_scale)
+        for comm in ("a2a", "all_gather"):
+            h = TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type=comm)
+            CALLS.clear()
+            out = h.combine(h.core_attn(attn, *(h.dispatch(t, 1) for t in (q, k, v)), attn_mask_type=mask_type), 1)
+            assert all(c["window_size"] == window and c["attn_mask_type"] == mask_type
+                       for c in CALLS if c["call"] == "forward")
+            torch.testing.assert_close(out.transpose(1, 2).double(), expected, atol=2.5e-2, rtol=2.5e-2)
+            del attn.te_attention  # next comm type builds its module afresh
 
 
 def _te_module_state(groups, tokens):
@@ -284,6 +300,11 @@ def _magi_errors(group, shape, version):
     local = h.dispatch(torch.randn(2, 16, 4, 16), 1)
     with pytest.raises(ValueError, match=r"q has dtype torch.float32; MagiAttention computes in float16 or bfloat16"):
         h.core_attn(torch.nn.Module(), local, local[..., :2, :], local[..., :2, :])
+    with pytest.raises(ValueError, match=r"backend='magi': v head dim 8 differs from the q/k head dim 16 \(multi-head "
+                                         r"latent attention\)"):
+        h.core_attn(torch.nn.Module(), *(t.to(BF16) for t in (local, local[..., :2, :], local[..., :2, :8])))
+    with pytest.raises(ValueError, match=r"backend='magi': v_head_dim=24 differs from head_dim=16"):
+        magi_cls.check_config(ContextParallelConfig(context_parallel_size=2), AttentionShape(4, 2, 16, 24))
     windowed = torch.nn.Module()
     windowed.window_size = (7, 0)  # not wired to MagiAttention's masks: refused by name, never ignored
     with pytest.raises(ValueError, match=r"window_size=\(7, 0\) \(sliding window\) not supported by this backend"):

@@ -73,7 +73,8 @@ def _one_rank_checks(rank, world):
             LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor([0, 100, 120],
                                                                                                    dtype=dtype))
     for cu, message in (([[0, 4]], r"must be 1-D"), ([1, 4], r"starting at 0"),
-                        ([0, 4, 4], r"strictly increasing .* cu_seqlens\[1\]=4, cu_seqlens\[2\]=4")):
+                        ([0, 4, 3], r"non-decreasing .* cu_seqlens\[1\]=4, cu_seqlens\[2\]=3"),
+                        ([0, 0, 0], r"holds no token")):
         with pytest.raises(ValueError, match=message):
             LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor(cu))
     alone = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32))

@@ -14,15 +14,16 @@ from conftest import HANG_GUARD_S
 
 
 def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
-    """cp-train --save, then cp-generate --checkpoint at cp 2 (p2p and a2a prefill, greedy; p2p sampled) with
-    --check-parity."""
+    """cp-train --save (multi-head latent attention: --v-head-dim 24 against q/k 16, with --check-parity), then
+    cp-generate --checkpoint at cp 2 (p2p and a2a prefill, greedy; p2p sampled) with --check-parity."""
     from test_cli import SMALL, cp_train
 
     from cp_handler.cli.generate import until_end
     from cp_handler.training.tokens import tokens_for
 
-    result = cp_train("--nproc", "2", *SMALL, "--save", str(tmp_path / "ckpt"))
+    result = cp_train("--nproc", "2", *SMALL, "--v-head-dim", "24", "--check-parity", "--save", str(tmp_path / "ckpt"))
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "parity passed" in result.stderr
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def main():\n    return ")
     for comm in ("p2p", "a2a"):

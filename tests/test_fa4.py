@@ -1,5 +1,5 @@
 """FlashAttention-4 kernels (``fa4`` blocks, ``fa4_varlen`` packed calls) without a GPU, through the contract
-fake of ``flash_attn.cute.interface`` (tests/fakes/flash_attn/cute/interface.py: the signatures, layouts and
+fake of ``flash_attn.cute.interface`` (tests/fakes_fa4/flash_attn/cute/interface.py: the signatures, layouts and
 assertions of flash-attn-4 4.0.0b36, computing in float32 on CPU, recording every call).
 
 * What we pass: the argument order of the backward (q, k, v, out, dout, lse), the block tensors as
@@ -30,7 +30,7 @@ from cp_handler.ops.blocks import LseRows, new_accumulators
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, fa4, select_kernel
 from cp_handler.ops.merge import merge_attn_out_
 
-FAKES = str(Path(__file__).parent / "fakes")
+FAKES = str(Path(__file__).parent / "fakes_fa4")  # apart from tests/fakes: the TE and Magi tests see no flash_attn
 TOL = {torch.bfloat16: 2.5e-2, torch.float16: 5e-3}
 """Relative to the largest reference value: the GPU cases' tolerances (tests/device_cases.py)."""
 

@@ -1,5 +1,6 @@
 """Reference GPT: loss and every parameter gradient at cp=2 and cp=4 equal the cp=1 run, also with a
-different cp_comm_type in every layer (p2p, all_gather, a2a, a2a+p2p) inside one model and handler.
+different cp_comm_type in every layer (p2p, all_gather, a2a, a2a+p2p) inside one model and handler (with a
+value head dim other than the q/k head dim: MLA).
 
 Also registers a new backend from outside the package (a contiguous-layout, all-gather handler
 written here) and runs the unchanged model with it: the contract is all the model needs.
@@ -65,9 +66,10 @@ from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, asser
 
 
 def _per_layer_parity(world, tokens):
-    """One model, one handler, a different cp_comm_type in each layer."""
+    """One model, one handler, a different cp_comm_type in each layer; multi-head latent attention (values 24
+    wide, queries and keys 16)."""
     comm_types = ["p2p", "all_gather", "a2a", "a2a+p2p"]
-    config = GPTConfig(**{**vars(CONFIG), "num_layers": len(comm_types)})
+    config = GPTConfig(**{**vars(CONFIG), "num_layers": len(comm_types), "v_head_dim": 24})
     handler_cls = get_cp_handler_cls("local", comm_types)
     groups = build_dp_cp_groups(world, "cpu", [2, world // 2])
     reference = loss_and_grads(config, handler_cls(cp_group=None, cp_comm_type=comm_types), tokens, None)

@@ -219,9 +219,17 @@ VARIANTS = {
     "gemma3_text": {"sliding_window": 5},
     "gpt_oss": {"sliding_window": 5, "num_local_experts": 4},
     "llama4_text": {"attention_chunk_size": 6, "num_local_experts": 2, "interleave_moe_layer_step": 2},
+    # multi-head latent attention: q/k head dim 8 + 8 (no RoPE + RoPE), values 12; MoE layers after the first
+    "deepseek_v2": {"num_key_value_heads": 4, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "kv_lora_rank": 16, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {"num_key_value_heads": 4, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 12,
+                    "kv_lora_rank": 16, "q_lora_rank": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
 }
-"""Model types with windows / chunks shorter than the sequence (and a shard), soft-capping (Gemma 2) and
-learnable sinks (GPT-OSS); before the attention variants (issue 27) each of these was refused."""
+"""Model types with windows / chunks shorter than the sequence (and a shard), soft-capping (Gemma 2),
+learnable sinks (GPT-OSS) and multi-head latent attention (DeepSeek-V2/V3: a value head dim other than the
+query/key one); before the attention variants (issue 27) and MLA (issue 42) each of these was refused."""
 
 
 def _variant_worker(rank, world, names):
@@ -271,9 +279,10 @@ def _variant_worker(rank, world, names):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_hf_attention_variants_match_the_unmodified_model(world):
-    """Sliding windows (Mistral, Gemma 2/3, GPT-OSS), soft-capping (Gemma 2), sinks (GPT-OSS) and chunked
-    attention (Llama 4) through the documented route: logits and every gradient vs the unmodified model
-    (eager attention, each thd document alone), every comm type, bshd and thd."""
+    """Sliding windows (Mistral, Gemma 2/3, GPT-OSS), soft-capping (Gemma 2), sinks (GPT-OSS), chunked
+    attention (Llama 4) and multi-head latent attention (DeepSeek-V2/V3) through the documented route: logits
+    and every gradient vs the unmodified model (eager attention, each thd document alone), every comm type, bshd
+    and thd."""
     run_distributed(_variant_worker, world, list(VARIANTS))
 
 

@@ -53,7 +53,7 @@ def _trace_worker(rank, world):
     freqs = handler.get_emb_on_this_cp_rank(torch.zeros(32, 8))
     selections = []
     original = spec_module.KernelChoice.select
-    spec_module.KernelChoice.select = lambda self, q: selections.append(1) or original(self, q)
+    spec_module.KernelChoice.select = lambda self, *args: selections.append(1) or original(self, *args)
     try:
         stacks = frames_between(SelfAttention.forward.__code__, cpu_flash.forward.__code__,
                                 lambda: attn(x, freqs, handler))

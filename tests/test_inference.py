@@ -25,10 +25,15 @@ PROMPT_LENGTHS = (13, 30, 5)  # none a multiple of 2 * cp at cp 2 or 4
 NEW_TOKENS = 6
 
 
-def gpt():
+def gpt(v_head_dim=None):
     torch.manual_seed(0)
     return GPTModel(GPTConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                              ffn_hidden_size=128)).eval()
+                              ffn_hidden_size=128, v_head_dim=v_head_dim)).eval()
+
+
+def gpt_mla():
+    """Multi-head latent attention: values 24 wide, queries and keys 16 (the cache holds each width)."""
+    return gpt(v_head_dim=24)
 
 
 def llama():
@@ -61,7 +66,8 @@ def _worker(rank, world, comm_types, build):
         total = torch.tensor([got.kv_cache_bytes])
         if world > 1:
             dist.all_reduce(total)
-        per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32
+        v_head_dim = getattr(getattr(model, "config", None), "v_head_dim", 16)
+        per_token = 2 * 2 * (16 + v_head_dim) * 4  # 2 layers, 2 KV heads, K (16) and V (v_head_dim), float32
         assert total.item() == whole * per_token, (label, total.item(), whole * per_token)
         fair = -(-whole // world) + 2 * world * len(PROMPT_LENGTHS)  # zigzag padding of each prompt, per rank
         assert got.kv_cache_bytes <= fair * per_token, (label, got.kv_cache_bytes, fair * per_token)
@@ -92,6 +98,10 @@ def _worker(rank, world, comm_types, build):
                                                (4, ["p2p", "all_gather", "a2a", "a2a+p2p"])])
 def test_greedy_generation_matches_one_process(world, comm_types):
     run_distributed(_worker, world, comm_types, gpt)
+
+
+def test_mla_generation_matches_one_process():
+    run_distributed(_worker, 2, ["p2p", "a2a"], gpt_mla)
 
 
 def test_hugging_face_llama_generates_the_same_tokens():

@@ -180,6 +180,27 @@ def test_each_kernel_states_its_head_dim_limits(name, dtype, head_dim, reason):
     assert meta.cannot_run(torch.empty(1, 2, 4, 64, device="meta", dtype=dtype)) is None
 
 
+def test_mla_kernels_state_it_and_cuda_mla_stays_opt_in(monkeypatch):
+    """A value head dim other than q/k's (MLA): a kernel that takes one head dim says so when forced; on CPU
+    the automatic choice keeps cpu_flash; on CUDA (meta stand-ins) only ``efficient`` takes it and, with no GPU
+    run of MLA yet, only as an opt-in: the automatic choice is a clear error naming it."""
+    q = torch.empty(1, 2, 4, 16, device="meta", dtype=torch.bfloat16)
+    for name in ("flash", "flash_gqa", "flash_varlen", "cudnn", "fa4"):
+        meta = dataclasses.replace(KERNELS[name], device_type="meta", requirement=None)
+        assert "it takes one head dim for q, k and v; v has 24, q and k 16" in meta.cannot_run(q, v_head_dim=24)
+        assert meta.cannot_run(q, v_head_dim=16) is None
+    monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
+    assert select_kernel(torch.empty(1, 2, 4, 16), v_head_dim=24).name == "cpu_flash"
+    meta = {name: dataclasses.replace(k, device_type="meta") for name, k in KERNELS.items() if k.device_type == "cuda"}
+    monkeypatch.setattr(kernels, "KERNELS", meta)
+    with pytest.raises(ValueError, match=r"flash_varlen: it takes one head dim .* efficient: not yet verified on a "
+                                         r"GPU in torch.bfloat16 at head dims 16 \(q, k\) / 24 \(v\) \(opt-in"):
+        select_kernel(q, v_head_dim=24)
+    assert select_kernel(q, "efficient", v_head_dim=24).name == "efficient"
+    with pytest.raises(ValueError, match=r"attn_kernel='flash' cannot run this attention: it takes one head dim"):
+        select_kernel(q, "flash", v_head_dim=24)
+
+
 def test_unverified_dtype_is_opt_in_and_causal_blocks_must_be_square(monkeypatch):
     """bf16 with head dim 264: only efficient runs it; with bf16 unverified (a stand-in) the automatic
     choice is a clear error instead of an unverified kernel; a non-square causal block is refused at

@@ -9,8 +9,9 @@ column of the softmax), gradients by autograd. The handler runs the same float64
 Tolerance: atol = rtol = 1e-10 in float64. Each query's output is a log-sum-exp merge of at most a few
 dozen blocks (eps = 2.2e-16 per rounding on values of order 1): measured max error ~1e-14, while a wrong
 mask, a dropped block or a missing sink gives errors of order 1e-2 and more. GPU mode (``-m gpu``; passed on an
-H100 on 2026-11-24): the same cases on CUDA in fp32 / bf16 / fp16
-against the float64 reference, with the tolerances of tests/device_cases.py.
+H100 on 2026-11-24, before MLA, two-sided windows and zero-length documents were added; those pending): the same
+cases on CUDA in fp32 / bf16 / fp16 against the float64 reference, with the tolerances of tests/device_cases.py
+(MLA through ``attn_kernel="efficient"``, the opt-in that run would verify).
 """
 
 import types
@@ -56,26 +57,43 @@ def reference(q, k, v, dout, mask: AttentionMask, scale: float, sinks, lengths):
 
 
 MASKS = {
-    # name: (mask as a function of the zigzag chunk c of the first document, with sinks)
-    "window<chunk": (lambda c: AttentionMask(window=max(2, c // 2)), False),
-    "window=chunk+1": (lambda c: AttentionMask(window=c + 1), True),  # lookback = c: the halo's edge
-    "window=shard": (lambda c: AttentionMask(window=2 * c), False),
-    "window>shard": (lambda c: AttentionMask(window=3 * c + 1, softcap=3.0), False),
-    "chunk=3": (lambda c: AttentionMask(chunk=3), False),
-    "chunk=c": (lambda c: AttentionMask(chunk=c), True),  # aligned: no communication
-    "chunk=shard": (lambda c: AttentionMask(chunk=2 * c), False),
-    "chunk>shard": (lambda c: AttentionMask(chunk=3 * c + 1), False),
-    "window+chunk": (lambda c: AttentionMask(window=c + 2, chunk=3 * c - 1), False),
-    "softcap": (lambda c: AttentionMask(softcap=2.0), False),
-    "sinks": (lambda c: AttentionMask(), True),
-    "softcap+sinks, no_mask": (lambda c: AttentionMask(causal=False, softcap=2.0), True),
+    # name: (mask as a function of the zigzag chunk c of the first document, with sinks, value head dim); a value
+    # head dim other than HEAD_DIM is multi-head latent attention (MLA), wider and narrower than q/k
+    "window<chunk": (lambda c: AttentionMask(window=max(2, c // 2)), False, HEAD_DIM),
+    "window=chunk+1": (lambda c: AttentionMask(window=c + 1), True, 12),  # lookback = c: the halo's edge
+    "window=shard": (lambda c: AttentionMask(window=2 * c), False, HEAD_DIM),
+    "window>shard": (lambda c: AttentionMask(window=3 * c + 1, softcap=3.0), False, 6),
+    "chunk=3": (lambda c: AttentionMask(chunk=3), False, 12),
+    "chunk=c": (lambda c: AttentionMask(chunk=c), True, HEAD_DIM),  # aligned: no communication
+    "chunk=shard": (lambda c: AttentionMask(chunk=2 * c), False, HEAD_DIM),
+    "chunk>shard": (lambda c: AttentionMask(chunk=3 * c + 1), False, 6),
+    "window+chunk": (lambda c: AttentionMask(window=c + 2, chunk=3 * c - 1), False, HEAD_DIM),
+    "softcap": (lambda c: AttentionMask(softcap=2.0), False, 12),
+    "sinks": (lambda c: AttentionMask(), True, 6),
+    "mla": (lambda c: AttentionMask(), False, 12),
+    "softcap+sinks, no_mask": (lambda c: AttentionMask(causal=False, softcap=2.0), True, 12),
+    # two-sided windows without the causal mask, Transformer Engine's window_size (L, R) with no_mask
+    "two-sided (c/2, c/2)": (lambda c: AttentionMask(causal=False, window=c // 2 + 1, window_right=c // 2), False,
+                             HEAD_DIM),
+    "two-sided (c, 2c+1)": (lambda c: AttentionMask(causal=False, window=c + 1, window_right=2 * c + 1), True, 12),
+    "right only (-1, 2)": (lambda c: AttentionMask(causal=False, window_right=2), False, 6),
+    "(W, 0) no_mask": (lambda c: AttentionMask(causal=False, window=c, window_right=0), False, 12),
+    "two-sided (3c, 1), softcap": (lambda c: AttentionMask(causal=False, window=3 * c + 1, window_right=1,
+                                                            softcap=2.0), False, HEAD_DIM),
 }
 
 
+def window_size(mask: AttentionMask):
+    """Transformer Engine's ``(left, right)`` of ``mask`` (``-1``: unbounded), ``None`` without a window."""
+    if mask.window is None and mask.window_right is None:
+        return None
+    left = -1 if mask.window is None else mask.window - 1
+    return left, 0 if mask.causal else (-1 if mask.window_right is None else mask.window_right)
+
+
 def attn_module(mask: AttentionMask, sinks):
-    return types.SimpleNamespace(
-        window_size=None if mask.window is None else (mask.window - 1, 0), attention_chunk_size=mask.chunk,
-        softcap=mask.softcap, sinks=sinks, softmax_scale=0.3)
+    return types.SimpleNamespace(window_size=window_size(mask), attention_chunk_size=mask.chunk,
+                                 softcap=mask.softcap, sinks=sinks, softmax_scale=0.3)
 
 
 def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=None):
@@ -83,10 +101,12 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
     inputs rounded to its dtype for the reference), default float64 on CPU."""
     torch.manual_seed(0)  # the same global tensors on every rank
     total, chunk = sum(lengths), ZigzagDocs.from_lengths(lengths, world).chunk(0)
-    make_mask, with_sinks = MASKS[name]
+    make_mask, with_sinks, v_head_dim = MASKS[name]
     mask = make_mask(chunk)
-    q, dout = torch.randn(2, total, HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
-    k, v = torch.randn(2, total, KV_HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
+    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.float64)
+    dout = torch.randn(total, HEADS, v_head_dim, dtype=torch.float64)
+    k = torch.randn(total, KV_HEADS, HEAD_DIM, dtype=torch.float64)
+    v = torch.randn(total, KV_HEADS, v_head_dim, dtype=torch.float64)
     sinks = torch.randn(HEADS, dtype=torch.float64) if with_sinks else None
     if case is not None:  # the reference gets the inputs the device gets
         q, k, v, dout = (case.reference(t) for t in (q, k, v, dout))
@@ -98,6 +118,8 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
               "hierarchical_cp_groups": groups.hierarchical_cp_groups}
     if qkv_format == "thd":
         kwargs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    if case is not None and v_head_dim != HEAD_DIM:  # MLA on CUDA: opt-in until a GPU run verifies it
+        kwargs["attn_kernel"] = "efficient"
     handler = LocalContextParallelHandler(**kwargs)
 
     def to_format(t):  # packed (T, ...) -> the handler's global layout on the device
@@ -122,7 +144,7 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
                                    msg=lambda m: f"dsinks ({where}): {m}")
 
 
-LENGTHS = {"bshd": [48], "sbhd": [48], "thd": [37, 9, 64]}
+LENGTHS = {"bshd": [48], "sbhd": [48], "thd": [37, 0, 9, 64, 0]}  # zero-length documents: padding a batch's count
 
 
 def _worker(rank, world, patterns, sizes, formats, case=None):
@@ -151,25 +173,36 @@ def test_variants_on_gpu(case):
 
 
 def _bytes_worker(rank, world):
-    """Bytes of K/V a rank sends per layer (forward + backward), counted with count_comms."""
+    """Bytes a rank sends per layer (forward + backward), counted with count_comms."""
     group = dist.group.WORLD
-    s_local, kv_row = 256 // world, 2 * 1 * KV_HEADS * HEAD_DIM * 4  # K and V, batch 1, float32
+    s_local = 256 // world
     layout = ZigzagDocs.uniform(256, world)
-    q = torch.randn(1, HEADS, s_local, HEAD_DIM, requires_grad=True)
-    k, v = (torch.randn(1, KV_HEADS, s_local, HEAD_DIM, requires_grad=True) for _ in range(2))
     sent = {}
-    for name, mask in {"full": AttentionMask(), "window 9": AttentionMask(window=9),
-                       "chunk 32 (aligned)": AttentionMask(chunk=32)}.items():
-        with count_comms() as counter:
-            out, _ = ring_attn(q, k, v, group=group, causal=True, scale=0.3, mask=mask)
-            out.sum().backward()
-        sent[name] = counter.bytes_sent
+    for v_head_dim in (HEAD_DIM, 12):  # 12: MLA, K and V travel with their own widths
+        q = torch.randn(1, HEADS, s_local, HEAD_DIM, requires_grad=True)
+        k = torch.randn(1, KV_HEADS, s_local, HEAD_DIM, requires_grad=True)
+        v = torch.randn(1, KV_HEADS, s_local, v_head_dim, requires_grad=True)
+        for name, mask in {"full": AttentionMask(), "window 9": AttentionMask(window=9),
+                           "window 5": AttentionMask(window=5),
+                           "two-sided (4, 4)": AttentionMask(causal=False, window=5, window_right=4),
+                           "chunk 32 (aligned)": AttentionMask(chunk=32)}.items():
+            with count_comms() as counter:
+                out, _ = ring_attn(q, k, v, group=group, causal=mask.causal, scale=0.3, mask=mask)
+                out.sum().backward()
+            sent[name, v_head_dim] = counter.bytes_sent
+    kv_row = 1 * KV_HEADS * 2 * HEAD_DIM * 4  # K and V of one position, batch 1, float32
     # full causal ring: (cp - 1) K/V shards forward and back, and (cp - 1) dK/dV partials (float32)
-    assert sent["full"] >= 2 * (world - 1) * s_local * kv_row
+    assert sent["full", HEAD_DIM] >= 2 * (world - 1) * s_local * kv_row
     # window W: a rank sends at most 2 (W - 1) rows of K/V forward, and their dK/dV back
     assert halo_applies(layout, AttentionMask(window=9))
-    assert 0 < sent["window 9"] <= 2 * (2 * 8 * kv_row), sent
-    assert sent["chunk 32 (aligned)"] == 0, sent  # chunks aligned with the zigzag chunks need nothing
+    assert 0 < sent["window 9", HEAD_DIM] <= 2 * (2 * 8 * kv_row), sent
+    # two-sided (L, R) = (4, 4): the 4 rows next to each neighbouring zigzag chunk on both sides, twice what
+    # the causal window 5 (4 rows to the left) sends
+    assert 0 < sent["two-sided (4, 4)", HEAD_DIM] == 2 * sent["window 5", HEAD_DIM], sent
+    assert sent["chunk 32 (aligned)", HEAD_DIM] == 0, sent  # chunks aligned with the zigzag chunks need nothing
+    # MLA: every message carries K (Dqk wide) and V (Dv wide) rows, nothing padded
+    for name in ("full", "window 9", "two-sided (4, 4)"):
+        assert sent[name, 12] * 2 * HEAD_DIM == sent[name, HEAD_DIM] * (HEAD_DIM + 12), (name, sent)
 
 
 def test_halo_exchange_bytes_proportional_to_window():
@@ -184,9 +217,13 @@ def test_mask_blocks_cover_every_visible_pair_once():
     def pick(options):
         return options[int(torch.randint(len(options), (1,), generator=gen))]
 
-    for _ in range(400):
-        mask = AttentionMask(window=pick([None, 1, 2, 5, 70, 130]), chunk=pick([None, 1, 3, 16, 100]),
-                             softcap=pick([None, 5.0]))
+    for i in range(600):
+        if i % 3:  # causal: windows and chunks
+            mask = AttentionMask(window=pick([None, 1, 2, 5, 70, 130]), chunk=pick([None, 1, 3, 16, 100]),
+                                 softcap=pick([None, 5.0]))
+        else:  # bidirectional: two-sided windows
+            mask = AttentionMask(causal=False, window=pick([None, 1, 2, 5, 70, 130]),
+                                 window_right=pick([None, 0, 1, 4, 70, 130]), softcap=pick([None, 5.0]))
         nq, nk, qp, kp = (int(x) for x in torch.randint(1, 300, (4,), generator=gen))
         visible = mask.visible(torch.arange(qp, qp + nq)[:, None], torch.arange(kp, kp + nk)[None])
         cover = torch.zeros(nq, nk, dtype=torch.int)
@@ -205,7 +242,8 @@ def test_mask_blocks_cover_every_visible_pair_once():
 
 @pytest.mark.parametrize("attrs, error, match", [
     ({"window_size": (0, 0)}, None, None),  # window 1: each query sees itself (valid)
-    ({"window_size": (3, 2)}, ValueError, r"only causal left windows"),
+    ({"window_size": (3, 2)}, ValueError, r"window_size=\(3, 2\) with attn_mask_type='causal': a causal mask takes"),
+    ({"window_size": (3, -2)}, ValueError, r"window_size=\(3, -2\): each bound must be >= -1"),
     ({"attention_chunk_size": 0}, ValueError, r"chunk=0 must be >= 1"),
     ({"attention_chunk_size": 2.5}, TypeError, r"chunk=2.5 must be an int"),
     ({"softcap": 0.0}, ValueError, r"softcap=0.0 must be a finite number > 0"),
@@ -229,7 +267,7 @@ def test_bad_variant_attributes_raise(attrs, error, match):
 def test_no_mask_with_window_or_chunk_raises():
     handler = LocalContextParallelHandler(cp_group=None, qkv_format="bshd")
     q = torch.randn(1, 8, HEADS, HEAD_DIM)
-    with pytest.raises(ValueError, match=r"window_size=\(3, 0\) with attn_mask_type='no_mask'"):
-        handler.core_attn(types.SimpleNamespace(window_size=(3, 0)), q, q, q, attn_mask_type="no_mask")
+    with pytest.raises(ValueError, match=r"window_size=\(-1, 0\) with attn_mask_type='no_mask': \(-1, 0\) is"):
+        handler.core_attn(types.SimpleNamespace(window_size=(-1, 0)), q, q, q, attn_mask_type="no_mask")
     with pytest.raises(ValueError, match=r"attention_chunk_size=4 needs attn_mask_type='causal'"):
         handler.core_attn(types.SimpleNamespace(attention_chunk_size=4), q, q, q, attn_mask_type="no_mask")

@@ -2,7 +2,7 @@
 pattern against per-document single-process references, at cp in {1, 2, 4}.
 
 Document lengths come from hypothesis: many tiny documents, one huge one, length-1 documents, lengths
-not divisible by 2*cp. In the multi-rank test hypothesis runs inside every rank, derandomized and
+not divisible by 2*cp, zero-length documents. In the multi-rank test hypothesis runs inside every rank, derandomized and
 without shrinking, so all ranks draw the same cases and a failing rank fails the test at once.
 
 Tolerances: moves (dispatch, combine, roll, RoPE row selection) are exact (float64, torch.equal);
@@ -24,7 +24,8 @@ from cp_handler import HierarchicalContextParallelHandler, build_dp_cp_groups
 from cp_handler.layout import ZigzagDocs
 from cp_handler.rope import apply_rotary, rotary_freqs
 
-LENGTHS = st.lists(st.one_of(st.integers(1, 3), st.integers(4, 24), st.integers(60, 130)), min_size=1, max_size=8)
+LENGTHS = st.lists(st.one_of(st.just(0), st.integers(1, 3), st.integers(4, 24), st.integers(60, 130)), min_size=1,
+                   max_size=8).filter(lambda lengths: sum(lengths) > 0)  # 0: a zero-length document
 
 
 def te_partitioned_indices(cu_seqlens_padded: list[int], cp: int, rank: int) -> list[int]:
@@ -144,6 +145,7 @@ def _thd_worker(rank, world, patterns, sizes, case=CPU):
     @example(lengths=[1] * 9)  # only length-1 documents
     @example(lengths=[2, 1, 130, 3, 1])  # one huge among tiny ones
     @example(lengths=[4, 4])  # the cp=2 RoPE regression layout
+    @example(lengths=[0, 5, 0, 0, 17, 0])  # zero-length documents first, between and last
     def run(lengths):
         cu = [0]
         for n in lengths:

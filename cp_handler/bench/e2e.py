@@ -100,7 +100,7 @@ def train(args, cp_size: int) -> dict:
     and memory."""
     model = GPTConfig(vocab_size=BYTE_VOCAB_SIZE, **MODEL)
     cp = ContextParallelConfig(context_parallel_size=cp_size, num_layers=model.num_layers)
-    shape = AttentionShape(model.num_attention_heads, model.num_query_groups, model.kv_channels)
+    shape = AttentionShape(model.num_attention_heads, model.num_query_groups, model.kv_channels, model.v_head_dim)
     config = TrainConfig(world_size=cp_size, cp=cp, eval_cp=cp, model=model, attn_shape=shape, seq_len=args.e2e_seq_len,
                          batch_size=1, steps=args.e2e_steps)
     command = (f"cp-train --nproc {cp_size} --cp-size {cp_size} --seq-len {args.e2e_seq_len} --batch-size 1 --steps "

@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-kv-heads", type=int, default=2,
                    help="reference GPT: KV heads (num_query_groups, GQA; divides --num-heads)")
     g.add_argument("--kv-channels", type=int, default=None,
-                   help="reference GPT: head dim (kv_channels; default --hidden-size / --num-heads)")
+                   help="reference GPT: head dim of queries and keys (kv_channels; default --hidden-size / "
+                        "--num-heads)")
+    g.add_argument("--v-head-dim", type=int, default=None,
+                   help="reference GPT: head dim of values (Megatron's MLA v_head_dim, as DeepSeek-V3's 128 against "
+                        "192; default --kv-channels)")
     g.add_argument("--ffn-hidden-size", type=int, default=352, help="reference GPT: SwiGLU hidden size")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="reference GPT: RoPE base (theta)")
     g.add_argument("--moe-experts", type=int, default=0,
@@ -125,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
-            "num_heads", "num_kv_heads", "kv_channels", "ffn_hidden_size", "eval_batches", "max_corpus_bytes",
+            "num_heads", "num_kv_heads", "kv_channels", "v_head_dim", "ffn_hidden_size", "eval_batches",
+            "max_corpus_bytes",
             "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
             "thd_max_doc_len", "log_every", "save_keep", "lr_decay_steps", "micro_batch_size")
 """Integer flags that must be >= 1 when given; zero is never "the default"."""

@@ -28,6 +28,7 @@ TRAIN_FLAGS = {
     "num_attention_heads": "--num-heads",
     "num_query_groups": "--num-kv-heads",
     "kv_channels": "--kv-channels",
+    "v_head_dim": "--v-head-dim",
     "ffn_hidden_size": "--ffn-hidden-size",
     "num_moe_experts": "--moe-experts",
     "moe_router_topk": "--moe-top-k",

@@ -109,7 +109,7 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
             raise ValueError(f"--checkpoint {args.checkpoint}: a Hugging Face model's checkpoint; export it with "
                              "cp-train --export-hf DIR and pass --hf-model DIR")
         heads = AttentionShape(meta["model"]["num_attention_heads"], meta["model"]["num_query_groups"],
-                               meta["model"]["kv_channels"])
+                               meta["model"]["kv_channels"], meta["model"].get("v_head_dim"))
         model_source = {"checkpoint": str(checkpoint)}
         saved_dtype = meta["training"]["dtype"]
     else:  # the config, the tokenizer, the guard and the heads (cp-train's checks), before any rank starts

@@ -148,7 +148,7 @@ def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionSh
     config = check_hf_architecture(args)
     if config is None:
         gpt = model_config(args)
-        return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels), \
+        return gpt, AttentionShape(gpt.num_attention_heads, gpt.num_query_groups, gpt.kv_channels, gpt.v_head_dim), \
             f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
     check_hf_training(args, config)
     shape = hf_attention_shape(config)
@@ -175,7 +175,8 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
     return GPTConfig(
         vocab_size=BYTE_VOCAB_SIZE, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_attention_heads=args.num_heads, num_query_groups=args.num_kv_heads,
-        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, rotary_base=args.rotary_base,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, v_head_dim=args.v_head_dim,
+        rotary_base=args.rotary_base,
         num_moe_experts=args.moe_experts,
         moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
     )

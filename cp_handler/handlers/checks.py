@@ -52,8 +52,9 @@ def check_shift(shifts) -> int:
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, head_dim_index: int = -2) -> None:
-    """q, k, v of ``core_attn`` agree: floating dtype, one dtype, one device, the same shape outside
-    heads (batch, sequence, head dim), k and v the same shape, query heads a multiple of KV heads (GQA).
+    """q, k, v of ``core_attn`` agree: floating dtype, one dtype, one device, q and k the same shape outside
+    heads (batch, sequence, head dim), v as k but for its head dim (multi-head latent attention: a value head
+    dim other than the query / key head dim, DeepSeek-V2/V3), query heads a multiple of KV heads (GQA).
 
     Args:
         seq_dim: the sequence dim of the tensors (its length must agree too).
@@ -75,8 +76,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, h
     if not q.dim() == k.dim() == v.dim():
         raise ValueError(f"core_attn q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must have the same "
                          "number of dims")
-    if k.shape != v.shape:
-        raise ValueError(f"core_attn k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"core_attn k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape but for the "
+                         "head dim (the last one)")
     heads = head_dim_index % q.dim()
     outside = [d for d in range(q.dim()) if d != heads]
     if [q.shape[d] for d in outside] != [k.shape[d] for d in outside]:
@@ -131,37 +133,39 @@ otherwise be ignored): the attribute the handlers read instead."""
 def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int):
     """The mask and sinks of ``attn_mod``: ``(AttentionMask, sinks (heads,) or None)``.
 
-    Attributes read: ``window_size`` (Transformer Engine's ``(left, right)``; a causal left window
-    ``(W - 1, 0)`` is the window ``W`` of :class:`~cp_handler.masks.AttentionMask`), ``attention_chunk_size``
+    Attributes read: ``window_size`` (Transformer Engine's ``(left, right)``, ``-1`` unbounded; a causal left window
+    ``(W - 1, 0)`` is the window ``W`` of :class:`~cp_handler.masks.AttentionMask`; with ``no_mask`` a two-sided
+    ``(L, R)`` is the window ``L + 1`` and the right window ``R``), ``attention_chunk_size``
     (chunked attention, Llama 4), ``softcap`` (``softcap * tanh(score / softcap)``, Gemma 2) and ``sinks``
     (a tensor of one logit per query head, GPT-OSS). ``None`` or absent: not used.
 
     Raises:
         TypeError / ValueError: naming the attribute: a value of the wrong type, a window / chunk /
-            soft-cap that is not positive, a window that is not a causal left window (right bound other
-            than 0, or any bounded window with ``attn_mask_type="no_mask"``), a chunk without a causal
-            mask, sinks of the wrong shape, dtype or device, or an alias of another library
-            (:data:`VARIANT_ALIASES`) set.
+            soft-cap that is not positive, a right bound with the causal mask, ``(-1, 0)`` with
+            ``no_mask`` (it is the causal mask), a chunk without a causal mask, sinks of the wrong shape, dtype
+            or device, or an alias of another library (:data:`VARIANT_ALIASES`) set.
     """
     for alias, name in VARIANT_ALIASES.items():
         if getattr(attn_mod, alias, None) is not None:
             raise ValueError(f"attn_mod.{alias}={getattr(attn_mod, alias)!r} is not read by the handlers (it would be "
                              f"ignored); set attn_mod.{name} instead")
     causal = attn_mask_type == "causal"
-    window, left = window_size(attn_mod), None
-    unbounded = ((-1, 0), (-1, -1)) if causal else ((-1, -1),)  # no_mask with (-1, 0) would be a causal mask
-    if window is not None and window not in unbounded:
-        if window[1] != 0 or not causal:
-            raise ValueError(f"attn_mod.window_size={window} with attn_mask_type={attn_mask_type!r}: only causal left "
-                             "windows (W - 1, 0) are supported (with 'no_mask' only the unbounded (-1, -1); (-1, 0) "
-                             "is the causal mask: pass attn_mask_type='causal')")
-        left = window[0] + 1
+    window, left, right = window_size(attn_mod), None, None
+    if window == (-1, 0) and not causal:
+        raise ValueError(f"attn_mod.window_size={window} with attn_mask_type='no_mask': (-1, 0) is the causal mask: "
+                         "pass attn_mask_type='causal' (Transformer Engine refuses it too)")
+    if window is not None and causal and window[1] not in (0, -1):
+        raise ValueError(f"attn_mod.window_size={window} with attn_mask_type='causal': a causal mask takes left "
+                         "windows (W - 1, 0) only; a right bound needs attn_mask_type='no_mask' (two-sided windows)")
+    if window is not None:
+        left = window[0] + 1 if window[0] >= 0 else None
+        right = window[1] if window[1] >= 0 and not causal else None
     chunk = getattr(attn_mod, "attention_chunk_size", None)
     softcap = getattr(attn_mod, "softcap", None)
     if chunk is not None and not causal:
         raise ValueError(f"attn_mod.attention_chunk_size={chunk!r} needs attn_mask_type='causal'")
     try:
-        mask = AttentionMask(causal=causal, window=left, chunk=chunk, softcap=softcap)
+        mask = AttentionMask(causal=causal, window=left, chunk=chunk, softcap=softcap, window_right=right)
     except (TypeError, ValueError) as err:
         raise type(err)(f"attn_mod: {err} (attributes window_size, attention_chunk_size, softcap)") from None
     sinks = getattr(attn_mod, "sinks", None)
@@ -175,8 +179,10 @@ def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int
 def variant_names(mask, sinks) -> list[str]:
     """The attributes of ``attn_mod`` behind ``mask`` / ``sinks`` that go beyond the plain mask, for errors."""
     used = []
-    if mask.window is not None:
-        used.append(f"attn_mod.window_size={(mask.window - 1, 0)} (sliding window)")
+    if mask.window is not None or mask.window_right is not None:
+        left = -1 if mask.window is None else mask.window - 1
+        right = 0 if mask.causal else (-1 if mask.window_right is None else mask.window_right)
+        used.append(f"attn_mod.window_size={(left, right)} (sliding window)")
     if mask.chunk is not None:
         used.append(f"attn_mod.attention_chunk_size={mask.chunk} (chunked attention)")
     if mask.softcap is not None:

@@ -108,7 +108,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
             pattern = PATTERNS[call.comm_type if self.cp_size > 1 else "p2p"]
             groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
-            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q),
+            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             self.kernel_choice.packed_calls, sinks=call.sinks, **groups)
             out = pattern.attention(q, k, v, spec)[0]
         if self.kv_cache is not None:

@@ -129,7 +129,12 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
 
     @classmethod
     def check_config(cls, config, attn_shape=None, dtype=None) -> None:
-        """MagiAttention's rules that need no rank: fp16/bf16 under CP; head_dim <= 128 (FFA)."""
+        """MagiAttention's rules that need no rank: one head dim for q, k and v (at every cp); fp16/bf16 under CP;
+        head_dim <= 128 (FFA)."""
+        if attn_shape is not None and attn_shape.v_head_dim not in (None, attn_shape.head_dim):
+            raise ValueError(f"backend='magi': v_head_dim={attn_shape.v_head_dim} differs from head_dim="
+                             f"{attn_shape.head_dim} (multi-head latent attention); MagiAttention's kernel takes one "
+                             "head_size for q, k and v: use backend='local' or 'transformer_engine'")
         if config.context_parallel_size == 1:
             return
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
@@ -154,9 +159,14 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         require_cuda("magi")
 
     # -- the runtime key -------------------------------------------------------------------
+    def _thd_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` without its zero-length documents: MagiAttention requires strictly increasing
+        ``cu_seqlens`` (``AttnRanges.from_cu_seqlens``), and an empty document has no token to place."""
+        return torch.unique_consecutive(self.cu_seqlens).to(torch.int32)
+
     def _cu_seqlens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         if self.qkv_format == "thd":
-            return self.cu_seqlens.to(torch.int32)
+            return self._thd_cu_seqlens()
         batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
         self.batch_shape = (batch, seq) if seq_dim == 1 else (seq, batch)
         return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
@@ -214,7 +224,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
     def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For each local token: position inside its document and the document's length (0 for padding)."""
         position = self.positions
-        cu = (self.cu_seqlens if self.qkv_format == "thd" else
+        cu = (self._thd_cu_seqlens() if self.qkv_format == "thd" else
               torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
         doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
         inside = position < cu[-1]
@@ -256,6 +266,11 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         if call.mask.causal != self.causal:
             raise ValueError(f"attn_mask_type={'causal' if call.mask.causal else 'no_mask'!r} must match the handler's "
                              f"key (causal={self.causal})")
+        if call.v.shape[-1] != call.q.shape[-1]:  # at every cp: a model that runs at cp 1 runs at cp 2
+            raise ValueError(f"backend='magi': v head dim {call.v.shape[-1]} differs from the q/k head dim "
+                             f"{call.q.shape[-1]} (multi-head latent attention); MagiAttention's kernel takes one "
+                             "head_size for q, k and v (flex_flash_fwd.hpp CHECK_SHAPE(v, ..., head_size)): use "
+                             "backend='local' or 'transformer_engine'")
         if self.cp_size == 1:
             return
         self._require_key()
@@ -270,6 +285,6 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
     def attend(self, call: AttnCall) -> torch.Tensor:
         q, k, v = (call.in_format(t).reshape(-1, *t.shape[1:2], t.shape[-1]) for t in (call.q, call.k, call.v))
         if self.cp_size == 1:  # (T_local, H, D)
-            return alone_attn(self, q, k, v, call.scale, call.given.shape).reshape(call.given.shape)
+            return alone_attn(self, q, k, v, call.scale, call.given.shape).reshape(call.out_shape)
         out = self.api.calc_attn(q, k, v, self.key, softmax_scale=call.scale)[0]  # (out, lse) or (out, meta)
-        return out.reshape(call.given.shape)
+        return out.reshape(call.out_shape)

@@ -25,7 +25,7 @@ from .checks import check_qkv, fingerprint, softmax_scale, variant_fingerprint
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
 
-AGREED_FIELDS = ("local_len", "batch", "heads", "kv_heads", "head_dim", "dtype", "layout", "variant")
+AGREED_FIELDS = ("local_len", "batch", "heads", "kv_heads", "head_dim", "v_head_dim", "dtype", "layout", "variant")
 """What the ranks of a CP group compare at the first call of each layer (:func:`preflight`)."""
 
 
@@ -56,6 +56,11 @@ class AttnCall:
     qkv_format: str
     given: torch.Tensor
     attn_mod: object = None
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The output's shape: the q passed with the values' head dim (MLA: ``Dv``, else ``D``)."""
+        return (*self.given.shape[:-1], self.v.shape[-1])
 
     def restore(self, out: torch.Tensor) -> torch.Tensor:
         """``out (B, H, S_local, D)`` shaped like the q that was passed."""
@@ -104,7 +109,7 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
         resolved["call"] = call
         batch = q.shape[1 - seq_dim] if q.dim() == 4 and handler.qkv_format != "thd" else 1
         return {"local_len": q.shape[seq_dim], "batch": batch, "heads": q.shape[-2], "kv_heads": k.shape[-2],
-                "head_dim": q.shape[-1], "dtype": fingerprint(str(q.dtype)),
+                "head_dim": q.shape[-1], "v_head_dim": v.shape[-1], "dtype": fingerprint(str(q.dtype)),
                 "layout": 0 if layout is None else fingerprint(layout.lengths),
                 "variant": variant_fingerprint(comm_type, mask, sinks, scale)}
 

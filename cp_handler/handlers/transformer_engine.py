@@ -25,7 +25,12 @@ tags v2.10-v2.18 and main at 2.20.0.dev0):
   cp_comm_type='all_gather' and qkv_format='thd'"); not ``a2a+p2p`` (not checked against source:
   refused); not with FP8 attention (FusedAttention and FlashAttention are both disabled for FP8 +
   thd under CP); ``cu_seqlens_padded`` multiples of ``2 * cp``;
-* a CP group (or hierarchical level) of ``None`` while cp > 1: TE would run without CP.
+* a CP group (or hierarchical level) of ``None`` while cp > 1: TE would run without CP;
+* multi-head latent attention (value head dim != q/k head dim; ``kv_channels=(Dqk, Dv)``) in every comm type:
+  FusedAttention runs it (separate q/k/v tensors), FlashAttention only with p2p (TE's own CP tests skip
+  MLA otherwise), so ``a2a`` with odd head counts (no FusedAttention) is refused;
+* two-sided windows (``no_mask``, ``window_size=(L, R)``) as sliding windows: ``a2a`` and ``all_gather``;
+  zero-length documents in ``cu_seqlens`` passed as they are (TE takes them).
 
 Requires ``transformer_engine`` (imported lazily) and CUDA.
 """
@@ -154,6 +159,10 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             if (heads % 2 or kv_heads % 2) and importlib.util.find_spec("flash_attn") is None:
                 raise ValueError(f"transformer_engine {comm_type}: odd head counts ({heads}, {kv_heads}) disable "
                                  "FusedAttention, and flash_attn is not installed: TE would have no backend")
+        if call.v.shape[-1] != q.shape[-1] and comm_type == "a2a" and (heads % 2 or kv_heads % 2):
+            raise ValueError(f"transformer_engine a2a: a value head dim {call.v.shape[-1]} != q/k head dim "
+                             f"{q.shape[-1]} (MLA) needs FusedAttention (FlashAttention runs MLA under CP with p2p "
+                             f"only), and odd head counts ({heads}, {kv_heads}) disable it")
         if self.qkv_format == "thd" and self._fp8_attention():
             raise ValueError("transformer_engine: FP8 attention (fp8_dpa) with qkv_format='thd' is not supported "
                              "under context parallelism; turn fp8_dpa off or use bshd/sbhd")
@@ -170,10 +179,11 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
         sliding windows with ``a2a`` / ``all_gather`` only (the local backend's ring has them); no
         chunked attention or soft-capping; learnable sinks (``softmax_type="learnable"``) only with
         ``a2a`` and FusedAttention, which this handler does not map ``attn_mod.sinks`` onto."""
-        if self.cp_size > 1 and mask.window is not None and comm_type in ("p2p", "a2a+p2p"):
-            return (f"sliding window attention (window_size={(mask.window - 1, 0)}) is not supported by Transformer "
-                    f"Engine with cp_comm_type={comm_type!r}; use 'a2a' or 'all_gather', or backend='local' (ring with "
-                    "halo exchange)")
+        windowed = mask.window is not None or mask.window_right is not None
+        if self.cp_size > 1 and windowed and comm_type in ("p2p", "a2a+p2p"):
+            window = next(name for name in variant_names(mask, None) if "window_size" in name)
+            return (f"{window} is not supported by Transformer Engine with cp_comm_type={comm_type!r}; use 'a2a' or "
+                    "'all_gather', or backend='local' (ring with halo exchange)")
         unsupported = [name for name in variant_names(mask, sinks) if "window_size" not in name]
         if unsupported:
             return (f"{', '.join(unsupported)} not run by this handler on Transformer Engine (TE has no chunked "
@@ -181,17 +191,20 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
                     "backend='local' runs them in every comm type")
         return None
 
-    def te_module(self, attn_mod, heads: int, kv_heads: int, head_dim: int):
+    def te_module(self, attn_mod, heads: int, kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                  attn_mask_type: str = "causal"):
         """The ``DotProductAttention`` child ``te_attention`` of ``attn_mod`` (built and registered on
-        first use, with the module's ``window_size`` when it has one)."""
+        first use, with the module's ``window_size`` when it has one, checked by TE against ``attn_mask_type``;
+        ``kv_channels=(head_dim, v_head_dim)`` when the value head dim differs, MLA)."""
         module = getattr(attn_mod, TE_MODULE_NAME, None)
         if module is None:
             kwargs = {}
             if window_size(attn_mod) is not None:
                 kwargs["window_size"] = window_size(attn_mod)
             module = self.te.DotProductAttention(
-                num_attention_heads=heads, kv_channels=head_dim, num_gqa_groups=kv_heads,
-                qkv_format=self.qkv_format, attn_mask_type=_te_mask_type("causal", self.qkv_format),
+                num_attention_heads=heads, num_gqa_groups=kv_heads,
+                kv_channels=head_dim if v_head_dim in (None, head_dim) else (head_dim, v_head_dim),
+                qkv_format=self.qkv_format, attn_mask_type=_te_mask_type(attn_mask_type, self.qkv_format),
                 softmax_scale=softmax_scale(attn_mod, head_dim),
                 layer_number=getattr(attn_mod, "layer_number", None), **kwargs,
             )
@@ -217,9 +230,9 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
     def attend(self, call: AttnCall) -> torch.Tensor:
         q, k, v = (call.in_format(t) for t in (call.q, call.k, call.v))
         heads, kv_heads, head_dim = q.shape[-2], k.shape[-2], q.shape[-1]
-        module = self.te_module(call.attn_mod, heads, kv_heads, head_dim)
-        self.bind(module, call.comm_type)
         mask_type = "causal" if call.mask.causal else "no_mask"
+        module = self.te_module(call.attn_mod, heads, kv_heads, head_dim, v.shape[-1], mask_type)
+        self.bind(module, call.comm_type)
         kwargs = {"qkv_format": self.qkv_format, "attn_mask_type": _te_mask_type(mask_type, self.qkv_format)}
         if window_size(call.attn_mod) is not None:
             kwargs["window_size"] = window_size(call.attn_mod)
@@ -229,4 +242,4 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             max_seqlen = max(self.thd_layout.padded_lengths)
             kwargs.update(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=padded,
                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
-        return module(q, k, v, **kwargs).reshape(call.given.shape)
+        return module(q, k, v, **kwargs).reshape(call.out_shape)

@@ -23,13 +23,14 @@ from ..rope import PositionTablesChanged
 
 
 class _Shard:
-    """One layer's rows: ``k, v (N, Hkv, D)``, ``seq (N,)`` sequence index, ``pos (N,)`` global position."""
+    """One layer's rows: ``k (N, Hkv, Dqk)``, ``v (N, Hkv, Dv)`` (each its own width: MLA), ``seq (N,)`` sequence
+    index, ``pos (N,)`` global position."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor):
         self.k, self.v, self.seq, self.pos, self.size = k, v, seq, pos, k.shape[0]
 
     def append(self, k: torch.Tensor, v: torch.Tensor, seq: int, pos: int) -> None:
-        """Add one row (``k, v (Hkv, D)``), doubling the buffers when they are full."""
+        """Add one row (``k (Hkv, Dqk)``, ``v (Hkv, Dv)``), doubling the buffers when they are full."""
         if self.size == self.k.shape[0]:
             grow = max(16, self.size)
             self.k, self.v = (torch.cat([t, t.new_empty((grow, *t.shape[1:]))]) for t in (self.k, self.v))
@@ -95,7 +96,8 @@ class KVCache:
                              f"{ranks}: a cache is used with the group (and the handler kind) it was filled on")
 
     def store_prefill(self, layer_number: int, k: torch.Tensor, v: torch.Tensor, layout: ZigzagDocs) -> None:
-        """Keep layer ``layer_number``'s real local rows of ``k, v (T_local, Hkv, D)`` (prefill, thd). A layer
+        """Keep layer ``layer_number``'s real local rows of ``k (T_local, Hkv, Dqk)``, ``v (T_local, Hkv, Dv)``
+        (prefill, thd). A layer
         that calls attention several times per forward (DiffLlama: twice, with two halves of V) gets one
         shard per call, in call order."""
         if self.prefilled:
@@ -162,5 +164,5 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of K and V this rank holds (the rows in use)."""
-        return sum(2 * shard.size * shard.k.shape[1:].numel() * shard.k.element_size()
-                   for shards in self.layers.values() for shard in shards)
+        return sum(shard.size * (t.shape[1:].numel() * t.element_size())
+                   for shards in self.layers.values() for shard in shards for t in (shard.k, shard.v))

@@ -3,8 +3,8 @@
 Every rank runs the whole (tiny) forward of the new tokens; only attention is split: each rank attends
 the new queries to its own cache shard (and the new token's K/V, on the rank that will keep it), and
 the partial results are merged by log-sum-exp after one all-gather of ``(out, lse)`` per layer
-(``B x H x (D + 1)`` floats), so every rank gets the same exact output (Meta's pass-Q decode, arXiv
-2411.01783, without the ring: the query is one token). The model calls the same seven methods as in
+(``B x H x (Dv + 1)`` floats, ``Dv`` the value head dim), so every rank gets the same exact output (Meta's
+pass-Q decode, arXiv 2411.01783, without the ring: the query is one token). The model calls the same seven methods as in
 training: the new tokens are one thd batch of ``B`` one-token sequences at their global positions.
 
 Attention variants (:mod:`cp_handler.masks`) are exact as in training: the cache keeps each row's
@@ -34,7 +34,8 @@ class DecodeHandler(ContextParallelHandler):
     positions and owners).
 
     Shapes: the model's ``input_ids`` are ``(1, B)`` (one new token per sequence); ``core_attn`` takes q
-    ``(1, B, H, D)`` or ``(B, H, D)`` and k, v with ``Hkv`` heads, and returns the output shaped like q.
+    ``(1, B, H, D)`` or ``(B, H, D)`` and k, v with ``Hkv`` heads (v of its own head dim ``Dv``: MLA), and returns
+    the output shaped like q with ``Dv``.
 
     Raises:
         ValueError: decode before the prefill finished; a cache of another CP group; a tensor that is not
@@ -117,9 +118,9 @@ class DecodeHandler(ContextParallelHandler):
 
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor,
             pos: torch.Tensor, scale: float, mask: AttentionMask):
-    """``q (B, H, D)`` of sequence ``i`` at position ``q_pos[i]`` against this rank's rows ``k, v (N, Hkv, D)`` of
-    sequence ``i`` (at positions ``pos``) that ``mask`` lets it see: ``(out (1, H, B, D), lse (1, H, B))`` in the
-    accumulation dtype, as one block of ``B`` queries (the masked kernel's scoring and softmax,
+    """``q (B, H, D)`` of sequence ``i`` at position ``q_pos[i]`` against this rank's rows ``k (N, Hkv, D)``,
+    ``v (N, Hkv, Dv)`` of sequence ``i`` (at positions ``pos``) that ``mask`` lets it see: ``(out (1, H, B, Dv),
+    lse (1, H, B))`` in the accumulation dtype, as one block of ``B`` queries (the masked kernel's scoring and softmax,
     :func:`~cp_handler.ops.kernels.masked.visible_scores`); a sequence with no visible rows here gets ``out = 0``
     and the lowest finite lse (it weighs nothing in the merge)."""
     visible = (seq[None, :] == torch.arange(q.shape[0], device=q.device)[:, None]) & \
@@ -130,9 +131,9 @@ def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def _merge_over_ranks(out: torch.Tensor, lse: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's ``(out (1, H, B, D), lse (1, H, B))`` merged by log-sum-exp (:func:`~cp_handler.ops.merge.
+    """Every rank's ``(out (1, H, B, Dv), lse (1, H, B))`` merged by log-sum-exp (:func:`~cp_handler.ops.merge.
     merge_attn_out_`, rank by rank in rank order): one all-gather; the same result on every rank."""
-    local = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # (1, H, B, D + 1)
+    local = torch.cat([out, lse.unsqueeze(-1)], dim=-1).contiguous()  # (1, H, B, Dv + 1)
     gathered = local.new_empty((torch.distributed.get_world_size(group), *local.shape[1:]))
     all_gather_single(gathered, local, group)
     out, lse = gathered[:1, ..., :-1].clone(), gathered[:1, ..., -1].clone()

@@ -33,7 +33,11 @@ class GPTConfig:
     """Number of KV heads (GQA); equal to ``num_attention_heads`` for MHA."""
     ffn_hidden_size: int = 352
     kv_channels: int | None = None
-    """Head dim; default ``hidden_size // num_attention_heads``."""
+    """Head dim of queries and keys; default ``hidden_size // num_attention_heads``."""
+    v_head_dim: int | None = None
+    """Head dim of values (Megatron-LM's MLA ``v_head_dim``: multi-head latent attention's value width, e.g.
+    DeepSeek-V3's 128 against 192 for q/k); default ``kv_channels``. The softmax scale stays
+    ``kv_channels ** -0.5``."""
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
@@ -53,6 +57,12 @@ class GPTConfig:
                     f"{self.num_attention_heads} (or set kv_channels)"
                 )
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.v_head_dim is None:
+            self.v_head_dim = self.kv_channels
+        for name in ("kv_channels", "v_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
         if self.num_moe_experts and not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} must lie in [1, num_moe_experts="
                              f"{self.num_moe_experts}]")
@@ -70,22 +80,22 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.layer_number = layer_number  # 1-based, selects a per-layer cp_comm_type
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_query_groups
-        self.head_dim = config.kv_channels
+        self.head_dim, self.v_head_dim = config.kv_channels, config.v_head_dim
         self.softmax_scale = self.head_dim**-0.5
         self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (B, S, H, D)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.v_head_dim)  # (B, S, Hkv, Dv)
         q = cp_handler.apply_rotary_pos_emb(q, freqs)
         k = cp_handler.apply_rotary_pos_emb(k, freqs)
-        out = cp_handler.core_attn(self, q, k, v, attn_mask_type="causal")  # (B, S, H, D)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        out = cp_handler.core_attn(self, q, k, v, attn_mask_type="causal")  # (B, S, H, Dv)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
 
 
 class TransformerLayer(nn.Module):

@@ -29,6 +29,7 @@ from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .kernels import check_plan
 from .kernels.base import seq_major
+from .kv import kv_heads, kv_seq_dim, pack_kv, unpack_kv
 from .merge import acc_dtype
 from .ring import default_layout
 from .sinks import fold_sinks
@@ -72,18 +73,20 @@ def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> list[slice]
 
 
 class _KVGather:
-    """Posts the all-gather of one KV-head chunk; ``wait()`` returns K/V ``(2, B, hc, S, D)`` in
-    global (padded) order."""
+    """Posts the all-gather of one KV-head chunk; ``wait()`` returns the packed K/V (:mod:`.kv`) of those heads
+    in global (padded) order."""
 
     def __init__(self, k, v, heads: slice, group, global_index: torch.Tensor):
         self.size, self.global_index = dist.get_world_size(group), global_index
-        local = torch.stack([k[:, heads], v[:, heads]]).movedim(3, 0).contiguous()  # (S_l, 2, B, hc, D)
+        packed = pack_kv(k[:, heads], v[:, heads])
+        self.seq_dim = kv_seq_dim(packed)
+        local = packed.movedim(self.seq_dim, 0).contiguous()  # (S_l, ...): rank-major rows after the gather
         self.buffer = local.new_empty((self.size * local.shape[0], *local.shape[1:]))
         self.work = all_gather_single(self.buffer, local, group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
-        return self.buffer.index_select(0, self.global_index).movedim(0, 3)
+        return self.buffer.index_select(0, self.global_index).movedim(0, self.seq_dim)
 
 
 def _query_heads(kv_heads: slice, groups: int) -> slice:
@@ -94,7 +97,7 @@ def all_gather_attn_forward(q, k, v, spec: AttnSpec, sinks=None):
     group, layout = spec.group, spec.layout
     blocks = all_gather_blocks(layout, dist.get_rank(group), spec.mask)
     global_index = layout.gathered_index(real_only=False).to(q.device)
-    out, lse = new_accumulators(q)
+    out, lse = new_accumulators(q, v.shape[-1])
     groups = q.shape[1] // k.shape[1]
     chunks = kv_head_chunks(k.shape[1], spec.kv_heads_per_chunk)
     pending = _KVGather(k, v, chunks[0], group, global_index)
@@ -103,7 +106,7 @@ def all_gather_attn_forward(q, k, v, spec: AttnSpec, sinks=None):
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
-        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], kv[0], kv[1], blocks, spec, fresh=True)
+        blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], *unpack_kv(kv, k.shape[-1]), blocks, spec, fresh=True)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
@@ -116,7 +119,7 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)  # as out: the kernels take its rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
-    dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+    dkv = torch.zeros_like(pack_kv(k, v), dtype=dtype)
     groups = q.shape[1] // k.shape[1]
     chunks = kv_head_chunks(k.shape[1], spec.kv_heads_per_chunk)
     pending, scatters = _KVGather(k, v, chunks[0], group, global_index), []
@@ -126,17 +129,18 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
         qh = _query_heads(heads, groups)
         dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
-        blocks_backward_(dq[:, qh], dkv_global[0], dkv_global[1], dout[:, qh], q[:, qh], kv[0], kv[1],
-                         out[:, qh], lse[:, qh], blocks, spec)
-        by_position = dkv_global.movedim(3, 0)  # (S, 2, B, hc, D) global order -> rank-major rows:
+        blocks_backward_(dq[:, qh], *unpack_kv(dkv_global, k.shape[-1]), dout[:, qh], q[:, qh],
+                         *unpack_kv(kv, k.shape[-1]), out[:, qh], lse[:, qh], blocks, spec)
+        by_position = dkv_global.movedim(kv_seq_dim(dkv), 0)  # (S, ...) global order -> rank-major rows:
         send = torch.empty_like(by_position, memory_format=torch.contiguous_format).index_copy_(
             0, global_index, by_position)
         recv = send.new_empty((send.shape[0] // pending.size, *send.shape[1:]))
         scatters.append((heads, recv, reduce_scatter_single(recv, send, group, async_op=True)))
     for heads, recv, work in scatters:
         work.wait()
-        dkv[:, :, heads] = recv.movedim(0, 3)
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        kv_heads(dkv, heads).copy_(recv.movedim(0, kv_seq_dim(dkv)))
+    dk, dv = unpack_kv(dkv, k.shape[-1])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: float,
@@ -164,7 +168,7 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
         TypeError / ValueError: a mask that disagrees with ``causal``; sinks of the wrong type or shape.
     """
     spec = attn_spec(q, causal=causal, scale=scale, layout=layout or default_layout(q, group), attn_kernel=attn_kernel,
-                     mask=mask, sinks=sinks, group=group, kv_heads_per_chunk=kv_heads_per_chunk)
+                     mask=mask, sinks=sinks, group=group, kv_heads_per_chunk=kv_heads_per_chunk, v_head_dim=v.shape[-1])
     return all_gather_attention(q, k, v, spec)
 
 

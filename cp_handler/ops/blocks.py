@@ -68,12 +68,14 @@ def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
     return t[:, :, index]
 
 
-def new_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Empty ``(out (B, H, S, D), lse (B, H, S))``: zeros and -inf, which the first merge replaces
-    exactly. ``out`` is sequence-major (a view of ``(B, S, H, D)`` memory, :func:`~.kernels.base.seq_major`):
-    the layout the CUDA backward kernels take without copies."""
+def new_accumulators(q: torch.Tensor, v_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty ``(out (B, H, S, Dv), lse (B, H, S))`` for ``q (B, H, S, D)`` (``Dv``: ``v_head_dim``, default
+    ``D``): zeros and -inf, which the first merge replaces exactly. ``out`` is sequence-major (a view of
+    ``(B, S, H, Dv)`` memory, :func:`~.kernels.base.seq_major`): the layout the CUDA backward kernels take
+    without copies."""
     dtype = acc_dtype(q.dtype)
     b, h, s, d = q.shape
+    d = v_head_dim or d
     out = torch.zeros((b, s, h, d), dtype=dtype, device=q.device).transpose(1, 2)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
     return out, lse
@@ -156,7 +158,7 @@ def _add_grads_(dq, dk, dv, q_rows: slice, kv_rows: slice, grads) -> None:
 
 def plan_forward(q, k, v, spec: AttnSpec, blocks, sinks=None):
     """Forward of one fixed plan on local tensors: ``(out (B,H,Sq,D) in q's dtype, lse (B,H,Sq))``, sinks folded in."""
-    out, lse = new_accumulators(q)
+    out, lse = new_accumulators(q, v.shape[-1])
     blocks_forward_(out, lse, q, k, v, list(blocks), spec, fresh=True)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)

@@ -29,6 +29,7 @@ from ..masks import AttentionMask, mask_blocks
 from .blocks import Block, plan_attn
 from .collectives import all_to_all
 from .kernels import check_plan
+from .kv import kv_seq_dim, pack_kv, unpack_kv
 from .spec import AttnSpec
 
 Piece = tuple[int, int, int]  # (local row on the sending rank, rows, position of the first row in its document)
@@ -42,7 +43,7 @@ def _pieces(layout: ZigzagDocs, mask: AttentionMask, src: int, dst: int) -> tupl
         c = layout.chunk(i)
         queries = [(q_id * c, q_id * c + q_real) for q_id, _, q_real in layout.rank_chunks(i, dst) if q_real]
         for k_id, k_row, k_real in layout.rank_chunks(i, src):
-            spans = [(max(k_id * c, first - mask.lookback(first)), min(k_id * c + k_real, end))
+            spans = [(max(k_id * c, first - mask.lookback(first)), min(k_id * c + k_real, mask.reach_after(end)))
                      for first, end in queries]
             spans = [(lo, hi) for lo, hi in spans if lo < hi]
             if spans:
@@ -93,9 +94,9 @@ def halo_plan(layout: ZigzagDocs, mask: AttentionMask, rank: int) -> HaloPlan:
 
 @functools.lru_cache(maxsize=256)
 def halo_applies(layout: ZigzagDocs, mask: AttentionMask) -> bool:
-    """Whether :func:`~.ring.ring_attention` uses the halo exchange: a causal window or chunks, more than one
-    rank, and no rank receiving more than half of the ``(size - 1) * local_len`` rows the ring passes it."""
-    if not (mask.restricted and mask.causal) or layout.size == 1:
+    """Whether :func:`~.ring.ring_attention` uses the halo exchange: a window (one- or two-sided) or chunks, more
+    than one rank, and no rank receiving more than half of the ``(size - 1) * local_len`` rows the ring passes it."""
+    if not mask.restricted or layout.size == 1:
         return False
     received = max(sum(halo_plan(layout, mask, r).recv_splits) for r in range(layout.size))
     return 2 * received <= (layout.size - 1) * layout.local_len
@@ -114,11 +115,11 @@ def halo_exchange(k: torch.Tensor, v: torch.Tensor, group, layout: ZigzagDocs, m
     (differentiable: the received rows' gradients go back to their owners by the reverse all-to-all)."""
     if not halo_moves_rows(layout, mask):
         return k, v
-    rows = torch.stack([k, v]).movedim(3, 0)  # (S_local, 2, B, Hkv, D)
+    packed = pack_kv(k, v)  # K and V in one message, each with its own width (MLA)
+    rows = packed.movedim(kv_seq_dim(packed), 0)  # (S_local, ...)
     index = torch.tensor(plan.send_rows, dtype=torch.long, device=k.device)
     received = all_to_all(rows.index_select(0, index), group, list(plan.send_splits), list(plan.recv_splits))
-    extended = torch.cat([rows, received]).movedim(0, 3)
-    return extended[0], extended[1]
+    return unpack_kv(torch.cat([rows, received]).movedim(0, kv_seq_dim(packed)), k.shape[-1])
 
 
 def halo_attention(q, k, v, spec: AttnSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ from .halo import halo_applies, halo_attention
 from .halves import halves_local_split, halves_order, halves_step_plans, uses_halves
 from .kernels import check_plan
 from .kernels.base import seq_major
+from .kv import pack_kv, unpack_kv
 from .merge import acc_dtype
 from .p2p import RingComm, exchange
 from .sinks import fold_sinks
@@ -87,12 +88,12 @@ def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None
     dtype, ``lse (B,H,S)`` (with ``sinks``: folded in, :mod:`.sinks`)."""
     comm = RingComm(spec.group)
     steps = comm.size
-    kv = torch.stack([k, v])
-    out, lse = new_accumulators(q)
+    kv = pack_kv(k, v)  # one message per step; K and V with their own widths (MLA)
+    out, lse = new_accumulators(q, v.shape[-1])
     for step in range(steps):
         pending = comm.send_recv(kv) if step + 1 < steps else None
         for i, plan in enumerate(step_plans(spec, step, comm.rank)):
-            blocks_forward_(out, lse, q, kv[0], kv[1], plan, spec, fresh=step == 0 and i == 0)
+            blocks_forward_(out, lse, q, *unpack_kv(kv, k.shape[-1]), plan, spec, fresh=step == 0 and i == 0)
         if pending is not None:
             kv = pending.wait()[0]
     if sinks is not None:
@@ -145,29 +146,30 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)  # once per call: the kernels then take every block's rows without copies
     dq = torch.zeros_like(q, dtype=dtype)
-    dkv = torch.zeros((2, *k.shape), dtype=dtype, device=k.device)
+    dkv = torch.zeros_like(pack_kv(k, v), dtype=dtype)
+    dk, dv = unpack_kv(dkv, k.shape[-1])
     head, tail = (halves_local_split(layout, comm.rank) if spec.halves else
                   local_blocks_split(layout, comm.rank, mask))
     lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
-    kv_pending = comm.send_recv(torch.stack([k, v])) if steps > 1 else None
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, head, spec)
+    kv_pending = comm.send_recv(pack_kv(k, v)) if steps > 1 else None
+    blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, head, spec)
     partial = None
     for step in range(1, steps):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
         dkv_remote = torch.zeros_like(dkv)
         for plan in step_plans(spec, step, comm.rank):
-            blocks_backward_(dq, dkv_remote[0], dkv_remote[1], dout, q, kv_remote[0], kv_remote[1], out, lse_rows,
-                             plan, spec)
+            blocks_backward_(dq, *unpack_kv(dkv_remote, k.shape[-1]), dout, q, *unpack_kv(kv_remote, k.shape[-1]),
+                             out, lse_rows, plan, spec)
         if partial is not None:
             dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
-    blocks_backward_(dq, dkv[0], dkv[1], dout, q, k, v, out, lse_rows, tail, spec)
+    blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, tail, spec)
     if partial is not None:
         dkv += partial.wait()[0]
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
@@ -222,5 +224,5 @@ def ring_attn(
             forced kernel that cannot run.
     """
     spec = attn_spec(q, causal=causal, scale=scale, layout=layout or default_layout(q, group),
-                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=group)
+                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=group, v_head_dim=v.shape[-1])
     return ring_attention(q, k, v, spec)

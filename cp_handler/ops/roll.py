@@ -23,10 +23,15 @@ def _chunk_ids(layout: ZigzagDocs, rank: int) -> tuple[int, ...]:
     return zigzag_chunk_ids(rank, layout.size) if layout.size > 1 else (0,)
 
 
+def _docs(layout: ZigzagDocs) -> list[int]:
+    """The documents with rows (a zero-length document has none, sends and receives nothing)."""
+    return [i for i in range(layout.num_docs) if layout.chunk(i)]
+
+
 def _boundary_rows(layout: ZigzagDocs, half: int, shift: int) -> torch.Tensor:
     """Local rows of ``half``'s chunk that its neighbour needs: head (shift < 0) or tail, per document."""
     k, parts = abs(shift), []
-    for i in range(layout.num_docs):
+    for i in _docs(layout):
         start = layout.local_offsets[i] + half * layout.chunk(i)
         parts.append(torch.arange(start, start + k) if shift < 0 else torch.arange(start + layout.chunk(i) - k,
                                                                                   start + layout.chunk(i)))
@@ -37,7 +42,8 @@ def _boundary_rows(layout: ZigzagDocs, half: int, shift: int) -> torch.Tensor:
 def roll_plan(layout: ZigzagDocs, rank: int, shift: int):
     """Index of every output row into ``cat([local, incoming_half0, incoming_half1, zero_row])``,
     plus ``(half, peer, tag)`` of what to send and receive. ``|shift| <= min chunk`` (checked by caller)."""
-    k, ids, n_docs = abs(shift), _chunk_ids(layout, rank), layout.num_docs
+    k, ids, docs = abs(shift), _chunk_ids(layout, rank), _docs(layout)
+    n_docs = len(docs)
     step = 1 if shift < 0 else -1  # a chunk's tokens come from chunk (id + step)
     local, zero = layout.local_len, layout.local_len + len(ids) * n_docs * k
     index, sends, recvs = [], [], []
@@ -46,7 +52,7 @@ def roll_plan(layout: ZigzagDocs, rank: int, shift: int):
             if layout.size > 1 and 0 <= nb < 2 * layout.size:
                 owner, owner_half = (nb, 0) if nb < layout.size else (2 * layout.size - 1 - nb, 1)
                 target.append((half, owner, owner_half, chunk_id if target is recvs else nb))
-    for i in range(n_docs):
+    for j, i in enumerate(docs):
         c, off = layout.chunk(i), layout.local_offsets[i]
         for half, chunk_id in enumerate(ids):
             target = torch.arange(chunk_id * c, (chunk_id + 1) * c)  # document positions of these rows
@@ -55,14 +61,14 @@ def roll_plan(layout: ZigzagDocs, rank: int, shift: int):
             same = torch.div(source, c, rounding_mode="floor") == chunk_id
             in_chunk = source - chunk_id * c
             neighbour = in_chunk - c if shift < 0 else in_chunk + k
-            rows = torch.where(same, off + half * c + in_chunk, local + (half * n_docs + i) * k + neighbour)
+            rows = torch.where(same, off + half * c + in_chunk, local + (half * n_docs + j) * k + neighbour)
             index.append(torch.where(valid, rows, zero))
     return torch.cat(index), sends, recvs
 
 
 def _incoming(front, layout, rank, shift, recvs):
     """Boundary slices for each half: received, copied from this rank's other half, or zeros."""
-    k, n_docs = abs(shift), layout.num_docs
+    k, n_docs = abs(shift), len(_docs(layout))
     halves = [front.new_zeros((n_docs * k, *front.shape[1:])) for _ in _chunk_ids(layout, rank)]
     posted = []
     for half, owner, owner_half, tag in recvs:
@@ -107,7 +113,7 @@ def zigzag_roll(x: torch.Tensor, shift: int, seq_dim: int, group, layout: Zigzag
     """
     if shift == 0:
         return x
-    smallest = min(layout.chunk(i) for i in range(layout.num_docs))
+    smallest = min(layout.chunk(i) for i in _docs(layout))
     if layout.size > 1 and abs(shift) > smallest:
         raise ValueError(
             f"roll_tensor shifts={shift}: |shifts| must be <= the zigzag chunk length {smallest} "

@@ -37,9 +37,10 @@ class KernelChoice:
     varying_shapes: bool = False
     packed_calls: PackedCallCache = field(default_factory=PackedCallCache)
 
-    def select(self, q: torch.Tensor) -> AttnKernel:
-        """The kernel for this call's ``q (B, H, S, D)`` (:func:`~.kernels.select_kernel`; raises its ValueError)."""
-        return select_kernel(q, self.kernel, varying_shapes=self.varying_shapes)
+    def select(self, q: torch.Tensor, v_head_dim: int | None = None) -> AttnKernel:
+        """The kernel for this call's ``q (B, H, S, D)`` and values of head dim ``v_head_dim``
+        (:func:`~.kernels.select_kernel`; raises its ValueError)."""
+        return select_kernel(q, self.kernel, varying_shapes=self.varying_shapes, v_head_dim=v_head_dim)
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,7 +75,8 @@ class AttnSpec:
 
 
 def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs, attn_kernel=None,
-              mask: AttentionMask | None = None, sinks: torch.Tensor | None = None, **groups) -> AttnSpec:
+              mask: AttentionMask | None = None, sinks: torch.Tensor | None = None, v_head_dim: int | None = None,
+              **groups) -> AttnSpec:
     """The spec of a direct call into an algorithm with ``q (B, H, S, D)``: the entry checks a handler's
     pre-flight does for its own calls.
 
@@ -89,7 +91,7 @@ def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
     choice = attn_kernel if isinstance(attn_kernel, KernelChoice) else KernelChoice(attn_kernel)
-    return AttnSpec(mask, scale, layout, choice.select(q), choice.packed_calls, sinks=sinks, **groups)
+    return AttnSpec(mask, scale, layout, choice.select(q, v_head_dim), choice.packed_calls, sinks=sinks, **groups)
 
 
 class AttentionFunction(torch.autograd.Function):

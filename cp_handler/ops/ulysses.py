@@ -98,7 +98,8 @@ def a2a_attn(q, k, v, *, a2a_group: dist.ProcessGroup, causal: bool, scale: floa
     """
     size = dist.get_world_size(a2a_group) * (1 if p2p_group is None else dist.get_world_size(p2p_group))
     spec = attn_spec(q, causal=causal, scale=scale, layout=layout or ZigzagDocs.uniform(q.shape[2] * size, size),
-                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=a2a_group, p2p_group=p2p_group)
+                     attn_kernel=attn_kernel, mask=mask, sinks=sinks, group=a2a_group, p2p_group=p2p_group,
+                     v_head_dim=v.shape[-1])
     check_a2a_heads(q.shape[1], k.shape[1], dist.get_world_size(a2a_group))
     return a2a_attention(q, k, v, spec, return_lse)
 

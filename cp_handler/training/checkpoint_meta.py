@@ -100,6 +100,8 @@ def _model_mismatches(saved: dict, current: dict) -> list[str]:
         return [f"model: checkpoint of a {saved.get('kind')} model, this run a {current.get('kind')} model"]
     if current["kind"] == "hf":
         saved, current = saved["config"], current["config"]
+    else:  # written before the GPT had a value head dim: it was kv_channels
+        saved = {"v_head_dim": saved.get("kv_channels"), **saved}
     return [f"model {key}: checkpoint {saved.get(key)!r}, this run {current.get(key)!r}"
             for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
 

@@ -65,7 +65,7 @@ def kernel_override(attn_kernel: str | None = None) -> tuple[str | None, str]:
 
 
 def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, *,
-                  varying_shapes: bool = False) -> AttnKernel:
+                  varying_shapes: bool = False, v_head_dim: int | None = None) -> AttnKernel:
     """The kernel for blocks shaped like ``q (B, H, S, D)``.
 
     Args:
@@ -75,6 +75,7 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
             that can run; ``None``: ``CP_HANDLER_ATTN_KERNEL`` if set, else automatic.
         varying_shapes: the blocks come from packed documents (thd), a new shape per document pair:
             kernels that build a plan per shape (:attr:`AttnKernel.shape_specialized`) are skipped.
+        v_head_dim: the values' head dim when it differs from q's (multi-head latent attention).
 
     Raises:
         ValueError: an unknown name, a forced kernel that cannot run ``q`` (with the reason; a
@@ -88,16 +89,17 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
             raise ValueError(f"{source}={name!r} is not a known attention kernel; known: {list(KERNELS)}")
         forced = KERNELS.get(name) if name is not None else None
     if forced is not None:
-        reason = forced.cannot_run(q, varying_shapes)
+        reason = forced.cannot_run(q, varying_shapes, v_head_dim)
         if reason is not None:
             raise ValueError(f"{source}={forced.name!r} cannot run this attention: {reason}")
         return forced
     reasons = []
     for kernel in KERNELS.values():
-        unverified = f"not yet verified on a GPU in {q.dtype} at head dim {q.shape[-1]} (opt-in: " \
-                     f"attn_kernel={kernel.name!r})"
-        reason = kernel.cannot_run(q, varying_shapes) or \
-            (None if kernel.verified_for(q.dtype, q.shape[-1]) else unverified)
+        dims = f"head dim {q.shape[-1]}" if v_head_dim in (None, q.shape[-1]) else \
+            f"head dims {q.shape[-1]} (q, k) / {v_head_dim} (v)"
+        unverified = f"not yet verified on a GPU in {q.dtype} at {dims} (opt-in: attn_kernel={kernel.name!r})"
+        reason = kernel.cannot_run(q, varying_shapes, v_head_dim) or \
+            (None if kernel.verified_for(q.dtype, q.shape[-1], v_head_dim) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")

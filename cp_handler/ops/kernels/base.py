@@ -56,6 +56,10 @@ class AttnKernel:
             package at its pinned release, a compute capability); ``None``: nothing.
         verified_head_dims: the head dims a GPU run verified (forward and backward); ``None``: every head dim
             within its limits. The automatic choice takes it only for those.
+        distinct_v_head_dim: it takes a value head dim other than the query / key head dim (multi-head latent
+            attention, ``Dv != Dqk``), exactly (never by padding q / k, which would change the default scale).
+            A CUDA kernel's MLA blocks are verified only by a GPU run of them (none yet): the automatic choice
+            takes ``Dv != Dqk`` on CUDA only from a kernel a run verified for it; CPU kernels are the suite's.
     """
 
     name: str
@@ -71,12 +75,16 @@ class AttnKernel:
     shape_specialized: bool = False
     requirement: Callable[[torch.Tensor], str | None] | None = None
     verified_head_dims: tuple[int, ...] | None = None
+    distinct_v_head_dim: bool = False
+    verified_distinct_v: bool = False
 
-    def verified_for(self, dtype: torch.dtype, head_dim: int | None = None) -> bool:
-        """Whether a GPU run verified this kernel in ``dtype`` (and ``head_dim``; CPU kernels: verified by the
-        suite)."""
+    def verified_for(self, dtype: torch.dtype, head_dim: int | None = None, v_head_dim: int | None = None) -> bool:
+        """Whether a GPU run verified this kernel in ``dtype`` (and ``head_dim``, and a value head dim
+        ``v_head_dim`` other than it; CPU kernels: verified by the suite)."""
         head_dim_ok = head_dim is None or self.verified_head_dims is None or head_dim in self.verified_head_dims
-        return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes) and head_dim_ok
+        mla_ok = v_head_dim in (None, head_dim) or self.verified_distinct_v or self.device_type == "cpu"
+        return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes) and head_dim_ok and \
+            mla_ok
 
     def cannot_plan(self, varying_shapes: bool) -> str | None:
         """Why this kernel cannot run plans of packed documents (``varying_shapes``), or ``None``."""
@@ -85,9 +93,9 @@ class AttnKernel:
                     "a new shape per document pair: use flash_varlen (or the automatic choice) for thd")
         return None
 
-    def cannot_run(self, q: torch.Tensor, varying_shapes: bool = False) -> str | None:
+    def cannot_run(self, q: torch.Tensor, varying_shapes: bool = False, v_head_dim: int | None = None) -> str | None:
         """Why this kernel cannot take ``q`` (in plans of packed documents, with ``varying_shapes``:
-        :meth:`cannot_plan`), or ``None`` if it can."""
+        :meth:`cannot_plan`; values of head dim ``v_head_dim``, default q's), or ``None`` if it can."""
         if reason := self.cannot_plan(varying_shapes):
             return reason
         if q.device.type != self.device_type:
@@ -99,6 +107,12 @@ class AttnKernel:
         multiple = dict(self.head_dim_multiple).get(q.dtype, 1)
         if q.shape[-1] % multiple:
             return f"it takes head dims that are multiples of {multiple} in {q.dtype}, q has {q.shape[-1]}"
+        if v_head_dim not in (None, q.shape[-1]):
+            if not self.distinct_v_head_dim:
+                return (f"it takes one head dim for q, k and v; v has {v_head_dim}, q and k {q.shape[-1]} (multi-head "
+                        "latent attention)")
+            if (self.max_head_dim is not None and v_head_dim > self.max_head_dim) or v_head_dim % multiple:
+                return f"it takes value head dims <= {self.max_head_dim}, multiples of {multiple}; v has {v_head_dim}"
         return self.requirement(q) if self.requirement is not None else None
 
 

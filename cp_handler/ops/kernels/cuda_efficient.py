@@ -43,5 +43,5 @@ KERNEL = AttnKernel(
     "efficient", "cuda", (torch.float32, torch.float16, torch.bfloat16), forward, backward,
     verified_on="H100, torch 2.11.0+cu130, 2026-11-22: fp32 within 5e-7 of a float64 reference; "
                 f"{H100_RUN}: fp16/bf16 with H > 1 and every out layout a plan passes vs float64",
-    head_dim_multiple=((torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)),
+    head_dim_multiple=((torch.float32, 4), (torch.float16, 8), (torch.bfloat16, 8)), distinct_v_head_dim=True,
 )

@@ -102,4 +102,4 @@ FLASH_VARLEN = AttnKernel("flash_varlen", "cuda", (torch.float16, torch.bfloat16
                           verified_dtypes=(torch.bfloat16,))
 CPU_VARLEN = AttnKernel("cpu_varlen", "cpu", (torch.float16, torch.bfloat16, torch.float32, torch.float64),
                         cpu_varlen_forward, cpu_varlen_backward, verified_on="CPU (tests/test_varlen.py)",
-                        packed=True)
+                        packed=True, distinct_v_head_dim=True)

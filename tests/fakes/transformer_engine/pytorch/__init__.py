@@ -3,7 +3,8 @@
 Mirrors, in NVIDIA/TransformerEngine main at 2.20.0.dev0 (commit d0067d0d):
 
 * ``attention/dot_product_attention/dot_product_attention.py``: ``__init__`` (lines 670-694: the
-  argument list; ``window_size`` checked by ``check_set_window_size``, utils.py 2642-2690),
+  argument list; ``kv_channels`` an int or a ``(k, v)`` pair, 731-760, and the head dims asserted in
+  ``forward``, 1717-1725; ``window_size`` checked by ``check_set_window_size``, utils.py 2642-2690),
   ``set_context_parallel_group`` (876-915: four arguments, no load-balancing option: the zigzag,
   DualChunkSwap, is TE PyTorch's only layout), ``forward`` (1380-1412), and the error raised when
   no backend is left (2160-2165);
@@ -65,15 +66,17 @@ class DotProductAttention(nn.Module):
         super().__init__()
         assert num_attention_heads % (num_gqa_groups or num_attention_heads) == 0
         self.num_attention_heads, self.kv_channels = num_attention_heads, kv_channels
+        # dot_product_attention.py 731-760: an int, or (k, v) head sizes (MLA); the default scale from the keys'
+        self.head_dim_k, self.head_dim_v = (kv_channels, kv_channels) if isinstance(kv_channels, int) else kv_channels
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
         self.qkv_format, self.attn_mask_type = qkv_format, attn_mask_type
         self.window_size = check_set_window_size(attn_mask_type, window_size)
-        self.layer_number, self.softmax_scale = layer_number, softmax_scale or kv_channels**-0.5
+        self.layer_number, self.softmax_scale = layer_number, softmax_scale or self.head_dim_k**-0.5
         self.cp_group, self.cp_global_ranks, self.cp_stream, self.cp_comm_type = (
             cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         CALLS.append({"call": "__init__", "qkv_format": qkv_format, "layer_number": layer_number,
                       "num_attention_heads": num_attention_heads, "num_gqa_groups": num_gqa_groups,
-                      "window_size": window_size})
+                      "window_size": window_size, "kv_channels": kv_channels})
 
     def get_extra_state(self):
         """TE modules keep FP8 metadata as extra state (``TransformerEngineBaseModule.get_extra_state``)."""
@@ -98,6 +101,10 @@ class DotProductAttention(nn.Module):
                 kv_layer=None, qkv_interleave_dim=-3):
         qkv_format = qkv_format or self.qkv_format
         mask = attn_mask_type or self.attn_mask_type
+        assert query_layer.shape[-1] == self.head_dim_k, \
+            f"Queries have head_dim = {query_layer.shape[-1]}, but expected head_dim = {self.head_dim_k}!"
+        assert value_layer.shape[-1] == self.head_dim_v, \
+            f"Values have head_dim = {value_layer.shape[-1]}, but expected head_dim = {self.head_dim_v}!"
         window = check_set_window_size(mask, window_size if window_size is not None else self.window_size)
         CALLS.append({"call": "forward", "qkv_format": qkv_format, "attn_mask_type": mask, "cp_group": self.cp_group,
                       "cp_comm_type": self.cp_comm_type, "cu_seqlens_q": cu_seqlens_q, "window_size": window,
