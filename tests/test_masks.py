@@ -271,3 +271,15 @@ def test_no_mask_with_window_or_chunk_raises():
         handler.core_attn(types.SimpleNamespace(window_size=(-1, 0)), q, q, q, attn_mask_type="no_mask")
     with pytest.raises(ValueError, match=r"attention_chunk_size=4 needs attn_mask_type='causal'"):
         handler.core_attn(types.SimpleNamespace(attention_chunk_size=4), q, q, q, attn_mask_type="no_mask")
+
+
+def test_mla_default_scale_is_the_query_key_head_dim():
+    """Without ``softmax_scale`` the scale is ``1/sqrt(Dqk)`` also when values are wider (as torch's SDPA and
+    Transformer Engine); the output has the values' head dim."""
+    handler = LocalContextParallelHandler(cp_group=None, qkv_format="bshd")
+    q, k = torch.randn(2, 1, 10, HEADS, HEAD_DIM, dtype=torch.float64).unbind(0)
+    v = torch.randn(1, 10, HEADS, 20, dtype=torch.float64)
+    out = handler.core_attn(types.SimpleNamespace(), q, k, v)
+    want = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+    assert out.shape == (1, 10, HEADS, 20)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=TOL, rtol=TOL)
