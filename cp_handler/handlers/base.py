@@ -25,6 +25,7 @@ from .checks import (
     variant_names,
 )
 from .guard import Guard, next_serial, poisoning
+from .mixers import MixerMethods
 from .preflight import AttnCall, preflight
 
 GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
@@ -32,7 +33,7 @@ GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
 own are wrapped in the :class:`~.guard.Guard`; the base's ``core_attn`` runs its guard inline."""
 
 
-class ContextParallelHandler(ABC):
+class ContextParallelHandler(MixerMethods, ABC):
     """Abstract CP strategy. Subclasses implement the methods below (attention as :meth:`attend`, after the
     one pre-flight of :meth:`core_attn`).
 

@@ -18,10 +18,11 @@ from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
+from .mixers import ZigzagMixers
 from .checks import check_dim, check_shift, fingerprint
 
 
-class ZigzagContextParallelHandler(ContextParallelHandler):
+class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
     """dispatch / combine / roll / RoPE for the zigzag layout (rank r holds chunks r and 2cp-1-r)."""
 
     def __init__(self, **kwargs):

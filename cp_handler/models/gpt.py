@@ -2,7 +2,8 @@
 
 Context parallelism enters only through the ``cp_handler`` argument of ``forward``: the model
 calls its methods for RoPE and attention and never imports ``torch.distributed`` or reads a CP
-size. Without a handler it builds a cp=1 one and runs alone. MoE layers (``num_moe_experts``)
+size. Without a handler it builds a cp=1 one and runs alone. Linear-attention layers (``layer_types``: a
+hybrid model) go through the handler's mixer methods. MoE layers (``num_moe_experts``)
 exchange tokens the same way, through a ``moe_handler`` (:mod:`cp_handler.models.moe`).
 """
 
@@ -18,7 +19,11 @@ from ..handlers.base import ContextParallelHandler
 from ..handlers.local import LocalContextParallelHandler
 from ..moe import ExpertParallelHandler
 from ..rope import rotary_freqs
+from .gated_delta import GatedDeltaNet
 from .moe import MoEFeedForward, SwiGLU
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+"""The token mixers of :attr:`GPTConfig.layer_types`."""
 
 
 @dataclass
@@ -48,6 +53,12 @@ class GPTConfig:
     moe_ffn_hidden_size: int | None = None
     """FFN size of one expert; default ``ffn_hidden_size``."""
     moe_aux_loss_coeff: float = 1e-2
+    layer_types: tuple[str, ...] | None = None
+    """Each layer's token mixer, transformers' names: ``"full_attention"`` or ``"linear_attention"`` (Gated
+    DeltaNet, :mod:`cp_handler.models.gated_delta`); ``None``: every layer attention. A hybrid as Qwen3-Next:
+    three linear layers to one attention layer."""
+    linear_conv_kernel_dim: int = 4
+    """Taps of the linear layers' short causal convolution (Qwen3-Next's ``linear_conv_kernel_dim``)."""
 
     def __post_init__(self) -> None:
         if self.kv_channels is None:
@@ -63,6 +74,12 @@ class GPTConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types={list(self.layer_types)}: one of {list(LAYER_TYPES)} per layer "
+                                 f"(num_layers={self.num_layers})")
         if self.num_moe_experts and not 1 <= self.moe_router_topk <= self.num_moe_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} must lie in [1, num_moe_experts="
                              f"{self.num_moe_experts}]")
@@ -102,7 +119,10 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, layer_number: int):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
-        self.self_attn = SelfAttention(config, layer_number)
+        if config.layer_types is not None and config.layer_types[layer_number - 1] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(config, layer_number)
+        else:
+            self.self_attn = SelfAttention(config, layer_number)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon)
         if config.num_moe_experts:
             self.mlp = MoEFeedForward(config.hidden_size, config.moe_ffn_hidden_size or config.ffn_hidden_size,
@@ -111,7 +131,8 @@ class TransformerLayer(nn.Module):
             self.mlp = SwiGLU(config.hidden_size, config.ffn_hidden_size)
 
     def forward(self, x, freqs, cp_handler, moe_handler):
-        x = x + self.self_attn(self.input_layernorm(x), freqs, cp_handler)
+        mixer = self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+        x = x + mixer(self.input_layernorm(x), freqs, cp_handler)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, moe_handler) if isinstance(self.mlp, MoEFeedForward) else self.mlp(h))
 

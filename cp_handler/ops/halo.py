@@ -35,7 +35,7 @@ from .spec import AttnSpec
 Piece = tuple[int, int, int]  # (local row on the sending rank, rows, position of the first row in its document)
 
 
-def _pieces(layout: ZigzagDocs, mask: AttentionMask, src: int, dst: int) -> tuple[tuple[int, Piece], ...]:
+def halo_pieces(layout: ZigzagDocs, mask: AttentionMask, src: int, dst: int) -> tuple[tuple[int, Piece], ...]:
     """``(document, piece)`` of ``src``'s K/V rows that ``dst``'s queries can see, in a fixed order: per
     document and key chunk of ``src``, the span from the earliest key any of ``dst``'s chunks sees."""
     pieces = []
@@ -69,7 +69,7 @@ def halo_plan(layout: ZigzagDocs, mask: AttentionMask, rank: int) -> HaloPlan:
     size = layout.size
     send_rows, send_splits, recv_splits = [], [], []
     for dst in range(size):
-        pieces = _pieces(layout, mask, rank, dst) if dst != rank else ()
+        pieces = halo_pieces(layout, mask, rank, dst) if dst != rank else ()
         send_rows += [row for _, (start, n, _) in pieces for row in range(start, start + n)]
         send_splits.append(sum(n for _, (_, n, _) in pieces))
     mine = layout.rank_chunks
@@ -82,7 +82,7 @@ def halo_plan(layout: ZigzagDocs, mask: AttentionMask, rank: int) -> HaloPlan:
                                       k_id * c, mask)
     row = layout.local_len
     for src in range(size):
-        pieces = _pieces(layout, mask, src, rank) if src != rank else ()
+        pieces = halo_pieces(layout, mask, src, rank) if src != rank else ()
         recv_splits.append(sum(n for _, (_, n, _) in pieces))
         for i, (_, n, pos) in pieces:  # local queries against the received rows
             c = layout.chunk(i)

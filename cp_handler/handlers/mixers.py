@@ -1,0 +1,159 @@
+"""The handler's mixer methods: token mixers other than attention over the whole sequence, from local inputs.
+
+Model code calls them as it calls ``core_attn``, with its own kernel (or the plain one here), and stays
+one-device code: at cp = 1 (bshd) each method is the kernel itself; under CP it is exact by a halo of left
+context (the causal convolution) or by state passing (the linear recurrences), docs/hybrid.md:
+
+* :meth:`~ZigzagMixers.causal_conv1d`: a causal depthwise convolution ``(B, C, S)``;
+* :meth:`~ZigzagMixers.gated_delta_rule`: Gated DeltaNet (Qwen3-Next, Qwen3.5, OLMo hybrid) and Kimi delta
+  attention (its per-channel decay), FLA's ``chunk_gated_delta_rule`` API;
+* :meth:`~ZigzagMixers.ssd_scan`: Mamba2's scan (``mamba_chunk_scan_combined`` API);
+* :meth:`~ZigzagMixers.selective_scan`: Mamba's scan (``selective_scan_fn`` API).
+
+State arguments (an initial state, a final state asked for, packed-sequence metadata such as ``cu_seqlens`` or
+``seq_idx``: the handler's layout is the truth) and any other argument a method does not implement are
+refused by name. Backends without the zigzag layout (MagiAttention) and the inference handlers refuse every
+method by name (:class:`MixerMethods`): generation for models with these mixers is not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.mixers import conv, delta_rule, selective, ssd
+from .checks import fingerprint
+from .guard import Guard
+
+MIXERS = ("causal_conv1d", "gated_delta_rule", "ssd_scan", "selective_scan")
+"""The mixer methods of the contract."""
+
+
+class MixerMethods:
+    """The contract's mixer methods for a backend that does not run them: each raises ``ValueError`` by name."""
+
+    def mixer_refusal(self, name: str) -> str:
+        return (f"{type(self).__name__}.{name}: this backend does not run token mixers other than attention under "
+                "context parallelism (they need the zigzag layout of backend='local' or 'transformer_engine')")
+
+    def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
+        raise ValueError(self.mixer_refusal("causal_conv1d"))
+
+    def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
+        raise ValueError(self.mixer_refusal("gated_delta_rule"))
+
+    def ssd_scan(self, x, dt, A, B, C, chunk_size, *, kernel, **kernel_kwargs):
+        raise ValueError(self.mixer_refusal("ssd_scan"))
+
+    def selective_scan(self, u, delta, A, B, C, *, kernel, **kernel_kwargs):
+        raise ValueError(self.mixer_refusal("selective_scan"))
+
+
+STATE_ARGUMENTS = {"initial_state": None, "initial_states": None, "output_final_state": False,
+                   "return_final_states": False, "return_last_state": False, "cu_seqlens": None, "seq_idx": None,
+                   "cu_seq_lens_q": None, "cu_seq_lens_k": None, "conv_state": None, "cache_params": None}
+"""Arguments a mixer method takes only at these values (a state passed in or out, packed-sequence metadata)."""
+
+
+def check_arguments(name: str, kwargs: dict, passed_on: tuple[str, ...], neutral: dict | None = None) -> dict:
+    """The kernel keywords of a mixer call: ``passed_on`` are given to the kernel, :data:`STATE_ARGUMENTS` (and
+    ``neutral``) at their neutral value dropped (they say nothing), anything else refused by name (ValueError)."""
+    neutral = {**STATE_ARGUMENTS, **(neutral or {})}
+    refused = {k: v for k, v in kwargs.items() if k not in passed_on and not (
+        k in neutral and (v is None or v is neutral[k]))}
+    if refused:
+        shown = ", ".join(f"{k}={'tensor ' + str(tuple(v.shape)) if isinstance(v, torch.Tensor) else v!r}"
+                          for k, v in refused.items())
+        raise ValueError(f"{name}: arguments not implemented under context parallelism: {shown} (a recurrent or "
+                         "convolution state passed in or out, packed-sequence metadata: the handler's layout is the "
+                         "documents, and the state passes between ranks inside the method); refused instead of "
+                         "dropped")
+    return {k: v for k, v in kwargs.items() if k in passed_on}
+
+
+class ZigzagMixers(MixerMethods):
+    """The mixer methods of the zigzag backends (module doc)."""
+
+    def _mixer_call(self, name: str, local_len: int, tensors: tuple, kwargs: dict, passed_on: tuple[str, ...],
+                    neutral: dict | None = None):
+        """The checks of a mixer call, the ranks agreeing once per call site (no KV cache, the arguments, the local
+        length): ``(layout, the keywords passed on to the kernel)``."""
+        options = {}
+
+        def local_checks():
+            if getattr(self, "kv_cache", None) is not None:
+                raise ValueError(f"{name}: generation (a KV cache) of a model with token mixers other than attention "
+                                 "is not implemented: a decode step would need each sequence's convolution and "
+                                 "recurrent state where its last token is; refused")
+            options.update(check_arguments(name, kwargs, passed_on, neutral))
+            self.layout(local_len)
+            shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors if t is not None]
+            return {"local_len": local_len, "shapes": fingerprint(name, shapes, sorted(
+                (k, repr(v)) for k, v in options.items() if not isinstance(v, torch.Tensor)))}
+
+        calls = self.__dict__.setdefault("_mixer_calls", {})
+        calls[name] = calls.get(name, 0) + 1
+        self.checked(f"{name} (call {calls[name]})", tensors[0].device, ("local_len", "shapes"), local_checks)
+        return self.layout(local_len), options
+
+    def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
+        """A causal depthwise convolution of the whole sequence at this rank's rows.
+
+        Args:
+            x: ``(B, C, S_local)``; weight: ``(C, K)``; bias: ``(C,)`` or ``None``; activation: ``"silu"`` or
+                ``None``. conv_fn: the kernel (default :func:`~cp_handler.ops.mixers.conv.depthwise_causal_conv1d`).
+
+        Returns:
+            ``(B, C, S_local)`` (zero at thd padding rows). Raises ValueError: see the module doc.
+        """
+        with Guard(self, "causal_conv1d"):
+            layout, _ = self._mixer_call("causal_conv1d", x.shape[2], (x, weight, bias), conv_kwargs, ())
+            return conv.causal_conv1d(conv_fn or conv.depthwise_causal_conv1d, x, weight, bias, activation,
+                                      layout=layout, rank=self.cp_rank, group=self.cp_group)
+
+    def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
+        """The gated delta rule over the whole sequence (:func:`~cp_handler.ops.mixers.delta_rule.gated_delta_rule`).
+
+        Args:
+            query, key: ``(B, S_local, Hk, Dk)``; value: ``(B, S_local, Hv, Dv)``; g: ``(B, S_local, Hv)`` (KDA:
+                ``(B, S_local, H, Dk)``); beta: ``(B, S_local, Hv)``. kernel: FLA's ``chunk_gated_delta_rule`` API
+                (default :func:`~cp_handler.ops.mixers.delta_rule.chunk_gated_delta_rule`); ``chunk_size``,
+                ``use_qk_l2norm_in_kernel``, ``scale`` passed on.
+
+        Returns:
+            ``(B, S_local, Hv, Dv)``. Raises ValueError: see the module doc.
+        """
+        with Guard(self, "gated_delta_rule"):
+            layout, options = self._mixer_call("gated_delta_rule", query.shape[1], (query, key, value, g, beta),
+                                               kernel_kwargs, ("chunk_size", "use_qk_l2norm_in_kernel", "scale"))
+            return delta_rule.gated_delta_rule(kernel or delta_rule.chunk_gated_delta_rule, query, key, value, g, beta,
+                                               layout=layout, rank=self.cp_rank, group=self.cp_group, **options)
+
+    def ssd_scan(self, x, dt, A, B, C, chunk_size, *, kernel, **kernel_kwargs):
+        """Mamba2's scan over the whole sequence (:func:`~cp_handler.ops.mixers.ssd.ssd_scan`); ``D``,
+        ``dt_bias``, ``dt_softplus``, ``dt_limit`` passed on, ``z`` (a gate inside the scan) refused unless ``None``.
+
+        Returns:
+            ``(B, S_local, H, P)``. Raises ValueError: see the module doc.
+        """
+        with Guard(self, "ssd_scan"):
+            layout, options = self._mixer_call("ssd_scan", x.shape[1], (x, dt, A, B, C),
+                                               {"chunk_size": chunk_size, **kernel_kwargs},
+                                               ("chunk_size", "D", "dt_bias", "dt_softplus", "dt_limit"), {"z": None})
+            options.pop("chunk_size")
+            return ssd.ssd_scan(kernel, x, dt, A, B, C, chunk_size, layout=layout, rank=self.cp_rank,
+                                group=self.cp_group, **options)
+
+    def selective_scan(self, u, delta, A, B, C, *, kernel, **kernel_kwargs):
+        """Mamba's selective scan over the whole sequence (:func:`~cp_handler.ops.mixers.selective.selective_scan`);
+        ``D``, ``z``, ``delta_bias``, ``delta_softplus`` passed on (and transformers' ``use_mambapy`` /
+        ``use_associative_scan``, which choose how its torch kernel scans).
+
+        Returns:
+            ``(B, D_inner, S_local)``. Raises ValueError: see the module doc.
+        """
+        with Guard(self, "selective_scan"):
+            layout, options = self._mixer_call("selective_scan", u.shape[2], (u, delta, A, B, C), kernel_kwargs,
+                                               ("D", "z", "delta_bias", "delta_softplus", "use_mambapy",
+                                                "use_associative_scan"))
+            return selective.selective_scan(kernel, u, delta, A, B, C, layout=layout, rank=self.cp_rank,
+                                            group=self.cp_group, **options)
