@@ -41,12 +41,41 @@ TINY = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hi
 """Standard config fields set wherever a config has them (and can be set); no router noise in train mode."""
 
 _MLA = {"num_key_value_heads": 4}  # multi-head latent attention: as many KV heads as query heads
+_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 8}
 OVERRIDES: dict[str, dict] = {
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # its short-convolution layers, as LFM2 ships them
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    # state-space hybrids: heads x head dim = expand x hidden size; a Mamba layer and an attention layer
+    "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 2, "chunk_size": 8},
+    "bamba": {**_MAMBA2, "attn_layer_indices": [1]},
+    "granitemoehybrid": {**_MAMBA2, "layer_types": ["mamba", "attention"]},
+    "zamba": {"num_hidden_layers": 3, "layer_types": ["linear_attention", "hybrid", "hybrid"], "n_mamba_heads": 2,
+              "mamba_dt_rank": 4,
+              "attention_hidden_size": 64, "attention_head_dim": 16},
+    "zamba2": {"layers_block_type": ["mamba", "hybrid"], "hybrid_layer_ids": [1], "n_mamba_heads": 4,
+               "mamba_headdim": 16, "mamba_ngroups": 1, "mamba_d_state": 8, "attention_hidden_size": 64,
+               "attention_head_dim": 16, "chunk_size": 8},
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
                      "youtu", "axk1", "axk2", "minicpm3"), _MLA),
 }
 """Extra fields per model type, where the defaults would not show the architecture's mixers."""
+
+HYBRIDS = {"qwen3_next": {"layer_types": ["linear_attention", "full_attention"]}, "kimi_linear": {},
+           "bamba": {}, "jamba": {"attn_layer_offset": 1, "attn_layer_period": 2}, "lfm2": {}}
+"""tests/test_hf_hybrid.py's models: one token mixer layer (gated delta rule, Kimi delta attention, Mamba2, Mamba,
+short convolution) and one attention layer each (Kimi Linear: two delta layers), the vocabulary of
+tests/test_hf_integration.py."""
+
+
+def hybrid_configs() -> dict:
+    """:data:`HYBRIDS` as ``{name: (config, model class)}`` (tests/test_hf_integration.py's ``configs``)."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, fields in HYBRIDS.items():
+        config = tiny_config(name, {**fields, "vocab_size": 256})
+        out[name] = (config, AutoModelForCausalLM._model_mapping[type(config)])
+    return out
 
 
 def _settable(config, name: str) -> bool:
@@ -54,13 +83,13 @@ def _settable(config, name: str) -> bool:
     return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
 
 
-def tiny_config(model_type: str):
-    """The model type's config built with :data:`TINY` and :data:`OVERRIDES` (the fields its default
+def tiny_config(model_type: str, extra: dict | None = None):
+    """The model type's config built with :data:`TINY`, :data:`OVERRIDES` and ``extra`` (the fields its default
     config has; passed to the constructor so that derived fields follow), no dropout."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    wanted = {**TINY, **OVERRIDES.get(model_type, {})}
+    wanted = {**TINY, **OVERRIDES.get(model_type, {}), **(extra or {})}
     config = AutoConfig.for_model(model_type, **{k: v for k, v in wanted.items() if _settable(default, k)})
     try:
         text = config.get_text_config()

@@ -11,6 +11,7 @@ tests/gpt_reference.py (loss rtol 1e-6, gradients atol 1e-6 + rtol 1e-4).
 import copy
 import json
 
+import hf_zoo
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ def configs():
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=256)
     return {"llama": (LlamaConfig(**shape), LlamaForCausalLM), "qwen2": (Qwen2Config(**shape), Qwen2ForCausalLM),
-            "mistral": (MistralConfig(**shape), MistralForCausalLM)}
+            "mistral": (MistralConfig(**shape), MistralForCausalLM), **hf_zoo.hybrid_configs()}
 
 
 def build(name, attn):
@@ -98,17 +99,19 @@ def cp_step(name, handler, tokens, group):
     return handler.combine(logits.detach(), 1), (loss, grads)
 
 
-def _parity_worker(rank, world, names):
+def _parity_worker(rank, world, names, rotate=False):
+    """``rotate``: one comm type per model and format, in turn (the models' other layers are what is tested)."""
     groups = build_dp_cp_groups(world, "cpu", [2, world // 2] if world >= 4 else None)
     group = groups.cp_group if world > 1 else None
     comm_types = ["p2p", "all_gather", "a2a"] + (["a2a+p2p"] if world >= 4 else [])
     tokens = torch.randint(0, 256, (2, 16 * max(world, 2)), generator=torch.Generator().manual_seed(3))
     cu = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
     packed = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(4))
-    for name in names:
-        for fmt, batch, meta in (("bshd", tokens, {}), ("thd", packed, {"qkv_format": "thd", "cu_seqlens": cu})):
+    for i, name in enumerate(names):
+        for j, (fmt, batch, meta) in enumerate((("bshd", tokens, {}),
+                                                ("thd", packed, {"qkv_format": "thd", "cu_seqlens": cu}))):
             want_logits, want = reference_step(name, batch, meta.get("cu_seqlens"))
-            for comm in comm_types:
+            for comm in [comm_types[(2 * i + j) % len(comm_types)]] if rotate else comm_types:
                 handler = get_cp_handler_cls("local", comm)(
                     cp_group=group, cp_comm_type=comm, hierarchical_cp_groups=groups.hierarchical_cp_groups, **meta)
                 logits, got = cp_step(name, handler, batch, group)

@@ -59,7 +59,8 @@ def mixer_case(name, kernel, rows, length, dtype):
         kda = name == "kda"  # per-channel decay, as many key heads as value heads; GDN: 2 value heads per key head
         heads_k, heads_v = (3, 3) if kda else (2, 4)
         inputs = {"q": (randn(rows, length, heads_k, 5), 1), "k": (randn(rows, length, heads_k, 5), 1),
-                  "v": (randn(rows, length, heads_v, 4), 1), "beta": (torch.rand(rows, length, heads_v, dtype=dtype), 1),
+                  "v": (randn(rows, length, heads_v, 4), 1),
+                  "beta": (torch.rand(rows, length, heads_v, dtype=dtype), 1),
                   "g": (-torch.rand(rows, length, heads_v, *([5] if kda else []), dtype=dtype), 1)}
 
         def call(h, q, k, v, g, beta):

@@ -90,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference GPT: head dim of values (Megatron's MLA v_head_dim, as DeepSeek-V3's 128 against "
                         "192; default --kv-channels)")
     g.add_argument("--ffn-hidden-size", type=int, default=352, help="reference GPT: SwiGLU hidden size")
+    g.add_argument("--layer-pattern", default=None, metavar="PATTERN",
+                   help="reference GPT: token mixer per layer, A (attention) or L (linear attention: Gated DeltaNet), "
+                        "repeated over --num-layers (LLLA: three linear layers to one attention layer, as "
+                        "Qwen3-Next); default all attention")
     g.add_argument("--rotary-base", type=float, default=10000.0, help="reference GPT: RoPE base (theta)")
     g.add_argument("--moe-experts", type=int, default=0,
                    help="reference GPT: experts per MoE layer (0: dense SwiGLU layers)")
@@ -182,6 +186,9 @@ def validate(args: argparse.Namespace) -> TrainConfig:
                    hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
     handler_cls = get_cp_handler_cls(config.backend, config.cp_comm_type)
     handler_cls.check_available()
+    if model is not None and "linear_attention" in (model.layer_types or ()) and not handler_cls.runs_mixers:
+        raise ValueError(f"--layer-pattern {args.layer_pattern}: --backend {config.backend} runs attention only; "
+                         "linear-attention layers need --backend local or transformer_engine")
     with flags_in_errors(EVAL_FLAGS):
         evaluation = eval_config(config, args.eval_cp_size or cp_size, args.eval_hierarchical_cp_sizes)
         check_eval_layout(world, evaluation, args.seq_len)

@@ -108,6 +108,10 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         if meta["model"]["kind"] != "gpt":
             raise ValueError(f"--checkpoint {args.checkpoint}: a Hugging Face model's checkpoint; export it with "
                              "cp-train --export-hf DIR and pass --hf-model DIR")
+        if "linear_attention" in (meta["model"].get("layer_types") or ()):
+            raise ValueError(f"--checkpoint {args.checkpoint}: a hybrid model (linear-attention layers); generation "
+                             "of models with token mixers other than attention is not implemented (a decode step "
+                             "would need each sequence's recurrent state where its last token is)")
         heads = AttentionShape(meta["model"]["num_attention_heads"], meta["model"]["num_query_groups"],
                                meta["model"]["kv_channels"], meta["model"].get("v_head_dim"))
         model_source = {"checkpoint": str(checkpoint)}

@@ -170,6 +170,21 @@ def hf_layers(args: argparse.Namespace) -> int:
     return (config.get_text_config() if hasattr(config, "get_text_config") else config).num_hidden_layers
 
 
+def layer_types(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--layer-pattern`` as the GPT's ``layer_types`` (``None`` without it). Raises ValueError naming the flag."""
+    pattern = args.layer_pattern
+    if pattern is None:
+        return None
+    if args.hf_config or args.hf_model:
+        raise ValueError("--layer-pattern shapes the reference GPT: drop it with --hf-config / --hf-model (the "
+                         "Hugging Face config has the model's layer types)")
+    if not pattern or set(pattern) - {"A", "L"} or args.num_layers % len(pattern):
+        raise ValueError(f"--layer-pattern {pattern!r}: letters A (attention) and L (linear attention), its length "
+                         f"dividing --num-layers {args.num_layers}")
+    names = {"A": "full_attention", "L": "linear_attention"}
+    return tuple(names[c] for c in pattern * (args.num_layers // len(pattern)))
+
+
 def model_config(args: argparse.Namespace) -> GPTConfig:
     """The reference GPT's shape from the flags (byte-level vocabulary). Raises ValueError."""
     return GPTConfig(
@@ -178,5 +193,5 @@ def model_config(args: argparse.Namespace) -> GPTConfig:
         ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels, v_head_dim=args.v_head_dim,
         rotary_base=args.rotary_base,
         num_moe_experts=args.moe_experts,
-        moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_topk=args.moe_top_k, moe_aux_loss_coeff=args.moe_aux_loss_coeff, layer_types=layer_types(args),
     )

@@ -31,6 +31,9 @@ MIXERS = ("causal_conv1d", "gated_delta_rule", "ssd_scan", "selective_scan")
 class MixerMethods:
     """The contract's mixer methods for a backend that does not run them: each raises ``ValueError`` by name."""
 
+    runs_mixers = False
+    """Whether the mixer methods run (checked before spawning a model with such layers)."""
+
     def mixer_refusal(self, name: str) -> str:
         return (f"{type(self).__name__}.{name}: this backend does not run token mixers other than attention under "
                 "context parallelism (they need the zigzag layout of backend='local' or 'transformer_engine')")
@@ -61,7 +64,7 @@ def check_arguments(name: str, kwargs: dict, passed_on: tuple[str, ...], neutral
     refused = {k: v for k, v in kwargs.items() if k not in passed_on and not (
         k in neutral and (v is None or v is neutral[k]))}
     if refused:
-        shown = ", ".join(f"{k}={'tensor ' + str(tuple(v.shape)) if isinstance(v, torch.Tensor) else v!r}"
+        shown = ", ".join(f"{k}=" + (f"tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v))
                           for k, v in refused.items())
         raise ValueError(f"{name}: arguments not implemented under context parallelism: {shown} (a recurrent or "
                          "convolution state passed in or out, packed-sequence metadata: the handler's layout is the "
@@ -72,6 +75,8 @@ def check_arguments(name: str, kwargs: dict, passed_on: tuple[str, ...], neutral
 
 class ZigzagMixers(MixerMethods):
     """The mixer methods of the zigzag backends (module doc)."""
+
+    runs_mixers = True
 
     def _mixer_call(self, name: str, local_len: int, tensors: tuple, kwargs: dict, passed_on: tuple[str, ...],
                     neutral: dict | None = None):

@@ -18,8 +18,8 @@ from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
-from .mixers import ZigzagMixers
 from .checks import check_dim, check_shift, fingerprint
+from .mixers import ZigzagMixers
 
 
 class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):

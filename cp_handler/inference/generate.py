@@ -75,6 +75,18 @@ def check_prompts(prompts: list[torch.Tensor], max_new_tokens: int, max_position
                              f"{max_positions} positions")
 
 
+def check_mixers(model: torch.nn.Module) -> None:
+    """Raises ValueError naming the first token mixer other than attention (a module marked ``_cp_mixer``: the
+    reference GPT's Gated DeltaNet, a routed Hugging Face mixer): the cache holds keys and values only, and a
+    decode step would need each sequence's convolution and recurrent state where its last token is (not
+    implemented). Called before any collective."""
+    name = next((n for n, m in model.named_modules() if getattr(m, "_cp_mixer", False)), None)
+    if name is not None:
+        raise ValueError(f"generate: module {name!r} ({type(model.get_submodule(name)).__name__}) is a token mixer "
+                         "other than attention: generation of hybrid models is not implemented (a decode step would "
+                         "need each sequence's convolution and recurrent state where its last token is); refused")
+
+
 def _last_token_logits(handler: LocalContextParallelHandler, logits: torch.Tensor) -> torch.Tensor:
     """``(B, V)`` float32 logits of every prompt's last token, on every rank (the holder fills its rows)."""
     layout = handler.thd_layout
@@ -113,9 +125,11 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
             RoPE, below) each stop on their own and are then continued to the longest's step count.
 
     Raises:
-        ValueError: :func:`check_prompts`; the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
+        ValueError: :func:`check_prompts`; a model with token mixers other than attention (:func:`check_mixers`);
+            the cache's checks (:class:`.KVCache`, :class:`.DecodeHandler`).
     """
     check_prompts(prompts, max_new_tokens, max_positions)
+    check_mixers(model)
     sampling = sampling or Sampling()
     layout = {"cp_group": cp_group, "cp_comm_type": cp_comm_type, "hierarchical_cp_groups": hierarchical_cp_groups}
     try:

@@ -3,10 +3,14 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
 
 :func:`prepare_model` (called by ``register(model)`` and :class:`~.transformers.CPCausalLM`):
 
-* **Static checks** (:func:`check_model`), before any forward: a convolution over the sequence
-  (``nn.Conv1d`` with a kernel longer than 1: short-conv and Mamba mixers) or a ``config.layer_types``
-  entry that is not an attention layer (``mamba``, ``linear_attention``, ``conv``, ...) is refused,
-  naming the module or layer: such a mixer would see only this rank's shard.
+* **Token mixers other than attention** (:mod:`.hf_mixers`): every mixer whose forward calls a known kernel
+  (gated delta rule, Mamba scans, causal convolutions) is routed to the handler's mixer methods, if its class
+  was reviewed; then each routed mixer must give, on two documents packed in one sequence, what it gives on
+  each alone (:func:`check_mixer_documents`): a mixer that mixes tokens outside the routed kernels is refused.
+* **Static checks** (:func:`check_model`), before any forward: a convolution over the sequence outside a
+  routed mixer (``nn.Conv1d`` with a kernel longer than 1) or a ``config.layer_types`` entry that is not an
+  attention layer in a model without routed mixers is refused, naming the module or layer: such a mixer
+  would see only this rank's shard.
 * **Every forward** (hooks on the model, public ``register_forward_pre_hook`` / ``register_forward_hook``
   APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword (removed before the
   model sees it, so a decoder layer that drops extra kwargs, as StableLM's does, still reaches CP) or
@@ -32,6 +36,7 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -42,10 +47,16 @@ from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
 from .hf_mask import CPMask
+from .hf_mixers import instrument_model, is_routed, uses_mixers
 from .hf_rotary import install_rotary_hooks
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
+MIXER_LAYER_TYPES = frozenset({"linear_attention", "mamba", "hybrid", "conv"})
+"""``config.layer_types`` entries whose token mixers run through routed kernels (when the model has routed
+mixers; the per-forward check holds every such layer to having run one)."""
+TOKENLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
+"""``config.layer_types`` entries without a token mixer (Nemotron-H's feed-forward blocks): nothing to route."""
 
 
 def text_config(model: nn.Module):
@@ -54,22 +65,65 @@ def text_config(model: nn.Module):
 
 
 def check_model(model: nn.Module) -> None:
-    """The static checks of the module doc.
+    """The static checks of the module doc (after the mixers were routed).
 
     Raises:
         ValueError: naming the sequence convolution or the non-attention layer types.
     """
+    routed = uses_mixers(model)
     for name, module in model.named_modules():
-        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1 and not is_routed(module, model):
             raise ValueError(f"{type(model).__name__}: module {name!r} is a convolution over the sequence (kernel "
-                             f"{module.kernel_size[0]}): under context parallelism it would see only this rank's "
-                             "shard; models with short-convolution or state-space mixers are not supported")
-    layer_types = getattr(text_config(model), "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+                             f"{module.kernel_size[0]}) outside a routed token mixer: under context parallelism it "
+                             "would see only this rank's shard; refused (docs/hybrid.md lists the mixers that run)")
+    allowed = ATTENTION_LAYER_TYPES | TOKENLESS_LAYER_TYPES | (MIXER_LAYER_TYPES if routed else frozenset())
+    other = sorted({t for t in layer_types(model) if t not in allowed})
     if other:
         raise ValueError(f"{type(model).__name__}: config.layer_types has {other} layers: only softmax attention "
-                         f"layers ({sorted(ATTENTION_LAYER_TYPES)}) run context-parallel; a {other[0]} token mixer "
-                         "would see only this rank's shard")
+                         f"layers ({sorted(ATTENTION_LAYER_TYPES)}) and routed token mixers run context-parallel; a "
+                         f"{other[0]} token mixer would see only this rank's shard")
+
+
+def layer_types(model: nn.Module) -> list[str]:
+    """The text config's ``layer_types`` (or ``layers_block_type``), ``[]`` without."""
+    config = text_config(model)
+    return list(getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or [])
+
+
+def check_mixer_documents(model: nn.Module, tokens: int = 16, first: int = 7) -> None:
+    """Each routed mixer, alone at cp=1 and in eval mode, gives on two documents packed in one sequence (thd)
+    what it gives on each document alone: all its token mixing goes through the routed kernels (which keep
+    documents apart and pass states between ranks). Skipped for weights on the ``meta`` device.
+
+    Raises:
+        ValueError: naming the mixer and the difference.
+    """
+    from ..handlers.local import LocalContextParallelHandler
+
+    for name, mixer in model.named_modules():
+        weight = next(mixer.parameters(), None)
+        if not getattr(mixer, "_cp_mixer", False) or weight is None or weight.device.type == "meta":
+            continue
+        x = torch.randn(1, tokens, text_config(model).hidden_size, generator=torch.Generator().manual_seed(0))
+        x = x.to(weight)
+        packed = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, first, tokens],
+                                                                                      dtype=torch.int32))
+        plain, was_training = build_cp_handler(ContextParallelConfig()), mixer.training
+        mixer.eval()
+        try:
+            with torch.no_grad():
+                with handler_context(packed):
+                    together = mixer(x)
+                with handler_context(plain):
+                    alone = torch.cat([mixer(x[:, :first]), mixer(x[:, first:])], dim=1)
+        finally:
+            mixer.train(was_training)
+        together, alone = (t[0] if isinstance(t, tuple) else t for t in (together, alone))
+        difference = (together - alone).abs().max().item()
+        if not difference <= 1e-4 * alone.abs().max().item() + 1e-6:
+            raise ValueError(f"{type(model).__name__}: token mixer {name!r} ({type(mixer).__name__}) gives, on two "
+                             f"documents packed together, another result than on each alone (by {difference:.3g}): "
+                             "it mixes tokens outside the kernels cp_handler routes; refused")
 
 
 def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
@@ -127,6 +181,7 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
         with torch.no_grad(), handler_context(handler):
             own, routed, moved = (model(input_ids=ids, **kwargs, use_cache=False).logits.float()
                                   for kwargs in ({"attention_mask": inputs["attention_mask"]}, inputs, shifted))
+        ignores_positions = torch.equal(moved, routed) and not _takes_no_positions(model, ids)  # bitwise: no change
     finally:
         model.train(was_training)
     difference = (own - routed).abs().max().item()  # the same computation when the route is right: ~0
@@ -135,21 +190,42 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
                          f"padding) differ from its own defaults by {difference:.3g}: it derives positions or masks "
                          "from its inputs another way (e.g. RoBERTa's positions start after padding_idx), which a "
                          "sharded sequence cannot reproduce; the model is not supported under context parallelism")
-    if torch.equal(moved, routed):  # bitwise: the jump changed nothing the model computed
+    if ignores_positions:
         raise ValueError(f"{type(model).__name__}: its logits do not change when position_ids jump: it takes "
                          "positions from the input length (e.g. BART-style learned positions) rather than from "
                          "position_ids, so a rank would use its shard's local positions; the model is not supported "
                          "under context parallelism")
 
 
-def _recompute_pre_hook(module, args, kwargs):
+def _takes_no_positions(model: nn.Module, ids: torch.Tensor) -> bool:
+    """Whether ``model`` (in eval mode, at cp=1) uses no positions at all (Mamba, Jamba: no RoPE): a second document
+    packed after a first (thd, its positions restarting) gives the logits it gives alone. A model taking
+    positions from its input's length sees the packed document's rows at their index and fails this."""
+    from ..handlers.local import LocalContextParallelHandler
+
+    first = ids.shape[1] // 2
+    packed = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, first, ids.shape[1]],
+                                                                                  dtype=torch.int32))
+    alone, rest = build_cp_handler(ContextParallelConfig()), ids[:, first:]
+    with torch.no_grad():
+        with handler_context(packed):
+            together = model(input_ids=ids, **cp_model_inputs(packed, ids), use_cache=False).logits[:, first:]
+        with handler_context(alone):
+            apart = model(input_ids=rest, **cp_model_inputs(alone, rest), use_cache=False).logits
+    return bool((together - apart).abs().max() <= 1e-4 * apart.abs().max())
+
+
+def _recompute_pre_hook(module, args, kwargs, last=None):
     """Activation recomputation (gradient checkpointing) re-runs a layer during the backward, outside the
     model's forward and its active handler: a module that receives the forward's :class:`~.hf_mask.CPMask`
-    makes that forward's handler active again for its call (its attention, and a rotary module inside it)."""
+    makes that forward's handler active again for its call (its attention, and a rotary module inside it); a
+    layer given no mask (a hybrid's convolution or recurrent layers get ``None``) the handler of the model's
+    last forward with gradients (``last``: one dict per model), the forward being recomputed unless two
+    forwards with different handlers ran before one backward."""
     if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    handler = mask.forward_handler if mask is not None else None
+    handler = mask.forward_handler if mask is not None else (last or {}).get("handler")
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
@@ -169,10 +245,12 @@ def _takes_attention_mask(module: nn.Module) -> bool:
         return False
 
 
-def _model_pre_hook(model, args, kwargs):
+def _model_pre_hook(model, args, kwargs, last=None):
     handler = kwargs.pop("cp_handler", None) or active_handler()
     if handler is None:
         return args, kwargs
+    if torch.is_grad_enabled() and last is not None:
+        last["handler"] = handler
     model._cp_tokens = (set_active(handler), start_record())
     return args, kwargs
 
@@ -185,7 +263,7 @@ def _model_hook(model, args, kwargs, output):
     reset_active(tokens[0])
     if output is None:  # the forward raised: its own error propagates
         return None
-    layers = text_config(model).num_hidden_layers
+    layers = text_config(model).num_hidden_layers - sum(t in TOKENLESS_LAYER_TYPES for t in layer_types(model))
     if len(seen) < layers:
         missing = sorted(set(range(layers)) - seen) if all(isinstance(x, int) for x in seen) else \
             f"{layers - len(seen)} of them"
@@ -205,16 +283,20 @@ def prepare_model(model: nn.Module) -> nn.Module:
     """
     if getattr(model, "_cp_handler_checked", False):
         return model
+    instrument_model(model)
     check_model(model)
-    handles = [model.register_forward_pre_hook(_model_pre_hook, with_kwargs=True),
+    last = {}  # the handler of the model's last forward with gradients (recomputation of layers without a mask)
+    handles = [model.register_forward_pre_hook(functools.partial(_model_pre_hook, last=last), with_kwargs=True),
                model.register_forward_hook(_model_hook, with_kwargs=True, always_call=True)]
     handles += install_rotary_hooks(model)
     for module in model.modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
         if module is not model and _takes_attention_mask(module):  # decoder layers, attention modules
-            handles += [module.register_forward_pre_hook(_recompute_pre_hook, with_kwargs=True),
+            handles += [module.register_forward_pre_hook(functools.partial(_recompute_pre_hook, last=last),
+                                                         with_kwargs=True),
                         module.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]
     try:
+        check_mixer_documents(model)
         check_route_inputs(model)  # a forward at cp=1: also runs the per-forward checks once
     except BaseException:
         for handle in handles:

@@ -225,7 +225,8 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "
                          "attention, but the layer's mask is a plain causal one; refused (which one is meant?)")
-    attn = SimpleNamespace(softmax_scale=scaling, layer_number=getattr(module, "layer_idx", 0) + 1,
+    layer_idx = getattr(module, "layer_idx", None)  # None: an attention block shared by several layers (Zamba)
+    attn = SimpleNamespace(softmax_scale=scaling, layer_number=None if layer_idx is None else layer_idx + 1,
                            window_size=(size - 1, 0) if kind == "sliding" else None,
                            attention_chunk_size=size if kind == "chunked" else None,
                            softcap=softcap, sinks=s_aux)

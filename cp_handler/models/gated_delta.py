@@ -24,6 +24,8 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet token mixer: ``forward(x (B, S_local, hidden), freqs, cp_handler) -> (B, S_local, hidden)``
     (``freqs`` unused: no RoPE in linear attention)."""
 
+    _cp_mixer = True  # a token mixer other than attention (generation refuses models with one)
+
     def __init__(self, config, layer_number: int):
         super().__init__()
         self.layer_number = layer_number

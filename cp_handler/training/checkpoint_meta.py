@@ -57,8 +57,8 @@ def hf_config_identity(source: str) -> dict:
 
 def model_identity(config: TrainConfig) -> dict:
     """What decides the computation of the model: the GPT config, or the Hugging Face config."""
-    if config.model is not None:
-        return {"kind": "gpt", **asdict(config.model)}
+    if config.model is not None:  # as JSON has it (tuples as lists), so a saved one compares equal
+        return {"kind": "gpt", **json.loads(json.dumps(asdict(config.model)))}
     return {"kind": "hf", "config": hf_config_identity(config.hf_source)}
 
 

@@ -5,7 +5,9 @@ soft-cap passed the old check). Here the reference GPT runs with :class:`PlainAt
 stand-in written with plain PyTorch (rotate-half RoPE inline, ``F.scaled_dot_product_attention`` with
 an explicit document-causal mask for packed batches; no cp_handler layout, rope, kernel or attention
 code), and a Hugging Face model runs as the unmodified model with its own attention implementation
-(``sdpa``; packed documents through transformers' own position-id detection). The loss is the plain
+(``sdpa``; packed documents through transformers' own position-id detection). The reference GPT's linear
+layers run their definitions token by token (the gated delta rule's recurrence, ``F.conv1d``), document by
+document. The loss is the plain
 next-token cross-entropy within each sequence / document, token-weighted over the whole global batch,
 computed from one forward of the whole batch (so MoE router statistics cover it, as in the CP step).
 """
@@ -36,6 +38,36 @@ class PlainAttention:
 
     def get_rotary_seq_len(self, local_seq_len: int) -> int:
         return local_seq_len
+
+    def _documents(self, length: int) -> list[slice]:
+        if self.docs is None:
+            return [slice(0, length)]
+        ends = torch.cumsum(torch.bincount(self.docs, minlength=int(self.docs.max()) + 1), 0).tolist()
+        return [slice(a, b) for a, b in zip([0, *ends[:-1]], ends, strict=True) if b > a]
+
+    def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None):
+        """``x (B, C, S)``: each document convolved alone (``F.conv1d``, zero left padding), then SiLU."""
+        taps = weight.shape[-1]
+        out = torch.cat([F.conv1d(x[..., d], weight[:, None], bias, padding=taps - 1, groups=x.shape[1])
+                         [..., :d.stop - d.start] for d in self._documents(x.shape[-1])], dim=-1)
+        return F.silu(out) if activation else out
+
+    def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, use_qk_l2norm_in_kernel=False):
+        """The gated delta rule token by token, each document from a zero state (float32)."""
+        rep = value.shape[2] // key.shape[2]
+        q, k = (t.float().repeat_interleave(rep, dim=2) for t in (query, key))
+        if use_qk_l2norm_in_kernel:
+            q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        q, v = q * q.shape[-1] ** -0.5, value.float()
+        outs = []
+        for d in self._documents(q.shape[1]):
+            state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])  # (B, Hv, Dk, Dv)
+            for t in range(d.start, d.stop):
+                kt, b = k[:, t, :, :, None], beta[:, t, :, None, None].float()
+                state = g[:, t, :, None, None].float().exp() * state
+                state = state + b * kt @ (v[:, t, :, None, :] - kt.transpose(-1, -2) @ state)
+                outs.append((q[:, t, :, None, :] @ state)[:, :, 0])
+        return torch.stack(outs, dim=1).to(value.dtype)
 
     def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
         return emb if self.positions is None else emb[self.positions.to(emb.device)]

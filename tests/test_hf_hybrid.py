@@ -1,0 +1,81 @@
+"""Unmodified Hugging Face hybrid models under context parallelism (tests/hf_zoo.py's ``HYBRIDS``: Qwen3-Next's
+gated delta rule, Kimi delta attention, Bamba's Mamba2, Jamba's Mamba, LFM2's short convolution, each beside
+an attention layer): logits and every parameter gradient at cp 2 and 4 equal the unmodified single-process
+model, bshd and thd (thd reference: each document run alone, so the mixers' state restarts per document), the
+attention layers' comm type taking every value in turn over the models and formats (tests/test_hf_integration.py
+holds attention itself to every comm type). Tolerances as tests/test_hf_integration.py (fp32; the mixers' state passing
+reorders float32 sums as the ring does). Also: the routing is per instance, a changed mixer is refused by name,
+decode kernels and cache arguments are refused, and a mixer that mixes tokens outside the routed kernels is
+refused by the probe (the negative control).
+"""
+
+import hf_zoo
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_hf_integration import _parity_worker, build
+
+from cp_handler.handlers.local import LocalContextParallelHandler
+from cp_handler.integrations import hf_mixers
+from cp_handler.integrations.hf_active import handler_context
+from cp_handler.integrations.hf_model import check_mixer_documents
+from cp_handler.integrations.transformers import register
+
+
+@pytest.mark.parametrize("world", [2, 4])  # cp 1: tests/test_hybrid.py (the mixer methods alone, thd)
+def test_hf_hybrids_match_the_unmodified_model(world):
+    run_distributed(_parity_worker, world, list(hf_zoo.HYBRIDS), True)
+
+
+def _qwen3_next():
+    return build("qwen3_next", "sdpa").eval()
+
+
+def test_routing_is_per_instance_and_leaves_transformers_unchanged():
+    from transformers.models.qwen3_next import modeling_qwen3_next as module
+
+    kernels = (module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn)
+    routed, plain = _qwen3_next(), _qwen3_next()
+    register(routed)
+    mixer = routed.model.layers[0].linear_attn
+    assert "forward" in vars(mixer) and mixer._cp_mixer  # the instance's own forward
+    assert "forward" not in vars(plain.model.layers[0].linear_attn)
+    assert (module.torch_chunk_gated_delta_rule, module.causal_conv1d_fn) == kernels
+    x = torch.randn(1, 24, routed.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # without a handler every route is the kernel itself: the same output, bitwise
+        assert torch.equal(mixer(x), plain.model.layers[0].linear_attn(x))
+
+
+def test_a_mixer_whose_forward_changed_is_refused(monkeypatch):
+    monkeypatch.setitem(hf_mixers.REVIEWED, "Qwen3NextGatedDeltaNet", "0" * 16)
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet .*has another forward than the one reviewed"):
+        register(_qwen3_next())
+    monkeypatch.delitem(hf_mixers.REVIEWED, "Qwen3NextGatedDeltaNet")
+    with pytest.raises(ValueError, match="Qwen3NextGatedDeltaNet .*is not one cp_handler reviewed"):
+        register(_qwen3_next())
+
+
+def test_decode_kernels_and_state_arguments_are_refused_under_a_handler():
+    handler = LocalContextParallelHandler()
+    mixer = _qwen3_next().model.layers[0].linear_attn
+    route = hf_mixers._route(mixer, "causal_conv1d_update", lambda *a, **k: None)
+    with handler_context(handler), pytest.raises(ValueError, match="causal_conv1d_update is a single-token decode"):
+        route(torch.zeros(1, 4, 1), torch.zeros(1, 4, 3))
+    x, weight = torch.randn(1, 4, 8), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"conv_state=tensor \(1, 4, 3\)"):
+        handler.causal_conv1d(x, weight, conv_state=torch.zeros(1, 4, 3))
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="initial_state=tensor"):
+        handler.gated_delta_rule(q, q, q, -torch.rand(1, 8, 2), torch.rand(1, 8, 2),
+                                 initial_state=torch.zeros(1, 2, 4, 4))
+
+
+def test_negative_control_a_mixer_mixing_tokens_outside_the_kernels_is_refused():
+    model = _qwen3_next()
+    register(model)
+    mixer = model.model.layers[0].linear_attn
+    routed_forward = mixer.forward
+    mixer.forward = lambda hidden_states, **kwargs: routed_forward(hidden_states.cumsum(1), **kwargs)  # inline mixing
+    with pytest.raises(ValueError, match=r"token mixer 'model.layers.0.linear_attn' \(Qwen3NextGatedDeltaNet\) gives, "
+                                         "on two documents packed together, another result"):
+        check_mixer_documents(model)
