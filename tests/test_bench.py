@@ -133,6 +133,21 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
         assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
 
 
+def test_hybrid_mode_state_passing_beside_the_sequence_gather(tmp_path):
+    """``--modes hybrid``: one Gated DeltaNet layer at cp 1 and 2 with both paths; the state passing sends the
+    same bytes at every length (summaries and a halo), the gather twice as many for twice the tokens, and the two
+    outputs agree (float32: both exact, sums reordered)."""
+    out = tmp_path / "hybrid"
+    assert main(["--modes", "hybrid", "--hybrid-seq-lens", "64", "128", "--hybrid-cp-sizes", "1", "2", "--reps", "1",
+                 "--hybrid-hidden-size", "32", "--hybrid-head-dim", "8", "--no-plots", "--out-dir", str(out)]) == 0
+    rows = {(r["cp_size"], r["seq_len"]): r for r in json.loads((out / "results.json").read_text())["hybrid"]["rows"]}
+    assert rows[1, 64]["cp_bytes"] == rows[1, 64]["gather_bytes"] == 0
+    assert 0 < rows[2, 64]["cp_bytes"] == rows[2, 128]["cp_bytes"]
+    assert rows[2, 128]["gather_bytes"] == 2 * rows[2, 64]["gather_bytes"] == 2 * 2 * 32 * 32 * 4  # fwd + bwd
+    assert all(r["max_abs_diff"] < 1e-5 for r in rows.values())
+    assert "| 128 | 2 |" in (out / "results.md").read_text()
+
+
 def _tiles_of(mask: torch.Tensor, tile: int) -> int:
     """Tiles of a dense (Sq, Sk) bool mask holding at least one True: the brute-force count."""
     rows, cols = -(-mask.shape[0] // tile), -(-mask.shape[1] // tile)
@@ -213,6 +228,9 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path):
     (["--modes", "plan", "--attn-kernel", "flash"], "--attn-kernel 'flash' cannot run this attention: it runs on cuda"),
     (["--modes", "plan", "--whole-kernels", "flex"], "--whole-kernels flex (bshd): FlexAttention has no CPU backward"),
     (["--modes", "plan", "--whole-kernels", "fa4"], "--whole-kernels fa4 (bshd): FlashAttention-4 runs on CUDA only"),
+    (["--modes", "hybrid", "--hybrid-seq-lens", "100", "--hybrid-cp-sizes", "4"],
+     "--hybrid-seq-lens 100 must be divisible by 2 * cp = 8"),
+    (["--modes", "hybrid", "--hybrid-heads", "3"], "--hybrid-heads 3 must be a multiple of --hybrid-key-heads 2"),
 ])
 def test_plan_and_launches_flags_are_checked_before_running(capsys, flags, message):
     """Each rule of the plan / launches flags is one line naming the flag, before any case runs

@@ -57,6 +57,19 @@ def test_thd_packing_parity_on_small_documents(tmp_path, comm_type):
     assert "packing thd" in result.stderr and "parity passed" in result.stderr
 
 
+def test_hybrid_layer_pattern_parity_checkpoint_and_generation_refused(tmp_path):
+    """--layer-pattern LA (Gated DeltaNet and attention layers) at cp 2 against one process, saved; cp-generate
+    refuses the hybrid checkpoint by name before any rank starts."""
+    result = cp_train("--nproc", "2", "--layer-pattern", "LA", *SMALL[:1], "3", *SMALL[2:], "--check-parity",
+                      "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+    generate = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
+                               str(tmp_path / "ckpt"), "--prompt", "hello", "--max-new-tokens", "2"],
+                              capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert generate.returncode != 0 and "a hybrid model (linear-attention layers)" in generate.stderr, generate.stderr
+
+
 def test_eval_at_another_cp_degree(tmp_path):
     out = tmp_path / "metrics.json"
     result = cp_train("--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--eval-every", "3",
@@ -192,6 +205,8 @@ def test_hierarchical_parity_and_group_log():
          "--moe-experts 6 must be a multiple of --expert-parallel-size 4"),
         (["--nproc", "2", "--expert-parallel-size", "2"], "--expert-parallel-size 2 needs --moe-experts E"),
         (["--nproc", "2", "--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 must lie in"),
+        (["--nproc", "2", "--layer-pattern", "LAX", "--num-layers", "3"], "--layer-pattern 'LAX': letters A"),
+        (["--nproc", "2", "--layer-pattern", "LLA"], "its length dividing --num-layers 2"),
     ],
 )
 def test_bad_flags_exit_before_training(flags, message, monkeypatch):

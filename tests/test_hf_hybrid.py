@@ -79,3 +79,18 @@ def test_negative_control_a_mixer_mixing_tokens_outside_the_kernels_is_refused()
     with pytest.raises(ValueError, match=r"token mixer 'model.layers.0.linear_attn' \(Qwen3NextGatedDeltaNet\) gives, "
                                          "on two documents packed together, another result"):
         check_mixer_documents(model)
+
+
+def test_mixers_on_cuda_are_opt_in_until_a_gpu_run(monkeypatch):
+    from types import SimpleNamespace
+
+    from cp_handler.handlers.mixers import CUDA_OPT_IN, check_device
+
+    on_cuda = SimpleNamespace(device=torch.device("cuda", 0))  # no GPU here: only the device is read
+    monkeypatch.delenv(CUDA_OPT_IN, raising=False)
+    with pytest.raises(ValueError, match="ssd_scan: the mixer methods have not yet been run on a GPU .* "
+                                         "CP_HANDLER_CUDA_MIXERS=1"):
+        check_device("ssd_scan", on_cuda)
+    monkeypatch.setenv(CUDA_OPT_IN, "1")
+    check_device("ssd_scan", on_cuda)
+    check_device("ssd_scan", torch.zeros(1))

@@ -17,6 +17,9 @@ Modes (``--modes``, default both):
   no GPU needed, sizes from the plan flags (CUDA defaults);
 * ``generate`` (only when asked for): :mod:`.generation`: prefill time and decode time per token against
   prompt length at each CP size (a KV cache sharded over the ranks);
+* ``hybrid`` (only when asked for): :mod:`.hybrid`: one Gated DeltaNet layer (short convolution and gated delta
+  rule) forward + backward per rank with state passing, beside all-gathering the sequence, with the bytes each
+  rank sends;
 * ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
   every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
   K/V tokens each rank sends.
@@ -41,7 +44,7 @@ import torch
 from ..cli.flag_names import HelpFormatter
 from ..config import CP_COMM_TYPES
 from ..ops.patterns import PATTERNS
-from . import e2e, generation, launches, masks, plan, plots, report, whole
+from . import e2e, generation, hybrid, launches, masks, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .torch_ring import check_available
 
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
                         f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
                         f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
-    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks", "generate"),
+    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks", "generate", "hybrid"),
                    default=["attn", "e2e"],
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
                         "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed); "
@@ -128,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-cp-size", type=int, default=4, help="CP size")
     g.add_argument("--mask-window", type=int, default=1024, help="sliding window W (keys, the query's own included)")
     g.add_argument("--mask-chunk", type=int, default=2048, help="chunked attention: chunk length C (tokens)")
+    g = p.add_argument_group("hybrid layer (--modes hybrid: the reference Gated DeltaNet layer, float32, CPU ranks)")
+    g.add_argument("--hybrid-seq-lens", type=int, nargs="+", default=None,
+                   help="global sequence lengths in tokens (default 4096 16384; --quick: 2048 8192)")
+    g.add_argument("--hybrid-cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes")
+    g.add_argument("--hybrid-hidden-size", type=int, default=256, help="layer hidden size")
+    g.add_argument("--hybrid-heads", type=int, default=4, help="value heads")
+    g.add_argument("--hybrid-key-heads", type=int, default=2, help="key heads (each serves heads / key heads)")
+    g.add_argument("--hybrid-head-dim", type=int, default=64, help="head dim of keys and values")
     g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt)")
     g.add_argument("--gen-prompt-lens", type=int, nargs="+", default=None,
                    help="prompt lengths in tokens (default 4096 8192 16384 32768 65536; --quick: 4096 8192)")
@@ -235,6 +246,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.gen_heads % args.gen_kv_heads or args.gen_hidden_size % args.gen_heads:
             p.error(f"--gen-heads {args.gen_heads} must divide --gen-hidden-size {args.gen_hidden_size} and be a "
                     f"multiple of --gen-kv-heads {args.gen_kv_heads}")
+    if "hybrid" in args.modes:
+        if args.device != "cpu":
+            p.error("--modes hybrid runs on CPU ranks (gloo): drop --device cuda")
+        if args.hybrid_seq_lens is None:
+            args.hybrid_seq_lens = [2048, 8192] if args.quick else [4096, 16384]
+        for flag in ("hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim"):
+            if getattr(args, flag) < 1:
+                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        if args.hybrid_heads % args.hybrid_key_heads:
+            p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads "
+                    f"{args.hybrid_key_heads}")
+        _check_zigzag(p, "--hybrid-cp-sizes", args.hybrid_cp_sizes, "--hybrid-seq-lens", args.hybrid_seq_lens)
     if "masks" in args.modes:
         for flag in ("mask_window", "mask_chunk", "mask_cp_size"):
             if getattr(args, flag) < 1:
@@ -264,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         results["masks"] = masks.run(args)
     if "generate" in args.modes:
         results["generate"] = generation.run(args)
+    if "hybrid" in args.modes:
+        results["hybrid"] = hybrid.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

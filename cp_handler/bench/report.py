@@ -118,6 +118,8 @@ def markdown(results: dict) -> str:
     if "generate" in results:
         parts += ["## Prefill and decode with a sharded KV cache (generate mode)\n",
                   generate_table(results["generate"]), ""]
+    if "hybrid" in results:
+        parts += ["## One hybrid layer per rank (hybrid mode)\n", hybrid_table(results["hybrid"]), ""]
     return "\n".join(parts)
 
 
@@ -144,6 +146,20 @@ def generate_table(gen: dict) -> str:
                  [[r["prompt_len"], r["cp_size"], f"{r['prefill_s']:.2f}", _fmt(r.get("prefill_efficiency"), ".2f"),
                    f"{1e3 * r['decode_s_per_token']:.2f}", _fmt(r.get("decode_vs_cp1"), ".2f"),
                    f"{r['kv_bytes_per_rank_max'] / 2**20:.2f}"] for r in rows])
+
+
+def hybrid_table(hybrid: dict) -> str:
+    """State passing vs all-gathering the sequence: the slowest rank's fwd+bwd and the bytes each rank sends."""
+    m = hybrid["layer"]
+    caption = (f"Gated DeltaNet layer, hidden {m['hidden_size']}, {m['value_heads']} value / {m['key_heads']} key "
+               f"heads of {m['head_dim']}, conv {m['conv_taps']} taps, float32, batch 1, fwd+bwd, slowest rank's "
+               f"median of {hybrid['reps']}, {hybrid['cores']} cores shared by the ranks")
+    rows = sorted(hybrid["rows"], key=lambda r: (r["seq_len"], r["cp_size"]))
+    return table(caption, ["S", "cp", "state passing s", "KiB sent/rank", "all-gather sequence s", "KiB sent/rank",
+                           "time ratio", "max abs CP - gather"],
+                 [[r["seq_len"], r["cp_size"], f"{r['cp_s']:.3f}", f"{r['cp_bytes'] / 2**10:.1f}",
+                   f"{r['gather_s']:.3f}", f"{r['gather_bytes'] / 2**10:.1f}", f"{r['gather_s'] / r['cp_s']:.2f}",
+                   f"{r['max_abs_diff']:.1e}"] for r in rows])
 
 
 def masks_table(masks: dict) -> str:
