@@ -21,6 +21,19 @@ def test_quickstart_under_torchrun():
     assert diff < 1e-5  # float32 logits of order 1; the ring reorders sums only
 
 
+def test_hf_trainer_sft_example_under_torchrun():
+    """examples/hf_trainer_sft.py (TRL's SFTTrainer with packed documents and a sliding window) at cp 2: it trains
+    (the loss falls over its 20 steps; its exactness is tests/test_hf_trainer.py's)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         str(ROOT / "examples/hf_trainer_sft.py")],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(x) for x in result.stdout.split("losses")[1].split()]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+
+
 def test_hf_quickstart_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

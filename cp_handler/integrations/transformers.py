@@ -56,6 +56,8 @@ HARMLESS = {
     "use_cache": lambda v: True,  # the cache update happens before attention; q/k lengths are checked
     "output_router_logits": lambda v: True,  # MoE routing, not attention
     "logits_to_keep": lambda v: True,  # the LM head's slice, not attention
+    "shift_labels": lambda v: True,  # the loss's arguments, passed down every layer (Trainer, TRL); not attention
+    "num_items_in_batch": lambda v: True,
     "output_attentions": lambda v: not v,
     "encoder_hidden_states": lambda v: v is None,
     "past_key_values": lambda v: v is None,
@@ -219,6 +221,8 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
                          "config's attention_dropout to 0 (or put the model in eval mode)")
     record_attention_call(module)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
+    if torch.is_autocast_enabled(q.device.type):  # mixed precision (Trainer's bf16 / fp16): as autocast casts SDPA
+        q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
     check_local_index_scaling(module, handler, q.shape[1])
     mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
     longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])

@@ -1,0 +1,245 @@
+"""Context parallelism inside Hugging Face ``Trainer`` and TRL's ``SFTTrainer``.
+
+A script changes two lines::
+
+    from cp_handler.integrations.hf_trainer import CPTrainer, ContextParallelArguments
+    trainer = CPTrainer(model=model, args=training_args, train_dataset=ds,
+                        cp_args=ContextParallelArguments(context_parallel_size=2))
+
+and ``torchrun --nproc-per-node N script.py`` trains with ``dp = N / cp`` (DDP over every rank, as Trainer's own).
+:class:`ContextParallelMixin` goes before any ``transformers.Trainer`` subclass; :class:`CPTrainer` and
+``CPSFTTrainer`` (TRL, the ``trl`` extra) are ready-made. What it does, by Trainer's public hooks:
+
+* ``__init__``: the dp x cp groups (CP ranks adjacent), ``register(model)`` (the guard runs before step 1), the
+  settings that would make the result wrong refused by name (accelerate's own CP / SP, label smoothing, a loss
+  without ``num_items_in_batch``, ``average_tokens_across_devices=False``, ``batch_rebalance``); the data loaders
+  are split over the dp ranks only, so every rank of a CP group reads the same batch (the accelerator's
+  ``prepare_data_loader``, replaced on this trainer's accelerator instance);
+* ``training_step`` / ``prediction_step``: each batch sharded by :func:`~.hf_batch.shard_batch` (a handler per
+  batch; packed documents as thd) and run under it; the loss is Trainer's own (``num_items_in_batch``, the global
+  token count: :meth:`get_cp_size` makes Trainer divide its count over CP duplicates), so the loss and every
+  gradient are those of one process on the same global batches; ``prediction_step`` returns the logits combined
+  in the original token order and the batch's loss summed over the CP group;
+* ``evaluation_loop``: results gathered over the dp ranks only (CP ranks hold the same batch), so ``evaluate()``
+  and ``predict()`` return each example once.
+
+Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
+overridden. Tested with transformers 5.23.0, TRL 1.16.0, accelerate 1.15.0; other transformers and TRL releases are
+refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import ContextParallelConfig
+from ..groups import build_dp_cp_groups
+from ..handlers.registry import get_cp_handler_cls
+from .hf_batch import shard_batch
+from .transformers import cp_attention, register
+
+TESTED_TRL = (">=1.16", "<1.17")
+"""The TRL releases ``CPSFTTrainer`` was tested with (pyproject's ``trl`` extra)."""
+TESTED_TRANSFORMERS = (">=5.23", "<5.24")
+"""The transformers releases the mixin was tested with: how Trainer counts ``num_items_in_batch`` (shifted labels,
+divided by ``get_cp_size()``) and scales the loss changed across releases (4.57 counts unshifted labels and has no
+``get_cp_size``), so others are refused (ImportError) until tested."""
+
+
+@dataclass
+class ContextParallelArguments:
+    """CP settings of a Trainer run (:class:`~cp_handler.config.ContextParallelConfig`'s field names; usable with
+    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated."""
+
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    backend: str = "local"
+
+    def config(self) -> ContextParallelConfig:
+        """The validated config. Raises ValueError / TypeError naming the field."""
+        types = self.cp_comm_type.split(",") if isinstance(self.cp_comm_type, str) else self.cp_comm_type
+        return ContextParallelConfig(context_parallel_size=self.context_parallel_size,
+                                     cp_comm_type=types[0] if len(types) == 1 else types,
+                                     hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
+                                     backend=self.backend)
+
+
+@dataclass
+class _Groups:
+    cp_group: dist.ProcessGroup | None
+    hierarchical_cp_groups: list
+    dp_size: int
+    dp_rank: int
+
+
+class ContextParallelMixin:
+    """Context parallelism for a ``transformers.Trainer`` subclass (module doc): ``class MyTrainer(
+    ContextParallelMixin, Trainer)``, built with ``cp_args=ContextParallelArguments(...)``.
+
+    Raises:
+        ValueError: a setting refused by name (module doc), a world size not a multiple of the CP size, the model's
+            guard (``register``); before any training step.
+    """
+
+    def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
+        from transformers.utils.versions import require_version
+
+        require_version("transformers" + ",".join(TESTED_TRANSFORMERS), "ContextParallelMixin: the Trainer releases "
+                        "it was tested with")
+        self.cp_config = cp_args.config()
+        get_cp_handler_cls(self.cp_config.backend, self.cp_config.cp_comm_type).check_available()
+        super().__init__(*args, **kwargs)
+        self._check_settings()
+        self.cp_groups = self._build_groups()
+        register(self.accelerator.unwrap_model(self.model))
+        self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+
+    def _build_groups(self) -> _Groups:
+        """The dp x cp groups (one process: cp must be 1)."""
+        cp = self.cp_config.context_parallel_size
+        if dist.is_initialized():
+            built = build_dp_cp_groups(cp, self.args.device.type, self.cp_config.hierarchical_context_parallel_sizes)
+            return _Groups(built.cp_group, built.hierarchical_cp_groups, built.dp_size, built.dp_rank)
+        if cp > 1:
+            raise ValueError(f"context_parallel_size={cp}: no process group; run under torchrun (TrainingArguments "
+                             "starts it)")
+        return _Groups(None, [], 1, 0)
+
+    def _check_settings(self) -> None:
+        args, refused = self.args, []
+        parallelism = getattr(self.accelerator, "parallelism_config", None)
+        for name in ("cp_size", "sp_size"):
+            if getattr(parallelism, name, 1) > 1:
+                refused.append(f"parallelism_config.{name}={getattr(parallelism, name)} (accelerate's own context / "
+                               "sequence parallelism: two CP layers at once)")
+        if args.label_smoothing_factor:
+            refused.append(f"label_smoothing_factor={args.label_smoothing_factor} (its smoother shifts the labels "
+                           "of each rank's shard)")
+        if not args.average_tokens_across_devices:
+            refused.append("average_tokens_across_devices=False (the loss is normalised by the global token count)")
+        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+            refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
+                           "would be each rank's own mean)")
+        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+            refused.append("train_sampling_strategy='batch_rebalance' (it splits batches over every rank)")
+        if self.accelerator.dispatch_batches:
+            refused.append("accelerator_config dispatch_batches=True (rank 0 would split each batch over every rank)")
+        if refused:
+            raise ValueError("ContextParallelMixin: refused under context parallelism: " + "; ".join(refused))
+
+    def get_cp_size(self) -> int:
+        """The CP size (Trainer divides its global token count and its dp world size by it)."""
+        return self.cp_config.context_parallel_size
+
+    def _shard(self, inputs: dict):
+        return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step on this rank's shard of the batch, under its handler."""
+        sharded = self._shard(self._prepare_inputs(inputs))
+        with cp_attention(sharded.handler):
+            return super().training_step(model, sharded.inputs, num_items_in_batch)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """``(loss, logits, labels)`` of a global batch: the loss of Trainer's ``compute_loss`` summed over the CP
+        group (divided by cp: every CP rank's ``compute_loss`` scales by the world size, as DDP's mean expects),
+        the logits ``(B, S, V)`` combined in the original order, the batch's labels."""
+        inputs = self._prepare_inputs(inputs)
+        labels = inputs.get("labels")
+        has_labels = labels is not None or inputs.get("shift_labels") is not None
+        count = self._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
+        sharded = self._shard(inputs)
+        with torch.no_grad(), cp_attention(sharded.handler), self.compute_loss_context_manager():
+            if has_labels:
+                loss, outputs = self.compute_loss(model, dict(sharded.inputs), return_outputs=True,
+                                                  num_items_in_batch=count)
+                loss = loss.detach().mean()
+                if self.cp_groups.cp_group is not None:
+                    dist.all_reduce(loss, group=self.cp_groups.cp_group)
+                loss = loss / self.get_cp_size()
+            else:
+                loss, outputs = None, model(**{k: v for k, v in sharded.inputs.items() if k != "labels"})
+        if prediction_loss_only:
+            return loss, None, None
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1 if has_labels else 0]
+        logits = sharded.handler.combine(logits.detach(), 1)[:, :sharded.seq_len]
+        return loss, logits, labels
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Trainer's loop with its gather over the dp ranks only (:meth:`_gather_over_dp`)."""
+        if self.args.eval_use_gather_object:
+            raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
+        self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, tensors):
+        """``gather_for_metrics`` over the dp ranks: every rank's tensors gathered, those of one rank per CP group
+        kept (CP ranks are adjacent), then the last batch's duplicates dropped as ``gather_for_metrics`` does."""
+        from accelerate.utils import recursively_apply
+
+        cp, state = self.get_cp_size(), self.accelerator.gradient_state
+        world = self.accelerator.num_processes
+
+        def one_per_group(t):
+            return t.reshape(world, -1, *t.shape[1:])[::cp].flatten(0, 1)
+
+        data = recursively_apply(one_per_group, self.accelerator.gather(tensors))
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda t: t[:state.remainder], data)
+        return data
+
+    def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """The accelerator's ``prepare_data_loader`` with the dp ranks as its processes (one per CP group)."""
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return data_loader
+        prepared = prepare_data_loader(
+            data_loader, acc.device, num_processes=self.cp_groups.dp_size, process_index=self.cp_groups.dp_rank,
+            split_batches=acc.split_batches, put_on_device=acc.device_placement if device_placement is None
+            else device_placement, rng_types=acc.rng_types.copy(), dispatch_batches=False,
+            even_batches=acc.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
+            use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+            non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
+        acc._dataloaders.append(prepared)  # as the accelerator's own (checkpointing of the loader state)
+        return prepared
+
+
+def _trainer_class():
+    from transformers import Trainer
+
+    class CPTrainer(ContextParallelMixin, Trainer):
+        """``transformers.Trainer`` with context parallelism (:class:`ContextParallelMixin`)."""
+
+    return CPTrainer
+
+
+def _sft_trainer_class():
+    from transformers.utils.versions import require_version
+
+    require_version("trl" + ",".join(TESTED_TRL), "CPSFTTrainer: pip install 'cp_handler[trl]'")
+    from trl import SFTTrainer
+
+    class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
+        """TRL's ``SFTTrainer`` with context parallelism (:class:`ContextParallelMixin`)."""
+
+    return CPSFTTrainer
+
+
+_LAZY = {"CPTrainer": _trainer_class, "CPSFTTrainer": _sft_trainer_class}
+
+
+def __getattr__(name: str):
+    """``CPTrainer`` and ``CPSFTTrainer``, built on first use (transformers / TRL imported then)."""
+    if name in _LAZY:
+        cls = _LAZY[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+

@@ -1,0 +1,170 @@
+"""Runs of Hugging Face Trainer / TRL SFTTrainer for tests/test_hf_trainer.py: one process with the plain trainer
+(the reference), or spawned gloo ranks with cp_handler's (``CPTrainer`` / ``CPSFTTrainer``), on the same global
+batches. Each run writes what the comparison needs: the loss of every logged step, the final parameters,
+``evaluate()``'s loss and ``predict()``'s logits.
+
+Tiny random-weight models from configs (no hub), in-memory datasets, SGD (its update is linear in the gradient,
+so the parameters' tolerance follows the gradients'; Adam would turn a 1e-7 gradient into a full step).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 64
+CASES = {
+    # name: model, its config fields, collator ("pad": right padding; "flatten": packed documents), trainer, cp args
+    "llama_pad": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "accumulate": 2},
+    "llama_dp2": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
+    "mistral_window_packed": {"model": "mistral", "config": {"sliding_window": 6}, "collator": "flatten",
+                              "cp": {"context_parallel_size": 2, "cp_comm_type": "all_gather"}},
+    "gemma2_softcap": {"model": "gemma2", "config": {"attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
+                                                     "sliding_window": 8}, "collator": "pad",
+                       "cp": {"context_parallel_size": 2}},
+    "sft_padding_free": {"model": "llama", "collator": "trl", "trainer": "sft", "cp": {"context_parallel_size": 2}},
+    "local_positions": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "break": True},
+}
+"""Each case's reference is the same name run alone (``break`` is a negative control: positions left local)."""
+WORLD = {"llama_dp2": 4}
+"""Ranks per case (default 2: cp 2 alone); dp = world / cp."""
+
+
+def model(name: str, fields: dict | None = None):
+    import transformers
+
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **(fields or {}))
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config"}
+    config = getattr(transformers, classes[name])(**shape)
+    config._attn_implementation = "eager" if name == "gemma2" else "sdpa"  # SDPA has no soft-cap
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def dataset(count: int, seed: int, lengths=(9, 14, 20, 6, 17, 11)):
+    """``count`` examples of varying lengths: ``input_ids``, ``labels`` (the same ids: the model shifts)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(count):
+        ids = torch.randint(1, VOCAB, (lengths[i % len(lengths)],), generator=generator).tolist()
+        rows.append({"input_ids": ids, "labels": ids})
+    return rows
+
+
+def pad_right(features):
+    """Right padding: ``input_ids`` with 0, ``labels`` with -100, an ``attention_mask``."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    labels = torch.full((len(features), longest), -100)
+    mask = torch.zeros(len(features), longest, dtype=torch.long)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n], labels[row, :n], mask[row, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def _collator(kind: str):
+    from transformers import DataCollatorWithFlattening
+
+    return {"pad": pad_right, "flatten": DataCollatorWithFlattening(return_flash_attn_kwargs=True),
+            "trl": None}[kind]
+
+
+def _arguments(case: dict, out: str, batch: int, cp_run: bool):
+    from transformers import TrainingArguments
+
+    fields = dict(output_dir=out, use_cpu=True, per_device_train_batch_size=batch, per_device_eval_batch_size=1,
+                  gradient_accumulation_steps=case.get("accumulate", 1), max_steps=3, learning_rate=0.05,
+                  optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
+                  seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
+                  ddp_backend="gloo" if cp_run else None)
+    if case.get("trainer") == "sft":
+        from trl import SFTConfig
+
+        return SFTConfig(**fields, padding_free=True, max_length=None, bf16=False)  # TRL's default: bf16 autocast
+    return TrainingArguments(**fields)
+
+
+def _break_positions(monkeypatch_target):
+    """The negative control: every rank's positions local (0..S_local-1), a real CP bug."""
+    from cp_handler.integrations import hf_batch
+
+    original = hf_batch.cp_model_inputs
+
+    def local(handler, input_ids):
+        inputs = original(handler, input_ids)
+        inputs["position_ids"] = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        inputs["cache_position"] = inputs["position_ids"][0]
+        return inputs
+
+    monkeypatch_target.cp_model_inputs = local
+
+
+def run_case(name: str, out: str, cp_run: bool) -> None:
+    """Train 3 steps, evaluate and predict; rank 0 writes ``out/result.pt``."""
+    import transformers
+    from transformers import Trainer
+
+    transformers.logging.set_verbosity_error()
+    case = CASES[name]
+    world = dist.get_world_size() if cp_run else 1
+    cp = case["cp"]["context_parallel_size"]
+    dp = world // cp if cp_run else WORLD.get(name, 2) // cp
+    batch = 2 if cp_run else 2 * dp  # the reference runs the dp ranks' batches as one
+    args = _arguments(case, out, batch, cp_run)
+    common = dict(model=model(case["model"], case.get("config")), args=args,
+                  train_dataset=dataset(16, 1), eval_dataset=dataset(2 * dp, 2, lengths=(12,)))
+    if case.get("trainer") == "sft":  # pre-tokenized: TRL's collator makes the labels from input_ids
+        from datasets import Dataset
+        from trl import SFTTrainer
+
+        for key in ("train_dataset", "eval_dataset"):
+            common[key] = Dataset.from_list([{"input_ids": row["input_ids"]} for row in common[key]])
+
+        from cp_handler.integrations.hf_trainer import CPSFTTrainer as CP
+        cls, common["processing_class"] = (CP if cp_run else SFTTrainer), tokenizer()
+    else:
+        from cp_handler.integrations.hf_trainer import CPTrainer as CP
+        cls, common["data_collator"] = (CP if cp_run else Trainer), _collator(case["collator"])
+    if cp_run:
+        from cp_handler.integrations import hf_batch
+        from cp_handler.integrations.hf_trainer import ContextParallelArguments
+
+        if case.get("break"):
+            _break_positions(hf_batch)
+        common["cp_args"] = ContextParallelArguments(**case["cp"])
+    trainer = cls(**common)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    losses = [[entry["loss"], entry["grad_norm"]] for entry in logged]
+    evaluation = trainer.evaluate()
+    prediction = trainer.predict(common["eval_dataset"])
+    if not cp_run or dist.get_rank() == 0:
+        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+        torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
+                    "predictions": torch.as_tensor(prediction.predictions)}, Path(out) / "result.pt")
+
+
+def tokenizer():
+    """A word-level tokenizer over ``VOCAB`` ids, built offline (TRL's SFTTrainer wants a processing class)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(VOCAB)}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="w1")),
+                                   pad_token="w0", eos_token="w1")
+    return fast
+
+
+def worker(rank: int, world: int, names: list[str], out: str, cp_run: bool = True) -> None:
+    """A spawned rank (tests/dist_utils.py): the torchrun environment accelerate reads (for CP runs), then
+    :func:`run_case` of every case of ``names`` into ``out/<name>``."""
+    if cp_run:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    for name in names:
+        (Path(out) / name).mkdir(parents=True, exist_ok=True)
+        run_case(name, str(Path(out) / name), cp_run=cp_run)

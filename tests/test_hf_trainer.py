@@ -1,0 +1,122 @@
+"""Context parallelism inside Hugging Face Trainer and TRL's SFTTrainer (cp_handler.integrations.hf_trainer): the
+loss and gradient norm of every logged step, the final parameters, ``evaluate()``'s loss and ``predict()``'s logits
+of ``CPTrainer`` / ``CPSFTTrainer`` on spawned gloo ranks equal the plain trainer in one process on the same global
+batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulation, dp 2 x cp 2 with a2a, Mistral
+with a window shorter than the sequence on packed documents (``DataCollatorWithFlattening``), Gemma 2 with
+soft-caps, TRL's padding-free SFT. The negative control (positions left local) must fail the same comparison.
+
+Tolerances (float32): losses, gradient norms and the eval loss rtol 1e-5; parameters after 3 SGD steps (the update
+is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5 (tests/test_hf_integration.py's): CP
+only reorders the sums of attention and of the loss.
+"""
+
+import math
+
+import hf_trainer_cases as cases
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from cp_handler.config import ContextParallelConfig
+from cp_handler.integrations.hf_batch import shard_batch
+
+
+def compare(got: dict, want: dict) -> str | None:
+    """The first difference between two runs' results, or ``None``."""
+    if len(got["losses"]) != len(want["losses"]):
+        return f"{len(got['losses'])} logged steps, expected {len(want['losses'])}"
+    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        if not all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b, strict=True)):
+            return f"step {step + 1}: loss, grad norm {a} vs {b}"
+    for name, param in want["params"].items():
+        if not torch.allclose(got["params"][name], param, atol=1e-6, rtol=1e-5):
+            return f"parameter {name} differs by {(got['params'][name] - param).abs().max().item():.2e}"
+    if not math.isclose(got["eval_loss"], want["eval_loss"], rel_tol=1e-5):
+        return f"eval_loss {got['eval_loss']} vs {want['eval_loss']}"
+    if got["predictions"].shape != want["predictions"].shape:
+        return f"predictions of shape {tuple(got['predictions'].shape)} vs {tuple(want['predictions'].shape)}"
+    if not torch.allclose(got["predictions"], want["predictions"], atol=1e-5, rtol=1e-5):
+        return f"predictions differ by {(got['predictions'] - want['predictions']).abs().max().item():.2e}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case: the reference (one spawn of one process) and the CP runs (one spawn per world size)."""
+    out = tmp_path_factory.mktemp("hf_trainer")
+    run_distributed(cases.worker, 1, list(cases.CASES), str(out / "reference"), False)
+    for world in sorted({cases.WORLD.get(name, 2) for name in cases.CASES}):
+        names = [name for name in cases.CASES if cases.WORLD.get(name, 2) == world]
+        run_distributed(cases.worker, world, names, str(out / "cp"))
+    return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
+            for name in cases.CASES}
+
+
+@pytest.mark.parametrize("name", [n for n in cases.CASES if not cases.CASES[n].get("break")])
+def test_trainer_under_cp_equals_one_process(results, name):
+    got, want = results[name]
+    assert len(want["losses"]) == 3
+    assert compare(got, want) is None, compare(got, want)
+
+
+def test_negative_control_local_positions_fail(results):
+    problem = compare(*results["local_positions"])
+    assert problem is not None and problem.startswith("step 1: loss"), problem
+
+
+@pytest.mark.parametrize("batch, message", [
+    ({"input_ids": torch.ones(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1]] * 2)},
+     "attention_mask has padding before real tokens (left padding, or holes)"),
+    ({"input_ids": torch.ones(1, 8, dtype=torch.long), "token_type_ids": torch.zeros(1, 8)},
+     "batch keys ['token_type_ids'] are not implemented under context parallelism"),
+    ({"input_ids": torch.ones(2, 8, dtype=torch.long), "position_ids": torch.arange(8).roll(1).expand(2, 8)},
+     "position_ids of padded rows must be 0..S-1"),
+    ({"input_ids": torch.ones(1, 8, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 3, 8]),
+      "position_ids": torch.arange(8)[None]}, "do not restart at 0 at each document"),
+])
+def test_batches_that_would_be_wrong_are_refused_by_name(batch, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        shard_batch(batch, ContextParallelConfig())
+
+
+def _cp_trainer(tmp_path, model, **fields):
+    from transformers import TrainingArguments
+
+    from cp_handler.integrations.hf_trainer import ContextParallelArguments, CPTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, **fields)
+    return CPTrainer(model=model, args=args, train_dataset=cases.dataset(4, 0), data_collator=cases.pad_right,
+                     cp_args=ContextParallelArguments())
+
+
+def test_a_refused_architecture_fails_before_the_first_step(tmp_path):
+    import hf_zoo
+
+    with pytest.raises(ValueError, match="BloomForCausalLM: of its 2 layers, .* did not run cp_handler's attention"):
+        _cp_trainer(tmp_path, hf_zoo.build("bloom"))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1 (its smoother shifts the labels"),
+    ({"average_tokens_across_devices": False}, "average_tokens_across_devices=False"),
+    ({"train_sampling_strategy": "batch_rebalance"}, "train_sampling_strategy='batch_rebalance'"),
+])
+def test_settings_that_would_be_wrong_are_refused_by_name(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        _cp_trainer(tmp_path, cases.model("llama"), **fields)
+
+
+def test_arguments_are_checked_as_the_config_is():
+    from cp_handler.integrations.hf_trainer import ContextParallelArguments
+
+    assert ContextParallelArguments(2, "p2p,a2a").config().cp_comm_type == ["p2p", "a2a"]
+    with pytest.raises(ValueError, match="cp_comm_type='a2a\\+p2p' needs hierarchical_context_parallel_sizes"):
+        ContextParallelArguments(4, "a2a+p2p").config()
+
+
+def test_an_untested_transformers_release_is_refused(tmp_path, monkeypatch):
+    from cp_handler.integrations import hf_trainer
+
+    monkeypatch.setattr(hf_trainer, "TESTED_TRANSFORMERS", (">=9.0", "<9.1"))
+    with pytest.raises(ImportError, match="transformers>=9.0,<9.1 is required"):
+        _cp_trainer(tmp_path, cases.model("llama"))
