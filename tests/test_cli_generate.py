@@ -75,12 +75,16 @@ def test_cp_generate_flag_rules(tmp_path, monkeypatch):
             parse(["--nproc", "2", "--prompt-file", str(prompt), *flags])
     from hf_zoo import tiny_config
 
-    lfm2 = tiny_config("lfm2")  # short-convolution layers: the guard, before spawn
-    lfm2.vocab_size = 256
-    lfm2.save_pretrained(tmp_path / "lfm2")
-    with pytest.raises(SystemExit, match=r"--hf-model .*lfm2: Lfm2ForCausalLM: module 'model.layers.0.conv.conv' is a "
-                                         r"convolution over the sequence"):
-        parse(["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "lfm2")])
+    for name, message in (("recurrent_gemma", "RecurrentGemmaForCausalLM: module "
+                                              "'model.layers.0.temporal_block.conv_1d' is a convolution over the "
+                                              "sequence"),  # the guard, before spawn
+                          ("lfm2", "generate: module 'model.layers.0.conv' \\(Lfm2ShortConv\\) is a token mixer other "
+                                   "than attention")):  # trains exactly, generation refused before spawn
+        config = tiny_config(name)
+        config.vocab_size = 256
+        config.save_pretrained(tmp_path / name)
+        with pytest.raises(SystemExit, match=rf"--hf-model .*{name}: {message}"):
+            parse(["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / name)])
     binary = tmp_path / "prompt.bin"
     binary.write_bytes(bytes(range(256)))
     with pytest.raises(SystemExit, match=r"--prompt-file .*prompt.bin is not text: it holds NUL bytes"):

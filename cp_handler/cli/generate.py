@@ -19,6 +19,7 @@ from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
 from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
 from ..inference.sampling import Sampling
+from ..integrations.transformers import check_generation
 from ..training.checkpoint_meta import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
@@ -118,6 +119,10 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         saved_dtype = meta["training"]["dtype"]
     else:  # the config, the tokenizer, the guard and the heads (cp-train's checks), before any rank starts
         hf = check_hf_architecture(argparse.Namespace(hf_model=args.hf_model, hf_config=None))
+        try:
+            check_generation(hf)
+        except ValueError as err:
+            raise ValueError(f"--hf-model {args.hf_model}: {err}") from None
         heads = hf_attention_shape(hf)
         model_source = {"hf_model": args.hf_model}
         saved_dtype = None

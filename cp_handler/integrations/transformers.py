@@ -135,6 +135,24 @@ def check_architecture(config) -> None:
         register(AutoModelForCausalLM.from_config(config))
 
 
+def check_generation(config) -> None:
+    """The generation guard on a config, before any rank starts: the model (on the ``meta`` device) with its
+    mixers routed must have no token mixer other than attention (:func:`~cp_handler.inference.generate.check_mixers`).
+
+    Raises:
+        ValueError: naming the first such mixer.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..inference.generate import check_mixers
+    from .hf_mixers import instrument_model
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    instrument_model(model)
+    check_mixers(model)
+
+
 @contextlib.contextmanager
 def cp_attention(handler: ContextParallelHandler):
     """Route the attention of ``"cp_handler"`` models through ``handler`` inside the block."""
