@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .handlers.base import ContextParallelHandler
@@ -34,6 +35,50 @@ def masked_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask:
     """Sum of cross-entropy (float32) over the tokens where ``loss_mask`` is 1."""
     losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
     return (losses * loss_mask.flatten()).sum()
+
+
+AUTO_CHUNK_TOKENS = 4096
+"""Tokens per chunk of the automatic chunked loss (:func:`loss_chunk_tokens`)."""
+AUTO_CHUNK_BYTES = 2**28
+"""The automatic chunked loss engages when a rank's float32 logits would exceed this (256 MiB)."""
+
+
+def loss_chunk_tokens(requested: int | None, rows: int, vocab_size: int) -> int | None:
+    """Tokens per chunk of the loss for ``rows`` local tokens (``None``: the whole loss at once). ``requested``:
+    ``None`` = automatic (chunks of :data:`AUTO_CHUNK_TOKENS` when ``rows x vocab_size`` float32 logits exceed
+    :data:`AUTO_CHUNK_BYTES`: there the logits dominate a rank's memory; below, the recomputed head costs time
+    and saves little), ``0`` = whole, ``N > 0`` = chunks of ``N`` tokens."""
+    if requested is None:
+        return AUTO_CHUNK_TOKENS if rows * vocab_size * 4 > AUTO_CHUNK_BYTES and rows > AUTO_CHUNK_TOKENS else None
+    return requested if 0 < requested < rows else None
+
+
+def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """:func:`masked_token_loss_sum` of ``head(hidden)`` without holding the rank's whole logits.
+
+    Args:
+        hidden: ``(B, S_local, H)`` the model's last hidden states; head: ``hidden -> logits (..., V)`` (the
+            output norm and projection, and any transform of the logits), applied per token.
+        labels / loss_mask: ``(B, S_local)``.
+        chunk_tokens: ``None``: the whole loss at once; else the tokens are cut into chunks of this many, each
+            chunk's logits and cross-entropy computed and dropped, then recomputed in the backward
+            (non-reentrant ``torch.utils.checkpoint``): at most ``chunk_tokens x V`` logits exist at a time, for
+            one extra forward of the head (Liger's and TRL's chunked losses do the same with fused kernels).
+
+    Returns:
+        float32 scalar: the sum over the masked tokens (equal to the whole loss up to float32 reordering).
+    """
+    if chunk_tokens is None:
+        return masked_token_loss_sum(head(hidden), labels, loss_mask)
+    flat, labels, loss_mask = hidden.flatten(0, -2), labels.flatten(), loss_mask.flatten()
+
+    def chunk_sum(h, lab, mask):
+        return masked_token_loss_sum(head(h), lab, mask)
+
+    return sum(torch.utils.checkpoint.checkpoint(chunk_sum, flat[i:i + chunk_tokens], labels[i:i + chunk_tokens],
+                                                 loss_mask[i:i + chunk_tokens], use_reentrant=False)
+               for i in range(0, flat.shape[0], chunk_tokens))
 
 
 def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

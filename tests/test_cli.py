@@ -70,6 +70,14 @@ def test_hybrid_layer_pattern_parity_checkpoint_and_generation_refused(tmp_path)
     assert generate.returncode != 0 and "a hybrid model (linear-attention layers)" in generate.stderr, generate.stderr
 
 
+def test_chunked_loss_parity():
+    """--loss-chunk-tokens 50: the loss over chunks of 50 of a rank's 64 tokens per row, against one process's
+    whole loss."""
+    result = cp_train("--nproc", "2", "--loss-chunk-tokens", "50", *SMALL[:1], "3", *SMALL[2:], "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+
+
 def test_eval_at_another_cp_degree(tmp_path):
     out = tmp_path / "metrics.json"
     result = cp_train("--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--eval-every", "3",
@@ -207,6 +215,7 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--moe-experts", "4", "--moe-top-k", "5"], "--moe-top-k 5 must lie in"),
         (["--nproc", "2", "--layer-pattern", "LAX", "--num-layers", "3"], "--layer-pattern 'LAX': letters A"),
         (["--nproc", "2", "--layer-pattern", "LLA"], "its length dividing --num-layers 2"),
+        (["--nproc", "2", "--loss-chunk-tokens", "-1"], "--loss-chunk-tokens -1 must be >= 0"),
     ],
 )
 def test_bad_flags_exit_before_training(flags, message, monkeypatch):

@@ -214,13 +214,20 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
-        recompute=args.recompute,
+        recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args),
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
+
+
+def check_loss_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--loss-chunk-tokens`` (``None``: automatic). Raises ValueError naming the flag."""
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
+        raise ValueError(f"--loss-chunk-tokens {args.loss_chunk_tokens} must be >= 0 (0: the whole loss at once)")
+    return args.loss_chunk_tokens
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:

@@ -29,6 +29,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="recompute every layer's activations in the backward instead of keeping them (activation "
                         "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
                         "memory per rank for one more forward of each layer, its CP communication included")
+    g.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
+                   help="compute the logits and the loss over chunks of N of a rank's tokens, each recomputed in the "
+                        "backward, so at most N x vocabulary logits exist at once (0: the whole loss at once; "
+                        "default: chunks of 4096 when a rank's float32 logits would exceed 256 MiB)")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="sequences per forward/backward: each step accumulates gradients over --batch-size / "
                         "--micro-batch-size passes (Megatron-LM's micro-batches; default --batch-size: one pass)")

@@ -42,9 +42,10 @@ from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
+from ..loss import masked_token_loss_sum, token_loss_sum
 from .hf_active import active_handler, handler_context, record_attention_call
 from .hf_mask import CPMask, cp_mask
-from .hf_model import cp_model_inputs, local_position_ids, prepare_model
+from .hf_model import cp_model_inputs, local_position_ids, prepare_model, text_config
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
@@ -270,6 +271,8 @@ class CPCausalLM(torch.nn.Module):
         super().__init__()
         register(model)
         self.model = model
+        self.head_refusal = _probe_head(self)
+        """Why the chunked loss is refused for this model (``None``: it runs), from a probe at cp = 1."""
 
     def gradient_checkpointing_enable(self) -> None:
         """transformers' gradient checkpointing (non-reentrant) of the wrapped model; it runs only in
@@ -280,13 +283,82 @@ class CPCausalLM(torch.nn.Module):
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
-                moe_handler=None) -> torch.Tensor:
+                moe_handler=None, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                loss_chunk_tokens: int | None = None) -> torch.Tensor:
+        """Logits, or with ``labels`` the masked loss sum (as :class:`~cp_handler.models.GPTModel`): with
+        ``loss_chunk_tokens`` the last hidden states go through :meth:`head` in chunks (the model's own output
+        projection; a model whose logits are something else is refused by name, :attr:`head_refusal`)."""
         if moe_handler is not None:
             raise ValueError("CPCausalLM: Hugging Face models route their own experts; moe_handler is not used")
+        if labels is not None and loss_chunk_tokens is not None and self.head_refusal:
+            raise ValueError(f"chunked loss (loss_chunk_tokens={loss_chunk_tokens}): {self.head_refusal}")
         if cp_handler is None:
             cp_handler = build_cp_handler(ContextParallelConfig())
-        with cp_attention(cp_handler):
-            return self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits
+        if labels is None or loss_chunk_tokens is None:
+            with cp_attention(cp_handler):
+                logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids),
+                                    use_cache=False).logits
+            return logits if labels is None else masked_token_loss_sum(logits, labels, loss_mask)
+        hidden = self.last_hidden_states(input_ids, cp_handler)
+        return token_loss_sum(hidden, self.head, labels, loss_mask, loss_chunk_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return text_config(self.model).vocab_size
+
+    def last_hidden_states(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
+        """``(B, S_local, hidden)``: what the model's forward gives its output projection (captured by a forward
+        pre-hook, which hands the projection zero tokens instead: no logits are computed)."""
+        captured = {}
+
+        def take(module, args):
+            captured["hidden"] = args[0]
+            return (args[0][..., :0, :], *args[1:])
+
+        handle = self.model.get_output_embeddings().register_forward_pre_hook(take)
+        try:
+            with cp_attention(cp_handler):
+                self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False)
+        finally:
+            handle.remove()
+        return captured["hidden"]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output projection and the logit transforms transformers' causal LMs apply after it (Gemma's
+        ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``)."""
+        logits = self.model.get_output_embeddings()(hidden)
+        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else \
+            self.model.config
+        if getattr(config, "logit_scale", None) is not None:
+            logits = logits * config.logit_scale
+        if getattr(config, "logits_scaling", None) is not None:
+            logits = logits / config.logits_scaling
+        cap = getattr(config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _probe_head(model: CPCausalLM, tokens: int = 12) -> str | None:
+    """At cp = 1, in eval mode: whether :meth:`CPCausalLM.head` of the captured hidden states gives the model's
+    own logits (``None``), else why not. Skipped (``None``) for weights on the ``meta`` device."""
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return None
+    if model.model.get_output_embeddings() is None:
+        return f"{type(model.model).__name__} has no output embeddings (get_output_embeddings() is None)"
+    ids = torch.randint(0, text_config(model.model).vocab_size, (1, tokens),
+                        generator=torch.Generator().manual_seed(0)).to(weight.device)
+    handler, was_training = build_cp_handler(ContextParallelConfig()), model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(ids, cp_handler=handler)
+            got = model.head(model.last_hidden_states(ids, handler))
+    finally:
+        model.train(was_training)
+    if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
+        return (f"{type(model.model).__name__}'s logits are not its output projection of the last hidden states "
+                "(with the logit transforms cp_handler knows): a chunked loss would differ; use the whole loss")
+    return None
 
 
 class HFReference(torch.nn.Module):

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..handlers.base import ContextParallelHandler
 from ..handlers.local import LocalContextParallelHandler
+from ..loss import token_loss_sum
 from ..moe import ExpertParallelHandler
 from ..rope import rotary_freqs
 from .gated_delta import GatedDeltaNet
@@ -168,9 +169,14 @@ class GPTModel(nn.Module):
         input_ids: torch.Tensor,
         cp_handler: ContextParallelHandler | None = None,
         moe_handler: ExpertParallelHandler | None = None,
+        labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+        loss_chunk_tokens: int | None = None,
     ) -> torch.Tensor:
-        """MoE models take ``moe_handler`` (default: every expert on this process); its
-        ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
+        """Logits ``(B, S_local, V)``; with ``labels`` / ``loss_mask`` ``(B, S_local)``, the float32 sum of the
+        masked token losses instead (:func:`~cp_handler.loss.token_loss_sum`: in chunks of ``loss_chunk_tokens``
+        tokens, the whole logits never held). MoE models take ``moe_handler`` (default: every expert on this
+        process); its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
         handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
         if self.config.num_moe_experts and moe_handler is None:
             moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts)
@@ -183,7 +189,17 @@ class GPTModel(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, freqs, handler, moe_handler, use_reentrant=False)
             else:
                 x = layer(x, freqs, handler, moe_handler)
-        return self.lm_head(self.norm(x))  # (B, S_local, V)
+        if labels is None:
+            return self.head(x)  # (B, S_local, V)
+        return token_loss_sum(x, self.head, labels, loss_mask, loss_chunk_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The output norm and projection: ``(..., hidden) -> (..., V)`` logits."""
+        return self.lm_head(self.norm(x))
 
     def shard_experts(self, expert_ids: range) -> None:
         """Keep only the experts ``expert_ids`` in every MoE layer (``moe_handler.local_expert_ids``)."""

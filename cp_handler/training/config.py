@@ -71,6 +71,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
     recompute: bool = False
     """Recompute every layer's activations in the backward (``gradient_checkpointing_enable``)."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the loss (:func:`~cp_handler.loss.loss_chunk_tokens`): ``None`` automatic, 0 whole."""
     check_parity: bool = False
     eval_every: int = 0
     eval_batches: int = 2

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
-from ..loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch
+from ..loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next_token_batch
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
@@ -71,6 +71,8 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
     micro-batch's load-balancing loss divided by the number of micro-batches (Megatron-LM's
     convention) and reduce gradients with ``experts``."""
 
+    chunk_of = loss_chunks(model, config)
+
     def run(step: int):
         batch = batches.global_batch(step, global_batch)
         parts = []
@@ -87,8 +89,8 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
             last = index == len(parts) - 1
             with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
                 moe = experts.handler() if experts else None
-                logits = model(input_ids, cp_handler=handler, moe_handler=moe)
-                share = masked_token_loss_sum(logits, labels, loss_mask) / total
+                share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
+                              loss_chunk_tokens=chunk_of(input_ids)) / total
                 if moe:
                     share = share + sum(moe.aux_losses) / len(parts)
                 (share * grad_scale).backward()
@@ -97,6 +99,12 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
             experts.reduce_gradients(model)
         return loss, global_batch * config.seq_len
     return run
+
+
+def loss_chunks(model, config: TrainConfig):
+    """``input_ids -> tokens per loss chunk`` (``None``: the whole loss) for ``model`` (possibly DDP-wrapped)."""
+    vocab = getattr(model, "module", model).vocab_size
+    return lambda input_ids: loss_chunk_tokens(config.loss_chunk_tokens, input_ids.numel(), vocab)
 
 
 def _pack(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +116,7 @@ def _pack(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]
 def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
     """Dynamic CP (see the module doc): every rank holds a full model (gradients reduced here)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    chunk_of = loss_chunks(model, config)
 
     def run(step: int):
         docs = documents.global_batch(step, config.batch_size * world)
@@ -122,7 +131,8 @@ def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: G
                 handler = build_cp_handler(config.cp, pool.group(group.size, group.first), attn_shape=config.attn_shape,
                                            qkv_format="thd", cu_seqlens=cu)
                 input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-                share = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask) / total
+                share = model(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
+                              loss_chunk_tokens=chunk_of(input_ids)) / total
                 share.backward()
                 loss += share.detach()
         all_reduce_grads(list(model.parameters()))

@@ -1,0 +1,107 @@
+"""The loss without the rank's whole logits (cp_handler.loss.token_loss_sum, ``--loss-chunk-tokens``): chunked
+equals whole in value and in every gradient, for the reference GPT and for Hugging Face models through their own
+output head and logit transforms (Llama; Gemma 2's final soft-cap; Cohere's logit scale; Granite's logits
+scaling); no tensor of a chunk's logits is kept for the backward (saved-tensor hooks: machine-independent); a model
+whose logits are not its head of the last hidden states is refused by name.
+
+Tolerances: float64 1e-12 (only the order of the chunk sums changes); float32 models: loss rtol 1e-6, gradients
+atol 1e-6 + rtol 1e-5 (the chunked head recomputes the same float32 products; sums in another order).
+"""
+
+import pytest
+import torch
+
+from cp_handler.loss import loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
+from cp_handler.models import GPTConfig, GPTModel
+
+
+def _inputs(rows=2, length=23, hidden=8, vocab=40, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(rows, length, hidden, generator=g, dtype=dtype, requires_grad=True)
+    head = torch.nn.Linear(hidden, vocab, dtype=dtype)
+    labels = torch.randint(0, vocab, (rows, length), generator=g)
+    mask = (torch.rand(rows, length, generator=g) > 0.2).to(dtype)
+    return h, head, labels, mask
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 23, 46, 100])
+def test_chunks_equal_the_whole_loss_and_gradients(chunk):
+    h, head, labels, mask = _inputs()
+    whole = masked_token_loss_sum(head(h), labels, mask)
+    grads = torch.autograd.grad(whole, [h, head.weight, head.bias])
+    chunked = token_loss_sum(h, head, labels, mask, chunk)
+    for got, want in zip(torch.autograd.grad(chunked, [h, head.weight, head.bias]), grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(chunked, whole, atol=1e-12, rtol=1e-12)
+
+
+def _largest_saved(fn) -> int:
+    largest = [0]
+
+    def pack(t):
+        largest[0] = max(largest[0], t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return largest[0]
+
+
+def test_no_chunk_logits_are_kept_for_the_backward():
+    h, head, labels, mask = _inputs(rows=1, length=64, vocab=200)
+    whole = _largest_saved(lambda: masked_token_loss_sum(head(h), labels, mask))
+    chunked = _largest_saved(lambda: token_loss_sum(h, head, labels, mask, 8))
+    assert whole >= 64 * 200 and chunked < 8 * 200, (whole, chunked)  # the whole keeps (S, V); chunks keep inputs
+
+
+def test_automatic_chunks_engage_where_the_logits_dominate():
+    assert loss_chunk_tokens(None, 65536, 128256) == 4096  # 32 GiB of float32 logits: chunked
+    assert loss_chunk_tokens(None, 65536, 256) is None  # 64 MiB: the whole loss
+    assert loss_chunk_tokens(0, 65536, 128256) is None and loss_chunk_tokens(100, 50, 10) is None
+    assert loss_chunk_tokens(100, 500, 10) == 100
+
+
+def _compare(model, ids, chunk):
+    labels, mask = ids.roll(-1, 1), torch.ones(ids.shape)
+    whole = model(ids, labels=labels, loss_mask=mask)
+    want = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
+    chunked = model(ids, labels=labels, loss_mask=mask, loss_chunk_tokens=chunk)
+    got = torch.autograd.grad(chunked, list(model.parameters()), allow_unused=True)
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    for (name, _), a, b in zip(model.named_parameters(), got, want, strict=True):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_reference_gpt_chunked_equals_whole():
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=64))
+    _compare(model, torch.randint(0, 256, (2, 24)), 5)
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("llama", {}), ("gemma2", {"final_logit_softcapping": 2.0}), ("cohere", {"logit_scale": 0.5}),
+    ("granite", {"logits_scaling": 3.0}),
+])
+def test_hugging_face_chunked_equals_whole_through_the_models_head(model_type, fields):
+    import hf_zoo
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    model = CPCausalLM(hf_zoo.build(hf_zoo.tiny_config(model_type, fields)))
+    assert model.head_refusal is None
+    _compare(model, torch.randint(0, hf_zoo.VOCAB, (1, 24), generator=torch.Generator().manual_seed(1)), 7)
+
+
+def test_a_head_cp_handler_does_not_know_is_refused(monkeypatch):
+    import hf_zoo
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    monkeypatch.setattr(CPCausalLM, "head", lambda self, hidden: self.model.get_output_embeddings()(hidden))
+    model = CPCausalLM(hf_zoo.build(hf_zoo.tiny_config("gemma2", {"final_logit_softcapping": 2.0})))
+    ids = torch.randint(0, hf_zoo.VOCAB, (1, 8))
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM's logits are not its output projection"):
+        model(ids, labels=ids, loss_mask=torch.ones(ids.shape), loss_chunk_tokens=4)
