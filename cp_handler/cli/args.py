@@ -214,13 +214,23 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
-        recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args),
+        recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args), fsdp=check_fsdp(args),
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
+
+
+def check_fsdp(args: argparse.Namespace) -> bool:
+    """``--fsdp`` and what it does not combine with. Raises ValueError naming the flags."""
+    reasons = {"--moe-experts": "experts are sharded over ep and reduced by their own groups",
+               "--dynamic-cp": "each rank runs other CP groups per step and reduces the gradients itself"}
+    for flag, value in (("--moe-experts", args.moe_experts), ("--dynamic-cp", args.dynamic_cp)):
+        if args.fsdp and value:
+            raise ValueError(f"--fsdp with {flag}: not implemented ({reasons[flag]}); drop one of them")
+    return args.fsdp
 
 
 def check_loss_chunk_tokens(args: argparse.Namespace) -> int | None:

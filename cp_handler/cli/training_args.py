@@ -29,6 +29,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="recompute every layer's activations in the backward instead of keeping them (activation "
                         "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
                         "memory per rank for one more forward of each layer, its CP communication included")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer states over every rank of the job (FSDP2's "
+                        "fully_shard over dp x cp, one unit per layer) instead of replicating them (DDP)")
     g.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
                    help="compute the logits and the loss over chunks of N of a rank's tokens, each recomputed in the "
                         "backward, so at most N x vocabulary logits exist at once (0: the whole loss at once; "

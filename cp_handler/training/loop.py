@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..launch import heartbeat
 from ..progress import Progress
+from .fsdp import full_tensor
 
 
 class NonFiniteLoss(RuntimeError):
@@ -29,7 +30,8 @@ def default_optimizer(lr: float):
 
 
 def local_grad_norm(model) -> float:
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
+    """The gradient norm over ``model``'s parameters (FSDP: over every rank's shards)."""
+    return full_tensor(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))).item()
 
 
 def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count_group, progress: bool,

@@ -27,6 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from .fsdp import full_gradients, is_sharded
+from .fsdp import full_state as fsdp_full_state
+
 PARITY_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
 """Max relative difference of the loss and of the gradient, CP step vs reference step."""
 
@@ -37,7 +40,9 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def full_state(model: torch.nn.Module, sharded_experts: bool) -> dict | None:
     """The whole model's state on rank 0 (``None`` elsewhere). With sharded experts every rank sends
-    its experts' tensors (a collective: every rank calls this)."""
+    its experts' tensors, with FSDP every rank its shards (a collective: every rank calls this)."""
+    if is_sharded(model):
+        return fsdp_full_state(model)
     state = unwrap(model).state_dict()
     if sharded_experts:
         shards = [None] * dist.get_world_size()
@@ -63,21 +68,22 @@ class StepReference:
 
     def __call__(self, step: int, cp_model: torch.nn.Module) -> dict:
         state = full_state(cp_model, self.sharded_experts)
+        ours = full_gradients(cp_model) if is_sharded(cp_model) else \
+            {n: p.grad for n, p in unwrap(cp_model).named_parameters() if p.grad is not None}
         if state is None:
             return {}
         self.model.load_state_dict(state)
         self.model.zero_grad(set_to_none=True)
         loss, _ = self.run(step)
         return {"reference_loss": loss.item(), "reference_grad_norm": self.grad_norm(self.model),
-                "grad_rel_diff": gradient_difference(unwrap(cp_model), self.model)}
+                "grad_rel_diff": gradient_difference(ours, self.model)}
 
 
-def gradient_difference(cp_model: torch.nn.Module, reference: torch.nn.Module) -> float:
-    """``|g_cp - g_ref| / |g_ref|`` over the parameters the CP model holds on this rank (its experts
-    only, when they are sharded): the whole gradient, not only its norm."""
-    ours = dict(cp_model.named_parameters())
-    pairs = [(ours[name].grad, p.grad) for name, p in reference.named_parameters()
-             if name in ours and ours[name].grad is not None and p.grad is not None]
+def gradient_difference(ours: dict[str, torch.Tensor], reference: torch.nn.Module) -> float:
+    """``|g_cp - g_ref| / |g_ref|`` over the gradients ``ours`` of the CP model on this rank (by parameter name;
+    its experts only, when they are sharded): the whole gradient, not only its norm."""
+    pairs = [(ours[name], p.grad.to(ours[name].device)) for name, p in reference.named_parameters()
+             if name in ours and p.grad is not None]
     diff = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in pairs))
     norm = torch.sqrt(sum((b.double() ** 2).sum() for _, b in pairs))
     return (diff / norm).item()

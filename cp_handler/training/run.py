@@ -33,6 +33,7 @@ from .checkpoint_meta import CheckpointError, check_resume, run_meta
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
+from .fsdp import full_state, is_sharded, shard_model, state_bytes
 from .loop import default_optimizer, local_grad_norm, train_steps
 from .parity import StepReference, parity_result, unwrap
 from .reference import hf_logits
@@ -152,12 +153,16 @@ def export_hf(config: TrainConfig, trained) -> None:
     Raises:
         CheckpointError: the target received files since the launch (the export is left unpublished).
     """
-    if not config.export_hf or dist.get_rank() != 0:
+    if not config.export_hf:
+        return
+    state = full_state(trained) if is_sharded(trained) else None  # FSDP: every rank sends its shards
+    if dist.get_rank() != 0:
         return
     target = os.path.abspath(config.export_hf)
     partial = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=os.path.dirname(target))
     try:
-        unwrap(trained).model.save_pretrained(partial)
+        unwrap(trained).model.save_pretrained(
+            partial, state_dict=None if state is None else {k.removeprefix("model."): v for k, v in state.items()})
         if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
             tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
         os.rename(partial, target)  # onto a missing or empty folder only
@@ -200,10 +205,13 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     if experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
         model.shard_experts(experts.handler().local_expert_ids)
         trained, grad_scale, grad_norm_fn = model, 1.0, experts.grad_norm
+    elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
+        trained, grad_scale, grad_norm_fn = shard_model(model, device.type), float(world), None
     else:  # DDP averages gradients over the world; the loss is already normalised by the global token count
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         grad_scale, grad_norm_fn = float(world), None
     moe = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if experts else ""
+    moe += f", FSDP2 over all {world} ranks" if config.fsdp else ""
     moe += ", every layer recomputed in the backward" if config.recompute else ""
     _say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
          f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{moe}")
@@ -231,20 +239,24 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     export_hf(config, trained)
     eval_check = check_eval_cp(config, at_train, at_eval, trained, heldout[0], eval_inputs) \
         if config.check_eval_cp else None
-    return _finish(config, records, eval_check, device, {"dp_size": groups.dp_size, "cp_size": groups.cp_size})
+    return _finish(config, records, eval_check, device, {"dp_size": groups.dp_size, "cp_size": groups.cp_size},
+                   state_bytes(trained, optim))
 
 
-def _finish(config: TrainConfig, records, eval_check, device, layout: dict) -> dict | None:
+def _finish(config: TrainConfig, records, eval_check, device, layout: dict, state: dict | None = None) -> dict | None:
     """Gather memory, assemble rank 0's metrics, run the requested checks."""
     memory_kind, peak = peak_memory_bytes(device)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
+    dist.all_gather_object(peaks, (peak, state))
+    peaks, states = [p for p, _ in peaks], [s for _, s in peaks]
     if dist.get_rank() != 0:
         return None
     timed = records[1:] or records  # the first step includes warm-up
     metrics = {"config": asdict(config), "world_size": dist.get_world_size(), **layout, "device": device.type,
                "steps": records, "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
                "memory_kind": memory_kind, "peak_memory_bytes_per_rank": peaks}
+    if state is not None:  # parameters, gradients, optimizer states per rank (FSDP: this rank's shards)
+        metrics["state_bytes_per_rank"] = states
     if eval_check is not None:
         metrics["eval_cp_check"] = eval_check
         report_eval_check(eval_check)

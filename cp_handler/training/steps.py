@@ -25,6 +25,7 @@ from ..loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
+from .fsdp import is_sharded, set_gradient_sync
 from .reference import PlainAttention, next_token_loss, predicted_tokens
 from .tokens import tokens_for
 
@@ -87,7 +88,7 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
         loss = torch.zeros((), dtype=torch.float64, device=device)
         for index, (handler, input_ids, labels, loss_mask) in enumerate(parts):
             last = index == len(parts) - 1
-            with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            with gradient_sync(model, last):
                 moe = experts.handler() if experts else None
                 share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
                               loss_chunk_tokens=chunk_of(input_ids)) / total
@@ -99,6 +100,15 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
             experts.reduce_gradients(model)
         return loss, global_batch * config.seq_len
     return run
+
+
+def gradient_sync(model, last: bool):
+    """A micro-batch's context: gradients reduced after the last one only (DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync``)."""
+    if is_sharded(model):
+        set_gradient_sync(model, last)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
 
 
 def loss_chunks(model, config: TrainConfig):
