@@ -113,6 +113,25 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
         "attn_fwd_bshd.png", "attn_fwd_bwd_bshd.png", "attn_fwd_bwd_thd.png", "attn_fwd_thd.png"]
 
 
+def test_memory_counts_saved_bytes_and_projects_from_them():
+    """The saved-tensor count of ``--modes memory`` on a tiny layer shape: a chunked loss keeps no logits (the
+    whole one keeps at least the float32 logits' V x 4 bytes per token), recomputation keeps less per layer, and
+    the projection's tokens per rank follow from its bytes per token (a larger CP size frees state, never less)."""
+    from cp_handler.bench import memory
+
+    shape = {"hidden_size": 32, "num_layers": 4, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 64, "vocab_size": 1000}
+    rows = {(r["recompute"], r["loss_chunk_tokens"]): r for r in memory.measure_layer(32, shape, chunk=8)}
+    assert rows[False, None]["other_bytes_per_token"] >= 1000 * 4 > 10 * rows[False, 8]["other_bytes_per_token"]
+    assert rows[False, None]["layer_bytes_per_token"] == rows[False, 8]["layer_bytes_per_token"] > 0
+    projected = memory.project(list(rows.values()), cp_sizes=(1, 8), shape=shape)
+    for row in projected:
+        assert row["tokens_per_rank"] * row["gpu_bytes_per_token"] <= 0.9 * 80e9
+    by = {(r["cp_size"], r["recompute"], r["chunked_loss"], r["offload"]): r["tokens_per_rank"] for r in projected}
+    assert by[8, True, True, False] > by[8, False, True, False] and by[8, True, True, True] > by[8, True, True, False]
+    assert memory.parameters(memory.LLAMA3_8B) == 8_030_261_248  # Llama-3-8B's published count
+
+
 def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
     """The per-rank plan benchmark in its CPU emulation mode: every pattern, bshd and thd, an
     efficiency per row; each pattern's rank plan computes 1/cp of the causal score pairs (zigzag)."""

@@ -217,6 +217,7 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--layer-pattern", "LLA"], "its length dividing --num-layers 2"),
         (["--nproc", "2", "--loss-chunk-tokens", "-1"], "--loss-chunk-tokens -1 must be >= 0"),
         (["--nproc", "2", "--fsdp", "--moe-experts", "4"], "--fsdp with --moe-experts: not implemented"),
+        (["--nproc", "2", "--offload-activations"], "--offload-activations: no CUDA device here"),
         (["--nproc", "2", "--fsdp", "--dynamic-cp", "--max-seqlen-per-rank", "256"],
          "--fsdp with --dynamic-cp: not implemented"),
     ],

@@ -20,6 +20,9 @@ Modes (``--modes``, default both):
 * ``hybrid`` (only when asked for): :mod:`.hybrid`: one Gated DeltaNet layer (short convolution and gated delta
   rule) forward + backward per rank with state passing, beside all-gathering the sequence, with the bytes each
   rank sends;
+* ``memory`` (only when asked for): :mod:`.memory`: bytes saved for the backward per token per layer (saved-tensor
+  hooks) at the Llama-3-8B layer shape, training state and peak RSS per rank of DDP vs FSDP runs here, and the
+  longest sequence per rank an 80 GB GPU holds (a projection from those measurements);
 * ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
   every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
   K/V tokens each rank sends.
@@ -44,7 +47,7 @@ import torch
 from ..cli.flag_names import HelpFormatter
 from ..config import CP_COMM_TYPES
 from ..ops.patterns import PATTERNS
-from . import e2e, generation, hybrid, launches, masks, plan, plots, report, whole
+from . import e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .torch_ring import check_available
 
@@ -75,12 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
                         f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
                         f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
-    g.add_argument("--modes", nargs="+", choices=("attn", "e2e", "plan", "launches", "masks", "generate", "hybrid"),
+    g.add_argument("--modes", nargs="+",
+                   choices=("attn", "e2e", "plan", "launches", "masks", "generate", "hybrid", "memory"),
                    default=["attn", "e2e"],
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
                         "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed); "
                         "masks: sliding window and chunked attention vs full causal per rank; generate: prefill and "
-                        "decode with a sharded KV cache")
+                        "decode with a sharded KV cache; hybrid: one Gated DeltaNet layer; memory: saved activations, "
+                        "training state and the 80 GB projection")
     g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -139,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hybrid-heads", type=int, default=4, help="value heads")
     g.add_argument("--hybrid-key-heads", type=int, default=2, help="key heads (each serves heads / key heads)")
     g.add_argument("--hybrid-head-dim", type=int, default=64, help="head dim of keys and values")
+    g = p.add_argument_group("memory (--modes memory: saved activations, training state, the 80 GB projection)")
+    g.add_argument("--mem-layer-tokens", type=int, default=64,
+                   help="tokens of the Llama-3-8B layer measurement (bytes per token do not depend on it)")
+    g.add_argument("--mem-seq-len", type=int, default=2048, help="sequence of the DDP / FSDP runs here (4 ranks, cp 2)")
+    g.add_argument("--mem-local-model", type=json.loads, default=memory.LOCAL_MODEL, metavar="JSON",
+                   help="the reference GPT shape of the runs here (GPTConfig fields)")
     g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt)")
     g.add_argument("--gen-prompt-lens", type=int, nargs="+", default=None,
                    help="prompt lengths in tokens (default 4096 8192 16384 32768 65536; --quick: 4096 8192)")
@@ -258,6 +269,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads "
                     f"{args.hybrid_key_heads}")
         _check_zigzag(p, "--hybrid-cp-sizes", args.hybrid_cp_sizes, "--hybrid-seq-lens", args.hybrid_seq_lens)
+    if "memory" in args.modes:
+        if args.device != "cpu":
+            p.error("--modes memory runs on CPU (saved-tensor counts are machine-independent): drop --device cuda")
+        if args.mem_layer_tokens < 1:
+            p.error(f"--mem-layer-tokens: {args.mem_layer_tokens} must be >= 1")
+        _check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
     if "masks" in args.modes:
         for flag in ("mask_window", "mask_chunk", "mask_cp_size"):
             if getattr(args, flag) < 1:
@@ -289,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         results["generate"] = generation.run(args)
     if "hybrid" in args.modes:
         results["hybrid"] = hybrid.run(args)
+    if "memory" in args.modes:
+        results["memory"] = memory.run(args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)

@@ -118,6 +118,8 @@ def markdown(results: dict) -> str:
     if "generate" in results:
         parts += ["## Prefill and decode with a sharded KV cache (generate mode)\n",
                   generate_table(results["generate"]), ""]
+    if "memory" in results:
+        parts += ["## Memory per rank (memory mode)\n", memory_tables(results["memory"]), ""]
     if "hybrid" in results:
         parts += ["## One hybrid layer per rank (hybrid mode)\n", hybrid_table(results["hybrid"]), ""]
     return "\n".join(parts)
@@ -146,6 +148,36 @@ def generate_table(gen: dict) -> str:
                  [[r["prompt_len"], r["cp_size"], f"{r['prefill_s']:.2f}", _fmt(r.get("prefill_efficiency"), ".2f"),
                    f"{1e3 * r['decode_s_per_token']:.2f}", _fmt(r.get("decode_vs_cp1"), ".2f"),
                    f"{r['kv_bytes_per_rank_max'] / 2**20:.2f}"] for r in rows])
+
+
+def memory_tables(mem: dict) -> str:
+    """Saved bytes per token (measured), training state and RSS of the runs here, the 80 GB projection."""
+    s, a = mem["llama_shape"], mem["assumptions"]
+    measured = table(f"Saved for the backward, one Llama-3-8B layer (hidden {s['hidden_size']}, "
+                     f"{s['num_attention_heads']}/{s['num_query_groups']} heads, FFN {s['ffn_hidden_size']}, "
+                     f"vocabulary {s['vocab_size']}), bfloat16, {mem['layer_tokens']} tokens, cp 1 "
+                     "(saved-tensor hooks)",
+                     ["recompute", "loss", "layer bytes/token", "embedding + head + loss bytes/token"],
+                     [["on" if r["recompute"] else "off",
+                       f"chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "whole",
+                       f"{r['layer_bytes_per_token']:,.0f}", f"{r['other_bytes_per_token']:,.0f}"]
+                      for r in mem["measured"]])
+    local = table(f"cp-train here: reference GPT {mem['local_model']}, byte vocabulary, 4 ranks (dp 2 x cp 2), "
+                  "float32, AdamW", ["sharding", "recompute", "sequence", "parameters + gradients + optimizer per rank "
+                                     "(MiB)", "vs ideal", "peak RSS per rank (MiB)"],
+                  [["FSDP2" if r["fsdp"] else "DDP", "on" if r["recompute"] else "off", r["seq_len"],
+                    f"{r['state_bytes_per_rank'] / 2**20:.1f}", f"{r['state_vs_ideal']:.3f}",
+                    f"{r['peak_rss_bytes_per_rank'] / 2**20:.0f}"] for r in mem["local"]])
+    projection = table(f"PROJECTION (not a run): Llama-3-8B on {a['gpu_bytes'] / 1e9:.0f} GB GPUs, FSDP2 over the cp "
+                       f"ranks, {a['bytes_per_parameter']} bytes per parameter, {100 * a['usable']:.0f}% usable, loss "
+                       f"chunks of {a['chunk_tokens']}, from the measured bytes per token above",
+                       ["cp", "recompute", "loss", "activation offload", "state GB/rank", "GPU bytes/token",
+                        "tokens/rank", "sequence", "host bytes/token"],
+                       [[r["cp_size"], "on" if r["recompute"] else "off", "chunked" if r["chunked_loss"] else "whole",
+                         "on" if r["offload"] else "off", f"{r['state_gb']:.1f}", f"{r['gpu_bytes_per_token']:,.0f}",
+                         f"{r['tokens_per_rank']:,}", f"{r['sequence']:,}",
+                         f"{r['host_bytes_per_token']:,.0f}" if r["offload"] else "-"] for r in mem["projection"]])
+    return "\n\n".join([measured, local, projection])
 
 
 def hybrid_table(hybrid: dict) -> str:

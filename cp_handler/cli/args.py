@@ -215,12 +215,21 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
         recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args), fsdp=check_fsdp(args),
+        offload_activations=check_offload(args),
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
+
+
+def check_offload(args: argparse.Namespace) -> bool:
+    """``--offload-activations`` needs CUDA. Raises ValueError naming the flag."""
+    if args.offload_activations and not torch.cuda.is_available():
+        raise ValueError("--offload-activations: no CUDA device here; on the CPU the activations already live in "
+                         "host memory, so offloading them cannot save anything")
+    return args.offload_activations
 
 
 def check_fsdp(args: argparse.Namespace) -> bool:

@@ -32,6 +32,9 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer states over every rank of the job (FSDP2's "
                         "fully_shard over dp x cp, one unit per layer) instead of replicating them (DDP)")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="keep the activations saved for the backward in pinned host memory instead of GPU memory "
+                        "(torch.autograd.graph.save_on_cpu; exact: copies); CUDA only, not yet run on a GPU")
     g.add_argument("--loss-chunk-tokens", type=int, default=None, metavar="N",
                    help="compute the logits and the loss over chunks of N of a rank's tokens, each recomputed in the "
                         "backward, so at most N x vocabulary logits exist at once (0: the whole loss at once; "

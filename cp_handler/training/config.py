@@ -71,6 +71,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
     recompute: bool = False
     """Recompute every layer's activations in the backward (``gradient_checkpointing_enable``)."""
+    offload_activations: bool = False
+    """Keep saved activations in pinned host memory (``torch.autograd.graph.save_on_cpu``; CUDA)."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over every rank (FSDP2, :mod:`.fsdp`) instead of DDP."""
     loss_chunk_tokens: int | None = None

@@ -88,7 +88,7 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
         loss = torch.zeros((), dtype=torch.float64, device=device)
         for index, (handler, input_ids, labels, loss_mask) in enumerate(parts):
             last = index == len(parts) - 1
-            with gradient_sync(model, last):
+            with gradient_sync(model, last), activations_kept(config):
                 moe = experts.handler() if experts else None
                 share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
                               loss_chunk_tokens=chunk_of(input_ids)) / total
@@ -100,6 +100,14 @@ def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, gl
             experts.reduce_gradients(model)
         return loss, global_batch * config.seq_len
     return run
+
+
+def activations_kept(config: TrainConfig):
+    """Where the forward's saved activations live: pinned host memory with ``--offload-activations`` (each copied
+    back for its backward: the same values), else where they were computed."""
+    if config.offload_activations:
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    return contextlib.nullcontext()
 
 
 def gradient_sync(model, last: bool):
@@ -141,9 +149,10 @@ def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: G
                 handler = build_cp_handler(config.cp, pool.group(group.size, group.first), attn_shape=config.attn_shape,
                                            qkv_format="thd", cu_seqlens=cu)
                 input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-                share = model(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
-                              loss_chunk_tokens=chunk_of(input_ids)) / total
-                share.backward()
+                with activations_kept(config):
+                    share = model(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
+                                  loss_chunk_tokens=chunk_of(input_ids)) / total
+                    share.backward()
                 loss += share.detach()
         all_reduce_grads(list(model.parameters()))
         return loss, sum(lengths)
