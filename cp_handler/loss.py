@@ -45,9 +45,9 @@ AUTO_CHUNK_BYTES = 2**28
 
 def loss_chunk_tokens(requested: int | None, rows: int, vocab_size: int) -> int | None:
     """Tokens per chunk of the loss for ``rows`` local tokens (``None``: the whole loss at once). ``requested``:
-    ``None`` = automatic (chunks of :data:`AUTO_CHUNK_TOKENS` when ``rows x vocab_size`` float32 logits exceed
-    :data:`AUTO_CHUNK_BYTES`: there the logits dominate a rank's memory; below, the recomputed head costs time
-    and saves little), ``0`` = whole, ``N > 0`` = chunks of ``N`` tokens."""
+    ``None`` = automatic (chunks of :data:`AUTO_CHUNK_TOKENS` when there is more than one chunk and ``rows x
+    vocab_size`` float32 logits exceed :data:`AUTO_CHUNK_BYTES`: there the logits dominate a rank's memory;
+    below, the recomputed head costs time and saves little), ``0`` = whole, ``N > 0`` = chunks of ``N`` tokens."""
     if requested is None:
         return AUTO_CHUNK_TOKENS if rows * vocab_size * 4 > AUTO_CHUNK_BYTES and rows > AUTO_CHUNK_TOKENS else None
     return requested if 0 < requested < rows else None

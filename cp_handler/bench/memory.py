@@ -41,8 +41,8 @@ LOCAL_MODEL = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "n
 
 @contextlib.contextmanager
 def _attributed(model: GPTModel, bins: dict):
-    """Saved tensors' bytes into ``bins[key]`` (``layer`` while a transformer layer runs, else ``other``), once
-    per storage, parameters excluded."""
+    """Saved tensors' bytes into ``bins[key]`` (``mlp`` while a layer's feed-forward runs, ``layer`` while the
+    rest of a transformer layer runs, else ``other``), once per storage, parameters excluded."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen, where = set(), ["other"]
 
@@ -53,9 +53,9 @@ def _attributed(model: GPTModel, bins: dict):
             bins[where[-1]] = bins.get(where[-1], 0) + t.untyped_storage().nbytes()
         return t
 
-    handles = [h for layer in model.layers for h in (
-        layer.register_forward_pre_hook(lambda *_: where.append("layer")),
-        layer.register_forward_hook(lambda *_: where.pop() and None))]  # None: the output stays
+    handles = [h for layer in model.layers for module, name in ((layer, "layer"), (layer.mlp, "mlp")) for h in (
+        module.register_forward_pre_hook(lambda *_, n=name: where.append(n)),
+        module.register_forward_hook(lambda *_: where.pop() and None))]  # None: the output stays
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -73,9 +73,9 @@ def saved_bytes(model: GPTModel, tokens: torch.Tensor, handler=None, chunk: int 
     with _attributed(model, bins):
         loss = model(tokens, cp_handler=handler, labels=labels, loss_mask=mask, loss_chunk_tokens=chunk)
     loss.backward()
-    n = tokens.numel()
-    return {"tokens": n, "layer_bytes_per_token": bins.get("layer", 0) / n / len(model.layers),
-            "other_bytes_per_token": bins.get("other", 0) / n}
+    n, layers = tokens.numel(), len(model.layers)
+    return {"tokens": n, "layer_bytes_per_token": (bins.get("layer", 0) + bins.get("mlp", 0)) / n / layers,
+            "mlp_bytes_per_token": bins.get("mlp", 0) / n / layers, "other_bytes_per_token": bins.get("other", 0) / n}
 
 
 def one_layer(shape: dict, recompute: bool) -> GPTModel:
@@ -172,7 +172,8 @@ def project(measured: list[dict], cp_sizes=(1, 8, 32), shape: dict = LLAMA3_8B) 
 
 def run(args) -> dict:
     """``--modes memory``: the Llama-3-8B layer's saved bytes, the local runs, the projection."""
+    local = local_runs(args)  # first: ranks started later would inherit the Llama layer's pages in their RSS
     measured = measure_layer(args.mem_layer_tokens)
     return {"llama_shape": LLAMA3_8B, "layer_tokens": args.mem_layer_tokens, "measured": measured,
-            "local_model": args.mem_local_model, "local": local_runs(args), "assumptions": PROJECTION,
+            "local_model": args.mem_local_model, "local": local, "assumptions": PROJECTION,
             "projection": project(measured)}

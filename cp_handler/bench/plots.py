@@ -68,6 +68,34 @@ def generate_plot(gen: dict, out_dir: str) -> str:
     return save_figure(fig, out_dir, "generate.png")
 
 
+def memory_plot(mem: dict, out_dir: str) -> str:
+    """The projection: the longest sequence per configuration at each CP size (log scale), labelled as such."""
+    rows = mem["projection"]
+    labels = sorted({_memory_label(r) for r in rows}, key=lambda s: [_memory_label(r) for r in rows].index(s))
+    cps = sorted({r["cp_size"] for r in rows})
+    fig, ax = require_matplotlib().subplots(figsize=(9, 4.5))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [next((r["sequence"] for r in rows if r["cp_size"] == cp and _memory_label(r) == label), 0)
+                  for cp in cps]
+        ax.bar([c + i * width for c in range(len(cps))], values, width, label=label)
+    for c, cp in enumerate(cps):  # a configuration whose state alone exceeds the GPU holds no token
+        if not any(r["sequence"] for r in rows if r["cp_size"] == cp):
+            ax.text(c + 0.4 - width / 2, 2e4, "the training state alone\nexceeds the GPU", ha="center", fontsize=8)
+    ax.set(ylim=(1e4, None), xticks=[c + 0.4 - width / 2 for c in range(len(cps))], xticklabels=[f"cp {cp}" for cp in cps],
+           yscale="log", ylabel="longest sequence (tokens)",
+           title="PROJECTION from measured bytes per token: Llama-3-8B, 80 GB GPUs, FSDP2 over the cp ranks")
+    ax.axhline(1_000_000, color="gray", linestyle="--", linewidth=1)
+    ax.legend(fontsize=7)
+    return save_figure(fig, out_dir, "memory_projection.png")
+
+
+def _memory_label(row: dict) -> str:
+    parts = ["recompute" if row["recompute"] else "no recompute",
+             "chunked loss" if row["chunked_loss"] else "whole loss"]
+    return ", ".join(parts + (["offload"] if row["offload"] else []))
+
+
 def masks_plot(masks: dict, out_dir: str) -> str:
     """Two bar panels: the slowest rank's time and the K/V tokens sent per rank, per case."""
     names = [r["case"] for r in masks["rows"]]
@@ -142,4 +170,6 @@ def plots(results: dict, out_dir: str) -> list[str]:
         written.append(masks_plot(results["masks"], out_dir))
     if "generate" in results:
         written.append(generate_plot(results["generate"], out_dir))
+    if "memory" in results:
+        written.append(memory_plot(results["memory"], out_dir))
     return written

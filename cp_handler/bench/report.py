@@ -157,10 +157,11 @@ def memory_tables(mem: dict) -> str:
                      f"{s['num_attention_heads']}/{s['num_query_groups']} heads, FFN {s['ffn_hidden_size']}, "
                      f"vocabulary {s['vocab_size']}), bfloat16, {mem['layer_tokens']} tokens, cp 1 "
                      "(saved-tensor hooks)",
-                     ["recompute", "loss", "layer bytes/token", "embedding + head + loss bytes/token"],
+                     ["recompute", "loss", "layer bytes/token", "of which the MLP", "outside the layers bytes/token"],
                      [["on" if r["recompute"] else "off",
                        f"chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "whole",
-                       f"{r['layer_bytes_per_token']:,.0f}", f"{r['other_bytes_per_token']:,.0f}"]
+                       f"{r['layer_bytes_per_token']:,.0f}", f"{r['mlp_bytes_per_token']:,.0f}",
+                       f"{r['other_bytes_per_token']:,.0f}"]
                       for r in mem["measured"]])
     local = table(f"cp-train here: reference GPT {mem['local_model']}, byte vocabulary, 4 ranks (dp 2 x cp 2), "
                   "float32, AdamW", ["sharding", "recompute", "sequence", "parameters + gradients + optimizer per rank "
