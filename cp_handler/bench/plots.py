@@ -82,8 +82,8 @@ def memory_plot(mem: dict, out_dir: str) -> str:
     for c, cp in enumerate(cps):  # a configuration whose state alone exceeds the GPU holds no token
         if not any(r["sequence"] for r in rows if r["cp_size"] == cp):
             ax.text(c + 0.4 - width / 2, 2e4, "the training state alone\nexceeds the GPU", ha="center", fontsize=8)
-    ax.set(ylim=(1e4, None), xticks=[c + 0.4 - width / 2 for c in range(len(cps))], xticklabels=[f"cp {cp}" for cp in cps],
-           yscale="log", ylabel="longest sequence (tokens)",
+    ax.set(ylim=(1e4, None), xticks=[c + 0.4 - width / 2 for c in range(len(cps))],
+           xticklabels=[f"cp {cp}" for cp in cps], yscale="log", ylabel="longest sequence (tokens)",
            title="PROJECTION from measured bytes per token: Llama-3-8B, 80 GB GPUs, FSDP2 over the cp ranks")
     ax.axhline(1_000_000, color="gray", linestyle="--", linewidth=1)
     ax.legend(fontsize=7)
