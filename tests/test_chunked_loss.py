@@ -105,3 +105,23 @@ def test_a_head_cp_handler_does_not_know_is_refused(monkeypatch):
     ids = torch.randint(0, hf_zoo.VOCAB, (1, 8))
     with pytest.raises(ValueError, match="Gemma2ForCausalLM's logits are not its output projection"):
         model(ids, labels=ids, loss_mask=torch.ones(ids.shape), loss_chunk_tokens=4)
+
+
+def test_logits_of_chosen_rows_only_equal_the_whole_logits_rows():
+    """Generation's prefill asks for the last tokens' logits only (``logits_rows``): the same values as those rows
+    of the whole logits, for the reference GPT and a Hugging Face model (through its head)."""
+    import hf_zoo
+
+    from cp_handler.integrations.transformers import CPCausalLM
+
+    torch.manual_seed(0)
+    gpt = GPTModel(GPTConfig(hidden_size=32, num_layers=1, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=64))
+    hf = CPCausalLM(hf_zoo.build(hf_zoo.tiny_config("gemma2", {"final_logit_softcapping": 2.0})))
+    rows = torch.tensor([3, 0, 9])
+    for model, vocab in ((gpt, 256), (hf, hf_zoo.VOCAB)):
+        ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            got = model(ids, logits_rows=rows)
+            torch.testing.assert_close(got, model(ids)[:, rows], atol=1e-6, rtol=1e-6)
+        assert got.shape[1] == 3

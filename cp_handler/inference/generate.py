@@ -87,16 +87,19 @@ def check_mixers(model: torch.nn.Module) -> None:
                          "need each sequence's convolution and recurrent state where its last token is); refused")
 
 
-def _last_token_logits(handler: LocalContextParallelHandler, logits: torch.Tensor) -> torch.Tensor:
-    """``(B, V)`` float32 logits of every prompt's last token, on every rank (the holder fills its rows)."""
+def _last_token_logits(handler: LocalContextParallelHandler, model, local: torch.Tensor) -> torch.Tensor:
+    """``(B, V)`` float32 logits of every prompt's last token, on every rank: the forward of the local tokens
+    computes logits only at the last tokens this rank holds (``logits_rows``), which it fills in."""
     layout = handler.thd_layout
     index = layout.dispatch_index(handler.cp_rank)
     last = torch.tensor(layout.lengths).cumsum(0) - 1
+    held = [(i, int(rows[0])) for i, position in enumerate(last.tolist())
+            if (rows := (index == position).nonzero().flatten()).numel()]
+    rows = torch.tensor([row for _, row in held], dtype=torch.long, device=local.device)
+    logits = model(local, cp_handler=handler, logits_rows=rows)  # (1, len(held), V)
     out = logits.new_zeros((layout.num_docs, logits.shape[-1]), dtype=torch.float32)
-    for i, position in enumerate(last.tolist()):
-        rows = (index == position).nonzero()
-        if rows.numel():
-            out[i] = logits[0, int(rows[0])].float()
+    for j, (i, _) in enumerate(held):
+        out[i] = logits[0, j].float()
     if handler.cp_size > 1:
         dist.all_reduce(out, group=handler.cp_group)
     return out
@@ -110,7 +113,9 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
     or sampled as ``sampling`` says; ``max_new_tokens`` tokens per prompt, fewer with ``stop_token``.
 
     Args:
-        model: ``model(input_ids (1, T), cp_handler=h) -> logits (1, T, V)``.
+        model: ``model(input_ids (1, T), cp_handler=h, logits_rows=None) -> logits (1, T, V)`` (with
+            ``logits_rows``, a 1-D index of local rows: the logits of those rows only, ``(1, len(rows), V)``: the
+            prefill asks for the prompts' last tokens only, never holding the prompt's whole logits).
         prompts: 1-D int64 token tensors (any lengths).
         max_new_tokens: tokens generated per prompt (>= 1).
         cp_group / cp_comm_type / hierarchical_cp_groups: the prefill's CP layout (any comm type; decode
@@ -181,7 +186,7 @@ def _prefill(model, prompts: list[torch.Tensor], num_layers: int, device, layout
     cu = torch.tensor([0, *torch.tensor([p.numel() for p in prompts]).cumsum(0).tolist()], dtype=torch.int32)
     prefill = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=cu, kv_cache=cache, **layout)
     local = prefill.dispatch(torch.cat(prompts).view(1, -1).to(device), 1)
-    logits = _last_token_logits(prefill, model(local, cp_handler=prefill))
+    logits = _last_token_logits(prefill, model, local)
     cache.finish_prefill()
     return cache, logits
 

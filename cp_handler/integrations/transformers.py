@@ -284,16 +284,22 @@ class CPCausalLM(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
                 moe_handler=None, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                loss_chunk_tokens: int | None = None) -> torch.Tensor:
+                loss_chunk_tokens: int | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or with ``labels`` the masked loss sum (as :class:`~cp_handler.models.GPTModel`): with
         ``loss_chunk_tokens`` the last hidden states go through :meth:`head` in chunks (the model's own output
-        projection; a model whose logits are something else is refused by name, :attr:`head_refusal`)."""
+        projection; a model whose logits are something else is refused by name, :attr:`head_refusal`). With
+        ``logits_rows`` the logits of those local rows only, through :meth:`head` (all rows' logits, then those,
+        when the head is refused)."""
         if moe_handler is not None:
             raise ValueError("CPCausalLM: Hugging Face models route their own experts; moe_handler is not used")
         if labels is not None and loss_chunk_tokens is not None and self.head_refusal:
             raise ValueError(f"chunked loss (loss_chunk_tokens={loss_chunk_tokens}): {self.head_refusal}")
         if cp_handler is None:
             cp_handler = build_cp_handler(ContextParallelConfig())
+        if logits_rows is not None and not self.head_refusal:
+            return self.head(self.last_hidden_states(input_ids, cp_handler)[:, logits_rows])
+        if logits_rows is not None:
+            return self(input_ids, cp_handler)[:, logits_rows]
         if labels is None or loss_chunk_tokens is None:
             with cp_attention(cp_handler):
                 logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids),

@@ -172,11 +172,13 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
         loss_chunk_tokens: int | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``(B, S_local, V)``; with ``labels`` / ``loss_mask`` ``(B, S_local)``, the float32 sum of the
         masked token losses instead (:func:`~cp_handler.loss.token_loss_sum`: in chunks of ``loss_chunk_tokens``
         tokens, the whole logits never held). MoE models take ``moe_handler`` (default: every expert on this
-        process); its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
+        process); its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add.
+        ``logits_rows`` (1-D int64): the logits of those local rows only (generation's last tokens)."""
         handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
         if self.config.num_moe_experts and moe_handler is None:
             moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts)
@@ -189,6 +191,8 @@ class GPTModel(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, freqs, handler, moe_handler, use_reentrant=False)
             else:
                 x = layer(x, freqs, handler, moe_handler)
+        if logits_rows is not None:
+            return self.head(x[:, logits_rows])  # (B, rows, V)
         if labels is None:
             return self.head(x)  # (B, S_local, V)
         return token_loss_sum(x, self.head, labels, loss_mask, loss_chunk_tokens)
