@@ -125,3 +125,26 @@ def test_logits_of_chosen_rows_only_equal_the_whole_logits_rows():
             got = model(ids, logits_rows=rows)
             torch.testing.assert_close(got, model(ids)[:, rows], atol=1e-6, rtol=1e-6)
         assert got.shape[1] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offloaded_activations_give_the_same_gradients_on_cuda():
+    """``--offload-activations`` (``save_on_cpu`` around the step, training/steps.py): the reference GPT's loss and
+    every gradient bitwise those of the step without it (copies to pinned host memory and back)."""
+    from types import SimpleNamespace
+
+    from cp_handler.training.steps import activations_kept
+
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=128)).cuda()
+    ids = torch.randint(0, 256, (1, 256), device="cuda")
+    results = []
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        with activations_kept(SimpleNamespace(offload_activations=offload)):
+            loss = model(ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(ids.shape, device="cuda"))
+            loss.backward()
+        results.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
