@@ -10,6 +10,7 @@ atol 1e-6 + rtol 1e-5 (the chunked head recomputes the same float32 products; su
 
 import pytest
 import torch
+from test_cli import SMALL, cp_train
 
 from cp_handler.loss import loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
 from cp_handler.models import GPTConfig, GPTModel
@@ -148,3 +149,11 @@ def test_offloaded_activations_give_the_same_gradients_on_cuda():
             loss.backward()
         results.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_chunked_loss_parity():
+    """--loss-chunk-tokens 50: the loss over chunks of 50 of a rank's 64 tokens per row, against one process's
+    whole loss."""
+    result = cp_train("--nproc", "2", "--loss-chunk-tokens", "50", *SMALL[:1], "3", *SMALL[2:], "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr

@@ -12,10 +12,12 @@
 
 import json
 
+import pytest
 import torch
 from test_checkpoint import model_tensors
 from test_cli import cp_train
 
+from cp_handler.cli.args import parse
 from cp_handler.training.checkpoint import step_name
 
 FLAGS = ["--seq-len", "128", "--hidden-size", "64", "--ffn-hidden-size", "128", "--max-corpus-bytes", "2000000",
@@ -61,3 +63,16 @@ def test_fsdp_hugging_face_model_parity_and_export(tmp_path):
     saved = model_tensors(tmp_path / "ckpt" / step_name(2))
     for key, value in exported.items():
         torch.testing.assert_close(value, saved[f"model.{key}"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fsdp", "--moe-experts", "4"], "--fsdp with --moe-experts: not implemented"),
+    (["--fsdp", "--dynamic-cp", "--max-seqlen-per-rank", "256"], "--fsdp with --dynamic-cp: not implemented"),
+    pytest.param(["--offload-activations"], "--offload-activations: no CUDA device here",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the rule is for machines without CUDA")),
+])
+def test_what_does_not_combine_is_refused_before_any_rank(flags, message, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit, match=message):
+        parse(["--nproc", "2", *flags])

@@ -4,10 +4,15 @@ different comm type in every attention layer; thd also equals every document run
 gpt_reference.py (the linear layers' kernel computes in float32, as attention does).
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from dist_utils import run_distributed
 from gpt_reference import CONFIG, assert_parity, loss_and_grads
+from test_cli import SMALL, cp_train
 from test_gpt_thd import documents_alone
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
@@ -41,3 +46,16 @@ def _worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_hybrid_gpt_matches_one_process(world):
     run_distributed(_worker, world)
+
+
+def test_hybrid_layer_pattern_parity_checkpoint_and_generation_refused(tmp_path):
+    """--layer-pattern LA (Gated DeltaNet and attention layers) at cp 2 against one process, saved; cp-generate
+    refuses the hybrid checkpoint by name before any rank starts."""
+    result = cp_train("--nproc", "2", "--layer-pattern", "LA", *SMALL[:1], "3", *SMALL[2:], "--check-parity",
+                      "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+    generate = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
+                               str(tmp_path / "ckpt"), "--prompt", "hello", "--max-new-tokens", "2"],
+                              capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert generate.returncode != 0 and "a hybrid model (linear-attention layers)" in generate.stderr, generate.stderr
