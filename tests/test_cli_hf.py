@@ -67,7 +67,7 @@ def test_hugging_face_flag_rules(tmp_path, monkeypatch):
             parse(["--nproc", "2", *flags])
 
 
-HF_REFUSED = [("mamba", {}, "is a convolution over the sequence"),
+HF_REFUSED = [("recurrent_gemma", {}, "is a convolution over the sequence"),
               ("roberta", {"is_decoder": True}, "differ from its own defaults"),
               ("bloom", {}, "did not run cp_handler's attention")]
 

@@ -221,11 +221,13 @@ def _recompute_pre_hook(module, args, kwargs, last=None):
     makes that forward's handler active again for its call (its attention, and a rotary module inside it); a
     layer given no mask (a hybrid's convolution or recurrent layers get ``None``) the handler of the model's
     last forward with gradients (``last``: one dict per model), the forward being recomputed unless two
-    forwards with different handlers ran before one backward."""
+    forwards with different handlers ran before one backward; never while a forward of the model runs (a
+    forward without a handler stays without one)."""
     if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    handler = mask.forward_handler if mask is not None else (last or {}).get("handler")
+    recomputing = last is not None and not last.get("running")
+    handler = mask.forward_handler if mask is not None else (last.get("handler") if recomputing else None)
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
@@ -247,6 +249,8 @@ def _takes_attention_mask(module: nn.Module) -> bool:
 
 def _model_pre_hook(model, args, kwargs, last=None):
     handler = kwargs.pop("cp_handler", None) or active_handler()
+    if last is not None:
+        last["running"] = last.get("running", 0) + 1
     if handler is None:
         return args, kwargs
     if torch.is_grad_enabled() and last is not None:
@@ -255,7 +259,9 @@ def _model_pre_hook(model, args, kwargs, last=None):
     return args, kwargs
 
 
-def _model_hook(model, args, kwargs, output):
+def _model_hook(model, args, kwargs, output, last=None):
+    if last is not None:
+        last["running"] -= 1
     tokens = model.__dict__.pop("_cp_tokens", None)
     if tokens is None:
         return None
@@ -287,7 +293,8 @@ def prepare_model(model: nn.Module) -> nn.Module:
     check_model(model)
     last = {}  # the handler of the model's last forward with gradients (recomputation of layers without a mask)
     handles = [model.register_forward_pre_hook(functools.partial(_model_pre_hook, last=last), with_kwargs=True),
-               model.register_forward_hook(_model_hook, with_kwargs=True, always_call=True)]
+               model.register_forward_hook(functools.partial(_model_hook, last=last), with_kwargs=True,
+                                           always_call=True)]
     handles += install_rotary_hooks(model)
     for module in model.modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
