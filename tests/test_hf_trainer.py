@@ -79,14 +79,14 @@ def test_batches_that_would_be_wrong_are_refused_by_name(batch, message):
         shard_batch(batch, ContextParallelConfig())
 
 
-def _cp_trainer(tmp_path, model, **fields):
+def _cp_trainer(tmp_path, model, trainer_fields=None, **fields):
     from transformers import TrainingArguments
 
     from cp_handler.integrations.hf_trainer import ContextParallelArguments, CPTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1, **fields)
     return CPTrainer(model=model, args=args, train_dataset=cases.dataset(4, 0), data_collator=cases.pad_right,
-                     cp_args=ContextParallelArguments())
+                     cp_args=ContextParallelArguments(), **(trainer_fields or {}))
 
 
 def test_a_refused_architecture_fails_before_the_first_step(tmp_path):
@@ -104,6 +104,11 @@ def test_a_refused_architecture_fails_before_the_first_step(tmp_path):
 def test_settings_that_would_be_wrong_are_refused_by_name(tmp_path, fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         _cp_trainer(tmp_path, cases.model("llama"), **fields)
+
+
+def test_a_custom_loss_function_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="compute_loss_func \\(it would receive this rank's shard of the labels"):
+        _cp_trainer(tmp_path, cases.model("llama"), {"compute_loss_func": lambda outputs, labels, **_: 0.0})
 
 
 def test_arguments_are_checked_as_the_config_is():

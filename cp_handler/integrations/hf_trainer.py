@@ -11,10 +11,10 @@ and ``torchrun --nproc-per-node N script.py`` trains with ``dp = N / cp`` (DDP o
 ``CPSFTTrainer`` (TRL, the ``trl`` extra) are ready-made. What it does, by Trainer's public hooks:
 
 * ``__init__``: the dp x cp groups (CP ranks adjacent), ``register(model)`` (the guard runs before step 1), the
-  settings that would make the result wrong refused by name (accelerate's own CP / SP, label smoothing, a loss
-  without ``num_items_in_batch``, ``average_tokens_across_devices=False``, ``batch_rebalance``); the data loaders
-  are split over the dp ranks only, so every rank of a CP group reads the same batch (the accelerator's
-  ``prepare_data_loader``, replaced on this trainer's accelerator instance);
+  settings that would make the result wrong refused by name (accelerate's own CP / SP, label smoothing,
+  ``compute_loss_func``, a loss without ``num_items_in_batch``, ``average_tokens_across_devices=False``,
+  ``batch_rebalance``); the data loaders are split over the dp ranks only, so every rank of a CP group reads the
+  same batch (the accelerator's ``prepare_data_loader``, replaced on this trainer's accelerator instance);
 * ``training_step`` / ``prediction_step``: each batch sharded by :func:`~.hf_batch.shard_batch` (a handler per
   batch; packed documents as thd) and run under it; the loss is Trainer's own (``num_items_in_batch``, the global
   token count: :meth:`get_cp_size` makes Trainer divide its count over CP duplicates), so the loss and every
@@ -121,7 +121,10 @@ class ContextParallelMixin:
                            "of each rank's shard)")
         if not args.average_tokens_across_devices:
             refused.append("average_tokens_across_devices=False (the loss is normalised by the global token count)")
-        if not (self.model_accepts_loss_kwargs or self.compute_loss_func is not None):
+        if self.compute_loss_func is not None:
+            refused.append("compute_loss_func (it would receive this rank's shard of the labels, already shifted in "
+                           "global order, and the shard's logits)")
+        elif not self.model_accepts_loss_kwargs:
             refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
                            "would be each rank's own mean)")
         if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
