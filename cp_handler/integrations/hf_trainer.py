@@ -30,13 +30,14 @@ refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..config import ContextParallelConfig
-from ..groups import build_dp_cp_groups
+from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
 from .hf_batch import shard_batch
 from .transformers import cp_attention, register
@@ -66,6 +67,18 @@ class ContextParallelArguments:
                                      cp_comm_type=types[0] if len(types) == 1 else types,
                                      hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
                                      backend=self.backend)
+
+
+_AT_EXIT: list = []
+
+
+def _release_groups_at_exit() -> None:
+    """Once per process: :func:`~cp_handler.groups.destroy_process_groups` when the script ends (the DeviceMesh
+    groups of the dp x cp layout are freed while the interpreter is alive; left to its shutdown, a gloo worker
+    thread can abort the process: "terminate called without an active exception", docs/testing.md)."""
+    if not _AT_EXIT:
+        atexit.register(lambda: dist.is_initialized() and destroy_process_groups())
+        _AT_EXIT.append(True)
 
 
 @dataclass
@@ -103,6 +116,7 @@ class ContextParallelMixin:
         cp = self.cp_config.context_parallel_size
         if dist.is_initialized():
             built = build_dp_cp_groups(cp, self.args.device.type, self.cp_config.hierarchical_context_parallel_sizes)
+            _release_groups_at_exit()
             return _Groups(built.cp_group, built.hierarchical_cp_groups, built.dp_size, built.dp_rank)
         if cp > 1:
             raise ValueError(f"context_parallel_size={cp}: no process group; run under torchrun (TrainingArguments "
