@@ -22,8 +22,8 @@ documents from the zigzag's jumps in ``position_ids``. :class:`CPCausalLM` does 
 
 **Exact or refused** (the guard; docs/huggingface.md): the attention function implements every
 argument it accepts (soft-capping and learnable sinks included: :mod:`cp_handler.masks`), and refuses
-the others by name (:data:`HARMLESS`, :func:`check_arguments`): attention dropout, attention weights
-output, cross-attention, a position bias, an unknown argument of a future release. The mask comes
+the others by name (:mod:`.hf_attention`: ``HARMLESS``, ``check_arguments``): attention dropout, attention
+weights output, cross-attention, a position bias, an unknown argument of a future release. The mask comes
 from the model's own mask function, classified at global positions (:mod:`.hf_mask`): causal,
 bidirectional, sliding windows and chunked attention run; padding, image-token blocks and anything
 unrecognised are refused. The model
@@ -34,7 +34,6 @@ which a decoder layer did not run cp_handler's attention. Tested transformers re
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import torch
 
@@ -43,37 +42,14 @@ from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
 from ..loss import masked_token_loss_sum, token_loss_sum
-from .hf_active import active_handler, handler_context, record_attention_call
-from .hf_mask import CPMask, cp_mask
-from .hf_model import cp_model_inputs, local_position_ids, prepare_model, text_config
+from .hf_active import handler_context
+from .hf_attention import cp_attention_forward
+from .hf_mask import cp_mask
+from .hf_model import cp_model_inputs, prepare_model, text_config
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
 """First and last transformers releases (major, minor) the integration was tested with (inclusive)."""
-
-HARMLESS = {
-    "position_ids": lambda v: True,  # the handler's layout has the positions
-    "cache_position": lambda v: True,
-    "use_cache": lambda v: True,  # the cache update happens before attention; q/k lengths are checked
-    "output_router_logits": lambda v: True,  # MoE routing, not attention
-    "logits_to_keep": lambda v: True,  # the LM head's slice, not attention
-    "shift_labels": lambda v: True,  # the loss's arguments, passed down every layer (Trainer, TRL); not attention
-    "num_items_in_batch": lambda v: True,
-    "output_attentions": lambda v: not v,
-    "encoder_hidden_states": lambda v: v is None,
-    "past_key_values": lambda v: v is None,
-    "past_key_value": lambda v: v is None,
-    "head_mask": lambda v: v is None,
-    "block_indices": lambda v: v is None,
-    "position_bias": lambda v: v is None,
-    "cu_seq_lens_q": lambda v: v is None,
-    "cu_seq_lens_k": lambda v: v is None,
-    "max_length_q": lambda v: v is None,
-    "max_length_k": lambda v: v is None,
-}
-"""Keyword arguments transformers passes to attention functions that change nothing here when their
-value passes the test; any other value, and any other argument, is refused by name."""
-
 
 def check_transformers_version(version: str | None = None) -> None:
     """Raises ImportError when transformers is missing or outside :data:`SUPPORTED`."""
@@ -159,102 +135,6 @@ def cp_attention(handler: ContextParallelHandler):
     """Route the attention of ``"cp_handler"`` models through ``handler`` inside the block."""
     with handler_context(handler):
         yield handler
-
-
-def check_arguments(kwargs: dict) -> None:
-    """Raises ValueError naming every argument that is not :data:`HARMLESS` with its value."""
-    refused = {k: v for k, v in kwargs.items() if k not in HARMLESS or not HARMLESS[k](v)}
-    if refused:
-        shown = ", ".join(f"{k}={v if not isinstance(v, torch.Tensor) else 'tensor ' + str(tuple(v.shape))}"
-                          for k, v in refused.items())
-        raise ValueError(f"the model passed attention arguments cp_handler does not implement: {shown}; they are "
-                         "refused instead of dropped (docs/huggingface.md lists what runs under CP)")
-
-
-def check_local_index_scaling(module, handler: ContextParallelHandler, local_len: int) -> None:
-    """Llama 4's attention temperature tuning scales the queries of its NoPE layers by
-    ``log1p(floor((i + 1) / floor_scale))`` of each token's *index* ``i`` in the forward's input
-    (transformers 5: ``torch.arange(length)``; 4.57: ``cache_position``, an index too by default), not of
-    ``position_ids``. Exact when every real local token's index gives the scale of its global position;
-    otherwise (a CP shard, a decode step of one token per sequence, documents packed after the first,
-    once positions reach ``floor_scale - 1``) refused (ValueError), naming a row whose scale would differ."""
-    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
-        return
-    positions = local_position_ids(handler, torch.zeros((1, local_len), dtype=torch.long))[0]
-    index = torch.arange(local_len)
-    layout = getattr(handler, "thd_layout", None)
-    real = layout.real_mask(handler.cp_rank) if layout is not None else torch.ones(local_len, dtype=torch.bool)
-    scale = module.floor_scale
-    differs = (real & ((index + 1) // scale != (positions.cpu() + 1) // scale)).nonzero()
-    if differs.numel():
-        row = int(differs[0])
-        raise ValueError(f"layer {module.layer_idx}: Llama 4's attention temperature tuning (NoPE layer, floor_scale="
-                         f"{module.floor_scale}) scales each query by a function of its index in the model's input, "
-                         f"not of its position: here input row {row} is at position {int(positions[row])}, whose "
-                         "scale differs (a context-parallel shard, a decode step or a packed document reaching "
-                         "floor_scale - 1); refused")
-
-
-def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tuple[str, str | None, int | None]:
-    """``(attn_mask_type, "sliding" / "chunked" / None, size)`` of this layer from its mask (see :mod:`.hf_mask`)."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    if attention_mask is None:
-        return ("causal" if causal else "no_mask"), None, None
-    if not isinstance(attention_mask, CPMask):
-        raise ValueError(f"a materialised attention mask ({type(attention_mask).__name__} "
-                         f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
-                         "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
-    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
-    spec = attention_mask.spec(longest)
-    if spec.kind in ("causal", "bidirectional"):
-        return ("causal" if spec.kind == "causal" else "no_mask"), None, None
-    if spec.kind in ("sliding", "chunked"):
-        return "causal", spec.kind, spec.size
-    raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} asks for {spec.describe()}: not supported under "
-                     "context parallelism by cp_handler")
-
-
-def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                         is_causal=None, sliding_window=None, softcap=None, s_aux=None, cp_handler=None, **kwargs):
-    """transformers attention function: ``query (B, H, S_local, D)``, ``key``/``value`` with the KV
-    heads -> ``(B, S_local, H, D)`` from ``handler.core_attn``. The mask is the model's own mask
-    function classified at global positions (``attention_mask`` is a :class:`~.hf_mask.CPMask`):
-    causal, bidirectional, a sliding window or chunks; ``softcap`` (Gemma 2) and ``s_aux`` (GPT-OSS's
-    learnable sinks, one logit per query head) go to the handler as ``attn_mod.softcap`` / ``attn_mod.sinks``.
-
-    Raises:
-        RuntimeError: no handler active. ValueError: an argument or a mask cp_handler does not
-            implement (see the module doc); q and k of different lengths (a decoding step with a cache);
-            a ``sliding_window`` argument that disagrees with the mask.
-    """
-    handler = cp_handler or active_handler()
-    if handler is None:
-        raise RuntimeError("attn_implementation='cp_handler' needs a handler: pass cp_handler=handler to the "
-                           "model's forward or run it inside `with cp_attention(handler):`")
-    if not getattr(module, "_cp_handler_prepared", False):
-        raise ValueError(f"{type(module).__name__}: this model was not checked for context parallelism: call "
-                         "cp_handler.integrations.transformers.register(model) once before running it")
-    check_arguments(kwargs)
-    if dropout:
-        raise ValueError(f"attention dropout={dropout} is not supported under context parallelism; set the "
-                         "config's attention_dropout to 0 (or put the model in eval mode)")
-    record_attention_call(module)
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
-    if torch.is_autocast_enabled(q.device.type):  # mixed precision (Trainer's bf16 / fp16): as autocast casts SDPA
-        q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
-    check_local_index_scaling(module, handler, q.shape[1])
-    mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
-    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
-    if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "
-                         "attention, but the layer's mask is a plain causal one; refused (which one is meant?)")
-    layer_idx = getattr(module, "layer_idx", None)  # None: an attention block shared by several layers (Zamba)
-    attn = SimpleNamespace(softmax_scale=scaling, layer_number=None if layer_idx is None else layer_idx + 1,
-                           window_size=(size - 1, 0) if kind == "sliding" else None,
-                           attention_chunk_size=size if kind == "chunked" else None,
-                           softcap=softcap, sinks=s_aux)
-    out = handler.core_attn(attn, q, k, v, attn_mask_type=mask_type)
-    return out.contiguous(), None  # (B, S, H, D) as transformers' own attention functions return it
 
 
 class CPCausalLM(torch.nn.Module):
