@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Each flag of ``names`` (argparse dests) is >= 1, else an error naming the flag and its value."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
+
+
 def _check_zigzag(p: argparse.ArgumentParser, cp_flag: str, cp_sizes, len_flag: str, seq_lens) -> None:
     """Every cp size >= 1 and every sequence length divisible by ``2 * cp`` (the zigzag chunks)."""
     for cp in cp_sizes:
@@ -186,9 +193,7 @@ def _check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace)
 
 def _check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The rules of the plan and launches modes' flags, each error naming its flag (before any run)."""
-    for flag in ("plan_heads", "plan_kv_heads", "plan_head_dim", "thd_mean_doc"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+    _check_at_least_one(p, args, "plan_heads", "plan_kv_heads", "plan_head_dim", "thd_mean_doc")
     if args.plan_heads % args.plan_kv_heads:
         p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
     _check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
@@ -247,9 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "generate" in args.modes:
         if args.gen_prompt_lens is None:
             args.gen_prompt_lens = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
-        for flag in ("gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads"):
-            if getattr(args, flag) < 1:
-                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        _check_at_least_one(p, args, "gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads")
         if min(args.gen_prompt_lens) < 1 or min(args.gen_cp_sizes) < 1:
             p.error("--gen-prompt-lens and --gen-cp-sizes must be >= 1")
         if 1 not in args.gen_cp_sizes:
@@ -262,9 +265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error("--modes hybrid runs on CPU ranks (gloo): drop --device cuda")
         if args.hybrid_seq_lens is None:
             args.hybrid_seq_lens = [2048, 8192] if args.quick else [4096, 16384]
-        for flag in ("hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim"):
-            if getattr(args, flag) < 1:
-                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        _check_at_least_one(p, args, "hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim")
         if args.hybrid_heads % args.hybrid_key_heads:
             p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads "
                     f"{args.hybrid_key_heads}")
@@ -272,13 +273,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if "memory" in args.modes:
         if args.device != "cpu":
             p.error("--modes memory runs on CPU (saved-tensor counts are machine-independent): drop --device cuda")
-        if args.mem_layer_tokens < 1:
-            p.error(f"--mem-layer-tokens: {args.mem_layer_tokens} must be >= 1")
+        _check_at_least_one(p, args, "mem_layer_tokens")
         _check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
     if "masks" in args.modes:
-        for flag in ("mask_window", "mask_chunk", "mask_cp_size"):
-            if getattr(args, flag) < 1:
-                p.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be >= 1")
+        _check_at_least_one(p, args, "mask_window", "mask_chunk", "mask_cp_size")
         _check_zigzag(p, "--mask-cp-size", [args.mask_cp_size], "--mask-seq-len", [args.mask_seq_len])
     _check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)
     return args
