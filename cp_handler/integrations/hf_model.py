@@ -98,17 +98,14 @@ def check_mixer_documents(model: nn.Module, tokens: int = 16, first: int = 7) ->
     Raises:
         ValueError: naming the mixer and the difference.
     """
-    from ..handlers.local import LocalContextParallelHandler
-
     for name, mixer in model.named_modules():
         weight = next(mixer.parameters(), None)
         if not getattr(mixer, "_cp_mixer", False) or weight is None or weight.device.type == "meta":
             continue
         x = torch.randn(1, tokens, text_config(model).hidden_size, generator=torch.Generator().manual_seed(0))
         x = x.to(weight)
-        packed = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, first, tokens],
-                                                                                      dtype=torch.int32))
-        plain, was_training = build_cp_handler(ContextParallelConfig()), mixer.training
+        packed, plain, was_training = _two_documents(tokens, first), build_cp_handler(ContextParallelConfig()), \
+            mixer.training
         mixer.eval()
         try:
             with torch.no_grad():
@@ -201,11 +198,8 @@ def _takes_no_positions(model: nn.Module, ids: torch.Tensor) -> bool:
     """Whether ``model`` (in eval mode, at cp=1) uses no positions at all (Mamba, Jamba: no RoPE): a second document
     packed after a first (thd, its positions restarting) gives the logits it gives alone. A model taking
     positions from its input's length sees the packed document's rows at their index and fails this."""
-    from ..handlers.local import LocalContextParallelHandler
-
     first = ids.shape[1] // 2
-    packed = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, first, ids.shape[1]],
-                                                                                  dtype=torch.int32))
+    packed = _two_documents(ids.shape[1], first)
     alone, rest = build_cp_handler(ContextParallelConfig()), ids[:, first:]
     with torch.no_grad():
         with handler_context(packed):
@@ -215,7 +209,13 @@ def _takes_no_positions(model: nn.Module, ids: torch.Tensor) -> bool:
     return bool((together - apart).abs().max() <= 1e-4 * apart.abs().max())
 
 
-def _recompute_pre_hook(module, args, kwargs, last=None):
+def _two_documents(length: int, first: int) -> ContextParallelHandler:
+    """A cp = 1 handler of two documents packed in ``length`` tokens, the first ``first`` long (the probes)."""
+    return build_cp_handler(ContextParallelConfig(), qkv_format="thd",
+                            cu_seqlens=torch.tensor([0, first, length], dtype=torch.int32))
+
+
+def _recompute_pre_hook(module, args, kwargs, last: dict):
     """Activation recomputation (gradient checkpointing) re-runs a layer during the backward, outside the
     model's forward and its active handler: a module that receives the forward's :class:`~.hf_mask.CPMask`
     makes that forward's handler active again for its call (its attention, and a rotary module inside it); a
@@ -226,8 +226,7 @@ def _recompute_pre_hook(module, args, kwargs, last=None):
     if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    recomputing = last is not None and not last.get("running")
-    handler = mask.forward_handler if mask is not None else (last.get("handler") if recomputing else None)
+    handler = mask.forward_handler if mask is not None else (None if last.get("running") else last.get("handler"))
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
@@ -247,21 +246,19 @@ def _takes_attention_mask(module: nn.Module) -> bool:
         return False
 
 
-def _model_pre_hook(model, args, kwargs, last=None):
+def _model_pre_hook(model, args, kwargs, last: dict):
     handler = kwargs.pop("cp_handler", None) or active_handler()
-    if last is not None:
-        last["running"] = last.get("running", 0) + 1
+    last["running"] = last.get("running", 0) + 1
     if handler is None:
         return args, kwargs
-    if torch.is_grad_enabled() and last is not None:
+    if torch.is_grad_enabled():
         last["handler"] = handler
     model._cp_tokens = (set_active(handler), start_record())
     return args, kwargs
 
 
-def _model_hook(model, args, kwargs, output, last=None):
-    if last is not None:
-        last["running"] -= 1
+def _model_hook(model, args, kwargs, output, last: dict):
+    last["running"] -= 1
     tokens = model.__dict__.pop("_cp_tokens", None)
     if tokens is None:
         return None
