@@ -78,8 +78,3 @@ def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, int
     optimizer = sum(local_bytes(v) for state in optim.state.values() for v in state.values()
                     if isinstance(v, torch.Tensor))
     return {"parameters": params, "gradients": params, "optimizer": optimizer}
-
-
-def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Reduce-scatter gradients after this backward (the last micro-batch) or keep accumulating unsharded."""
-    model.set_requires_gradient_sync(enabled)

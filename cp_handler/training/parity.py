@@ -68,8 +68,7 @@ class StepReference:
 
     def __call__(self, step: int, cp_model: torch.nn.Module) -> dict:
         state = full_state(cp_model, self.sharded_experts)
-        ours = full_gradients(cp_model) if is_sharded(cp_model) else \
-            {n: p.grad for n, p in unwrap(cp_model).named_parameters() if p.grad is not None}
+        ours = full_gradients(unwrap(cp_model))  # FSDP: gathered (a collective, before rank 0 goes on alone)
         if state is None:
             return {}
         self.model.load_state_dict(state)

@@ -25,7 +25,7 @@ from ..loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
-from .fsdp import is_sharded, set_gradient_sync
+from .fsdp import is_sharded
 from .reference import PlainAttention, next_token_loss, predicted_tokens
 from .tokens import tokens_for
 
@@ -114,7 +114,7 @@ def gradient_sync(model, last: bool):
     """A micro-batch's context: gradients reduced after the last one only (DDP's ``no_sync``, FSDP2's
     ``set_requires_gradient_sync``)."""
     if is_sharded(model):
-        set_gradient_sync(model, last)
+        model.set_requires_gradient_sync(last)  # reduce-scatter after the last micro-batch only
         return contextlib.nullcontext()
     return contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
 
