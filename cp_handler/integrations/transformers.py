@@ -176,10 +176,10 @@ class CPCausalLM(torch.nn.Module):
             raise ValueError(f"chunked loss (loss_chunk_tokens={loss_chunk_tokens}): {self.head_refusal}")
         if cp_handler is None:
             cp_handler = build_cp_handler(ContextParallelConfig())
-        if logits_rows is not None and not self.head_refusal:
-            return self.head(self.last_hidden_states(input_ids, cp_handler)[:, logits_rows])
         if logits_rows is not None:
-            return self(input_ids, cp_handler)[:, logits_rows]
+            if self.head_refusal:
+                return self(input_ids, cp_handler)[:, logits_rows]
+            return self.head(self.last_hidden_states(input_ids, cp_handler)[:, logits_rows])
         if labels is None or loss_chunk_tokens is None:
             with cp_attention(cp_handler):
                 logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids),
@@ -212,9 +212,7 @@ class CPCausalLM(torch.nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output projection and the logit transforms transformers' causal LMs apply after it (Gemma's
         ``final_logit_softcapping``, Cohere's ``logit_scale``, Granite's ``logits_scaling``)."""
-        logits = self.model.get_output_embeddings()(hidden)
-        config = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else \
-            self.model.config
+        logits, config = self.model.get_output_embeddings()(hidden), text_config(self.model)
         if getattr(config, "logit_scale", None) is not None:
             logits = logits * config.logit_scale
         if getattr(config, "logits_scaling", None) is not None:
