@@ -23,27 +23,8 @@ import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
 from ..launch import launch, rank_session
-from ..ops.collectives import all_gather_single, count_comms, reduce_scatter_single
+from ..ops.collectives import all_gather_summed, count_comms
 from ..progress import Progress
-
-
-class _GatherSequence(torch.autograd.Function):
-    """``(B, S/cp, C)`` contiguous shards -> ``(B, S, C)`` on every rank; backward: the sum over ranks of the
-    gradient of this rank's rows (a reduce-scatter: every rank's whole-sequence computation reads every row)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        out = torch.empty((dist.get_world_size(group) * x.shape[1], x.shape[0], *x.shape[2:]), dtype=x.dtype)
-        all_gather_single(out, x.transpose(0, 1).contiguous(), group)
-        return out.transpose(0, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        front = grad.transpose(0, 1).contiguous()
-        out = torch.empty((front.shape[0] // dist.get_world_size(ctx.group), *front.shape[1:]), dtype=grad.dtype)
-        reduce_scatter_single(out, front, ctx.group)
-        return out.transpose(0, 1), None
 
 
 def _layer(args):
@@ -81,7 +62,7 @@ def _measure(layer, x: torch.Tensor, group, reps: int) -> dict:
         layer(local, None, handler).sum().backward()
 
     def gather_step():
-        whole = _GatherSequence.apply(shard, group) if cp > 1 else shard
+        whole = all_gather_summed(shard.transpose(0, 1), group).flatten(0, 1).transpose(0, 1) if cp > 1 else shard
         layer(whole, None, plain)[:, rank * shard.shape[1]:(rank + 1) * shard.shape[1]].sum().backward()
 
     row = {"cp_size": cp, "seq_len": x.shape[1]}

@@ -121,3 +121,30 @@ def all_to_all(x: torch.Tensor, group, send_splits: list[int] | None = None,
     collective here (``torch.distributed.nn.functional.all_to_all_single`` would do the same job but
     bypass :func:`count_comms`)."""
     return _AllToAll.apply(x, group, send_splits, recv_splits)
+
+
+class _GatherSummed(torch.autograd.Function):
+    """Differentiable all-gather along dim 0 whose backward sums every rank's gradient of each part into its
+    owner (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        all_gather_single(out, x.contiguous(), group)
+        return out.unflatten(0, (size, x.shape[0]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.flatten(0, 1).contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        reduce_scatter_single(out, grad, ctx.group)
+        return out, None
+
+
+def all_gather_summed(x: torch.Tensor, group) -> torch.Tensor:
+    """``(n, ...)`` per rank -> ``(size, n, ...)``, every rank's in rank order; the backward is a reduce-scatter (each
+    rank gets the sum over the ranks of its part's gradient: the adjoint when every rank computes with all the
+    parts, as the state passing of the token mixers and cp-bench's gather-the-sequence baseline do)."""
+    return _GatherSummed.apply(x, group)

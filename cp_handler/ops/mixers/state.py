@@ -20,32 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from ...layout import ZigzagDocs, zigzag_chunk_owner
-from ..collectives import all_gather_single, reduce_scatter_single
+from ..collectives import all_gather_summed
 from .segments import SegmentGroup, SegmentPlan, assemble, from_segments
-
-
-class _GatherSummaries(torch.autograd.Function):
-    """``(n, ...)`` per rank -> ``(size, n, ...)``; backward: the gradients summed over the ranks, each rank
-    keeping its own (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-        all_gather_single(out, x.contiguous(), group)
-        return out.unflatten(0, (size, x.shape[0]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.flatten(0, 1).contiguous()
-        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
-        reduce_scatter_single(out, grad, ctx.group)
-        return out, None
-
 
 Apply = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 """``apply(summary, state)``: the state after a chunk with ``summary`` entered with ``state`` (``None``: zero)."""
@@ -63,7 +41,7 @@ def entry_states(summaries: torch.Tensor, plan: SegmentPlan, layout: ZigzagDocs,
         group: the CP group (one all-gather of ``summaries``).
         apply: how a summary acts on a state (the recurrence's composition).
     """
-    gathered = _GatherSummaries.apply(summaries, group)  # (size, slots, ...)
+    gathered = all_gather_summed(summaries, group)  # (size, slots, ...)
     entries: list[torch.Tensor | None] = [None] * len(plan.segments)
     mine = {(seg.doc, seg.chunk): seg.slot for seg in plan.segments}
     for i in range(layout.num_docs):
