@@ -31,6 +31,7 @@ refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
 from __future__ import annotations
 
 import atexit
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,16 +70,12 @@ class ContextParallelArguments:
                                      backend=self.backend)
 
 
-_AT_EXIT: list = []
-
-
+@functools.cache
 def _release_groups_at_exit() -> None:
     """Once per process: :func:`~cp_handler.groups.destroy_process_groups` when the script ends (the DeviceMesh
     groups of the dp x cp layout are freed while the interpreter is alive; left to its shutdown, a gloo worker
     thread can abort the process: "terminate called without an active exception", docs/testing.md)."""
-    if not _AT_EXIT:
-        atexit.register(lambda: dist.is_initialized() and destroy_process_groups())
-        _AT_EXIT.append(True)
+    atexit.register(lambda: dist.is_initialized() and destroy_process_groups())
 
 
 @dataclass
