@@ -23,6 +23,14 @@ Then the earlier stages:
     python3 scripts/gpu_check.py gpt        # pytest -m gpu: the GPT step and the TE / MagiAttention handlers
     python3 scripts/gpu_check.py masks      # pytest -m gpu: windows, chunks, soft-caps, sinks, 3 dtypes
 
+And the stages written since, never run yet (docs/testing.md, pending items 5 and 6):
+
+    python3 scripts/gpu_check.py mixers     # pytest -m gpu: the hybrid mixer methods on CUDA vs the CPU reference
+    python3 scripts/gpu_check.py memory     # pytest -m gpu: --offload-activations exact; then cp-train on one GPU,
+                                            # a 2-layer slice of Llama-3-8B (its 128256 vocabulary), bf16, FSDP2,
+                                            # recompute, loss chunks of 4096, at growing sequence lengths: the
+                                            # largest that fits is the measured row beside the memory projection
+
 Run in this order (by value). Measured on an H100 (2026-11-24, torch 2.11.0+cu130): kernels 21 s, opt_in
 51 + 48 s (flash_gqa, flash_varlen) + cudnn (bshd: its graph per block shape makes it minutes), plan 138 s,
 patterns 162 s, gpt 51 s, masks 63 s. The machine: one GPU, torch 2.11+cu130,
@@ -50,6 +58,25 @@ PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
 BENCH = [sys.executable, "-m", "cp_handler.bench.cli", "--modes", "plan", "--device", "cuda", "--plan-cp-sizes", "4",
          "--plan-seq-lens", "65536", "16384", "4096", "--reps", "5", "--warmup", "2"]
 FORCED_KERNELS = ("flash_gqa", "flash_varlen", "cudnn")  # the stage keeps its first name, opt_in
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+             "max_position_embeddings": 1048576, "tie_word_embeddings": False}
+"""Llama-3-8B's shape (docs/performance.md's projection); ``max_position_embeddings`` raised for long sequences."""
+ROW_SEQ_LENS = (65536, 131072, 196608, 262144, 327680)
+
+
+def memory_rows(scratch: Path) -> list[tuple[str, list[str], dict]]:
+    """cp-train on one GPU over a 2-layer slice of Llama-3-8B at each of ``ROW_SEQ_LENS`` (the run that
+    fails for memory ends the row); the config is written into ``scratch``."""
+    config = scratch / "llama3_8b_2_layers"
+    config.mkdir(exist_ok=True)
+    (config / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": 2}))
+    train = [sys.executable, "-m", "cp_handler.cli.train", "--hf-config", str(config), "--dtype", "bfloat16",
+             "--fsdp", "--recompute", "--loss-chunk-tokens", "4096", "--batch-size", "1", "--steps", "2",
+             "--nproc", "1"]
+    return [(f"row_{n}", [*train, "--seq-len", str(n), "--metrics-out", str(scratch / f"row_{n}" / "metrics.json")],
+             {}) for n in ROW_SEQ_LENS]
 
 
 def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
@@ -73,6 +100,8 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
         "patterns": [("patterns", [*PYTEST, *patterns, "tests/test_handler_layout.py"], {})],
         "gpt": [("gpt", [*PYTEST, "tests/test_gpt_parity.py", "tests/test_gpu_backends.py"], {})],
         "masks": [("masks", [*PYTEST, "tests/test_masks.py"], {})],
+        "mixers": [("mixers", [*PYTEST, "tests/test_hybrid.py"], {})],
+        "memory": [("offload", [*PYTEST, "tests/test_chunked_loss.py"], {}), *memory_rows(scratch)],
     }
 
 
@@ -104,7 +133,7 @@ def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> d
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("stage", choices=("fa4_kernels", "fa4_patterns", "fa4_plan", "cudnn_ragged", "kernels",
-                                          "opt_in", "plan", "patterns", "gpt", "masks"))
+                                          "opt_in", "plan", "patterns", "gpt", "masks", "mixers", "memory"))
     parser.add_argument("--budget", type=float, default=420.0, help="seconds the stage may spend (default 420)")
     args = parser.parse_args(argv)
     import torch
@@ -127,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
             bench = Path(scratch) / name.removeprefix("plan_") / "results.json"
             if bench.exists():
                 results[-1]["plan"] = json.loads(bench.read_text())["plan"]
+            metrics = Path(scratch) / name / "metrics.json"
+            if metrics.exists():  # a memory row: cp-train's peak memory and throughput
+                run = json.loads(metrics.read_text())
+                results[-1].update({key: run[key] for key in ("memory_kind", "peak_memory_bytes_per_rank",
+                                                               "state_bytes_per_rank", "tokens_per_s_mean")
+                                    if key in run})
+            if name.startswith("row_") and results[-1]["status"] != "PASS":
+                break  # a longer sequence will not fit either
     summary = {"stage": args.stage, **device, "seconds": round(time.monotonic() - started, 1), "parts": results}
     (out / f"gpu_check_{args.stage}.json").write_text(json.dumps(summary, indent=2))
     print(f"gpu_check {args.stage}: " + ", ".join(f"{r['part']}={r['status']}" for r in results)

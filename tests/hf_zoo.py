@@ -199,7 +199,7 @@ def run_generation_case(config, group) -> str:
     (the same tokens, logits within 1e-5, one prefill), ``refused: <message>``, ``mismatch: <what>`` or
     ``error: ...``."""
     from cp_handler.inference import generate, reference_generate
-    from cp_handler.integrations.hf_model import text_config
+    from cp_handler.integrations.hf_inputs import text_config
     from cp_handler.integrations.transformers import CPCausalLM
     from cp_handler.training.reference import hf_logits
 

@@ -9,8 +9,11 @@ delta rule and depthwise convolution in float64, where a state passing error wou
 the arithmetic gives ~1e-15: atol = rtol = 1e-10; and the installed transformers kernels (float32 inside):
 atol 2e-5, rtol 1e-4 (measured differences ~1e-6: the same sums in another order). A negative control runs the
 ranks without passing states and must differ. The reference GPT with Gated DeltaNet layers is in
-tests/test_gpt_hybrid.py; unmodified Hugging Face hybrids in tests/test_hf_hybrid.py.
+tests/test_gpt_hybrid.py; unmodified Hugging Face hybrids in tests/test_hf_hybrid.py. GPU mode (``-m gpu``): the
+same cases with the ranks on CUDA against the CPU reference.
 """
+
+import os
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ from dist_utils import run_distributed
 from mixer_reference import gated_delta_recurrent, selective_recurrent, ssd_recurrent
 
 from cp_handler import LocalContextParallelHandler
+from cp_handler.handlers.mixers import CUDA_OPT_IN
 from cp_handler.ops.mixers import delta_rule
 from cp_handler.ops.mixers.conv import depthwise_causal_conv1d
 from cp_handler.ops.mixers.delta_rule import chunk_gated_delta_rule
@@ -41,11 +45,15 @@ def reference_kernels():
             "kda": gated_delta_recurrent, "ssd": ssd_recurrent, "selective": selective_recurrent}
 
 
-def mixer_case(name, kernel, rows, length, dtype):
+def mixer_case(name, kernel, rows, length, dtype, place=lambda t: t):
     """``(inputs {name: (tensor, seq_dim)}, parameters, call(handler or None, **inputs))`` of one mixer; the
-    call runs the handler's method, or the kernel itself without a handler."""
+    call runs the handler's method, or the kernel itself without a handler. Every tensor is drawn on the CPU
+    (the same values for the same seed) and then passed through ``place`` (to a device)."""
     def randn(*shape):
-        return torch.randn(*shape, dtype=dtype)
+        return place(torch.randn(*shape, dtype=dtype))
+
+    def rand(*shape):
+        return place(torch.rand(*shape, dtype=dtype))
 
     if name == "conv":
         weight, bias = randn(6, 4), randn(6)
@@ -60,8 +68,8 @@ def mixer_case(name, kernel, rows, length, dtype):
         heads_k, heads_v = (3, 3) if kda else (2, 4)
         inputs = {"q": (randn(rows, length, heads_k, 5), 1), "k": (randn(rows, length, heads_k, 5), 1),
                   "v": (randn(rows, length, heads_v, 4), 1),
-                  "beta": (torch.rand(rows, length, heads_v, dtype=dtype), 1),
-                  "g": (-torch.rand(rows, length, heads_v, *([5] if kda else []), dtype=dtype), 1)}
+                  "beta": (rand(rows, length, heads_v), 1),
+                  "g": (-rand(rows, length, heads_v, *([5] if kda else [])), 1)}
 
         def call(h, q, k, v, g, beta):
             options = {"use_qk_l2norm_in_kernel": True, "chunk_size": 8}
@@ -70,7 +78,7 @@ def mixer_case(name, kernel, rows, length, dtype):
             return h.gated_delta_rule(q, k, v, g, beta, kernel=kernel, **options)
         return inputs, [], call
     if name == "ssd":
-        A, D, dt_bias = -torch.rand(4, dtype=dtype) - 0.5, randn(4), randn(4)
+        A, D, dt_bias = -rand(4) - 0.5, randn(4), randn(4)
         inputs = {"x": (randn(rows, length, 4, 3), 1), "dt": (randn(rows, length, 4), 1),
                   "B": (randn(rows, length, 2, 5), 1), "C": (randn(rows, length, 2, 5), 1)}
 
@@ -80,7 +88,7 @@ def mixer_case(name, kernel, rows, length, dtype):
                 return kernel(x, dt, A, B, C, 8, **options)
             return h.ssd_scan(x, dt, A, B, C, 8, kernel=kernel, **options)
         return inputs, [A, D, dt_bias], call
-    A, D, delta_bias = -torch.rand(4, 3, dtype=dtype) - 0.5, randn(4), randn(4)
+    A, D, delta_bias = -rand(4, 3) - 0.5, randn(4), randn(4)
     inputs = {"u": (randn(rows, 4, length), 2), "delta": (randn(rows, 4, length), 2), "B": (randn(rows, 3, length), 2),
               "C": (randn(rows, 3, length), 2), "z": (randn(rows, 4, length), 2)}
 
@@ -92,14 +100,24 @@ def mixer_case(name, kernel, rows, length, dtype):
     return inputs, [A, D, delta_bias], call
 
 
-def check_mixer(rank, world, groups, name, kernel, dtype, fmt, negative=False):
-    """One mixer through the handler vs the kernel on every document alone (module doc)."""
-    torch.manual_seed(0)
+def _with_grads(inputs, params):
+    """The inputs' tensors and the parameters, every one requiring its gradient."""
+    return {k: t.requires_grad_() for k, (t, _) in inputs.items()}, [p.requires_grad_() for p in params]
+
+
+def _grads(tensors, params):
+    return {k: t.grad.clone() for k, t in tensors.items()} | {f"param {i}": p.grad.clone() for i, p in
+                                                               enumerate(params)}
+
+
+def check_mixer(rank, world, groups, name, kernel, dtype, fmt, negative=False, device="cpu"):
+    """One mixer through the handler vs the kernel on every document alone (module doc). The ranks run on
+    ``device``, the reference on the CPU, from the same values in the same dtype."""
     lengths = THD_LENGTHS if fmt == "thd" else [16 * world]
-    inputs, params, call = mixer_case(name, kernel, 1 if fmt == "thd" else 2, sum(lengths), dtype)
-    tensors = {k: t.requires_grad_() for k, (t, _) in inputs.items()}
-    for p in params:
-        p.requires_grad_()
+    rows = 1 if fmt == "thd" else 2
+    torch.manual_seed(0)
+    inputs, params, call = mixer_case(name, kernel, rows, sum(lengths), dtype)
+    tensors, params = _with_grads(inputs, params)
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     outs = [call(None, **{k: t.narrow(inputs[k][1], s, n) for k, t in tensors.items()})
             for s, n in zip(starts, lengths, strict=True) if n]
@@ -107,22 +125,22 @@ def check_mixer(rank, world, groups, name, kernel, dtype, fmt, negative=False):
     want = torch.cat(outs, dim=out_dim)
     grad_out = torch.randn(want.shape, dtype=want.dtype)
     want.backward(grad_out)
-    wanted = {k: t.grad.clone() for k, t in tensors.items()} | {f"param {i}": p.grad.clone() for i, p in
-                                                                 enumerate(params)}
-    for t in (*tensors.values(), *params):
-        t.grad = None
+    wanted = _grads(tensors, params)
+    torch.manual_seed(0)  # the same values again, on the ranks' device
+    inputs, params, call = mixer_case(name, kernel, rows, sum(lengths), dtype, place=lambda t: t.to(device))
+    tensors, params = _with_grads(inputs, params)
     extra = {} if fmt != "thd" else {"qkv_format": "thd", "cu_seqlens": torch.tensor(
         [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)}
     handler = LocalContextParallelHandler(cp_group=groups.cp_group if world > 1 else None, **extra)
     local = {k: handler.dispatch(t, inputs[k][1]) for k, t in tensors.items()}
     got = call(handler, **local)
-    got.backward(handler.dispatch(grad_out, out_dim))
-    got = handler.combine(got.detach(), out_dim)
-    grads = {k: t.grad.clone() for k, t in tensors.items()} | {f"param {i}": p.grad.clone() for i, p in
-                                                               enumerate(params)}
+    got.backward(handler.dispatch(grad_out.to(device), out_dim))
+    got = handler.combine(got.detach(), out_dim).cpu()
+    grads = _grads(tensors, params)
     if world > 1:
         for g in grads.values():
             dist.all_reduce(g, group=groups.cp_group)
+    grads = {k: g.cpu() for k, g in grads.items()}
     atol, rtol = TOLERANCE[torch.promote_types(dtype, want.dtype)]
     where = f"{name} ({getattr(kernel, '__name__', kernel)}) cp={world} {fmt}"
     if negative:
@@ -132,19 +150,32 @@ def check_mixer(rank, world, groups, name, kernel, dtype, fmt, negative=False):
         torch.testing.assert_close(g, wanted[key], atol=atol, rtol=rtol, msg=lambda m, x=key: f"d{x} {where}: {m}")
 
 
-def _worker(rank, world, fmt):
+def _worker(rank, world, fmt, device="cpu"):
     from cp_handler import build_dp_cp_groups
 
-    groups = build_dp_cp_groups(world, "cpu", None)
+    if device == "cuda":
+        os.environ[CUDA_OPT_IN] = "1"  # the mixer methods on CUDA tensors (opt-in until this test passes there)
+        torch.backends.cudnn.allow_tf32 = False  # convolutions in float32, as on the CPU reference
+    groups = build_dp_cp_groups(world, device, None)
     for name, kernel in reference_kernels().items():
-        check_mixer(rank, world, groups, name.removesuffix("_recurrent"), kernel, torch.float64, fmt)
+        check_mixer(rank, world, groups, name.removesuffix("_recurrent"), kernel, torch.float64, fmt, device=device)
     for name, kernel in transformers_kernels().items():
-        check_mixer(rank, world, groups, name, kernel, torch.float32, fmt)
+        check_mixer(rank, world, groups, name, kernel, torch.float32, fmt, device=device)
 
 
 @pytest.mark.parametrize("world, fmt", [(1, "thd"), (2, "bshd"), (2, "thd"), (4, "bshd"), (4, "thd")])
 def test_mixers_match_each_document_alone(world, fmt):
     run_distributed(_worker, world, fmt)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("world, fmt", [(2, "bshd"), (4, "thd")])
+def test_mixers_on_gpu_match_the_cpu(world, fmt):
+    """The same cases with the ranks on CUDA (collectives staged through host memory when ranks share a GPU),
+    against the CPU reference in the same dtype: float64 kernels atol = rtol = 1e-10, transformers' float32
+    kernels as on the CPU (2e-5 / 1e-4; TF32 off, so only the summation order differs)."""
+    run_distributed(_worker, world, fmt, "cuda", device="cuda")
 
 
 def _negative_worker(rank, world):

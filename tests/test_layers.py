@@ -1,5 +1,6 @@
 """The package's layers (docs/architecture.md, "Layers"): every module imports only from its own layer or
-the ones below, and no modules import each other in a circle, lazy imports inside functions included.
+the ones below, and no modules import each other in a circle, lazy imports inside functions included; and
+no library file grows past ``MAX_LINES`` (a file that long holds more than one idea: split it).
 
 The layer table is read from docs/architecture.md, so the doc and the code cannot drift apart: a module
 the table does not cover fails here, as does an import that runs up a layer.
@@ -63,6 +64,13 @@ def imports_of(name: str) -> set[str]:
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
+MAX_LINES = 300
+
+
+def test_no_library_file_is_longer_than_max_lines():
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in MODULES.values()}
+    assert lengths, "no library files found"
+    assert not {path: n for path, n in lengths.items() if n > MAX_LINES}
 
 
 def test_no_import_runs_up_a_layer():

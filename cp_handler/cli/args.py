@@ -23,7 +23,14 @@ from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data
 from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
-from .training_args import add_training_flags, check_lr_schedule, check_micro_batch_size
+from .training_args import (
+    add_training_flags,
+    check_fsdp,
+    check_loss_chunk_tokens,
+    check_lr_schedule,
+    check_micro_batch_size,
+    check_offload,
+)
 
 DTYPES = ("float32", "bfloat16")
 
@@ -222,31 +229,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
-
-
-def check_offload(args: argparse.Namespace) -> bool:
-    """``--offload-activations`` needs CUDA. Raises ValueError naming the flag."""
-    if args.offload_activations and not torch.cuda.is_available():
-        raise ValueError("--offload-activations: no CUDA device here; on the CPU the activations already live in "
-                         "host memory, so offloading them cannot save anything")
-    return args.offload_activations
-
-
-def check_fsdp(args: argparse.Namespace) -> bool:
-    """``--fsdp`` and what it does not combine with. Raises ValueError naming the flags."""
-    reasons = {"--moe-experts": "experts are sharded over ep and reduced by their own groups",
-               "--dynamic-cp": "each rank runs other CP groups per step and reduces the gradients itself"}
-    for flag, value in (("--moe-experts", args.moe_experts), ("--dynamic-cp", args.dynamic_cp)):
-        if args.fsdp and value:
-            raise ValueError(f"--fsdp with {flag}: not implemented ({reasons[flag]}); drop one of them")
-    return args.fsdp
-
-
-def check_loss_chunk_tokens(args: argparse.Namespace) -> int | None:
-    """``--loss-chunk-tokens`` (``None``: automatic). Raises ValueError naming the flag."""
-    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
-        raise ValueError(f"--loss-chunk-tokens {args.loss_chunk_tokens} must be >= 0 (0: the whole loss at once)")
-    return args.loss_chunk_tokens
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:

@@ -1,9 +1,12 @@
 """cp-train's training flags: steps, the learning-rate schedule, gradient clipping, micro-batches
-(gradient accumulation) and activation recomputation, with their rules. Every error names the flag."""
+(gradient accumulation), activation recomputation and the memory flags (FSDP2, activation offload, loss
+chunks), with their rules. Every error names the flag."""
 
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 from ..training.schedule import DECAY_STYLES
 
@@ -73,3 +76,28 @@ def check_micro_batch_size(args: argparse.Namespace) -> int | None:
     if args.batch_size % args.micro_batch_size:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size} must divide --batch-size {args.batch_size}")
     return args.micro_batch_size
+
+
+def check_offload(args: argparse.Namespace) -> bool:
+    """``--offload-activations`` needs CUDA. Raises ValueError naming the flag."""
+    if args.offload_activations and not torch.cuda.is_available():
+        raise ValueError("--offload-activations: no CUDA device here; on the CPU the activations already live in "
+                         "host memory, so offloading them cannot save anything")
+    return args.offload_activations
+
+
+def check_fsdp(args: argparse.Namespace) -> bool:
+    """``--fsdp`` and what it does not combine with. Raises ValueError naming the flags."""
+    reasons = {"--moe-experts": "experts are sharded over ep and reduced by their own groups",
+               "--dynamic-cp": "each rank runs other CP groups per step and reduces the gradients itself"}
+    for flag, value in (("--moe-experts", args.moe_experts), ("--dynamic-cp", args.dynamic_cp)):
+        if args.fsdp and value:
+            raise ValueError(f"--fsdp with {flag}: not implemented ({reasons[flag]}); drop one of them")
+    return args.fsdp
+
+
+def check_loss_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--loss-chunk-tokens`` (``None``: automatic). Raises ValueError naming the flag."""
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
+        raise ValueError(f"--loss-chunk-tokens {args.loss_chunk_tokens} must be >= 0 (0: the whole loss at once)")
+    return args.loss_chunk_tokens

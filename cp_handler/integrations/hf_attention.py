@@ -13,8 +13,8 @@ import torch
 
 from ..handlers.base import ContextParallelHandler
 from .hf_active import active_handler, record_attention_call
+from .hf_inputs import local_position_ids
 from .hf_mask import CPMask
-from .hf_model import local_position_ids
 
 HARMLESS = {
     "position_ids": lambda v: True,  # the handler's layout has the positions

@@ -3,7 +3,7 @@
 :func:`shard_batch` takes the global batch every rank of a CP group holds and returns the handler of the batch
 and the model inputs of this rank: ``input_ids`` dispatched, the labels shifted in **global** order first
 (transformers' ``shift_labels`` convention, which its causal-LM loss and TRL's fused LM head take without
-shifting again), global ``position_ids`` (:func:`~.hf_model.cp_model_inputs`). Two layouts:
+shifting again), global ``position_ids`` (:func:`~.hf_inputs.cp_model_inputs`). Two layouts:
 
 * **padded rows** (bshd): ``input_ids (B, S)`` with an optional right-padding ``attention_mask``; ``S`` is padded
   on the right to a multiple of ``2 * cp`` (padding rows: token 0, label ``-100``; right padding is exact for
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
-from .hf_model import cp_model_inputs
+from .hf_inputs import cp_model_inputs
 
 IGNORE_INDEX = -100
 """transformers' label of a position without loss."""

@@ -46,6 +46,7 @@ from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
+from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
 from .hf_rotary import install_rotary_hooks
@@ -57,11 +58,6 @@ MIXER_LAYER_TYPES = frozenset({"linear_attention", "mamba", "hybrid", "conv"})
 mixers; the per-forward check holds every such layer to having run one)."""
 TOKENLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 """``config.layer_types`` entries without a token mixer (Nemotron-H's feed-forward blocks): nothing to route."""
-
-
-def text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_model(model: nn.Module) -> None:
@@ -121,28 +117,6 @@ def check_mixer_documents(model: nn.Module, tokens: int = 16, first: int = 7) ->
             raise ValueError(f"{type(model).__name__}: token mixer {name!r} ({type(mixer).__name__}) gives, on two "
                              f"documents packed together, another result than on each alone (by {difference:.3g}): "
                              "it mixes tokens outside the kernels cp_handler routes; refused")
-
-
-def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
-    """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document,
-    0 at the padding slots the handler adds), as the model's rotary embedding takes them."""
-    local_len = input_ids.shape[1]
-    positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
-    local = handler.get_emb_on_this_cp_rank(positions)
-    layout = getattr(handler, "thd_layout", None)
-    if layout is not None:
-        local = torch.where(layout.real_mask(handler.cp_rank).to(local.device), local, 0)
-    return local.view(1, -1).expand(input_ids.shape[0], -1)
-
-
-def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) -> dict:
-    """The keyword arguments a model's forward takes under ``handler``: ``position_ids`` and
-    ``cache_position`` (global positions, :func:`local_position_ids`) and an all-ones
-    ``attention_mask`` (so transformers does not re-derive documents from the zigzag's jumps in the
-    positions; the handler's layout is the mask)."""
-    positions = local_position_ids(handler, input_ids)
-    return {"position_ids": positions, "cache_position": positions[0],
-            "attention_mask": torch.ones(input_ids.shape, dtype=torch.long, device=input_ids.device)}
 
 
 def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None:

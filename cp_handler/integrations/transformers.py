@@ -44,8 +44,9 @@ from ..handlers.requirements import release
 from ..loss import masked_token_loss_sum, token_loss_sum
 from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
+from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import cp_mask
-from .hf_model import cp_model_inputs, prepare_model, text_config
+from .hf_model import prepare_model
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))

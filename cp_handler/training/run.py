@@ -9,12 +9,8 @@ DDP (MoE: by :class:`~.experts.ExpertGroups`; dynamic CP: one all-reduce per glo
 from __future__ import annotations
 
 import logging
-import os
 import resource
-import shutil
 import sys
-import tempfile
-import time
 from dataclasses import asdict
 
 import torch
@@ -25,21 +21,18 @@ from torch.nn.parallel import DistributedDataParallel
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups
 from ..handlers.registry import load_plugins
-from ..launch import is_first_rank, launch, rank_session
+from ..launch import launch, rank_session
 from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
-from .checkpoint import CheckpointWriter, load_checkpoint
-from .checkpoint_meta import CheckpointError, check_resume, run_meta
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
-from .fsdp import full_state, is_sharded, shard_model, state_bytes
+from .fsdp import shard_model, state_bytes
 from .loop import default_optimizer, local_grad_norm, train_steps
-from .parity import StepReference, parity_result, unwrap
+from .parity import StepReference, parity_result
 from .reference import hf_logits
-from .save_folder import SaveLock
+from .run_files import checkpointing, export_hf, save_lock, say
 from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_documents, reference_step, static_step
-from .tokens import has_tokenizer, tokens_for
 
 
 def build_model(config: TrainConfig, device: torch.device, reference: bool = False) -> torch.nn.Module:
@@ -101,11 +94,6 @@ def _log_to_stderr() -> None:
         log.setLevel(logging.INFO)
 
 
-def _say(text: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"cp-train: {text}", file=sys.stderr)
-
-
 @record
 def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
     """One rank of a run (spawned, or started by torchrun): the metrics on rank 0, ``None`` elsewhere.
@@ -120,63 +108,10 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
         return run(config, device, optimizer or default_optimizer(config.lr))
 
 
-def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, object]:
-    """``(steps already done, checkpoint callback for train_steps)``: loads ``--resume`` into ``trained`` /
-    ``optim`` / the learning-rate ``scheduler`` (every rank), and saves after every ``--save-every`` steps
-    and after the last one."""
-    start = 0
-    if config.resume:
-        checkpoint, _ = check_resume(config, config.resume, type(optim).__name__, verify=False)  # verified at launch
-        began = time.perf_counter()
-        start = load_checkpoint(checkpoint, trained, optim, scheduler)
-        _say(f"resumed from {checkpoint} after step {start} (loaded in {time.perf_counter() - began:.2f} s)")
-    if not config.save_dir:
-        return start, None
-    meta = run_meta(config, 0, type(optim).__name__)  # read once (a Hugging Face config from disk)
-    writer = CheckpointWriter(config.save_dir, config.save_keep)
-
-    def save(done: int) -> None:
-        if done == config.steps or (config.save_every and done % config.save_every == 0):
-            began = time.perf_counter()
-            path = writer.save(done, trained, optim, {**meta, "step": done, "lr_scheduler": scheduler.state_dict()})
-            size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-            _say(f"saved {path} ({size:.1f} MiB) in {time.perf_counter() - began:.2f} s")
-    return start, save
-
-
-def export_hf(config: TrainConfig, trained) -> None:
-    """``--export-hf``: rank 0 writes the Hugging Face model (and the tokenizer it was trained with, if
-    any) with ``save_pretrained`` into a new temporary folder beside the target, renamed onto the target
-    (new or empty: :func:`~.save_folder.check_export_target`, checked before the ranks started) when
-    complete; plain transformers loads it. Nothing the export did not write is deleted.
-
-    Raises:
-        CheckpointError: the target received files since the launch (the export is left unpublished).
-    """
-    if not config.export_hf:
-        return
-    state = full_state(trained) if is_sharded(trained) else None  # FSDP: every rank sends its shards
-    if dist.get_rank() != 0:
-        return
-    target = os.path.abspath(config.export_hf)
-    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=os.path.dirname(target))
-    try:
-        unwrap(trained).model.save_pretrained(
-            partial, state_dict=None if state is None else {k.removeprefix("model."): v for k, v in state.items()})
-        if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
-            tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
-        os.rename(partial, target)  # onto a missing or empty folder only
-    except OSError as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointError(f"--export-hf {config.export_hf}: could not publish the export ({err.strerror or err}); "
-                              "the folder was left as it was") from None
-    _say(f"exported the Hugging Face model to {target}")
-
-
 def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | None:
     world = dist.get_world_size()
     model = build_model(config, device)
-    _say(f"dynamic CP over {world} ranks, max_seqlen_per_rank {config.dynamic.max_seqlen_per_rank}, min CP size "
+    say(f"dynamic CP over {world} ranks, max_seqlen_per_rank {config.dynamic.max_seqlen_per_rank}, min CP size "
          f"{config.dynamic.min_cp_size}, documents capped at {config.seq_len} tokens, backend {config.cp.backend}, "
          f"device {device.type}{', every layer recomputed in the backward' if config.recompute else ''}")
     run = dynamic_step(model, config, load_documents(config), GroupPool(device.type), device)
@@ -197,7 +132,7 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
                             expert_model_parallel_size=config.expert_parallel_size,
                             hierarchical_context_parallel_sizes=config.cp.hierarchical_context_parallel_sizes)
     if config.print_layout:
-        _say(layout.describe())
+        say(layout.describe())
     built = layout.build(device.type)  # one DeviceMesh for the CP and the expert groups
     groups = data_context_parallel_groups(built)
     model = build_model(config, device)
@@ -213,12 +148,12 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     moe = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if experts else ""
     moe += f", FSDP2 over all {world} ranks" if config.fsdp else ""
     moe += ", every layer recomputed in the backward" if config.recompute else ""
-    _say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
+    say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
          f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{moe}")
     global_batch = config.batch_size * groups.dp_size
     batches = load_batches(config)
     if config.packing == "thd":
-        _say(f"thd packs {batches.documents_per_sequence(global_batch, config.steps)}")
+        say(f"thd packs {batches.documents_per_sequence(global_batch, config.steps)}")
     at_train, at_eval = build_evaluators(config, groups, device.type)
     evaluating = config.eval_every or config.check_eval_cp
     heldout = batches.heldout_batches(config.eval_batches, config.batch_size * at_eval.groups.dp_size) \
@@ -278,24 +213,3 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     finally:
         if lock is not None:
             lock.release()
-
-
-def save_lock(config: TrainConfig) -> SaveLock | None:
-    """The ``--save`` folder's lock (:class:`~.save_folder.SaveLock`) taken for the run by the launcher (under
-    torchrun: by rank 0); a stale lock taken over is named on stderr.
-
-    Raises:
-        SystemExit: another run writes the folder (named).
-    """
-    if not config.save_dir or not is_first_rank():
-        return None
-    lock = SaveLock(config.save_dir)
-    try:
-        lock.acquire()
-    except ValueError as err:
-        raise SystemExit(f"cp-train: error: {err}") from None
-    if lock.took_over:
-        owner = lock.took_over
-        print(f"cp-train: --save {config.save_dir}: took over a stale lock (pid {owner.get('pid')} on "
-              f"{owner.get('host')} since {owner.get('since')} is no longer running)", file=sys.stderr)
-    return lock

@@ -1,0 +1,118 @@
+"""cp-bench's rules for its flags, checked before any run, each error naming its flag (``parser.error``)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from ..ops.patterns import PATTERNS
+from . import launches, plan, plots, whole
+
+
+def check_at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Each flag of ``names`` (argparse dests) is >= 1, else an error naming the flag and its value."""
+    for name in names:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} must be >= 1")
+
+
+def check_zigzag(p: argparse.ArgumentParser, cp_flag: str, cp_sizes, len_flag: str, seq_lens) -> None:
+    """Every cp size >= 1 and every sequence length divisible by ``2 * cp`` (the zigzag chunks)."""
+    for cp in cp_sizes:
+        if cp < 1:
+            p.error(f"{cp_flag}: {cp} must be >= 1")
+        for seq_len in seq_lens:
+            if seq_len % (2 * cp):
+                p.error(f"{len_flag} {seq_len} must be divisible by 2 * cp = {2 * cp} (zigzag chunks)")
+
+
+def check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--modes attn --device cuda``: one GPU per rank (NCCL refuses two ranks on one GPU) and a
+    dtype FlashAttention-2 runs (PyTorch's ring, the peer, uses it)."""
+    gpus, need = torch.cuda.device_count(), max(args.cp_sizes)
+    if gpus < need:
+        p.error(f"--modes attn --device cuda: --cp-sizes up to {need} needs {need} GPUs (one per rank; "
+                f"NCCL refuses two ranks on one GPU), this machine has {gpus}; use --modes plan on one GPU")
+    if args.dtype != "bfloat16":
+        p.error(f"--modes attn --device cuda: --dtype {args.dtype}: use bfloat16 "
+                "(PyTorch's ring runs FlashAttention-2)")
+
+
+def check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The rules of the plan and launches modes' flags, each error naming its flag (before any run)."""
+    check_at_least_one(p, args, "plan_heads", "plan_kv_heads", "plan_head_dim", "thd_mean_doc")
+    if args.plan_heads % args.plan_kv_heads:
+        p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
+    check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
+    for cp in args.plan_cp_sizes:
+        patterns = {case.pattern for case in plan.cases([2 * cp], [cp], args.comm_types, ["bshd"])} - {"whole"}
+        a2a_sizes = {PATTERNS[name].a2a_size(cp, plan.hierarchical_sizes(cp)) for name in patterns} - {None}
+        for size in sorted(a2a_sizes):
+            if args.plan_heads % size:
+                p.error(f"--plan-heads {args.plan_heads} must be divisible by the a2a size {size} (cp {cp})")
+    shape = plan.PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads,
+                           head_dim=args.plan_head_dim, dtype=args.plan_dtype)
+    try:
+        if "launches" in args.modes:
+            launches.check_kernels(args.launch_kernels, shape)
+        if "plan" in args.modes and args.attn_kernel is not None:
+            plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device), args.formats)
+    except ValueError as err:
+        p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
+    if "plan" in args.modes:
+        for fmt in args.formats:
+            for name in args.whole_kernels:
+                reason = whole.cannot_run(whole.resolve(name, fmt, args.device), args.device,
+                                          getattr(torch, args.plan_dtype))
+                if reason:
+                    p.error(f"--whole-kernels {name} ({fmt}): {reason}")
+
+
+def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every mode's rules (after the ``--quick`` / full defaults were filled in), and the defaults that depend
+    on ``--quick`` for the generate and hybrid modes. Exits through ``p.error`` naming the flag."""
+    if not args.no_plots:
+        try:
+            plots.require_matplotlib()
+        except ImportError as err:
+            p.error(str(err))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here")
+    if args.device == "cuda" and "e2e" in args.modes:
+        p.error("--device cuda runs --modes attn, plan and launches (e2e runs cp-train on gloo CPU ranks)")
+    if args.device == "cuda" and "attn" in args.modes:
+        check_cuda_attn_flags(p, args)
+    if {"plan", "launches", "masks"} & set(args.modes):
+        check_plan_flags(p, args)
+    if "generate" in args.modes:
+        if args.gen_prompt_lens is None:
+            args.gen_prompt_lens = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
+        check_at_least_one(p, args, "gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads")
+        if min(args.gen_prompt_lens) < 1 or min(args.gen_cp_sizes) < 1:
+            p.error("--gen-prompt-lens and --gen-cp-sizes must be >= 1")
+        if 1 not in args.gen_cp_sizes:
+            p.error("--gen-cp-sizes must include 1 (the baseline of the efficiency)")
+        if args.gen_heads % args.gen_kv_heads or args.gen_hidden_size % args.gen_heads:
+            p.error(f"--gen-heads {args.gen_heads} must divide --gen-hidden-size {args.gen_hidden_size} and be a "
+                    f"multiple of --gen-kv-heads {args.gen_kv_heads}")
+    if "hybrid" in args.modes:
+        if args.device != "cpu":
+            p.error("--modes hybrid runs on CPU ranks (gloo): drop --device cuda")
+        if args.hybrid_seq_lens is None:
+            args.hybrid_seq_lens = [2048, 8192] if args.quick else [4096, 16384]
+        check_at_least_one(p, args, "hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim")
+        if args.hybrid_heads % args.hybrid_key_heads:
+            p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads "
+                    f"{args.hybrid_key_heads}")
+        check_zigzag(p, "--hybrid-cp-sizes", args.hybrid_cp_sizes, "--hybrid-seq-lens", args.hybrid_seq_lens)
+    if "memory" in args.modes:
+        if args.device != "cpu":
+            p.error("--modes memory runs on CPU (saved-tensor counts are machine-independent): drop --device cuda")
+        check_at_least_one(p, args, "mem_layer_tokens")
+        check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
+    if "masks" in args.modes:
+        check_at_least_one(p, args, "mask_window", "mask_chunk", "mask_cp_size")
+        check_zigzag(p, "--mask-cp-size", [args.mask_cp_size], "--mask-seq-len", [args.mask_seq_len])
+    check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)

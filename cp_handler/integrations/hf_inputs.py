@@ -1,0 +1,37 @@
+"""What a Hugging Face model's forward takes under a handler: every local token's global position, the
+all-ones mask, and the text config the model reads its shape from."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..handlers.base import ContextParallelHandler
+
+
+def text_config(model: nn.Module):
+    """The config of the model's text part (``get_text_config()``: multimodal models nest it), else ``config``."""
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
+    """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document,
+    0 at the padding slots the handler adds), as the model's rotary embedding takes them."""
+    local_len = input_ids.shape[1]
+    positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
+    local = handler.get_emb_on_this_cp_rank(positions)
+    layout = getattr(handler, "thd_layout", None)
+    if layout is not None:
+        local = torch.where(layout.real_mask(handler.cp_rank).to(local.device), local, 0)
+    return local.view(1, -1).expand(input_ids.shape[0], -1)
+
+
+def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) -> dict:
+    """The keyword arguments a model's forward takes under ``handler``: ``position_ids`` and
+    ``cache_position`` (global positions, :func:`local_position_ids`) and an all-ones
+    ``attention_mask`` (so transformers does not re-derive documents from the zigzag's jumps in the
+    positions; the handler's layout is the mask)."""
+    positions = local_position_ids(handler, input_ids)
+    return {"position_ids": positions, "cache_position": positions[0],
+            "attention_mask": torch.ones(input_ids.shape, dtype=torch.long, device=input_ids.device)}
