@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .handlers.base import ContextParallelHandler
+from .tiling import checkpointed_chunks
 
 
 def next_token_batch(
@@ -76,9 +76,7 @@ def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: 
     def chunk_sum(h, lab, mask):
         return masked_token_loss_sum(head(h), lab, mask)
 
-    return sum(torch.utils.checkpoint.checkpoint(chunk_sum, flat[i:i + chunk_tokens], labels[i:i + chunk_tokens],
-                                                 loss_mask[i:i + chunk_tokens], use_reentrant=False)
-               for i in range(0, flat.shape[0], chunk_tokens))
+    return sum(checkpointed_chunks(chunk_sum, chunk_tokens, flat, labels, loss_mask))
 
 
 def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -115,20 +115,29 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
 
 def test_memory_counts_saved_bytes_and_projects_from_them():
     """The saved-tensor count of ``--modes memory`` on a tiny layer shape: a chunked loss keeps no logits (the
-    whole one keeps at least the float32 logits' V x 4 bytes per token), recomputation keeps less per layer, and
-    the projection's tokens per rank follow from its bytes per token (a larger CP size frees state, never less)."""
+    whole one keeps at least the float32 logits' V x 4 bytes per token), recomputation keeps less per layer, a tiled
+    MLP keeps its input only (hidden x 2 bytes per token in bfloat16; whole SwiGLU: (hidden + 4 ffn) x 2), and the
+    projection's tokens per rank follow from its bytes per token (a larger CP size frees state, never less)."""
     from cp_handler.bench import memory
 
     shape = {"hidden_size": 32, "num_layers": 4, "num_attention_heads": 4, "num_query_groups": 2,
              "ffn_hidden_size": 64, "vocab_size": 1000}
-    rows = {(r["recompute"], r["loss_chunk_tokens"]): r for r in memory.measure_layer(32, shape, chunk=8)}
-    assert rows[False, None]["other_bytes_per_token"] >= 1000 * 4 > 10 * rows[False, 8]["other_bytes_per_token"]
-    assert rows[False, None]["layer_bytes_per_token"] == rows[False, 8]["layer_bytes_per_token"] > 0
+    rows = {(r["recompute"], r["loss_chunk_tokens"], r["mlp_chunk_tokens"]): r
+            for r in memory.measure_layer(32, shape, chunk=8)}
+    assert rows[False, None, None]["other_bytes_per_token"] >= 1000 * 4 > \
+        10 * rows[False, 8, None]["other_bytes_per_token"]
+    assert rows[False, None, None]["layer_bytes_per_token"] == rows[False, 8, None]["layer_bytes_per_token"] > 0
+    whole, tiled = rows[False, 8, None], rows[False, 8, 8]
+    assert (whole["mlp_bytes_per_token"], tiled["mlp_bytes_per_token"]) == ((32 + 4 * 64) * 2, 32 * 2)
+    assert whole["layer_bytes_per_token"] - tiled["layer_bytes_per_token"] == 4 * 64 * 2
     projected = memory.project(list(rows.values()), cp_sizes=(1, 8), shape=shape)
     for row in projected:
         assert row["tokens_per_rank"] * row["gpu_bytes_per_token"] <= 0.9 * 80e9
-    by = {(r["cp_size"], r["recompute"], r["chunked_loss"], r["offload"]): r["tokens_per_rank"] for r in projected}
-    assert by[8, True, True, False] > by[8, False, True, False] and by[8, True, True, True] > by[8, True, True, False]
+    by = {(r["cp_size"], r["recompute"], r["chunked_loss"], r["offload"], r["tiled_mlp"]): r["tokens_per_rank"]
+          for r in projected}
+    assert by[8, True, True, False, False] > by[8, False, True, False, False]
+    assert by[8, True, True, True, False] > by[8, True, True, False, False]
+    assert by[8, True, True, False, True] > by[8, True, True, False, False]
     assert memory.parameters(memory.LLAMA3_8B) == 8_030_261_248  # Llama-3-8B's published count
 
 

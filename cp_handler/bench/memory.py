@@ -5,8 +5,9 @@
   (parameters excluded) and attributed to the transformer layer running when it was saved, else to the
   embedding / output head / loss: bytes per token per layer, and the head's and loss's bytes per token. Exact and
   machine-independent (what autograd keeps, not what an allocator reports). Measured at the Llama-3-8B layer
-  shape (one layer, bfloat16) with the whole loss and the chunked one, with and without recomputation, and at
-  this machine's model shape through spawned CP ranks.
+  shape (one layer, bfloat16) with the whole loss and the chunked one, with and without recomputation, with
+  whole and tiled MLPs (:func:`~cp_handler.tiling.tile_mlps`), and at this machine's model shape through spawned
+  CP ranks.
 * **Training state per rank**: parameters, gradients and optimizer states of a ``cp-train`` run (its
   ``state_bytes_per_rank``), DDP vs ``--fsdp``, against the ideal ``whole / world``; and its peak RSS per rank.
 * **Projection** (:func:`project`): the longest sequence per rank a GPU of 80 GB holds for the Llama-3-8B shape
@@ -23,6 +24,7 @@ import torch
 from ..config import AttentionShape, ContextParallelConfig
 from ..handlers.local import LocalContextParallelHandler
 from ..models import GPTConfig, GPTModel
+from ..tiling import tile_mlps
 from ..training.config import TrainConfig
 from ..training.run import run_training
 from ..training.tokens import BYTE_VOCAB_SIZE
@@ -95,13 +97,15 @@ def one_layer(shape: dict, recompute: bool) -> GPTModel:
 
 def measure_layer(tokens: int, shape: dict = LLAMA3_8B, chunk: int = 16) -> list[dict]:
     """Saved bytes of one layer of ``shape`` (bfloat16, cp 1) on ``tokens`` tokens: the whole loss vs chunks of
-    ``chunk`` tokens, recomputation off / on."""
+    ``chunk`` tokens, recomputation off / on; then with the chunked loss and the MLP tiled in chunks of ``chunk``."""
     rows = []
     ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
     for recompute in (False, True):
         model = one_layer(shape, recompute)
-        for tokens_per_chunk in (None, chunk):
-            rows.append({"recompute": recompute, "loss_chunk_tokens": tokens_per_chunk,
+        for tokens_per_chunk, mlp_chunk in ((None, None), (chunk, None), (chunk, chunk)):
+            if mlp_chunk:
+                tile_mlps(model, mlp_chunk)
+            rows.append({"recompute": recompute, "loss_chunk_tokens": tokens_per_chunk, "mlp_chunk_tokens": mlp_chunk,
                          **saved_bytes(model, ids, chunk=tokens_per_chunk)})
             model.zero_grad(set_to_none=True)
     return rows
@@ -143,16 +147,18 @@ def project(measured: list[dict], cp_sizes=(1, 8, 32), shape: dict = LLAMA3_8B) 
     Per token: without recomputation every layer's saved bytes; with it, what a checkpointed layer keeps (its
     input: measured as the growth of the bytes saved outside the layers when recomputation is on) for every
     layer, plus one layer's saved bytes while it is recomputed; plus the embedding, head and loss. With offload
-    every saved tensor is in host memory (``host_bytes_per_token``) and the GPU holds the recomputed layer's."""
-    by = {(r["recompute"], r["loss_chunk_tokens"] is not None): r for r in measured}
+    every saved tensor is in host memory (``host_bytes_per_token``) and the GPU holds the recomputed layer's. A tiled
+    MLP (with recomputation and the chunked loss) keeps its input instead of its intermediates."""
+    by = {(r["recompute"], r["loss_chunk_tokens"] is not None, bool(r.get("mlp_chunk_tokens"))): r for r in measured}
     params, layers = parameters(shape), shape["num_layers"]
     layer_params = parameters({**shape, "num_layers": 1}) - parameters({**shape, "num_layers": 0})
     rows = []
     for cp in cp_sizes:
         for recompute in (False, True):
             for chunked in (False, True):
-                for offload in ((False, True) if recompute and chunked else (False,)):
-                    full, kept = by[False, chunked], by[True, chunked]
+                for offload, tiled in ((False, False), (True, False), (False, True), (True, True)) \
+                        if recompute and chunked else ((False, False),):
+                    full, kept = by[False, chunked, tiled], by[True, chunked, tiled]
                     layer, outside = full["layer_bytes_per_token"], full["other_bytes_per_token"]
                     kept_per_layer = kept["other_bytes_per_token"] - outside
                     if not recompute:
@@ -165,6 +171,7 @@ def project(measured: list[dict], cp_sizes=(1, 8, 32), shape: dict = LLAMA3_8B) 
                     free = PROJECTION["usable"] * PROJECTION["gpu_bytes"] - static - loss
                     tokens = int(free / gpu) if free > 0 else 0
                     rows.append({"cp_size": cp, "recompute": recompute, "chunked_loss": chunked, "offload": offload,
+                                 "tiled_mlp": tiled,
                                  "state_gb": static / 1e9, "gpu_bytes_per_token": gpu, "tokens_per_rank": tokens,
                                  "sequence": tokens * cp, "host_bytes_per_token": saved if offload else 0})
     return rows

@@ -93,7 +93,7 @@ def memory_plot(mem: dict, out_dir: str) -> str:
 def _memory_label(row: dict) -> str:
     parts = ["recompute" if row["recompute"] else "no recompute",
              "chunked loss" if row["chunked_loss"] else "whole loss"]
-    return ", ".join(parts + (["offload"] if row["offload"] else []))
+    return ", ".join(parts + (["tiled MLP"] if row.get("tiled_mlp") else []) + (["offload"] if row["offload"] else []))
 
 
 def masks_plot(masks: dict, out_dir: str) -> str:

@@ -157,9 +157,11 @@ def memory_tables(mem: dict) -> str:
                      f"{s['num_attention_heads']}/{s['num_query_groups']} heads, FFN {s['ffn_hidden_size']}, "
                      f"vocabulary {s['vocab_size']}), bfloat16, {mem['layer_tokens']} tokens, cp 1 "
                      "(saved-tensor hooks)",
-                     ["recompute", "loss", "layer bytes/token", "of which the MLP", "outside the layers bytes/token"],
+                     ["recompute", "loss", "MLP", "layer bytes/token", "of which the MLP",
+                      "outside the layers bytes/token"],
                      [["on" if r["recompute"] else "off",
                        f"chunks of {r['loss_chunk_tokens']}" if r["loss_chunk_tokens"] else "whole",
+                       f"chunks of {r['mlp_chunk_tokens']}" if r.get("mlp_chunk_tokens") else "whole",
                        f"{r['layer_bytes_per_token']:,.0f}", f"{r['mlp_bytes_per_token']:,.0f}",
                        f"{r['other_bytes_per_token']:,.0f}"]
                       for r in mem["measured"]])
@@ -172,11 +174,12 @@ def memory_tables(mem: dict) -> str:
     projection = table(f"PROJECTION (not a run): Llama-3-8B on {a['gpu_bytes'] / 1e9:.0f} GB GPUs, FSDP2 over the cp "
                        f"ranks, {a['bytes_per_parameter']} bytes per parameter, {100 * a['usable']:.0f}% usable, loss "
                        f"chunks of {a['chunk_tokens']}, from the measured bytes per token above",
-                       ["cp", "recompute", "loss", "activation offload", "state GB/rank", "GPU bytes/token",
+                       ["cp", "recompute", "loss", "MLP", "activation offload", "state GB/rank", "GPU bytes/token",
                         "tokens/rank", "sequence", "host bytes/token"],
                        [[r["cp_size"], "on" if r["recompute"] else "off", "chunked" if r["chunked_loss"] else "whole",
-                         "on" if r["offload"] else "off", f"{r['state_gb']:.1f}", f"{r['gpu_bytes_per_token']:,.0f}",
-                         f"{r['tokens_per_rank']:,}", f"{r['sequence']:,}",
+                         "tiled" if r.get("tiled_mlp") else "whole", "on" if r["offload"] else "off",
+                         f"{r['state_gb']:.1f}", f"{r['gpu_bytes_per_token']:,.0f}", f"{r['tokens_per_rank']:,}",
+                         f"{r['sequence']:,}",
                          f"{r['host_bytes_per_token']:,.0f}" if r["offload"] else "-"] for r in mem["projection"]])
     return "\n\n".join([measured, local, projection])
 

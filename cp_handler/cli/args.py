@@ -29,6 +29,7 @@ from .training_args import (
     check_loss_chunk_tokens,
     check_lr_schedule,
     check_micro_batch_size,
+    check_mlp_chunk_tokens,
     check_offload,
 )
 
@@ -222,7 +223,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
         recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args), fsdp=check_fsdp(args),
-        offload_activations=check_offload(args),
+        offload_activations=check_offload(args), mlp_chunk_tokens=check_mlp_chunk_tokens(args),
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,
         save_dir=args.save, save_every=args.save_every, save_keep=args.save_keep, resume=args.resume,

@@ -37,6 +37,7 @@ TRAIN_FLAGS = {
     "min_dynamic_context_parallel_size": "--min-cp-size",
     "max_dynamic_context_parallel_size": "--max-cp-size",
     "attn_kernel": "--attn-kernel",
+    "mlp_chunk_tokens": "--mlp-chunk-tokens",
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",

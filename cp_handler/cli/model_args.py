@@ -7,9 +7,12 @@ import argparse
 import json
 import os
 
+import torch
+
 from ..config import AttentionShape
 from ..integrations.transformers import check_architecture, check_transformers_version
 from ..models import GPTConfig
+from ..tiling import tile_mlps
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
 
 
@@ -90,11 +93,17 @@ def _hf_flag(args: argparse.Namespace) -> str:
 
 def check_hf_training(args: argparse.Namespace, config) -> None:
     """cp-train's rules for the Hugging Face ``config`` (generation has none of them): no randomness in
-    training, and gradient checkpointing with ``--recompute``. Raises ValueError naming the flag."""
+    training, gradient checkpointing with ``--recompute``, dense MLPs with ``--mlp-chunk-tokens`` (the model on
+    ``meta``: its structure; the ranks probe the weights). Raises ValueError naming the flag."""
     try:
         check_training_is_deterministic(config)
         if args.recompute:
             check_gradient_checkpointing(config)
+        if args.mlp_chunk_tokens:
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                tile_mlps(AutoModelForCausalLM.from_config(config), args.mlp_chunk_tokens)
     except ValueError as err:
         raise ValueError(f"{_hf_flag(args)}: {err}") from None
 

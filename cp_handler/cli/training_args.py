@@ -1,6 +1,6 @@
 """cp-train's training flags: steps, the learning-rate schedule, gradient clipping, micro-batches
 (gradient accumulation), activation recomputation and the memory flags (FSDP2, activation offload, loss
-chunks), with their rules. Every error names the flag."""
+and MLP chunks), with their rules. Every error names the flag."""
 
 from __future__ import annotations
 
@@ -42,6 +42,10 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="compute the logits and the loss over chunks of N of a rank's tokens, each recomputed in the "
                         "backward, so at most N x vocabulary logits exist at once (0: the whole loss at once; "
                         "default: chunks of 4096 when a rank's float32 logits would exceed 256 MiB)")
+    g.add_argument("--mlp-chunk-tokens", type=int, default=None, metavar="N",
+                   help="run every feed-forward block over chunks of N of a rank's tokens, each recomputed in the "
+                        "backward (ALST's tiled MLP), so the backward keeps no MLP intermediates beyond one chunk's, "
+                        "for one more forward of each MLP (default: off; dense MLPs only, not --moe-experts)")
     g.add_argument("--micro-batch-size", type=int, default=None,
                    help="sequences per forward/backward: each step accumulates gradients over --batch-size / "
                         "--micro-batch-size passes (Megatron-LM's micro-batches; default --batch-size: one pass)")
@@ -101,3 +105,16 @@ def check_loss_chunk_tokens(args: argparse.Namespace) -> int | None:
     if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
         raise ValueError(f"--loss-chunk-tokens {args.loss_chunk_tokens} must be >= 0 (0: the whole loss at once)")
     return args.loss_chunk_tokens
+
+
+def check_mlp_chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--mlp-chunk-tokens`` (``None``: off) is >= 1 and meets dense MLPs only. Raises ValueError naming the
+    flags (a Hugging Face model's MLPs are checked by :func:`~.model_args.check_hf_training`)."""
+    if args.mlp_chunk_tokens is None:
+        return None
+    if args.mlp_chunk_tokens < 1:
+        raise ValueError(f"--mlp-chunk-tokens {args.mlp_chunk_tokens} must be >= 1 (leave it out for whole MLPs)")
+    if args.moe_experts:
+        raise ValueError(f"--mlp-chunk-tokens with --moe-experts {args.moe_experts}: a mixture of experts routes and "
+                         "balances its load over all tokens, it is not tiled; drop one of them")
+    return args.mlp_chunk_tokens

@@ -77,6 +77,8 @@ class TrainConfig:
     """Shard parameters, gradients and optimizer states over every rank (FSDP2, :mod:`.fsdp`) instead of DDP."""
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the loss (:func:`~cp_handler.loss.loss_chunk_tokens`): ``None`` automatic, 0 whole."""
+    mlp_chunk_tokens: int | None = None
+    """Tokens per chunk of every feed-forward block (:func:`~cp_handler.tiling.tile_mlps`); ``None``: whole."""
     check_parity: bool = False
     eval_every: int = 0
     eval_batches: int = 2

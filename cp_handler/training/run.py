@@ -24,6 +24,7 @@ from ..handlers.registry import load_plugins
 from ..launch import launch, rank_session
 from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
+from ..tiling import tile_mlps
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
@@ -50,6 +51,8 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
     model.train()  # from_pretrained gives eval mode; training randomness is refused before spawn (cli/model_args.py)
     if config.recompute and not reference:
         model.gradient_checkpointing_enable()
+    if config.mlp_chunk_tokens and not reference:  # the parity reference keeps whole MLPs
+        tile_mlps(model, config.mlp_chunk_tokens)
     return model
 
 
