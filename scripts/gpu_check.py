@@ -28,7 +28,7 @@ And the stages written since, never run yet (docs/testing.md, pending items 5 an
     python3 scripts/gpu_check.py mixers     # pytest -m gpu: the hybrid mixer methods on CUDA vs the CPU reference
     python3 scripts/gpu_check.py memory     # pytest -m gpu: --offload-activations exact; then cp-train on one GPU,
                                             # a 2-layer slice of Llama-3-8B (its 128256 vocabulary), bf16, FSDP2,
-                                            # recompute, loss chunks of 4096, at growing sequence lengths: the
+                                            # recompute, loss and MLP chunks of 4096, at growing lengths: the
                                             # largest that fits is the measured row beside the memory projection
 
 Run in this order (by value). Measured on an H100 (2026-11-24, torch 2.11.0+cu130): kernels 21 s, opt_in
@@ -63,7 +63,7 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
              "max_position_embeddings": 1048576, "tie_word_embeddings": False}
 """Llama-3-8B's shape (docs/performance.md's projection); ``max_position_embeddings`` raised for long sequences."""
-ROW_SEQ_LENS = (65536, 131072, 196608, 262144, 327680)
+ROW_SEQ_LENS = (65536, 131072, 262144, 393216, 524288)
 
 
 def memory_rows(scratch: Path) -> list[tuple[str, list[str], dict]]:
@@ -73,8 +73,8 @@ def memory_rows(scratch: Path) -> list[tuple[str, list[str], dict]]:
     config.mkdir(exist_ok=True)
     (config / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": 2}))
     train = [sys.executable, "-m", "cp_handler.cli.train", "--hf-config", str(config), "--dtype", "bfloat16",
-             "--fsdp", "--recompute", "--loss-chunk-tokens", "4096", "--batch-size", "1", "--steps", "2",
-             "--nproc", "1"]
+             "--fsdp", "--recompute", "--loss-chunk-tokens", "4096", "--mlp-chunk-tokens", "4096", "--batch-size", "1",
+             "--steps", "2", "--nproc", "1"]
     return [(f"row_{n}", [*train, "--seq-len", str(n), "--metrics-out", str(scratch / f"row_{n}" / "metrics.json")],
              {}) for n in ROW_SEQ_LENS]
 
