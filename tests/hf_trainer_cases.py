@@ -18,7 +18,8 @@ import torch.distributed as dist
 VOCAB = 64
 CASES = {
     # name: model, its config fields, collator ("pad": right padding; "flatten": packed documents), trainer, cp args
-    "llama_pad": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "accumulate": 2},
+    "llama_pad": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2, "mlp_chunk_tokens": 5},
+                  "accumulate": 2},
     "llama_dp2": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "mistral_window_packed": {"model": "mistral", "config": {"sliding_window": 6}, "collator": "flatten",
                               "cp": {"context_parallel_size": 2, "cp_comm_type": "all_gather"}},

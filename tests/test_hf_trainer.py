@@ -1,10 +1,10 @@
 """Context parallelism inside Hugging Face Trainer and TRL's SFTTrainer (cp_handler.integrations.hf_trainer): the
 loss and gradient norm of every logged step, the final parameters, ``evaluate()``'s loss and ``predict()``'s logits
 of ``CPTrainer`` / ``CPSFTTrainer`` on spawned gloo ranks equal the plain trainer in one process on the same global
-batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulation, dp 2 x cp 2 with a2a, Mistral
-with a window shorter than the sequence on packed documents (``DataCollatorWithFlattening``), Gemma 2 with
-soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT. The negative control (positions left local) must fail
-the same comparison.
+batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulation and tiled MLPs (chunks of 5
+tokens), dp 2 x cp 2 with a2a, Mistral with a window shorter than the sequence on packed documents
+(``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT. The
+negative control (positions left local) must fail the same comparison.
 
 Tolerances (float32): losses, gradient norms and the eval loss rtol 1e-5; parameters after 3 SGD steps (the update
 is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5 (tests/test_hf_integration.py's): CP

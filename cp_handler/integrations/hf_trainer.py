@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
+from ..tiling import tile_mlps
 from .hf_batch import shard_batch
 from .transformers import cp_attention, register
 
@@ -54,12 +55,14 @@ divided by ``get_cp_size()``) and scales the loss changed across releases (4.57 
 @dataclass
 class ContextParallelArguments:
     """CP settings of a Trainer run (:class:`~cp_handler.config.ContextParallelConfig`'s field names; usable with
-    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated."""
+    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated. ``mlp_chunk_tokens``:
+    the model's MLPs tiled over chunks of that many tokens (:func:`~cp_handler.tiling.tile_mlps`; ``None``: whole)."""
 
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     hierarchical_context_parallel_sizes: list[int] | None = None
     backend: str = "local"
+    mlp_chunk_tokens: int | None = None
 
     def config(self) -> ContextParallelConfig:
         """The validated config. Raises ValueError / TypeError naming the field."""
@@ -106,6 +109,8 @@ class ContextParallelMixin:
         self._check_settings()
         self.cp_groups = self._build_groups()
         register(self.accelerator.unwrap_model(self.model))
+        if cp_args.mlp_chunk_tokens is not None:
+            tile_mlps(self.accelerator.unwrap_model(self.model), cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
 
     def _build_groups(self) -> _Groups:
