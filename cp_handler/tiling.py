@@ -1,11 +1,12 @@
 """Token-wise work over chunks of a rank's tokens, each chunk recomputed in the backward, so that only one chunk's
 intermediates exist at a time: the loss (:func:`~cp_handler.loss.token_loss_sum`) and the feed-forward blocks
-(:func:`tile_mlps`, DeepSpeed ALST's TiledMLP: arXiv:2506.13996, section 3.2).
+(:func:`tile_mlps`: the tiled MLP of Arctic Long Sequence Training, ALST, Snowflake 2025, DeepSpeed's
+``TiledMLP``).
 
 A dense MLP acts on every token alone, so the chunks give the same values and gradients as the whole, up to the
-matmuls' float rounding over fewer rows; what the backward keeps of an MLP shrinks from its intermediates
-(``3 x ffn`` values per token for SwiGLU: 122,880 bytes per token of a Llama-3-8B layer in bfloat16, more than
-half the layer's) to its input, for one more forward of the MLP.
+matmuls' float rounding over fewer rows; what the backward keeps of an MLP shrinks from its input and intermediates
+(``hidden + 4 x ffn`` values per token for SwiGLU: 122,880 bytes per token of a Llama-3-8B layer in bfloat16, more
+than half the layer's; docs/performance.md) to its input, for one more forward of the MLP.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _refusal(name: str, module: nn.Module) -> str | None:
+def _refusal(module: nn.Module) -> str | None:
     """Why ``module`` is not a dense, token-wise MLP by its structure (``None``: it is)."""
     for child_name, child in module.named_children():
         if not isinstance(child, nn.Linear) and (any(True for _ in child.parameters()) or any(child.children())):
@@ -100,7 +101,7 @@ def tile_mlps(model: nn.Module, chunk_tokens: int) -> list[str]:
     if not found:
         raise ValueError(f"mlp_chunk_tokens: {type(model).__name__} has no module named 'mlp' to tile")
     for name, module in found:
-        reason = _refusal(name, module)
+        reason = _refusal(module)
         if reason:
             raise ValueError(f"mlp_chunk_tokens: {name} ({type(module).__name__}) cannot be tiled: {reason}")
         _probe(name, module)
