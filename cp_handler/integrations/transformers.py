@@ -161,7 +161,11 @@ class CPCausalLM(torch.nn.Module):
         if not getattr(self.model, "supports_gradient_checkpointing", False):
             raise ValueError(f"{type(self.model).__name__} does not support gradient checkpointing "
                              "(supports_gradient_checkpointing is False in transformers)")
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(self.model, "activation_checkpointing_enable", None)  # its name since transformers 5.x
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
                 moe_handler=None, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
