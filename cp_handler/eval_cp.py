@@ -99,13 +99,17 @@ class EvalContextParallel:
         """Sequences of a batch that this rank's DP replica evaluates (``i % dp == dp_rank``)."""
         return list(range(self.groups.dp_rank, num_sequences, self.groups.dp_size))
 
-    def evaluate(self, model: torch.nn.Module, batches: Iterable, handler_inputs) -> float:
+    def evaluate(self, model: torch.nn.Module, batches: Iterable, handler_inputs, loss_chunks=None) -> float:
         """Token-weighted mean loss of ``model`` over ``batches``, every sequence evaluated once.
 
         Args:
             model: the (possibly DDP-wrapped) model; only its forward is used.
             batches: global batches (the same on every rank); each must support ``rows(list)``.
             handler_inputs: ``f(batch_rows) -> (tokens (B, S) or (1, T), handler metadata dict)``.
+            loss_chunks: ``None``: the model's logits, then the loss. Else ``input_ids -> tokens per loss chunk``
+                (``None``: whole), and the model computes the loss sum itself from ``labels`` / ``loss_mask`` /
+                ``loss_chunk_tokens`` (:class:`~cp_handler.models.GPTModel`,
+                :class:`~cp_handler.integrations.transformers.CPCausalLM`): a rank's whole logits never exist.
 
         Raises:
             whatever the model raises; the training state is restored first.
@@ -121,7 +125,12 @@ class EvalContextParallel:
                 tokens, metadata = handler_inputs(batch.rows(rows))
                 handler = self.handler(**metadata)
                 input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-                total[0] += masked_token_loss_sum(module(input_ids, cp_handler=handler), labels, loss_mask).double()
+                if loss_chunks is None:
+                    loss_sum = masked_token_loss_sum(module(input_ids, cp_handler=handler), labels, loss_mask)
+                else:
+                    loss_sum = module(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
+                                      loss_chunk_tokens=loss_chunks(input_ids))
+                total[0] += loss_sum.double()
                 total[1] += loss_mask.sum().double()
         dist.all_reduce(total)
         return (total[0] / total[1]).item()

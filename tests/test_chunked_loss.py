@@ -2,11 +2,14 @@
 equals whole in value and in every gradient, for the reference GPT and for Hugging Face models through their own
 output head and logit transforms (Llama; Gemma 2's final soft-cap; Cohere's logit scale; Granite's logits
 scaling); no tensor of a chunk's logits is kept for the backward (saved-tensor hooks: machine-independent); a model
-whose logits are not its head of the last hidden states is refused by name.
+whose logits are not its head of the last hidden states is refused by name; cp-train's training and evaluation
+losses with chunks equal those without.
 
 Tolerances: float64 1e-12 (only the order of the chunk sums changes); float32 models: loss rtol 1e-6, gradients
 atol 1e-6 + rtol 1e-5 (the chunked head recomputes the same float32 products; sums in another order).
 """
+
+import json
 
 import pytest
 import torch
@@ -151,9 +154,18 @@ def test_offloaded_activations_give_the_same_gradients_on_cuda():
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_chunked_loss_parity():
-    """--loss-chunk-tokens 50: the loss over chunks of 50 of a rank's 64 tokens per row, against one process's
-    whole loss."""
-    result = cp_train("--nproc", "2", "--loss-chunk-tokens", "50", *SMALL[:1], "3", *SMALL[2:], "--check-parity")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "parity passed" in result.stderr
+def test_chunked_loss_parity_and_evaluation(tmp_path):
+    """--loss-chunk-tokens 50: the loss over chunks of 50 of a rank's 2 x 64 tokens, against one process's whole
+    loss; the held-out evaluation (--eval-every, at another CP degree) in chunks too, equal to the same run's with
+    the whole loss (0), step by step (rtol 1e-6, as tests/test_eval_cp.py)."""
+    runs = {}
+    for chunks, parity in (("50", ["--check-parity"]), ("0", [])):
+        out = tmp_path / f"chunks_{chunks}.json"
+        result = cp_train("--nproc", "2", "--loss-chunk-tokens", chunks, *SMALL[:1], "3", *SMALL[2:], "--eval-every",
+                          "1", "--eval-cp-size", "1", *parity, "--metrics-out", str(out))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "parity passed" in result.stderr or not parity
+        runs[chunks] = json.loads(out.read_text())["steps"]
+    for key in ("loss", "eval_loss"):
+        chunked, whole = (torch.tensor([r[key] for r in runs[c]]) for c in ("50", "0"))
+        torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0, msg=lambda m, k=key: f"{k}: {m}")

@@ -2,7 +2,8 @@
 
 Regression for the silent bug class (a rotary table or cache sized by a static CP degree): train at
 cp=2 and evaluate at cp=1, 2, 4, and train at cp=4 and evaluate at cp=4, 2, 1; every evaluation
-equals a single-process evaluation of the same held-out batches. Training resumes bit-identically
+equals a single-process evaluation of the same held-out batches, also with the loss in chunks of 5 tokens
+(``loss_chunks``: the head never sees more than 5 rows at once). Training resumes bit-identically
 after evaluation, also when evaluation raises. Each held-out sequence is evaluated exactly once.
 
 Tolerance: evaluation losses rtol 1e-6 (float32; only attention sums are reordered, measured
@@ -82,6 +83,12 @@ def _eval_worker(rank, world, train_size, eval_sizes):
         evaluator = EvalContextParallel.build(eval_config(config, size))
         loss = evaluator.evaluate(model, heldout, inputs)
         assert loss == pytest.approx(expected, rel=1e-6), (train_size, size, loss, expected)
+        rows = []
+        hook = model.lm_head.register_forward_hook(lambda m, args, out, seen=rows: seen.append(
+            out.flatten(0, -2).shape[0]))
+        chunked = evaluator.evaluate(model, heldout, inputs, loss_chunks=lambda input_ids: 5)
+        hook.remove()
+        assert chunked == pytest.approx(expected, rel=1e-6) and 0 < max(rows) <= 5, (size, chunked, expected, rows)
     _check_resume(model, train_cp, EvalContextParallel.build(eval_config(config, eval_sizes[-1])), heldout,
                   train_batches[0])
 

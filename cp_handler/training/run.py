@@ -33,7 +33,16 @@ from .loop import default_optimizer, local_grad_norm, train_steps
 from .parity import StepReference, parity_result
 from .reference import hf_logits
 from .run_files import checkpointing, export_hf, save_lock, say
-from .steps import dynamic_step, gpt_logits, handler_inputs, load_batches, load_documents, reference_step, static_step
+from .steps import (
+    dynamic_step,
+    gpt_logits,
+    handler_inputs,
+    load_batches,
+    load_documents,
+    loss_chunks,
+    reference_step,
+    static_step,
+)
 
 
 def build_model(config: TrainConfig, device: torch.device, reference: bool = False) -> torch.nn.Module:
@@ -165,17 +174,20 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     def eval_inputs(batch):
         return handler_inputs(batch, config.packing, device)
 
+    eval_chunks = loss_chunks(trained, config)  # evaluation's loss in chunks as training's: no whole logits
+
     run = static_step(trained, config, batches, groups, global_batch, dist.group.WORLD, grad_scale, device, experts)
     reference = step_reference(config, device, global_batch, experts is not None) if config.check_parity else None
     optim = optimizer(trained.parameters())
     scheduler = config.lr_schedule.scheduler(optim)
     start, checkpoint = checkpointing(config, trained, optim, scheduler)
     records = train_steps(trained, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
-                          config.log_every, after_step=periodic_eval(config, at_eval, trained, heldout, eval_inputs),
+                          config.log_every, after_step=periodic_eval(config, at_eval, trained, heldout, eval_inputs,
+                                                                      eval_chunks),
                           grad_norm_fn=grad_norm_fn, reference=reference, start=start, checkpoint=checkpoint,
                           scheduler=scheduler, clip_grad=config.clip_grad)
     export_hf(config, trained)
-    eval_check = check_eval_cp(config, at_train, at_eval, trained, heldout[0], eval_inputs) \
+    eval_check = check_eval_cp(config, at_train, at_eval, trained, heldout[0], eval_inputs, eval_chunks) \
         if config.check_eval_cp else None
     return _finish(config, records, eval_check, device, {"dp_size": groups.dp_size, "cp_size": groups.cp_size},
                    state_bytes(trained, optim))
