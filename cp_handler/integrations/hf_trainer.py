@@ -108,9 +108,10 @@ class ContextParallelMixin:
         super().__init__(*args, **kwargs)
         self._check_settings()
         self.cp_groups = self._build_groups()
-        register(self.accelerator.unwrap_model(self.model))
+        model = self.accelerator.unwrap_model(self.model)
+        register(model)
         if cp_args.mlp_chunk_tokens is not None:
-            tile_mlps(self.accelerator.unwrap_model(self.model), cp_args.mlp_chunk_tokens)
+            tile_mlps(model, cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
 
     def _build_groups(self) -> _Groups:
