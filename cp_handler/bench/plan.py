@@ -238,3 +238,26 @@ def run(args) -> dict:
     kernel = select_kernel(probe, shape.kernel).name
     device_name = torch.cuda.get_device_name() if shape.device == "cuda" else "cpu"
     return {"shape": asdict(shape), "kernel": kernel, "device_name": device_name, "rows": add_efficiency(rows)}
+
+
+def profile_case(case: PlanCase, shape: PlanShape, trace_path: str, warmup: int = 2, rows: int = 25) -> str:
+    """One forward + backward of rank 0's plan in ``case`` under :mod:`torch.profiler` (after ``warmup`` runs):
+    writes a Chrome trace to ``trace_path`` (gzip when it ends in ``.gz``) and returns the ``rows`` operators with the
+    most device time (CUDA) or CPU time, as :meth:`~torch.autograd.profiler_util.EventList.table` prints them."""
+    kernel = select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
+                                       dtype=getattr(torch, shape.dtype)), shape.kernel,
+                           varying_shapes=case.qkv_format == "thd")
+    step = rank_step(rank_plan(case, shape, kernel.packed), shape, kernel)
+    for _ in range(warmup):
+        step()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if shape.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if shape.device == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    sort = "self_device_time_total" if shape.device == "cuda" else "self_cpu_time_total"
+    return f"kernel {kernel.name}\n" + prof.key_averages().table(sort_by=sort, row_limit=rows)
