@@ -81,7 +81,7 @@ def source_hash(stage: str, commands: list, root: Path = ROOT) -> str:
 
 
 def load(path: Path = LEDGER) -> dict:
-    """The ledger: ``{stage: {commit, source_hash, date, device, torch, cuda, cudnn, fa4, result, seconds}}``
+    """The ledger: ``{stage: {commit, source_hash, date, device, torch, cuda, cudnn, fa4, result, seconds, parts}}``
     (empty when the file does not exist yet)."""
     return json.loads(path.read_text()) if path.exists() else {}
 
@@ -121,5 +121,5 @@ def record(ledger: dict, summary: dict, hashes_now: dict[str, str], commit: str,
     device = {k: summary[k] for k in ("date", "device", "torch", "cuda", "cudnn", "fa4")}
     for s in ran:
         new[s["stage"]] = {"commit": commit, "source_hash": s["source_hash"], **device, "result": s["result"],
-                           "seconds": s["seconds"]}
+                           "seconds": s["seconds"], "parts": {p["part"]: p["status"] for p in s["parts"]}}
     return dict(sorted(new.items()))
