@@ -39,9 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,7 +53,7 @@ import gpu_ledger  # noqa: E402  (beside this script)
 ROOT = gpu_ledger.ROOT
 PYTHON = sys.executable
 # addopts="": pyproject's --timeout (pytest-timeout) is a CPU-suite hang guard; the part's timeout guards here
-PYTEST = [PYTHON, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu"]
+PYTEST = [PYTHON, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu"]
 BENCH = [PYTHON, "-m", "cp_handler.bench.cli", "--modes", "plan", "--device", "cuda", "--plan-cp-sizes", "4",
          "--reps", "5", "--warmup", "2", "--no-plots"]
 PATTERNS = ["tests/test_attn_patterns.py", "tests/test_thd.py"]
@@ -69,6 +71,12 @@ PASS_ORDER = ("default", "fa4_kernels", "fa4_patterns", "fa4_plan", "memory", "c
 NEEDS_FA4 = ("fa4_kernels", "fa4_patterns", "fa4_plan")
 MIN_START_S = 30
 """A part does not start with less time left than this."""
+PART_CAP_S = {"patterns_bf16": 150, "gpt_bf16": 90, "masks_bf16": 120, "mixers": 120}
+"""Seconds a part of ``default`` may take (about 3x its expected time: the H100 run of 2026-11-24 took 159 s for
+patterns + thd + layout in three dtypes, 51 s for gpt, 63 s for masks): one stalled part cannot starve the rest.
+A part over its cap fails; a part stopped by the pass's budget is ``STOPPED`` (its stage ``INCOMPLETE``)."""
+STACKS_ENV, STACKS_AFTER_S = "CP_HANDLER_TEST_STACKS_S", 60
+"""Every spawned test rank prints its Python stacks every 60 s (tests/dist_utils.py): a stall shows where."""
 OOM = ("OutOfMemoryError", "CUDA out of memory")
 
 
@@ -136,30 +144,58 @@ def fa4_release() -> str | None:
         return None
 
 
-def run_part(name: str, command: list[str], env: dict, timeout: float, log) -> dict:
-    """Runs one part (its output into ``log``): ``{part, status, seconds, tail}``; status ``PASS``, ``OOM`` (ran
-    out of GPU memory), ``FAIL (exit N)`` or ``FAIL (stopped after N s)``."""
+def run_part(name: str, command: list[str], env: dict, deadline: float, log) -> dict:
+    """Runs one part until ``deadline`` (``time.monotonic()``) or its :data:`PART_CAP_S`, in a session of its own
+    (on a stop the whole process group goes: no spawned rank is left holding the GPU). Every output line goes to
+    ``log`` prefixed with the seconds since the part started. Returns ``{part, status, seconds, tail}``; status
+    ``PASS``, ``OOM`` (ran out of GPU memory), ``FAIL (exit N)``, ``FAIL (over its N s cap)`` or ``STOPPED (budget
+    spent)``."""
     started = time.monotonic()
-    log.write(f"\n===== {name}: {' '.join(command)} (timeout {timeout:.0f} s)\n")
+    limit = min(deadline - started, PART_CAP_S.get(name, float("inf")))
+    log.write(f"\n===== {name}: {' '.join(command)} (limit {limit:.0f} s)\n")
     log.flush()
-    with tempfile.TemporaryFile("w+") as own:
-        try:
-            done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                filter(None, (os.environ.get("PYTHONPATH"), str(ROOT)))), **env}, stdout=own,
-                stderr=subprocess.STDOUT, timeout=timeout)
-            status = "PASS" if done.returncode == 0 else f"FAIL (exit {done.returncode})"
-        except subprocess.TimeoutExpired:
-            status = f"FAIL (stopped after {timeout:.0f} s)"
-        own.seek(0)
-        text = own.read()
-    log.write(text)
-    log.flush()
-    if status.startswith("FAIL (exit") and any(s in text for s in OOM):
+    lines: list[str] = []
+    path = os.pathsep.join(filter(None, (os.environ.get("PYTHONPATH"), str(ROOT))))
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
+                                                    STACKS_ENV: str(STACKS_AFTER_S), **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def pump():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            log.write(f"[{time.monotonic() - started:6.1f}s] {line}")
+            log.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=limit)
+        status = "PASS" if code == 0 else f"FAIL (exit {code})"
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        status = "STOPPED (budget spent)" if limit < PART_CAP_S.get(name, float("inf")) else \
+            f"FAIL (over its {limit:.0f} s cap)"
+    reader.join(timeout=10)
+    if status.startswith("FAIL (exit") and any(s in line for line in lines for s in OOM):
         status = "OOM"
     seconds = time.monotonic() - started
     print(f"gpu_check: {name}: {status} in {seconds:.0f} s", flush=True)
-    tail = text.splitlines()[-(40 if name == "profile_thd" else 6):]  # the profile's table whole
+    tail = lines[-(40 if name == "profile_thd" else 6):]  # the profile's table whole
     return {"part": name, "status": status, "seconds": round(seconds, 1), "tail": tail}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the part's process group, SIGKILL 10 s later if it is still there."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_stage(stage: str, scratch: Path, deadline: float, log, trace: Path) -> dict:
@@ -175,7 +211,7 @@ def run_stage(stage: str, scratch: Path, deadline: float, log, trace: Path) -> d
         if left < MIN_START_S:
             parts.append({"part": name, "status": "NOT RUN (budget spent)", "seconds": 0})
             continue
-        parts.append(run_part(name, command, {**env, "GPU_CHECK_TRACE": str(trace)}, left, log))
+        parts.append(run_part(name, command, {**env, "GPU_CHECK_TRACE": str(trace)}, deadline, log))
         bench = scratch / name / "results.json"
         if bench.exists():
             parts[-1]["plan"] = json.loads(bench.read_text())["plan"]
@@ -190,7 +226,7 @@ def run_stage(stage: str, scratch: Path, deadline: float, log, trace: Path) -> d
     first_row_oom = stage == "memory" and statuses[1:2] == ["OOM"]
     if first_row_oom or any(s.startswith("FAIL") or (s == "OOM" and stage != "memory") for s in statuses):
         result = "FAIL"
-    elif any(s.startswith("NOT RUN") for s in statuses):
+    elif any(s.startswith(("NOT RUN", "STOPPED")) for s in statuses):
         result = "INCOMPLETE"
     else:
         result = "PASS"

@@ -14,6 +14,7 @@ them) gloo with every collective staged through host memory by :mod:`host_stagin
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import sys
 import tempfile
@@ -27,6 +28,8 @@ import torch.multiprocessing as mp
 from cp_handler import destroy_process_groups
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
+STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
+"""Seconds after which (and every as many after) each rank prints every thread's Python stack (unset: never)."""
 
 
 def _backend(rank: int, world_size: int, device: str, stage_through_host: bool) -> str:
@@ -45,6 +48,8 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
     # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
     # teardown race that destroy_process_groups() fixes was found.
     torch._C._set_print_stack_traces_on_fatal_signal(True)
+    if os.environ.get(STACKS_ENV):  # scripts/gpu_check.py: a stalled rank shows where it waits
+        faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
     torch.set_num_threads(1)
     conftest.load()  # the suite's rules in this rank too (no deadline)
     dist.init_process_group(

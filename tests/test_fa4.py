@@ -249,7 +249,11 @@ def test_fa4_blocks_on_gpu_against_float64(dtype, d, heads, causal, sq, sk, b):
 def test_fa4_varlen_on_gpu_and_no_recompile_across_block_shapes(dtype):
     """Packed calls on the GPU against float64 (length-1 segments, Sq != Sk full segments, 300 segments in one
     call), then 20 calls whose segment lengths change: FA4 compiles per variant, not per length, so no new
-    entry appears in its compile caches after the first of each variant."""
+    entry appears in its compile caches after the first call of each variant. A variant is the dtype, head dims,
+    the causal flag and, in 4.0.0b36's backward, whether the longest segment fits one tile of q or of k
+    (``single_q_block`` / ``single_k_block`` in its compile key, interface.py; tiles of 64 or 128 rows): the H200
+    run of 2026-11-27 saw 2 backward compiles when only a longest segment of 90 had been warmed, so each tile class
+    is warmed (longest 40, 100, 200) before the lengths change."""
     g = torch.Generator().manual_seed(5)
 
     def pack(lengths_q, lengths_k, causal):
@@ -272,7 +276,8 @@ def test_fa4_varlen_on_gpu_and_no_recompile_across_block_shapes(dtype):
     interface = fa4.interface()
     caches = (interface._flash_attn_fwd.compile_cache.cache, interface._flash_attn_bwd.compile_cache.cache)
     for causal in (True, False):
-        pack([40, 90], [40, 90], causal)  # warm each variant once
+        for longest in (40, 100, 200):  # one tile of 64 / of 128 rows, two of 128, more: every tile class
+            pack([longest, 7], [longest, 7], causal)
     sizes = [len(c) for c in caches]
     rng = torch.Generator().manual_seed(6)
     for _ in range(20):
