@@ -254,6 +254,18 @@ def plan_pass(only: list[str] | None, ledger: dict) -> list[tuple[str, str, bool
     return [(s, h, gpu_ledger.is_pending(s, h, ledger)) for s in chosen for h in [stage_hash(s)]]
 
 
+def _out_dir() -> Path | None:
+    """``$OUT`` (else runs/gpu_check), created; ``None`` (with a message) where no CUDA device is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (pass --dry-run prints the plan)", file=sys.stderr)
+        return None
+    out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def cmd_pass(args) -> int:
     ledger = gpu_ledger.load(args.ledger)
     plan = plan_pass(args.only, ledger)
@@ -265,13 +277,9 @@ def cmd_pass(args) -> int:
             need = " [needs FA4 installed]" if stage in NEEDS_FA4 else ""
             print(f"{stage:14s} {'PENDING' if pending else 'passed on this code':20s} {last}{need}")
         return 0
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here (pass --dry-run prints the plan)", file=sys.stderr)
+    out = _out_dir()
+    if out is None:
         return 2
-    out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
-    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     deadline, has_fa4, results = started + args.budget, fa4_importable(), []
     with tempfile.TemporaryDirectory() as scratch, open(out / "gpu_pass.log", "w") as log:
@@ -312,13 +320,9 @@ def cmd_record(args) -> int:
 
 
 def cmd_stage(args) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here", file=sys.stderr)
+    out = _out_dir()
+    if out is None:
         return 2
-    out = Path(os.environ.get("OUT") or ROOT / "runs" / "gpu_check")
-    out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as scratch, open(out / f"gpu_check_{args.stage}.log", "w") as log:
         result = run_stage(args.stage, Path(scratch), started + args.budget, log,
