@@ -6,6 +6,7 @@ Peer tolerances: fp32 inputs, same CPU flash kernel on the same blocks; the merg
 so outputs and gradients agree to float32 rounding of a few merges (atol 1e-5 on O(1) values).
 """
 
+import gzip
 import json
 import statistics
 import subprocess
@@ -20,7 +21,7 @@ from dist_utils import new_cp_group, run_distributed
 from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.cli import main, parse_args
-from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, rank_plan, whole_tiles
+from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, profile_case, rank_plan, whole_tiles
 from cp_handler.bench.plots import IMPLEMENTATIONS, style
 from cp_handler.bench.report import add_efficiency, attention_table
 from cp_handler.bench.torch_ring import check_available, torch_ring_attn
@@ -159,6 +160,16 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
         plan = rank_plan(PlanCase(pattern, "bshd", cp, 128), shape)
         pairs = sum(block_pairs(q.stop - q.start, k.stop - k.start, c) for step in plan.steps for q, k, c in step)
         assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
+
+
+def test_profile_case_traces_one_rank_step(tmp_path):
+    """gpu_check's profile_thd stage on CPU: rank 0's thd ring step under torch.profiler, a gzipped Chrome trace
+    holding the attention kernel's operator, and its table naming the kernel."""
+    shape = PlanShape(num_heads=4, num_kv_heads=2, head_dim=16, dtype="float32", device="cpu", thd_mean_doc=20)
+    table = profile_case(PlanCase("p2p", "thd", 4, 256), shape, str(tmp_path / "trace.json.gz"), warmup=0)
+    assert table.startswith("kernel cpu_flash") and "scaled_dot_product" in table
+    trace = json.loads(gzip.decompress((tmp_path / "trace.json.gz").read_bytes()))
+    assert any("scaled_dot_product" in e.get("name", "") for e in trace["traceEvents"])
 
 
 def test_hybrid_mode_state_passing_beside_the_sequence_gather(tmp_path):

@@ -169,15 +169,17 @@ def _whole_step(case: PlanCase, shape: PlanShape):
     return whole_step(case.reference, q, k, v, lengths)
 
 
+def _case_step(case: PlanCase, shape: PlanShape):
+    """``(step, kernel)``: :func:`rank_step` of rank 0's plan in ``case`` with the kernel ``shape`` selects."""
+    kernel = select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
+                                       dtype=getattr(torch, shape.dtype)), shape.kernel,
+                           varying_shapes=case.qkv_format == "thd")
+    return rank_step(rank_plan(case, shape, kernel.packed), shape, kernel), kernel
+
+
 def time_case(case: PlanCase, shape: PlanShape, warmup: int, reps: int) -> dict:
     """Median forward+backward milliseconds of ``case`` (rank 0's plan, or the whole-sequence reference)."""
-    if case.pattern == "whole":
-        step = _whole_step(case, shape)
-    else:
-        kernel = select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
-                                           dtype=getattr(torch, shape.dtype)), shape.kernel,
-                               varying_shapes=case.qkv_format == "thd")
-        step = rank_step(rank_plan(case, shape, kernel.packed), shape, kernel)
+    step = _whole_step(case, shape) if case.pattern == "whole" else _case_step(case, shape)[0]
     times = []
     for i in range(warmup + reps):
         stop = _timer(shape.device)
@@ -244,10 +246,7 @@ def profile_case(case: PlanCase, shape: PlanShape, trace_path: str, warmup: int 
     """One forward + backward of rank 0's plan in ``case`` under :mod:`torch.profiler` (after ``warmup`` runs):
     writes a Chrome trace to ``trace_path`` (gzip when it ends in ``.gz``) and returns the ``rows`` operators with the
     most device time (CUDA) or CPU time, as :meth:`~torch.autograd.profiler_util.EventList.table` prints them."""
-    kernel = select_kernel(torch.empty(1, shape.num_heads, 1, shape.head_dim, device=shape.device,
-                                       dtype=getattr(torch, shape.dtype)), shape.kernel,
-                           varying_shapes=case.qkv_format == "thd")
-    step = rank_step(rank_plan(case, shape, kernel.packed), shape, kernel)
+    step, kernel = _case_step(case, shape)
     for _ in range(warmup):
         step()
     activities = [torch.profiler.ProfilerActivity.CPU]
