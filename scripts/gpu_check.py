@@ -287,13 +287,11 @@ def cmd_pass(args) -> int:
         for stage, source_hash, pending in plan:
             if not pending:
                 continue
-            if stage in NEEDS_FA4 and not has_fa4:
-                results.append({"stage": stage, "result": "NOT RUN", "why": "flash_attn.cute not importable",
-                                "source_hash": source_hash, "seconds": 0, "parts": []})
-                continue
-            if deadline - time.monotonic() < MIN_START_S:
-                results.append({"stage": stage, "result": "NOT RUN", "why": "budget spent",
-                                "source_hash": source_hash, "seconds": 0, "parts": []})
+            why = "flash_attn.cute not importable" if stage in NEEDS_FA4 and not has_fa4 else \
+                "budget spent" if deadline - time.monotonic() < MIN_START_S else None
+            if why:
+                results.append({"stage": stage, "result": "NOT RUN", "why": why, "source_hash": source_hash,
+                                "seconds": 0, "parts": []})
                 continue
             stage_dir = Path(scratch) / stage
             stage_dir.mkdir()
