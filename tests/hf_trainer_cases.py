@@ -9,6 +9,7 @@ so the parameters' tolerance follows the gradients'; Adam would turn a 1e-7 grad
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 VOCAB = 64
+_AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+"""A load-balancing loss weighted enough to move every parameter it reaches."""
 CASES = {
     # name: model, its config fields, collator ("pad": right padding; "flatten": packed documents), trainer, cp args
     "llama_pad": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2, "mlp_chunk_tokens": 5},
@@ -31,9 +34,22 @@ CASES = {
     "qwen3_next_hybrid": {"model": "qwen3_next", "config": {"layer_types": ["linear_attention", "full_attention"]},
                           "collator": "pad", "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "sft_padding_free": {"model": "llama", "collator": "trl", "trainer": "sft", "cp": {"context_parallel_size": 2}},
-    "local_positions": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "break": True},
+    # MoE load-balancing loss on (tests/test_hf_trainer.py's docstring): Trainer adds the model's own (packed
+    # documents: the handler's padding slots masked out); TRL turns it on from router_aux_loss_coef and logs it
+    "moe_aux_loss_packed": {"model": "qwen3_moe", "config": _AUX, "collator": "flatten",
+                            "cp": {"context_parallel_size": 2}},
+    "sft_hybrid_moe_aux_loss": {"model": "qwen3_next", "config": {**_AUX, "layer_types": ["linear_attention",
+                                                                                          "full_attention"]},
+                                "collator": "trl", "trainer": "sft", "padding_free": False,
+                                "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
+    "local_positions": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "break": "positions"},
+    "router_loss_per_shard": {"model": "qwen3_moe", "config": _AUX, "collator": "flatten",
+                              "cp": {"context_parallel_size": 2}, "break": "router_loss"},
 }
-"""Each case's reference is the same name run alone (``break`` is a negative control: positions left local)."""
+"""Each case's reference is the same name run alone (``break``: a negative control, positions left local or the
+router loss computed on each rank's shard as transformers would)."""
+LOGGED = ("aux_loss", "num_tokens")
+"""TRL's logged figures compared beside the loss and the gradient norm, where a run logs them."""
 WORLD = {"llama_dp2": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp."""
 
@@ -95,15 +111,22 @@ def _arguments(case: dict, out: str, batch: int, cp_run: bool):
     if case.get("trainer") == "sft":
         from trl import SFTConfig
 
-        return SFTConfig(**fields, padding_free=True, max_length=None, bf16=False)  # TRL's default: bf16 autocast
+        return SFTConfig(**fields, padding_free=case.get("padding_free", True), max_length=None,
+                         bf16=False)  # TRL's default: bf16 autocast
     return TrainingArguments(**fields)
 
 
-def _break_positions(monkeypatch_target):
-    """The negative control: every rank's positions local (0..S_local-1), a real CP bug."""
-    from cp_handler.integrations import hf_batch
+@contextlib.contextmanager
+def _broken(kind: str | None):
+    """A negative control for the block (undone after it: the spawn runs the next cases): ``"positions"``, every
+    rank's positions local (0..S_local-1); ``"router_loss"``, transformers' own load-balancing loss on each rank's
+    shard."""
+    from cp_handler.integrations import hf_active, hf_batch, hf_router_loss
 
-    original = hf_batch.cp_model_inputs
+    target, name, original = {None: (None, None, None), "positions": (hf_batch, "cp_model_inputs", None),
+                              "router_loss": (hf_router_loss, "cp_load_balancing_loss", None)}[kind]
+    if target is not None:
+        original = getattr(target, name)
 
     def local(handler, input_ids):
         inputs = original(handler, input_ids)
@@ -111,7 +134,17 @@ def _break_positions(monkeypatch_target):
         inputs["cache_position"] = inputs["position_ids"][0]
         return inputs
 
-    monkeypatch_target.cp_model_inputs = local
+    def per_shard(gate_logits, num_experts, top_k=2, attention_mask=None):
+        hf_active.record_router_loss()
+        return hf_router_loss._reference()(gate_logits, num_experts, top_k, None)
+
+    if target is not None:
+        setattr(target, name, local if kind == "positions" else per_shard)
+    try:
+        yield
+    finally:
+        if target is not None:
+            setattr(target, name, original)
 
 
 def run_case(name: str, out: str, cp_run: bool) -> None:
@@ -141,22 +174,26 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         from cp_handler.integrations.hf_trainer import CPTrainer as CP
         cls, common["data_collator"] = (CP if cp_run else Trainer), _collator(case["collator"])
     if cp_run:
-        from cp_handler.integrations import hf_batch
         from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
-        if case.get("break"):
-            _break_positions(hf_batch)
         common["cp_args"] = ContextParallelArguments(**case["cp"])
-    trainer = cls(**common)
-    trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    losses = [[entry["loss"], entry["grad_norm"]] for entry in logged]
-    evaluation = trainer.evaluate()
-    prediction = trainer.predict(common["eval_dataset"])
+    with _broken(case.get("break") if cp_run else None):
+        trainer = cls(**common)
+        trainer.train()
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in LOGGED if key in entry)]
+                  for entry in logged]
+        evaluation = trainer.evaluate()
+        prediction = trainer.predict(common["eval_dataset"])
     if not cp_run or dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
-                    "predictions": torch.as_tensor(prediction.predictions)}, Path(out) / "result.pt")
+                    "predictions": torch.as_tensor(_logits(prediction.predictions))}, Path(out) / "result.pt")
+
+
+def _logits(predictions):
+    """``predict()``'s logits (a MoE model's plain run returns its aux loss and router logits beside them)."""
+    return next(p for p in predictions if p.ndim == 3) if isinstance(predictions, tuple) else predictions
 
 
 def tokenizer():

@@ -69,7 +69,14 @@ def test_hugging_face_flag_rules(tmp_path, monkeypatch):
 
 HF_REFUSED = [("recurrent_gemma", {}, "is a convolution over the sequence"),
               ("roberta", {"is_decoder": True}, "differ from its own defaults"),
-              ("bloom", {}, "did not run cp_handler's attention")]
+              ("bloom", {}, "did not run cp_handler's attention"),
+              # issue 50: a bidirectional model would train a next-token loss seeing its labels; T5 has no causal LM
+              ("bert", {"architectures": ["BertModel"], "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+               "BertLMHeadModel is not a causal language model: its attention layers ['0', '1'] attend "
+               "bidirectionally"),
+              ("t5", {"dropout_rate": 0.0}, "model_type 't5' is an encoder-decoder model, not a causal language model"),
+              # the load-balancing loss would be dropped by cp-train's next-token loss
+              ("qwen3_moe", {"output_router_logits": True}, "config.json sets output_router_logits=true")]
 
 
 @pytest.mark.parametrize("model_type, fields, message", HF_REFUSED, ids=[r[0] for r in HF_REFUSED])
@@ -153,3 +160,15 @@ def test_training_randomness_and_recompute_without_support_refused_before_spawn(
     parse(["--nproc", "2", "--hf-config", qwen2])  # trains without --recompute
     with pytest.raises(SystemExit, match=r"--recompute: Qwen2ForCausalLM does not support gradient checkpointing"):
         parse(["--nproc", "2", "--hf-config", qwen2, "--recompute"])
+
+
+def test_an_attention_free_model_trains_packed_documents_with_parity(tmp_path):
+    """Mamba has no attention heads (cp-train read them before any rank started: an AttributeError, issue 50): with
+    --packing thd its scans keep the documents apart, as the reference does running each document alone."""
+    import hf_zoo
+
+    hf_zoo.tiny_config("mamba", {"vocab_size": 256}).save_pretrained(tmp_path)
+    result = cp_train("--nproc", "2", "--hf-config", str(tmp_path), "--packing", "thd", "--steps", "2", "--seq-len",
+                      "64", "--max-corpus-bytes", "300000", "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr

@@ -3,8 +3,11 @@ loss and gradient norm of every logged step, the final parameters, ``evaluate()`
 of ``CPTrainer`` / ``CPSFTTrainer`` on spawned gloo ranks equal the plain trainer in one process on the same global
 batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulation and tiled MLPs (chunks of 5
 tokens), dp 2 x cp 2 with a2a, Mistral with a window shorter than the sequence on packed documents
-(``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT. The
-negative control (positions left local) must fail the same comparison.
+(``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT, and a MoE
+model's load-balancing loss turned on (Qwen3-MoE on packed documents under Trainer; Qwen3-Next under TRL, which logs
+it and ``num_tokens``: both compared). The negative controls (positions left local; the router loss computed on each
+rank's shard, as transformers would) must fail the same comparison. The router loss is compared at dp 1: with dp > 1
+transformers adds each dp rank's own batch's loss (DDP semantics, with or without CP), not the global batch's.
 
 Tolerances (float32): losses, gradient norms and the eval loss rtol 1e-5; parameters after 3 SGD steps (the update
 is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5 (tests/test_hf_integration.py's): CP
@@ -27,8 +30,8 @@ def compare(got: dict, want: dict) -> str | None:
     if len(got["losses"]) != len(want["losses"]):
         return f"{len(got['losses'])} logged steps, expected {len(want['losses'])}"
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        if not all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b, strict=True)):
-            return f"step {step + 1}: loss, grad norm {a} vs {b}"
+        if len(a) != len(b) or not all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b, strict=True)):
+            return f"step {step + 1}: loss, grad norm (aux loss, num_tokens) {a} vs {b}"
     for name, param in want["params"].items():
         if not torch.allclose(got["params"][name], param, atol=1e-6, rtol=1e-5):
             return f"parameter {name} differs by {(got['params'][name] - param).abs().max().item():.2e}"
@@ -60,9 +63,16 @@ def test_trainer_under_cp_equals_one_process(results, name):
     assert compare(got, want) is None, compare(got, want)
 
 
-def test_negative_control_local_positions_fail(results):
-    problem = compare(*results["local_positions"])
+@pytest.mark.parametrize("name", [n for n in cases.CASES if cases.CASES[n].get("break")])
+def test_negative_controls_fail(results, name):
+    problem = compare(*results[name])
     assert problem is not None and problem.startswith("step 1: loss"), problem
+
+
+def test_the_router_loss_cases_log_it(results):
+    """The aux loss cases run with the loss on: TRL logs it (and num_tokens) at every step."""
+    got, want = results["sft_hybrid_moe_aux_loss"]
+    assert all(len(row) == 4 for row in want["losses"] + got["losses"]), want["losses"]
 
 
 @pytest.mark.parametrize("batch, message", [

@@ -106,8 +106,12 @@ def _one_rank_fails_worker(rank, world):
     want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
     torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)
     broken = LocalContextParallelHandler(cp_group=group)
-    with pytest.raises(ValueError, match=r"seq_len=7 is not divisible"):
-        broken.dispatch(torch.zeros(1, 7, 4), 1)  # a local failure (no agreement): this rank's handler is done
+    with pytest.raises(RanksRefused, match=r"dispatch: the inputs of some ranks of the CP group were refused \(rank 1: "
+                                           r"ValueError: seq_len=7 is not divisible"):
+        broken.dispatch(torch.zeros(1, 7 if rank == 1 else 8, 4), 1)  # one rank's length: every rank raises
+    shard = broken.dispatch(q, 1)  # nothing was sharded: the handler goes on
+    with pytest.raises(ValueError, match=r"this handler dispatched sequences of"):
+        broken.dispatch(shard, 1)  # a local failure after the first dispatch: this rank's handler is done
     with pytest.raises(RuntimeError, match=r"an earlier call of this handler failed on this rank \(dispatch: "):
         broken.dispatch(q, 1)
 
@@ -121,10 +125,9 @@ def _serial_worker(rank, world):
     if rank == 0:
         LocalContextParallelHandler(cp_group=group)  # rank 0 built one handler more (e.g. skipped a batch)
     h = LocalContextParallelHandler(cp_group=group)
-    q, k, v = (h.dispatch(t, 1) for t in _qkv(2))
-    with pytest.raises(RanksRefused, match=r"the ranks of the CP group disagree \(rank 0: handler serial=(\d+).*"
-                                           r"rank 1: handler serial=(?!\1)"):
-        h.core_attn(Attn(), q, k, v)
+    with pytest.raises(RanksRefused, match=r"dispatch: the ranks of the CP group disagree \(rank 0: handler "
+                                           r"serial=(\d+).*rank 1: handler serial=(?!\1)"):
+        h.dispatch(next(_qkv(2)), 1)  # the handler's first call
     dist.barrier()
 
 

@@ -61,12 +61,25 @@ def hf_config(args: argparse.Namespace):
         config = AutoConfig.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"{flag} {source}: no loadable Hugging Face config ({err})") from None
+    check_causal_lm_config(config, f"{flag} {source}")
     tokens = tokens_for(source, flag)
     if getattr(config, "vocab_size", tokens.vocab_size) < tokens.vocab_size:
         feeds = (f"its tokenizer has {tokens.vocab_size} tokens" if has_tokenizer(source) else
                  f"without a tokenizer in it the tokens are bytes (0..{BYTE_VOCAB_SIZE - 1})")
         raise ValueError(f"{flag} {source}: vocab_size={config.vocab_size}, but {feeds}")
     return config
+
+
+def check_causal_lm_config(config, where: str) -> None:
+    """The config must have a causal-LM class in transformers (an encoder-decoder such as T5 has none; transformers
+    would list every class it knows). Raises ValueError naming ``where`` and the model type."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = "an encoder-decoder model" if getattr(config, "is_encoder_decoder", False) else \
+            "a model with no causal-LM class in transformers"
+        raise ValueError(f"{where}: model_type {config.model_type!r} is {kind}, not a causal language model "
+                         "(cp-train and cp-generate run decoder-only models)")
 
 
 def check_hf_architecture(args: argparse.Namespace):
@@ -97,6 +110,7 @@ def check_hf_training(args: argparse.Namespace, config) -> None:
     ``meta``: its structure; the ranks probe the weights). Raises ValueError naming the flag."""
     try:
         check_training_is_deterministic(config)
+        check_no_router_loss(config)
         if args.recompute:
             check_gradient_checkpointing(config)
         if args.mlp_chunk_tokens:
@@ -135,6 +149,17 @@ def check_training_is_deterministic(config) -> None:
                          "set them to 0")
 
 
+def check_no_router_loss(config) -> None:
+    """cp-train's Hugging Face route trains the next-token loss alone: a config that turns a MoE model's
+    load-balancing loss on (``output_router_logits``) is refused rather than trained without it. Raises ValueError."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "output_router_logits", False) or getattr(config, "output_router_logits", False):
+        raise ValueError(f"config.json sets output_router_logits=true (router_aux_loss_coef="
+                         f"{getattr(text, 'router_aux_loss_coef', None)}): cp-train trains a Hugging Face model's "
+                         "next-token loss only and would drop its load-balancing loss; set output_router_logits to "
+                         "false, or train with CPTrainer / CPSFTTrainer, which add it from the whole sequence")
+
+
 def check_gradient_checkpointing(config) -> None:
     """``--recompute`` needs an architecture with transformers' gradient checkpointing. Raises ValueError."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -161,14 +186,19 @@ def model_shape(args: argparse.Namespace) -> tuple[GPTConfig | None, AttentionSh
             f"--num-heads {gpt.num_attention_heads} / --num-kv-heads {gpt.num_query_groups}"
     check_hf_training(args, config)
     shape = hf_attention_shape(config)
-    return None, shape, (f"{shape.num_heads} query heads / {shape.num_kv_heads} KV heads of "
-                         f"{args.hf_model or args.hf_config}/config.json")
+    where = f"{args.hf_model or args.hf_config}/config.json"
+    if shape is None:
+        return None, None, f"no attention heads in {where}"
+    return None, shape, f"{shape.num_heads} query heads / {shape.num_kv_heads} KV heads of {where}"
 
 
-def hf_attention_shape(config) -> AttentionShape:
-    """The attention shape of a Hugging Face config (its text config's heads and head dim)."""
+def hf_attention_shape(config) -> AttentionShape | None:
+    """The attention shape of a Hugging Face config (its text config's heads and head dim); ``None`` for a model
+    without attention heads (Mamba: its token mixers are routed, and no attention rule applies)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        return None
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     return AttentionShape(heads, kv_heads, getattr(text, "head_dim", None) or text.hidden_size // heads)
 

@@ -58,6 +58,9 @@ STATE_ARGUMENTS = {"initial_state": None, "initial_states": None, "output_final_
                    "return_final_states": False, "return_last_state": False, "cu_seqlens": None, "seq_idx": None,
                    "cu_seq_lens_q": None, "cu_seq_lens_k": None, "conv_state": None, "cache_params": None}
 """Arguments a mixer method takes only at these values (a state passed in or out, packed-sequence metadata)."""
+CACHE_ARGUMENTS = frozenset({"output_final_state", "return_final_states", "return_last_state", "conv_state",
+                             "cache_params", "initial_state", "initial_states"})
+"""Of those, the ones a forward with a cache (``use_cache=True``) passes."""
 
 
 CUDA_OPT_IN = "CP_HANDLER_CUDA_MIXERS"
@@ -81,10 +84,13 @@ def check_arguments(name: str, kwargs: dict, passed_on: tuple[str, ...], neutral
     if refused:
         shown = ", ".join(f"{k}=" + (f"tensor {tuple(v.shape)}" if isinstance(v, torch.Tensor) else repr(v))
                           for k, v in refused.items())
+        cache = set(refused) & CACHE_ARGUMENTS
+        remedy = (f" {sorted(cache)} come from a forward that keeps a cache (a config's use_cache=True): pass "
+                  "use_cache=False to the model's forward for training; generation: cp-generate" if cache else "")
         raise ValueError(f"{name}: arguments not implemented under context parallelism: {shown} (a recurrent or "
                          "convolution state passed in or out, packed-sequence metadata: the handler's layout is the "
                          "documents, and the state passes between ranks inside the method); refused instead of "
-                         "dropped")
+                         f"dropped.{remedy}")
     return {k: v for k, v in kwargs.items() if k in passed_on}
 
 

@@ -85,26 +85,37 @@ class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
         return self.layout(local_len)
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Global tensor -> this rank's shard (thd: padding inserted as zeros); no communication.
+        """Global tensor -> this rank's shard (thd: padding inserted as zeros). The first dispatch of a handler
+        checks that every rank of the CP group passed its checks with the same length (one small all-gather: a
+        rank refused alone would leave the others in a collective); the rest communicate nothing.
 
         Raises:
-            ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``.
+            ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``; a length
+                other than this handler's first dispatch's; ranks of the CP group with different lengths (every
+                rank raises, naming each rank's).
         """
-        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
-        length = tensor.shape[seq_dim]
-        if self.thd_layout is not None and length != self.global_seq_len:
-            raise ValueError(f"thd tensor has {length} tokens along dim {seq_dim}, cu_seqlens[-1] = "
-                             f"{self.global_seq_len}")
-        if length < 1:
-            raise ValueError(f"dispatch: a sequence of {length} tokens along dim {seq_dim}: nothing to shard")
+        def local_checks():
+            dim = check_dim("seq_dim", seq_dim, tensor.dim())
+            length = tensor.shape[dim]
+            if self.thd_layout is not None and length != self.global_seq_len:
+                raise ValueError(f"thd tensor has {length} tokens along dim {dim}, cu_seqlens[-1] = "
+                                 f"{self.global_seq_len}")
+            if length < 1:
+                raise ValueError(f"dispatch: a sequence of {length} tokens along dim {dim}: nothing to shard")
+            if self.cp_size > 1 and self.global_seq_len is not None and length != self.global_seq_len:
+                raise ValueError(f"dispatch: a tensor of {length} tokens along dim {dim}, but this handler "
+                                 f"dispatched sequences of {self.global_seq_len} tokens: it is a shard already, or "
+                                 "from another batch (a handler is built per batch)")
+            if self.cp_size > 1 and self.thd_layout is None:
+                check_seq_len(length, self.cp_size, self.qkv_format)
+            return {"global_len": length}
+
+        self.checked("dispatch", tensor.device, ("global_len",), local_checks)
+        seq_dim = seq_dim % tensor.dim()
         if self.cp_size == 1:  # the identity: a handler alone may take any length
             return tensor
-        if self.global_seq_len is not None and length != self.global_seq_len:
-            raise ValueError(f"dispatch: a tensor of {length} tokens along dim {seq_dim}, but this handler dispatched "
-                             f"sequences of {self.global_seq_len} tokens: it is a shard already, or from another batch "
-                             "(a handler is built per batch)")
         if self.thd_layout is None:
-            check_seq_len(length, self.cp_size, self.qkv_format)
+            length = tensor.shape[seq_dim]
             self.global_seq_len = length
             layout = self.layout(length // self.cp_size)
         else:

@@ -41,9 +41,12 @@ def handler_context(handler: ContextParallelHandler):
 
 @dataclass
 class ForwardRecord:
-    """The attention layers that went through cp_handler during one forward of a prepared model."""
+    """What went through cp_handler during one forward of a prepared model: the attention layers, each with
+    its mask type (``"causal"`` / ``"no_mask"``), and whether the router loss was computed over the group."""
 
     layers: set = field(default_factory=set)
+    mask_types: dict = field(default_factory=dict)
+    router_loss: bool = False
 
 
 _record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
@@ -54,17 +57,26 @@ def start_record() -> contextvars.Token:
     return _record.set(ForwardRecord())
 
 
-def end_record(token: contextvars.Token) -> set:
-    """The layers recorded in the forward that ends now (the record is reset)."""
-    layers = _record.get().layers
+def end_record(token: contextvars.Token) -> ForwardRecord:
+    """The record of the forward that ends now (the record is reset)."""
+    record = _record.get()
     _record.reset(token)
-    return layers
+    return record
 
 
-def record_attention_call(module: nn.Module) -> None:
+def record_attention_call(module: nn.Module, mask_type: str) -> None:
     """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
-    one counts by identity)."""
+    one counts by identity) with the layer's ``attn_mask_type``."""
     record = _record.get()
     if record is not None:
         layer = getattr(module, "layer_idx", None)
-        record.layers.add(layer if isinstance(layer, int) else f"module {id(module)}")
+        key = layer if isinstance(layer, int) else f"module {id(module)}"
+        record.layers.add(key)
+        record.mask_types[key] = mask_type
+
+
+def record_router_loss() -> None:
+    """Called when the router loss of the running forward was computed over the group (:mod:`.hf_router_loss`)."""
+    record = _record.get()
+    if record is not None:
+        record.router_loss = True

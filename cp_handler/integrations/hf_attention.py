@@ -117,12 +117,12 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if dropout:
         raise ValueError(f"attention dropout={dropout} is not supported under context parallelism; set the "
                          "config's attention_dropout to 0 (or put the model in eval mode)")
-    record_attention_call(module)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
     if torch.is_autocast_enabled(q.device.type):  # mixed precision (Trainer's bf16 / fp16): as autocast casts SDPA
         q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
     check_local_index_scaling(module, handler, q.shape[1])
     mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
+    record_attention_call(module, mask_type)
     longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
     if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "

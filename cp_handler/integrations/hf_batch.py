@@ -42,13 +42,15 @@ KNOWN = frozenset(("input_ids", "attention_mask", "labels", "shift_labels", "pos
 
 @dataclass
 class ShardedBatch:
-    """This rank's part of a batch: ``handler``, the model's ``inputs``, the global sequence length and
-    ``shift_labels`` (global, ``None`` without labels)."""
+    """This rank's part of a batch: ``handler``, the model's ``inputs``, the global sequence length,
+    ``shift_labels`` (global, ``None`` without labels) and ``token_mask`` (bool ``(B, S_local)``: this rank's real
+    tokens, neither the batch's padding nor the handler's)."""
 
     handler: ContextParallelHandler
     inputs: dict
     seq_len: int
     shift_labels: torch.Tensor | None
+    token_mask: torch.Tensor
 
 
 def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hierarchical_cp_groups=None) -> ShardedBatch:
@@ -76,12 +78,18 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
         meta = {"qkv_format": "thd", "cu_seqlens": cu_seqlens}
     handler = build_cp_handler(config, cp_group=cp_group, hierarchical_cp_groups=hierarchical_cp_groups, **meta)
     local_ids = handler.dispatch(input_ids, 1)
+    if cu_seqlens is None:
+        real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
+        token_mask = handler.dispatch(F.pad(real.long(), (0, input_ids.shape[1] - real.shape[1])), 1).bool()
+    else:
+        token_mask = handler.thd_layout.real_mask(handler.cp_rank)[None].to(local_ids.device) \
+            if getattr(handler, "thd_layout", None) is not None else torch.ones_like(local_ids, dtype=torch.bool)
     inputs = {"input_ids": local_ids, **cp_model_inputs(handler, local_ids),
               **{k: batch[k] for k in PASSED_ON if k in batch}}
     if shift_labels is not None:  # thd padding rows dispatch as 0: shifted so that they come out as -100
         local_labels = handler.dispatch(shift_labels - IGNORE_INDEX, 1) + IGNORE_INDEX
         inputs.update(labels=local_labels, shift_labels=local_labels)
-    return ShardedBatch(handler, inputs, batch["input_ids"].shape[1], shift_labels)
+    return ShardedBatch(handler, inputs, batch["input_ids"].shape[1], shift_labels, token_mask)
 
 
 def packed_cu_seqlens(batch: dict) -> torch.Tensor | None:

@@ -50,6 +50,7 @@ from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
 from .hf_rotary import install_rotary_hooks
+from .hf_router_loss import prepare_router_loss
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
@@ -236,10 +237,12 @@ def _model_hook(model, args, kwargs, output, last: dict):
     tokens = model.__dict__.pop("_cp_tokens", None)
     if tokens is None:
         return None
-    seen = end_record(tokens[1])
+    record = end_record(tokens[1])
     reset_active(tokens[0])
     if output is None:  # the forward raised: its own error propagates
         return None
+    model.__dict__["_cp_mask_types"] = dict(record.mask_types)
+    seen = record.layers
     layers = text_config(model).num_hidden_layers - sum(t in TOKENLESS_LAYER_TYPES for t in layer_types(model))
     if len(seen) < layers:
         missing = sorted(set(range(layers)) - seen) if all(isinstance(x, int) for x in seen) else \
@@ -248,7 +251,48 @@ def _model_hook(model, args, kwargs, output, last: dict):
                          "attention in this forward: their token mixer (a layer outside transformers' attention "
                          "registry, or a non-attention mixer) saw only this rank's shard; the model is not "
                          "supported under context parallelism")
+    if getattr(output, "aux_loss", None) is not None and not record.router_loss:
+        raise ValueError(f"{type(model).__name__}: its forward returned an aux_loss that cp_handler did not compute "
+                         "from the whole sequence (each rank's would come from its own shard); refused: turn it off "
+                         "(output_router_logits=False; TRL: router_aux_loss_coef=0)")
     return None
+
+
+def check_decoder_only(model: nn.Module) -> None:
+    """Raises ValueError for an encoder-decoder model (T5, BART): not a causal language model."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model, not a causal language model: "
+                         "next-token training under context parallelism takes decoder-only models")
+
+
+def check_causal(model: nn.Module, tokens: int = 8) -> None:
+    """Training with a next-token loss needs a causal language model: no encoder-decoder, and every attention
+    layer causal (a bidirectional layer lets each position see its own label). Checked on one forward at cp=1 in
+    eval mode (skipped for weights on the ``meta`` device: the ranks check the built model).
+
+    Raises:
+        ValueError: naming the model and the bidirectional layers.
+    """
+    check_decoder_only(model)
+    name = type(model).__name__
+    weight = next(model.parameters(), None)
+    if weight is None or weight.device.type == "meta":
+        return
+    ids = torch.randint(1, min(int(getattr(text_config(model), "vocab_size", 100) or 100), 100), (1, tokens),
+                        generator=torch.Generator().manual_seed(0)).to(weight.device)
+    handler, was_training = build_cp_handler(ContextParallelConfig()), model.training
+    model.eval()
+    try:
+        with torch.no_grad(), handler_context(handler):
+            model(input_ids=ids, **cp_model_inputs(handler, ids), use_cache=False)
+    finally:
+        model.train(was_training)
+    bidirectional = sorted(str(layer) for layer, kind in model.__dict__.get("_cp_mask_types", {}).items()
+                           if kind != "causal")
+    if bidirectional:
+        raise ValueError(f"{name} is not a causal language model: its attention layers {bidirectional} attend "
+                         "bidirectionally (every position would see its own next-token label); next-token training "
+                         "refuses it (a decoder config sets is_decoder=True, where the architecture has one)")
 
 
 def prepare_model(model: nn.Module) -> nn.Module:
@@ -262,6 +306,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
         return model
     instrument_model(model)
     check_model(model)
+    prepare_router_loss(model)
     last = {}  # the handler of the model's last forward with gradients (recomputation of layers without a mask)
     handles = [model.register_forward_pre_hook(functools.partial(_model_pre_hook, last=last), with_kwargs=True),
                model.register_forward_hook(functools.partial(_model_hook, last=last), with_kwargs=True,

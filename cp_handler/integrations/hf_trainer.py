@@ -31,6 +31,7 @@ refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
 from ..tiling import tile_mlps
 from .hf_batch import shard_batch
+from .hf_model import check_causal, check_decoder_only
+from .hf_router_loss import RouterLossScope, router_loss_scope
 from .transformers import cp_attention, register
 
 TESTED_TRL = (">=1.16", "<1.17")
@@ -95,8 +98,13 @@ class ContextParallelMixin:
 
     Raises:
         ValueError: a setting refused by name (module doc), a world size not a multiple of the CP size, the model's
-            guard (``register``); before any training step.
+            guard (``register``), a model that is not a causal language model; before any training step.
     """
+
+    router_loss_convention = "share"
+    """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`): Trainer takes the model's
+    own loss, a sum of shares."""
+    _cp_token_mask = None
 
     def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
         from transformers.utils.versions import require_version
@@ -109,7 +117,9 @@ class ContextParallelMixin:
         self._check_settings()
         self.cp_groups = self._build_groups()
         model = self.accelerator.unwrap_model(self.model)
+        check_decoder_only(model)
         register(model)
+        check_causal(model)
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
@@ -158,11 +168,38 @@ class ContextParallelMixin:
     def _shard(self, inputs: dict):
         return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups)
 
+    @contextlib.contextmanager
+    def _under(self, sharded):
+        """The batch's handler active, the router loss over the CP group (:mod:`.hf_router_loss`), its real tokens
+        known to :meth:`compute_loss`."""
+        scope = RouterLossScope(self.cp_groups.cp_group, sharded.token_mask, self.router_loss_convention)
+        self._cp_token_mask = sharded.token_mask
+        try:
+            with cp_attention(sharded.handler), router_loss_scope(scope):
+                yield
+        finally:
+            self._cp_token_mask = None
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on this rank's shard of the batch, under its handler."""
         sharded = self._shard(self._prepare_inputs(inputs))
-        with cp_attention(sharded.handler):
+        with self._under(sharded):
             return super().training_step(model, sharded.inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The trainer's ``compute_loss``; TRL's token count (``num_tokens``, which counts the sharded inputs'
+        all-ones mask: the handler's padding too) recounted from the real tokens of every rank, so the logged
+        figure is one process's."""
+        before = getattr(self, "_total_train_tokens", None)
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        if before is not None and self.model.training and self._cp_token_mask is not None:
+            real = self._cp_token_mask.sum().to(self.args.device)
+            if dist.is_initialized():
+                dist.all_reduce(real)
+            self._total_train_tokens = before + int(real) // getattr(self, "_tp_size", 1)
+            self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
+        return result
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """``(loss, logits, labels)`` of a global batch: the loss of Trainer's ``compute_loss`` summed over the CP
@@ -173,7 +210,7 @@ class ContextParallelMixin:
         has_labels = labels is not None or inputs.get("shift_labels") is not None
         count = self._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
         sharded = self._shard(inputs)
-        with torch.no_grad(), cp_attention(sharded.handler), self.compute_loss_context_manager():
+        with torch.no_grad(), self._under(sharded), self.compute_loss_context_manager():
             if has_labels:
                 loss, outputs = self.compute_loss(model, dict(sharded.inputs), return_outputs=True,
                                                   num_items_in_batch=count)
@@ -247,6 +284,10 @@ def _sft_trainer_class():
 
     class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
         """TRL's ``SFTTrainer`` with context parallelism (:class:`ContextParallelMixin`)."""
+
+        router_loss_convention = "replicated"
+        """TRL adds ``router_aux_loss_coef * outputs.aux_loss`` after scaling the token loss by the process count
+        and logs its mean over every process: each rank holds the batch's value, its gradient cp times its share."""
 
     return CPSFTTrainer
 

@@ -46,7 +46,7 @@ from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import cp_mask
-from .hf_model import prepare_model
+from .hf_model import check_causal, prepare_model
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
@@ -98,7 +98,8 @@ def check_architecture(config) -> None:
     """The guard on a config alone, as ``cp-train --hf-config`` runs it before spawning: the model is
     built on the ``meta`` device for the static checks (:func:`.hf_model.check_model`); when it has at
     most :data:`FULL_CHECK_PARAMETERS` parameters it is also built on CPU and given to
-    :func:`register` (the cp=1 forward checks too), so the error is the one every rank would raise.
+    :func:`register` (the cp=1 forward checks too) and :func:`.hf_model.check_causal` (every attention layer
+    causal), so the error is the one every rank would raise.
 
     Raises:
         ValueError: the guard's refusal.
@@ -109,8 +110,11 @@ def check_architecture(config) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     prepare_model(model)  # weights on meta: static checks only
+    check_causal(model)
     if sum(p.numel() for p in model.parameters()) <= FULL_CHECK_PARAMETERS:
-        register(AutoModelForCausalLM.from_config(config))
+        model = AutoModelForCausalLM.from_config(config)
+        register(model)
+        check_causal(model)
 
 
 def check_generation(config) -> None:
@@ -145,12 +149,14 @@ class CPCausalLM(torch.nn.Module):
     hooks); parameters and ``state_dict`` are the wrapped model's (``self.model``).
 
     Raises:
-        ValueError: the model cannot run context-parallel (:func:`register`).
+        ValueError: the model cannot run context-parallel (:func:`register`), or is not a causal language model
+            (:func:`.hf_model.check_causal`).
     """
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         register(model)
+        check_causal(model)
         self.model = model
         self.head_refusal = _probe_head(self)
         """Why the chunked loss is refused for this model (``None``: it runs), from a probe at cp = 1."""

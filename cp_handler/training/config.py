@@ -33,7 +33,7 @@ class TrainConfig:
     """Training's CP settings (size, comm type, hierarchical sizes, backend, qkv_format = packing)."""
     eval_cp: ContextParallelConfig
     """Evaluation's CP settings (another degree or the same)."""
-    attn_shape: AttentionShape
+    attn_shape: AttentionShape | None
     model: GPTConfig | None = None
     """The reference GPT's shape; ``None`` with a Hugging Face model."""
     hf_source: str | None = None

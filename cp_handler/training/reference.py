@@ -5,7 +5,7 @@ soft-cap passed the old check). Here the reference GPT runs with :class:`PlainAt
 stand-in written with plain PyTorch (rotate-half RoPE inline, ``F.scaled_dot_product_attention`` with
 an explicit document-causal mask for packed batches; no cp_handler layout, rope, kernel or attention
 code), and a Hugging Face model runs as the unmodified model with its own attention implementation
-(``sdpa``; packed documents through transformers' own position-id detection). The reference GPT's linear
+(``sdpa``; a pack of documents one document at a time). The reference GPT's linear
 layers run their definitions token by token (the gated delta rule's recurrence, ``F.conv1d``), document by
 document. The loss is the plain
 next-token cross-entropy within each sequence / document, token-weighted over the whole global batch,
@@ -116,9 +116,11 @@ def predicted_tokens(tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = Non
 
 
 def hf_logits(model, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The unmodified Hugging Face model's logits; a pack gets positions restarting per document, from
-    which transformers derives the document mask itself."""
+    """The unmodified Hugging Face model's logits; a pack runs one document at a time (every token mixer of every
+    architecture then starts afresh at each document: transformers' own Mamba would carry its state from one packed
+    document into the next)."""
     if cu_seqlens is None:
         return model(input_ids=tokens, use_cache=False).logits
-    _, positions = document_positions(cu_seqlens)
-    return model(input_ids=tokens, position_ids=positions.to(tokens.device)[None], use_cache=False).logits
+    ends = cu_seqlens.tolist()
+    return torch.cat([model(input_ids=tokens[:, a:b], use_cache=False).logits for a, b in zip(ends[:-1], ends[1:])],
+                     dim=1)
