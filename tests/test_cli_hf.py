@@ -71,7 +71,8 @@ HF_REFUSED = [("recurrent_gemma", {}, "is a convolution over the sequence"),
               ("roberta", {"is_decoder": True}, "differ from its own defaults"),
               ("bloom", {}, "did not run cp_handler's attention"),
               # issue 50: a bidirectional model would train a next-token loss seeing its labels; T5 has no causal LM
-              ("bert", {"architectures": ["BertModel"], "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+              ("bert", {"architectures": ["BertModel"], "hidden_dropout_prob": 0.0,
+                        "attention_probs_dropout_prob": 0.0},
                "BertLMHeadModel is not a causal language model: its attention layers ['0', '1'] attend "
                "bidirectionally"),
               ("t5", {"dropout_rate": 0.0}, "model_type 't5' is an encoder-decoder model, not a causal language model"),

@@ -88,7 +88,8 @@ def test_a_bidirectional_model_and_an_encoder_decoder_are_not_trained(tmp_path):
 def test_a_forward_keeping_a_cache_names_the_remedy():
     from transformers import AutoModelForCausalLM
 
-    config = hf_zoo.tiny_config("qwen3_next", {"layer_types": ["linear_attention", "full_attention"], "use_cache": True})
+    config = hf_zoo.tiny_config("qwen3_next", {"layer_types": ["linear_attention", "full_attention"],
+                                               "use_cache": True})
     model = AutoModelForCausalLM.from_config(config)
     register(model)
     handler, ids = LocalContextParallelHandler(), torch.randint(1, 100, (1, 8))

@@ -122,5 +122,5 @@ def hf_logits(model, tokens: torch.Tensor, cu_seqlens: torch.Tensor | None = Non
     if cu_seqlens is None:
         return model(input_ids=tokens, use_cache=False).logits
     ends = cu_seqlens.tolist()
-    return torch.cat([model(input_ids=tokens[:, a:b], use_cache=False).logits for a, b in zip(ends[:-1], ends[1:])],
-                     dim=1)
+    return torch.cat([model(input_ids=tokens[:, a:b], use_cache=False).logits for a, b in
+                      zip(ends[:-1], ends[1:], strict=True)], dim=1)
