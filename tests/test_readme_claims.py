@@ -1,0 +1,54 @@
+"""The README's feature rows claim no GPU result that docs/testing.md does not record (issue 50): a row whose status
+names a GPU device, or says "verified", cites a run id (``H100-2026-11-24``) of docs/testing.md's "GPU runs" table,
+and every id it cites is there. A simulated figure (a cost model of a device) says "simulated" instead."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_ID = re.compile(r"\b(?:H100|H200|A100|B200|GB200)-\d{4}-\d{2}-\d{2}\b")
+DEVICE = re.compile(r"\b(?:H100|H200|A100|B200|GB200)s?\b|\bverified\b", re.IGNORECASE)
+
+
+def feature_rows() -> list[tuple[str, str]]:
+    """``(feature, status)`` of every row of the README's feature table."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text.split("## Features", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip().strip("|").rsplit("|", 1) for line in table.splitlines() if line.startswith("| ")]
+    return [(feature.strip(), status.strip()) for feature, status in rows[1:]]  # the header row first
+
+
+def recorded_runs() -> set[str]:
+    """The ids of docs/testing.md's "GPU runs" table (the first cell of each row)."""
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    table = text.split("### GPU runs", 1)[1].split("\n\n", 3)[2]
+    return {line.split("|")[1].strip() for line in table.splitlines()[2:] if line.startswith("|")}
+
+
+def unbacked_claims(rows, runs: set[str]) -> list[str]:
+    """Rows that name a GPU (or say "verified") without a run id, and ids not recorded."""
+    problems = []
+    for feature, status in rows:
+        cited = set(RUN_ID.findall(status))
+        bare = DEVICE.search(RUN_ID.sub("", status))
+        if bare and not cited and "simulated" not in status:
+            problems.append(f"{feature[:60]!r}: names {bare.group(0)!r} without a run id")
+        problems += [f"{feature[:60]!r}: run {run} is not in docs/testing.md's GPU runs" for run in cited - runs]
+    return problems
+
+
+def test_readme_gpu_claims_cite_recorded_runs():
+    runs = recorded_runs()
+    assert {"H100-2026-11-24", "H200-2026-11-27"} <= runs, runs
+    rows = feature_rows()
+    assert len(rows) > 20 and sum(bool(RUN_ID.search(status)) for _, status in rows) >= 4
+    assert unbacked_claims(rows, runs) == []
+
+
+def test_the_check_finds_an_unbacked_claim():
+    runs = recorded_runs()
+    assert unbacked_claims([("kernels", "done; verified on an H100, 2026-11-24")], runs) == [
+        "'kernels': names 'verified' without a run id"]
+    assert unbacked_claims([("kernels", "passed in run H100-2026-12-31")], runs) == [
+        "'kernels': run H100-2026-12-31 is not in docs/testing.md's GPU runs"]
+    assert unbacked_claims([("dynamic CP", "simulated 1.3x (an H100 cost model)")], runs) == []
