@@ -1,18 +1,31 @@
-# The two README commands. Each does its own set-up (scripts/setup.sh) first.
+# The two README commands. Each installs what it needs first, and nothing when it is there already
+# (scripts/setup.sh main: torch and this package; scripts/setup.sh test: also the test extra).
+# PYTHON: the interpreter to install into and run (default python3: an active venv's);
+# VENV=DIR: a venv at DIR instead, made by scripts/setup.sh when missing.
 PYTHON ?= python3
 NPROC ?= 4
+VENV ?=
+PY = $(if $(VENV),$(VENV)/bin/python,$(PYTHON))
+SETUP = PYTHON="$(PYTHON)" VENV="$(VENV)" bash scripts/setup.sh
+TRAIN_CKPT ?= runs/train_ckpt
 
 .PHONY: setup train test lint
 
 setup:
-	bash scripts/setup.sh
+	$(SETUP) test
 
-train: setup
-	cp-train --nproc $(NPROC) --cp-size $(NPROC) --cp-comm-type p2p --seq-len 512 --batch-size 4 --steps 120 \
-		--metrics-out runs/train_metrics.json
+# Saves its final checkpoint to $(TRAIN_CKPT) (make train's own folder, replaced on every run) and prints the
+# cp-generate command that continues a prompt from it.
+train:
+	$(SETUP) main
+	rm -rf $(TRAIN_CKPT)
+	$(PY) -m cp_handler.cli.train --nproc $(NPROC) --cp-size $(NPROC) --cp-comm-type p2p --seq-len 512 \
+		--batch-size 4 --steps 120 --metrics-out runs/train_metrics.json --save $(TRAIN_CKPT)
 
-test: setup
-	$(PYTHON) -m pytest -q
+test:
+	$(SETUP) test
+	$(PY) -m pytest -q
 
-lint: setup
-	ruff check cp_handler tests
+lint:
+	$(SETUP) test
+	$(PY) -m ruff check cp_handler tests

@@ -6,8 +6,10 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -398,3 +400,163 @@ def test_metrics_out_unwritable_before_spawn_and_a_full_disk_named(tmp_path, mon
     assert train_cli.main(["--metrics-out", str(out), "--steps", "1"]) == 1
     assert json.loads(out.read_text()) == {"previous": True}
     assert f"could not write --metrics-out {out}: No space left on device; the previous file" in capsys.readouterr().err
+
+
+def test_no_prefix_of_a_flag_is_taken_for_it_and_the_closest_flag_is_named(monkeypatch, capsys):
+    """argparse's prefix matching is off (``--step 5`` was taken as ``--steps 5``, ``--seq`` as ``--seq-len``): a
+    flag spelled short or wrong is refused, naming the one meant; the rule holds before any other error."""
+    from cp_handler.cli.flag_names import closest_flag
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert build_parser().allow_abbrev is False
+    cases = [(["--step", "5"], "unrecognized arguments: --step (did you mean --steps?)"),
+             (["--seq=128", "--steps", "2"], "unrecognized arguments: --seq=128 (did you mean --seq-len?)"),
+             (["--stpes", "5", "--lrr", "1"], "unrecognized arguments: --stpes --lrr (did you mean --steps for "
+                                              "--stpes, --lr for --lrr?)"),
+             (["--cp-size", "0", "--bogus-flag"], "unrecognized arguments: --bogus-flag\n"),  # no guess, and first
+             (["--steps", "2", "stray"], "unrecognized arguments: stray\n")]
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            parse(flags)
+        assert exit_info.value.code == 2
+        assert f"cp-train: error: {message}" in capsys.readouterr().err + "\n"
+    known = ["--save", "--save-every", "--seed", "--steps", "--lr", "--lr-warmup-steps"]
+    assert closest_flag("--sav", known) == "--save" and closest_flag("--lr-warm", known) == "--lr-warmup-steps"
+    assert closest_flag("--zzz", known) is None
+
+
+def test_resume_of_a_folder_that_holds_no_checkpoint_is_named_before_the_data_is_read(tmp_path, monkeypatch):
+    """--resume is checked first: the data is read and hashed (seconds on a 32 MiB corpus) only once the folder
+    holds a checkpoint."""
+    import cp_handler.cli.args as args_module
+    import cp_handler.cli.checkpoint_args as checkpoint_args
+
+    def data_step(*args, **kwargs):
+        raise AssertionError("the data was read before --resume was checked")
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(args_module, "check_data", data_step)
+    monkeypatch.setattr(checkpoint_args, "collect_files", data_step)
+    monkeypatch.setattr(checkpoint_args, "data_fingerprint", data_step)
+    (tmp_path / "empty").mkdir()
+    for folder, rule in (("missing", "no such directory"), ("empty", "no checkpoint")):
+        with pytest.raises(SystemExit, match=rf"cp-train: error: --resume {re.escape(str(tmp_path / folder))}: "
+                                             f"{rule}"):
+            parse(["--nproc", "2", "--resume", str(tmp_path / folder), "--save", str(tmp_path / "out")])
+
+
+def test_the_log_shows_the_mean_of_the_last_ten_losses_beside_each_step(capsys):
+    from cp_handler.training.loop import LOSS_WINDOW, train_steps
+
+    losses = [5.0, 3.0, 6.0, 2.0, 4.0, 7.0, 1.0, 3.0, 5.0, 2.0, 9.0, 0.5, 4.0]
+    model = torch.nn.Linear(2, 1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    records = train_steps(model, len(losses), lambda step: (torch.tensor(losses[step]), 10), optim, None, True,
+                          log_every=1)
+    assert [r["loss"] for r in records] == losses
+    err = capsys.readouterr().err
+    assert f"mean{LOSS_WINDOW}: the mean loss of the last {LOSS_WINDOW} steps" in err
+    lines = [line for line in err.splitlines() if line.startswith("cp-train: step ")]
+    assert len(lines) == len(losses)
+    for step, line in enumerate(lines):
+        window = losses[max(0, step + 1 - LOSS_WINDOW):step + 1]
+        assert f" loss {losses[step]:.4f} mean{LOSS_WINDOW} {sum(window) / len(window):.4f} " in line, line
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o077])
+def test_what_cp_train_writes_has_the_mode_the_umask_gives(tmp_path, monkeypatch, umask):
+    """The metrics file (mkstemp: 0600 whatever the umask) and an --export-hf folder (mkdtemp: 0700) get the
+    modes open / mkdir give, as the checkpoints do (tests/test_cli_generate.py)."""
+    import types
+
+    import cp_handler.training.run_files as run_files
+    from cp_handler.cli.common import write_json_atomically
+
+    class Saved:
+        def save_pretrained(self, folder, state_dict=None):
+            (Path(folder) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(run_files.dist, "get_rank", lambda: 0)
+    old = os.umask(umask)
+    try:
+        write_json_atomically(str(tmp_path / "m.json"), {"step": 1})
+        run_files.export_hf(types.SimpleNamespace(export_hf=str(tmp_path / "export"), hf_source=None),
+                            types.SimpleNamespace(model=Saved()))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert (tmp_path / "export").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "export" / "config.json").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_train_installs_the_main_job_only_and_saves_a_checkpoint():
+    """make train asks scripts/setup.sh for torch and the package (``main``), never the test stack; make test and
+    make lint ask for the test extra; make train saves its final checkpoint."""
+    def commands(target, *extra):
+        done = subprocess.run(["make", "-n", "-C", str(ROOT), target, *extra], capture_output=True, text=True,
+                              timeout=HANG_GUARD_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    train = commands("train")
+    assert "scripts/setup.sh main" in train and "--save runs/train_ckpt" in train
+    assert not re.search(r"setup\.sh test|\[(dev|test)\]|pytest", train), train
+    assert "setup.sh test" in commands("test") and "setup.sh test" in commands("lint")
+    assert ".venv/bin/python -m cp_handler.cli.train" in commands("train", "VENV=.venv")
+
+
+def _fake_site(tmp_path, packages: dict[str, str], cp_handler_from: str, scripts: dict[str, str] | None = None):
+    """A site folder of dist-info metadata only: ``packages`` (name -> version) and cp_handler installed editable
+    from ``cp_handler_from`` with the console ``scripts`` (default: pyproject.toml's)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (scripts/setup.sh reads pyproject.toml with it too)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    site = tmp_path / "site"
+    for name, version in {**packages, "cp_handler": project["version"]}.items():
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    info = site / f"cp_handler-{project['version']}.dist-info"
+    (info / "direct_url.json").write_text(json.dumps({"url": Path(cp_handler_from).as_uri(),
+                                                      "dir_info": {"editable": True}}))
+    lines = [f"{k} = {v}" for k, v in (project["scripts"] if scripts is None else scripts).items()]
+    (info / "entry_points.txt").write_text("[console_scripts]\n" + "\n".join(lines) + "\n")
+    import pip
+
+    (site / "pip").symlink_to(Path(pip.__file__).parent)  # packaging, as pip vendors it
+    return site
+
+
+def _check(tmp_path, site, what):
+    """``scripts/setup.sh --check WHAT`` with a Python that sees only ``site`` and this checkout (``-S``)."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site}:{ROOT} exec {sys.executable} -S \"$@\"\n")
+    python.chmod(0o755)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "--check", what], capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": str(python), "VENV": ""}, timeout=HANG_GUARD_S)
+
+
+def test_setup_installs_nothing_when_everything_is_there_and_names_what_is_missing(tmp_path):
+    """scripts/setup.sh's check: the package editable from this checkout and pyproject.toml's requirements
+    installed is "there" (make train / make test then install nothing); another checkout's install, a missing or
+    too old package, another extra's packages, other commands are each named."""
+    main = {"torch": "2.13.0", "einops": "0.8.1", "tqdm": "4.67.1"}
+    done = _check(tmp_path / "a", _fake_site(tmp_path / "a", main, str(ROOT)), "main")
+    assert done.returncode == 0 and "main is installed" in done.stderr and "nothing to do" in done.stderr, done.stderr
+    done = _check(tmp_path / "b", _fake_site(tmp_path / "b", main, str(ROOT)), "test")
+    assert done.returncode == 1 and "setup: missing: pytest is not installed (pytest>=8)" in done.stderr, done.stderr
+    assert "transformers is not installed" in done.stderr and "trl is not installed" in done.stderr
+    done = _check(tmp_path / "c", _fake_site(tmp_path / "c", {**main, "torch": "2.9.1"}, "/elsewhere/main"), "main")
+    assert done.returncode == 1, done.stderr
+    assert "cp_handler is installed from /elsewhere/main, not editable from this checkout" in done.stderr
+    assert "torch 2.9.1 is installed, torch>=2.10 is needed" in done.stderr
+    done = _check(tmp_path / "d", _fake_site(tmp_path / "d", {"torch": "2.13.0", "tqdm": "4.67.1"}, str(ROOT),
+                                             {"cp-train": "cp_handler.cli.train:main"}), "main")
+    assert done.returncode == 1 and "einops is not installed" in done.stderr, done.stderr
+    assert "the installed commands ['cp-train'] are not pyproject.toml's" in done.stderr
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh"), "dev"], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S)
+    assert done.returncode == 2 and "unknown target 'dev': main" in done.stderr

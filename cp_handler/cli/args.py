@@ -18,10 +18,10 @@ from ..launch import is_first_rank, under_torchrun
 from ..ops.patterns import PATTERNS
 from ..parallel_layout import ParallelLayout
 from ..training import DynamicCP, TrainConfig
-from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints
+from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints, check_resume_folder
 from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data
-from .flag_names import EVAL_FLAGS, HelpFormatter, flags_in_errors, to_flags
+from .flag_names import EVAL_FLAGS, FlagParser, HelpFormatter, flags_in_errors, to_flags
 from .model_args import check_moe_flags, hf_layers, model_shape
 from .training_args import (
     add_training_flags,
@@ -38,7 +38,7 @@ DTYPES = ("float32", "bfloat16")
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags of cp-train, in groups: layout, context parallelism, model, data, training, checks, output."""
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="cp-train", formatter_class=HelpFormatter,
         description="Train the reference GPT (or a Hugging Face causal LM) context-parallel on real text "
         "(byte-level tokens). Spawns --nproc ranks itself, or runs as one rank under torchrun. Every rule "
@@ -171,6 +171,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         ValueError / TypeError / ImportError / RuntimeError: naming the flag and the rule.
     """
     check_positive(args)
+    check_resume_folder(args)  # first: a missing folder is named at once, not after the data is read and hashed
     lr_decay_steps = check_lr_schedule(args)
     world = world_size_from(args)
     if args.nproc is not None and args.nproc != world:

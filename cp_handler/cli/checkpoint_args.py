@@ -9,7 +9,7 @@ import os
 from dataclasses import replace
 
 from ..training import TrainConfig
-from ..training.checkpoint_meta import check_resume
+from ..training.checkpoint_meta import check_resume, find_checkpoint
 from ..training.data import collect_files, data_fingerprint
 from ..training.save_folder import check_export_target, check_save_folder
 from .common import check_folder
@@ -36,6 +36,14 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
                    help="after training, write the Hugging Face model (and its tokenizer, if any) with "
                         "save_pretrained into DIR, a new or empty folder (plain transformers loads it); needs "
                         "--hf-config or --hf-model")
+
+
+def check_resume_folder(args: argparse.Namespace) -> None:
+    """``--resume`` names a complete checkpoint (a folder that exists and holds one, or a ``--save`` folder whose
+    ``latest`` does); checked before the data is read (its fingerprint takes seconds) and before any rank starts.
+    The checkpoint's fit with the run is :func:`check_checkpoints`'. Raises CheckpointError (a ValueError)."""
+    if args.resume:
+        find_checkpoint(args.resume)
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:

@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from ..launch import rank_env
+from ..training.file_modes import new_file_mode
 
 
 def check_numbers(args: argparse.Namespace, positive=(), non_negative=(), positive_floats=(),
@@ -70,7 +71,8 @@ def check_folder(flag: str, value: str, folder: str) -> None:
 
 def write_json_atomically(path: str, data: dict) -> None:
     """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``: a reader (or a
-    full disk) never sees a truncated file; the previous file stays until the new one is whole.
+    full disk) never sees a truncated file; the previous file stays until the new one is whole. The file gets
+    the mode the umask gives a new file (:func:`~cp_handler.training.file_modes.new_file_mode`).
 
     Raises:
         OSError: with the path in the message (e.g. the disk is full); the previous file is untouched.
@@ -79,6 +81,7 @@ def write_json_atomically(path: str, data: dict) -> None:
     os.makedirs(directory, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".metrics-", suffix=".json")
     try:
+        os.fchmod(handle, new_file_mode())  # mkstemp's 0600 would stay after the rename: the umask's mode
         with os.fdopen(handle, "w") as f:
             json.dump(data, f, indent=2)
             f.flush()

@@ -1,5 +1,6 @@
 """Flags as the user sees them: library field names -> the cp-train flags a user typed, in one
-place; the help formatter of cp-train and cp-bench (every default shown).
+place; the help formatter of cp-train and cp-bench (every default shown); their parser (:class:`FlagParser`: no
+prefix matching, the closest flag suggested for an unknown one).
 
 The library's errors name its fields (``hierarchical_context_parallel_sizes=[2, 3]``), as they
 should: they are raised from the library. Under ``cp-train`` the user typed flags, so the CLI
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import re
+import sys
 
 TRAIN_FLAGS = {
     "context_parallel_size": "--cp-size",
@@ -90,3 +93,48 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or action.default in (None, False, argparse.SUPPRESS):
             return text
         return super()._get_help_string(action)
+
+
+def closest_flag(typed: str, known: list[str]) -> str | None:
+    """The flag of ``known`` a user most likely meant by the unknown ``typed`` (``--step=5``: its name): the only
+    flag it begins (``--step`` -> ``--steps``), else the closest spelling (difflib), else ``None``."""
+    name = typed.split("=", 1)[0]
+    longer = [flag for flag in known if flag.startswith(name)]
+    if len(longer) == 1:
+        return longer[0]
+    close = difflib.get_close_matches(name, longer or known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+class FlagParser(argparse.ArgumentParser):
+    """The parser of every command: a flag is taken only as spelled in full (``allow_abbrev=False``: with prefix
+    matching ``--prompt`` silently became ``--prompt-file`` and ``--step`` was taken as ``--steps``), and an
+    unknown flag is named with the closest known one: ``unrecognized arguments: --step (did you mean --steps?)``,
+    before any other error (a mistyped required flag is named as mistyped, not as missing).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        # unknown flags first: argparse would report a missing required flag (the one mistyped) instead
+        typos = [a for a in argv[:argv.index("--") if "--" in argv else len(argv)]
+                 if a.startswith("--") and a.split("=", 1)[0] not in self._option_string_actions]
+        parsed, unknown = self.parse_known_args(argv, namespace) if not typos else (None, typos)
+        if unknown:
+            self.error(self.unrecognized(unknown))
+        return parsed
+
+    def unrecognized(self, unknown: list[str]) -> str:
+        """The error for the ``unknown`` arguments, with a suggestion for each unknown flag that has one."""
+        known = sorted(flag for flag in self._option_string_actions if flag.startswith("--"))
+        guesses = [(typed, closest_flag(typed, known)) for typed in unknown if typed.startswith("--")]
+        guesses = [(typed, guess) for typed, guess in guesses if guess]
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        if len(guesses) == 1:
+            return f"{message} (did you mean {guesses[0][1]}?)"
+        if guesses:
+            return f"{message} (did you mean {', '.join(f'{g} for {t}' for t, g in guesses)}?)"
+        return message

@@ -1,11 +1,12 @@
-"""``cp-generate``: continuation of prompt files under CP (greedy, or sampled), from a ``cp-train --save``
-checkpoint or a Hugging Face model folder (docs/inference.md).
+"""``cp-generate``: continuation of prompts (inline or files) under CP (greedy, or sampled), from a ``cp-train
+--save`` checkpoint or a Hugging Face model folder (docs/inference.md).
 
 Parses and checks the flags before any rank starts (into a frozen
 :class:`~cp_handler.inference.run.GenerateConfig`), starts the ranks
-(:func:`~cp_handler.inference.run.run_generation`; spawned, or one rank under torchrun) and prints the
-continuation of each prompt on stdout (up to its first end-of-sequence token), and on stderr the prefill
-and decode throughput, the KV cache per rank and, with ``--check-parity``, the comparison with one process.
+(:func:`~cp_handler.inference.run.run_generation`; spawned, or one rank under torchrun) and prints each prompt
+followed by its continuation on stdout (up to its first end-of-sequence token; unprintable characters and bytes
+that are not UTF-8 shown escaped: :func:`printable`), and on stderr the prefill and decode throughput, the KV cache
+per rank and, with ``--check-parity``, the comparison with one process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import unicodedata
 
 from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
 from ..handlers import get_cp_handler_cls
@@ -24,15 +26,14 @@ from ..training.checkpoint_meta import find_checkpoint, read_meta, verify_checkp
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .common import check_numbers, check_writable, world_size_from, write_output
-from .flag_names import HelpFormatter, to_flags
+from .flag_names import FlagParser, HelpFormatter, to_flags
 from .model_args import check_hf_architecture, hf_attention_shape
 
 DTYPES = tuple(PARITY_TOL)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cp-generate", formatter_class=HelpFormatter,
-                                description=__doc__.split("\n\n")[0])
+    p = FlagParser(prog="cp-generate", formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("layout")
     g.add_argument("--nproc", type=int, default=None,
                    help="ranks to spawn, all one CP group (default 1; under torchrun: its WORLD_SIZE)")
@@ -46,9 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cp-train --save folder (its latest) or one step-N folder: the reference GPT")
     g.add_argument("--hf-model", default=None, metavar="DIR", help="a Hugging Face model folder (save_pretrained)")
     g = p.add_argument_group("generation")
-    g.add_argument("--prompt-file", nargs="+", required=True, metavar="FILE",
-                   help="UTF-8 text files, one prompt each: tokens from --hf-model's tokenizer when it has one, "
-                        "else the bytes")
+    prompts = g.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", metavar="TEXT",
+                         help="a prompt given inline (repeat the flag for several); read as --prompt-file reads a "
+                              "file's text")
+    prompts.add_argument("--prompt-file", nargs="+", metavar="FILE",
+                         help="UTF-8 text files, one prompt each: tokens from --hf-model's tokenizer when it has one, "
+                              "else the bytes")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     g.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)")
@@ -75,19 +80,62 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(paths: list[str], tokens: ByteTokens | HFTokens) -> tuple[tuple[int, ...], ...]:
     """Each prompt file's token ids. Raises ValueError naming a file that is empty or not UTF-8 text."""
-    prompts = []
+    texts = []
     for path in paths:
         if not os.path.isfile(path) or os.path.getsize(path) == 0:
             raise ValueError(f"--prompt-file {path}: not a non-empty file")
         with open(path, "rb") as f:
-            text = f.read()
+            texts.append((f"--prompt-file {path}", f.read()))
+    return encode_prompts(texts, tokens)
+
+
+def inline_prompts(texts: list[str], tokens: ByteTokens | HFTokens) -> tuple[tuple[int, ...], ...]:
+    """Each ``--prompt TEXT``'s token ids (bytes the shell passed that are not UTF-8 are refused).
+    Raises ValueError naming the prompt that is empty or not UTF-8 text."""
+    named = [(inline_name(text), text.encode("utf-8", errors="surrogateescape")) for text in texts]
+    for name, text in named:
+        if not text:
+            raise ValueError(f"{name}: an empty prompt; a prompt is UTF-8 text of at least one character")
+    return encode_prompts(named, tokens)
+
+
+def inline_name(text: str) -> str:
+    """``--prompt 'TEXT'`` as an error names it (a long text cut to 40 characters)."""
+    return f"--prompt {(text if len(text) <= 40 else text[:37] + '...')!r}"
+
+
+def encode_prompts(named: list[tuple[str, bytes]], tokens: ByteTokens | HFTokens) -> tuple[tuple[int, ...], ...]:
+    """The token ids of each ``(flag and value, text)``. Raises ValueError naming a text that is not UTF-8 or
+    gives no token."""
+    prompts = []
+    for name, text in named:
         problem = text_file_problem(text, truncated=False)
         if problem:
-            raise ValueError(f"--prompt-file {path} is not text: {problem}; a prompt is UTF-8 text")
+            raise ValueError(f"{name} is not text: {problem}; a prompt is UTF-8 text")
         prompts.append(tuple(tokens.encode(text)))
         if not prompts[-1]:
-            raise ValueError(f"--prompt-file {path}: its tokenizer gives no token")
+            raise ValueError(f"{name}: its tokenizer gives no token")
     return tuple(prompts)
+
+
+def printable(text: str) -> str:
+    """``text`` as it is safe to print: newlines and tabs kept, every other control or format character
+    (carriage return, escape sequences, bidirectional overrides, ...) and every lone surrogate written as its
+    Python escape (``\\x1b``, ``\\r``, ``\\u202e``); a backslash in the text itself is left as it is."""
+    return "".join(ch if ch in "\n\t" or unicodedata.category(ch) not in UNPRINTABLE
+                   else ch.encode("unicode_escape", errors="backslashreplace").decode("ascii") for ch in text)
+
+
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Co", "Cn"})
+"""Unicode categories :func:`printable` escapes: control, format, surrogate, private use, unassigned."""
+
+
+def shown(tokens: ByteTokens | HFTokens, ids: list[int]) -> str:
+    """The text of ``ids`` as cp-generate prints it: bytes that are not UTF-8 as ``\\xNN`` (byte tokens), then
+    :func:`printable`."""
+    if isinstance(tokens, ByteTokens) and not tokens.not_bytes(ids):
+        return printable(bytes(ids).decode("utf-8", errors="backslashreplace"))
+    return printable(tokens.decode(ids))
 
 
 def validate(args: argparse.Namespace) -> GenerateConfig:
@@ -127,13 +175,16 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
         model_source = {"hf_model": args.hf_model}
         saved_dtype = None
     tokens = tokens_for(args.hf_model)
-    prompts = read_prompts(args.prompt_file, tokens)
+    if args.prompt:
+        names, prompts = [inline_name(text) for text in args.prompt], inline_prompts(args.prompt, tokens)
+    else:
+        names, prompts = [f"--prompt-file {path}" for path in args.prompt_file], read_prompts(args.prompt_file, tokens)
     if args.hf_model:  # the position limit, checked here with the words of the flags
         text = hf.get_text_config()
         limit = getattr(text, "max_position_embeddings", None)
-        for path, prompt in zip(args.prompt_file, prompts, strict=True):
+        for name, prompt in zip(names, prompts, strict=True):
             if limit is not None and len(prompt) + args.max_new_tokens > limit:
-                raise ValueError(f"--prompt-file {path}: {len(prompt)} tokens + --max-new-tokens "
+                raise ValueError(f"{name}: {len(prompt)} tokens + --max-new-tokens "
                                  f"{args.max_new_tokens} exceed the model's {limit} positions "
                                  "(max_position_embeddings)")
         saved_dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
@@ -184,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if report is None:  # a non-zero rank under torchrun
         return 0
     tokens = tokens_for(config.hf_model)
-    for ids in report["tokens"]:
-        print(tokens.decode(ids if ignore_eos else until_end(ids, tokens.end_of_document)))
+    for prompt, ids in zip(config.prompts, report["tokens"], strict=True):  # the prompt, then its continuation
+        continuation = ids if ignore_eos else until_end(ids, tokens.end_of_document)
+        print(shown(tokens, list(prompt)) + shown(tokens, continuation))
     outside = sum(tokens.not_bytes(ids) for ids in report["tokens"])
     if outside:
         print(f"cp-generate: {outside} generated ids are not bytes (the model's vocabulary is larger and it has no "

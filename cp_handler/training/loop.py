@@ -1,10 +1,13 @@
 """The optimizer loop of a training run: steps, gradient norm, the parity reference, evaluation,
-progress, the launcher's heartbeat, and a stop at the first non-finite loss."""
+progress (each step's loss and, beside it, the mean of the last :data:`LOSS_WINDOW`: a batch of two sequences
+makes single steps' losses bounce), the launcher's heartbeat, and a stop at the first non-finite loss."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import sys
 import time
 
 import torch
@@ -13,6 +16,10 @@ import torch.distributed as dist
 from ..launch import heartbeat
 from ..progress import Progress
 from .fsdp import full_tensor
+
+LOSS_WINDOW = 10
+"""Steps whose losses the progress's running mean (``mean10``) averages: the last 10 of this run (fewer at its
+start; a resumed run starts a new window, the losses before it are not in the checkpoint)."""
 
 
 class NonFiniteLoss(RuntimeError):
@@ -64,7 +71,11 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
     Raises:
         NonFiniteLoss: a step's loss is not finite (on every rank: the reduced loss is the same).
     """
-    records = []
+    records, recent = [], collections.deque(maxlen=LOSS_WINDOW)
+    mean_key = f"mean{LOSS_WINDOW}"
+    if progress:
+        print(f"cp-train: each step's loss, and {mean_key}: the mean loss of the last {LOSS_WINDOW} steps (fewer "
+              "before the run has made that many)", file=sys.stderr, flush=True)
     bar = Progress(steps, "cp-train: step", enabled=progress, every=log_every, initial=start)
     for step in range(start, steps):
         began = time.perf_counter()
@@ -89,7 +100,9 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
         records.append({"step": step, "loss": reported.item(), "grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
                         "tokens_per_s": tokens / elapsed, **checked, **((after_step and after_step(step)) or {})})
         heartbeat()
-        bar.update(loss=f"{reported.item():.4f}", lr=f"{lr:.3g}", tok_s=f"{records[-1]['tokens_per_s']:.0f}",
+        recent.append(reported.item())
+        bar.update(loss=f"{reported.item():.4f}", **{mean_key: f"{sum(recent) / len(recent):.4f}"}, lr=f"{lr:.3g}",
+                   tok_s=f"{records[-1]['tokens_per_s']:.0f}",
                    **({"eval": f"{records[-1]['eval_loss']:.4f}"} if "eval_loss" in records[-1] else {}))
         if checkpoint is not None:
             checkpoint(step + 1)

@@ -32,7 +32,7 @@ from .fsdp import shard_model, state_bytes
 from .loop import default_optimizer, local_grad_norm, train_steps
 from .parity import StepReference, parity_result
 from .reference import hf_logits
-from .run_files import checkpointing, export_hf, save_lock, say
+from .run_files import checkpointing, export_hf, generate_command, save_lock, say
 from .steps import (
     dynamic_step,
     gpt_logits,
@@ -217,14 +217,19 @@ def _finish(config: TrainConfig, records, eval_check, device, layout: dict, stat
 
 def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     """Start the run's ranks (spawned, or this process as one rank under torchrun) and return rank
-    0's metrics (``None`` on the other ranks under torchrun).
+    0's metrics (``None`` on the other ranks under torchrun); with ``--save`` (or ``--export-hf``) rank 0 then
+    prints the ``cp-generate`` command that continues a prompt from the final checkpoint.
 
     Raises:
         SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
     """
     lock = save_lock(config)
     try:
-        return launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout).get(0)
+        metrics = launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout).get(0)
     finally:
         if lock is not None:
             lock.release()
+    command = generate_command(config) if metrics is not None else None
+    if command:
+        print(f"cp-train: continue a prompt from the final checkpoint: {command}", file=sys.stderr)
+    return metrics

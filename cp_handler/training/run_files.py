@@ -1,9 +1,11 @@
 """What a ``cp-train`` run reads and writes on disk, beside the training itself: ``--resume``, the
-checkpoint callback of ``--save`` / ``--save-every``, the ``--save`` folder's lock and ``--export-hf``."""
+checkpoint callback of ``--save`` / ``--save-every``, the ``--save`` folder's lock, ``--export-hf``, and the
+``cp-generate`` command that continues a prompt from what the run saved."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -15,6 +17,7 @@ from ..launch import is_first_rank
 from .checkpoint import CheckpointWriter, load_checkpoint
 from .checkpoint_meta import CheckpointError, check_resume, run_meta
 from .config import TrainConfig
+from .file_modes import new_folder_mode
 from .fsdp import full_state, is_sharded
 from .parity import unwrap
 from .save_folder import SaveLock
@@ -68,6 +71,7 @@ def export_hf(config: TrainConfig, trained) -> None:
     target = os.path.abspath(config.export_hf)
     partial = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=os.path.dirname(target))
     try:
+        os.chmod(partial, new_folder_mode())  # mkdtemp's 0700 would stay after the rename: the umask's mode
         unwrap(trained).model.save_pretrained(
             partial, state_dict=None if state is None else {k.removeprefix("model."): v for k, v in state.items()})
         if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
@@ -79,6 +83,33 @@ def export_hf(config: TrainConfig, trained) -> None:
                               "the folder was left as it was") from None
     say(f"exported the Hugging Face model to {target}")
 
+
+def command_of(script: str, module: str) -> list[str]:
+    """How to run this installation's console ``script``: its name when the PATH finds this Python's, its path
+    beside this Python when the PATH finds another (or none), else ``python -m module``."""
+    beside = os.path.join(os.path.dirname(sys.executable), script)
+    found = shutil.which(script)
+    if os.path.isfile(beside):
+        return [script] if found and os.path.samefile(found, beside) else [beside]
+    return [script] if found else [sys.executable, "-m", module]
+
+
+GENERATE_PROMPT = "def main():"
+"""The prompt of the printed cp-generate command (the default corpus is the Python stdlib's sources)."""
+
+
+def generate_command(config: TrainConfig) -> str | None:
+    """The ``cp-generate`` command that continues a prompt from the run's final checkpoint (``--save``: the
+    reference GPT; ``--export-hf``: a Hugging Face model), or ``None`` when the run saved nothing it reads
+    (cp-generate does not decode the GPT's linear-attention layers)."""
+    if config.save_dir and config.model is not None and "linear_attention" not in (config.model.layer_types or ()):
+        source = ["--checkpoint", config.save_dir]
+    elif config.export_hf:
+        source = ["--hf-model", config.export_hf]
+    else:
+        return None
+    return shlex.join([*command_of("cp-generate", "cp_handler.cli.generate"), *source, "--prompt", GENERATE_PROMPT,
+                       "--max-new-tokens", "64"])
 
 
 def save_lock(config: TrainConfig) -> SaveLock | None:
