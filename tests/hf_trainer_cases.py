@@ -48,7 +48,7 @@ CASES = {
 }
 """Each case's reference is the same name run alone (``break``: a negative control, positions left local or the
 router loss computed on each rank's shard as transformers would)."""
-LOGGED = ("aux_loss", "num_tokens")
+LOGGED = ("aux_loss", "num_tokens", "entropy", "mean_token_accuracy")
 """TRL's logged figures compared beside the loss and the gradient norm, where a run logs them."""
 WORLD = {"llama_dp2": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp."""

@@ -5,7 +5,7 @@ batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulati
 tokens), dp 2 x cp 2 with a2a, Mistral with a window shorter than the sequence on packed documents
 (``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT, and a MoE
 model's load-balancing loss turned on (Qwen3-MoE on packed documents under Trainer; Qwen3-Next under TRL, which logs
-it and ``num_tokens``: both compared). The negative controls (positions left local; the router loss computed on each
+it, ``num_tokens``, entropy and token accuracy: all compared). The negative controls (positions left local; the router loss computed on each
 rank's shard, as transformers would) must fail the same comparison. The router loss is compared at dp 1: with dp > 1
 transformers adds each dp rank's own batch's loss (DDP semantics, with or without CP), not the global batch's.
 
@@ -69,10 +69,12 @@ def test_negative_controls_fail(results, name):
     assert problem is not None and problem.startswith("step 1: loss"), problem
 
 
-def test_the_router_loss_cases_log_it(results):
-    """The aux loss cases run with the loss on: TRL logs it (and num_tokens) at every step."""
-    got, want = results["sft_hybrid_moe_aux_loss"]
-    assert all(len(row) == 4 for row in want["losses"] + got["losses"]), want["losses"]
+def test_trl_logs_what_is_compared(results):
+    """TRL's figures are in the comparison: every step logs the loss, the gradient norm, the aux loss (when the
+    router loss is on), num_tokens, entropy and mean_token_accuracy."""
+    for name, width in (("sft_hybrid_moe_aux_loss", 6), ("sft_padding_free", 5)):
+        got, want = results[name]
+        assert all(len(row) == width for row in want["losses"] + got["losses"]), (name, want["losses"])
 
 
 @pytest.mark.parametrize("batch, message", [
