@@ -1,17 +1,18 @@
-"""Context parallelism inside Hugging Face Trainer and TRL's SFTTrainer (cp_handler.integrations.hf_trainer): the
-loss and gradient norm of every logged step, the final parameters, ``evaluate()``'s loss and ``predict()``'s logits
-of ``CPTrainer`` / ``CPSFTTrainer`` on spawned gloo ranks equal the plain trainer in one process on the same global
+"""Context parallelism inside Hugging Face Trainer and TRL's SFTTrainer (cp_handler.integrations.hf_trainer): the loss
+and gradient norm of every logged step, the final parameters, ``evaluate()``'s loss and ``predict()``'s logits of
+``CPTrainer`` / ``CPSFTTrainer`` on spawned gloo ranks equal the plain trainer in one process on the same global
 batches (tests/hf_trainer_cases.py): Llama right-padded with gradient accumulation and tiled MLPs (chunks of 5
 tokens), dp 2 x cp 2 with a2a, Mistral with a window shorter than the sequence on packed documents
 (``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT, and a MoE
 model's load-balancing loss turned on (Qwen3-MoE on packed documents under Trainer; Qwen3-Next under TRL, which logs
 it, ``num_tokens``, entropy and token accuracy: all compared). The negative controls (positions left local; the
-router loss computed on each rank's shard, as transformers would) must fail the same comparison. The router loss is compared at dp 1: with dp > 1
-transformers adds each dp rank's own batch's loss (DDP semantics, with or without CP), not the global batch's.
+router loss computed on each rank's shard, as transformers would) must fail the same comparison. The router loss is
+compared at dp 1: with dp > 1 transformers adds each dp rank's own batch's loss (DDP semantics, with or without CP),
+not the global batch's.
 
-Tolerances (float32): losses, gradient norms, TRL's logged figures and the eval loss rtol 1e-5; parameters after 3 SGD steps (the update
-is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5 (tests/test_hf_integration.py's): CP
-only reorders the sums of attention and of the loss.
+Tolerances (float32): losses, gradient norms, TRL's logged figures and the eval loss rtol 1e-5; parameters after 3
+SGD steps (the update is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5
+(tests/test_hf_integration.py's): CP only reorders the sums of attention and of the loss.
 """
 
 import math
