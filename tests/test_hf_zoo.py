@@ -214,11 +214,11 @@ HYBRIDS = ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehy
            "qwen3_next", "qwen4_exp_text", "zamba", "zamba2")
 """Hybrid architectures (token mixers other than attention, routed through the handler's mixer methods)."""
 GENERATION_REFUSED = {**dict.fromkeys(("bert", "bert-generation", "electra", "ernie", "roc_bert"),
-                                     "refused: attends bidirectionally"),
+                                     "refused: is not a causal language model: its attention layers"),
                       **dict.fromkeys(HYBRIDS, "refused: generation of hybrid models is not implemented")}
 """Generation outcomes other than ``exact`` among the architectures whose training is exact: encoders run
-as causal LMs with bidirectional attention (a KV cache needs causal attention); hybrids (the cache holds no
-recurrent state)."""
+as causal LMs with bidirectional attention (``CPCausalLM`` refuses them: a KV cache needs causal attention, and a
+next-token loss would see its labels); hybrids (the cache holds no recurrent state)."""
 
 NOT_ATTEMPTED = ("the default config builds a full-size vision or audio tower (GBs, minutes on CPU); its text model "
                  "is the *_text entry")
