@@ -30,7 +30,8 @@ _HARNESS = ("tests/conftest.py", "tests/dist_utils.py", "tests/device_cases.py",
 """The GPU test harness: spawned ranks, host-staged collectives, the float64 references and tolerances."""
 _PATTERN_TESTS = ("tests/test_attn_patterns.py", "tests/test_thd.py", "tests/test_handler_layout.py")
 _BENCH = ("cp_handler/bench/plan.py", "cp_handler/bench/whole.py", "cp_handler/bench/cli.py",
-          "cp_handler/bench/flag_rules.py", "cp_handler/bench/report.py")
+          "cp_handler/bench/flag_rules.py", "cp_handler/bench/report.py", "cp_handler/bench/defaults.py",
+          "cp_handler/bench/case_progress.py", "cp_handler/progress.py")
 _PATTERN_STAGE = (*_ATTN, *_HARNESS, *_PATTERN_TESTS)
 """What a stage running every pattern (in some dtype, through some kernel) covers."""
 _PLAN_STAGE = (*_ATTN, *_BENCH)

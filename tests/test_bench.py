@@ -20,7 +20,9 @@ from dist_utils import new_cp_group, run_distributed
 
 from cp_handler.bench import torch_ring
 from cp_handler.bench.attention import stdlib_document_lengths
-from cp_handler.bench.cli import main, parse_args
+from cp_handler.bench.case_progress import each_case
+from cp_handler.bench.cli import build_parser, main, parse_args
+from cp_handler.bench.defaults import DEFAULTS, defaults, flags, resolve
 from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, profile_case, rank_plan, whole_tiles
 from cp_handler.bench.plots import IMPLEMENTATIONS, style
 from cp_handler.bench.report import add_efficiency, attention_table
@@ -112,6 +114,8 @@ def test_cp_bench_writes_json_table_and_plots(tmp_path):
     assert (out / "results.md").read_text().count("| torch_ring |") >= 2
     assert sorted(p.name for p in out.glob("*.png")) == [
         "attn_fwd_bshd.png", "attn_fwd_bwd_bshd.png", "attn_fwd_bwd_thd.png", "attn_fwd_thd.png"]
+    assert "cp-bench: attn cp=2 1/" in result.stderr and "cp-bench: e2e 5/5 case overhead cp=1" in result.stderr
+    assert "results.md and 4 plots (attn_fwd_bshd.png, " in result.stderr  # progress lines, the plots written
 
 
 def test_memory_counts_saved_bytes_and_projects_from_them():
@@ -142,13 +146,17 @@ def test_memory_counts_saved_bytes_and_projects_from_them():
     assert memory.parameters(memory.LLAMA3_8B) == 8_030_261_248  # Llama-3-8B's published count
 
 
-def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path):
+def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path, capsys):
     """The per-rank plan benchmark in its CPU emulation mode: every pattern, bshd and thd, an
-    efficiency per row; each pattern's rank plan computes 1/cp of the causal score pairs (zigzag)."""
+    efficiency per row; each pattern's rank plan computes 1/cp of the causal score pairs (zigzag). The plot
+    it wrote is named, with a progress line per case (stderr is not a terminal here)."""
     out = tmp_path / "plan"
     assert main(["--modes", "plan", "--plan-seq-lens", "128", "--plan-cp-sizes", "2", "4", "--reps", "1",
                  "--warmup", "0", "--plan-heads", "4", "--plan-kv-heads", "2", "--plan-head-dim", "16",
                  "--thd-mean-doc", "20", "--out-dir", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "cp-bench: plan 1/16 case whole sdpa bshd S=128\n" in err and "cp-bench: plan 16/16 case a2a+p2p thd" in err
+    assert "results.md and 1 plot (plan_efficiency.png) in " in err
     rows = json.loads((out / "results.json").read_text())["plan"]["rows"]
     assert {(r["pattern"], r["qkv_format"]) for r in rows} == {
         (p, f) for p in ("whole", "p2p", "all_gather", "a2a", "a2a+p2p") for f in ("bshd", "thd")}
@@ -227,13 +235,16 @@ def test_plan_mode_refuses_cuda_without_a_gpu(capsys):
     assert "--device cuda: no CUDA device is available here" in capsys.readouterr().err
 
 
-def test_launches_mode_counts_each_kernels_operators(tmp_path):
+def test_launches_mode_counts_each_kernels_operators(tmp_path, capsys):
     """``--modes launches`` on meta tensors (no GPU): native GQA drops the K/V copies and the dk/dv
     sums, packed calls cut thd's per-document launches, bshd's packed calls read views where their
-    rows are one range (no gathers), and a ring's steps share their lse row copies."""
+    rows are one range (no gathers), and a ring's steps share their lse row copies. It draws no plot, and
+    says none (plots on)."""
     out = tmp_path / "launches"
     assert main(["--modes", "launches", "--plan-seq-lens", "2048", "--plan-cp-sizes", "4", "--thd-mean-doc", "64",
                  "--comm-types", "p2p", "all_gather", "--out-dir", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "results.md in " in err and "plot" not in err.splitlines()[-1] and not list(out.glob("*.png"))
     results = json.loads((out / "results.json").read_text())["launches"]
     rows = {(r["qkv_format"], r["pattern"]): r for r in results["rows"]}
     assert set(rows) == {(f, p) for f in ("bshd", "thd") for p in ("p2p", "all_gather")}
@@ -371,3 +382,102 @@ def test_the_package_installs_no_top_level_module_but_cp_handler():
     assert packages and all(p == "cp_handler" or p.startswith("cp_handler.") for p in packages), packages
     assert "cp_handler.models" in packages and not (root / "models").exists()
     assert "matplotlib" not in " ".join(tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def _resolved(mode, *flags_given):
+    return resolve(parse_args(["--modes", mode, "--no-plots", *flags_given]), mode)
+
+
+def test_launches_defaults_on_cpu_are_a_small_grid_and_the_cuda_grid_is_asked_for(monkeypatch):
+    """Issue 50: ``--modes launches`` on a CPU ran the CUDA grid (S 4k-128k x cp 1-32, 22.6 silent minutes). Its
+    default is now a small grid of the Llama-3-8B attention shape (the CUDA kernels' counts need it); the CUDA grid
+    comes with ``--device cuda``, which needs no GPU for launches; given flags are kept."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    llama = {"plan_heads": 32, "plan_kv_heads": 8, "plan_head_dim": 128, "plan_dtype": "bfloat16"}
+    for flags_given, seq_lens, cp_sizes in (((), [4096, 16384, 65536], [2, 4, 8]),
+                                            (("--quick",), [4096, 16384], [2, 4, 8]),
+                                            (("--device", "cuda"), [4096, 8192, 16384, 32768, 65536, 131072],
+                                             [1, 2, 4, 8, 16, 32]),
+                                            (("--plan-seq-lens", "2048"), [2048], [2, 4, 8])):
+        args = _resolved("launches", *flags_given)
+        assert (args.plan_seq_lens, args.plan_cp_sizes) == (seq_lens, cp_sizes), flags_given
+        assert {key: getattr(args, key) for key in llama} == llama
+    plan_and_launches = parse_args(["--modes", "plan", "launches", "--no-plots"])  # before: float32 refused by flash
+    assert resolve(plan_and_launches, "plan").plan_dtype == "float32"
+    assert resolve(plan_and_launches, "launches").plan_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "plan", "launches", "--device", "cuda", "--no-plots"])  # plan still needs the GPU
+
+
+def test_every_modes_cpu_defaults_are_the_small_ones():
+    """The flags each mode runs with on CPU when none is given (and with --quick): the small sizes the help shows."""
+    assert _resolved("plan").plan_seq_lens == [1024, 4096] and _resolved("plan").plan_dtype == "float32"
+    assert _resolved("masks").plan_heads == 8 and _resolved("masks", "--quick").reps == 3
+    memory_args = _resolved("memory")
+    assert (memory_args.mem_seq_len, memory_args.mem_layer_tokens) == (2048, 64)
+    assert _resolved("hybrid", "--quick").hybrid_seq_lens == [2048, 8192]
+    assert _resolved("generate", "--quick").gen_prompt_lens == [4096, 8192]
+    assert (_resolved("e2e", "--quick").e2e_seq_len, _resolved("attn", "--quick").seq_lens) == (2048, [2048, 4096])
+    assert parse_args(["--modes", "launches", "--no-plots"]).plan_seq_lens is None  # each mode fills its own
+
+
+def test_help_shows_every_modes_defaults_on_cpu_and_cuda(monkeypatch):
+    """``cp-bench --help`` lists, per mode, the flags it runs with when none is given, on CPU and with --device cuda:
+    exactly what the modes resolve (CPU, and launches' CUDA grid, which needs no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    text = " ".join(build_parser().format_help().split())
+    for mode in DEFAULTS:
+        args = _resolved(mode)
+        where = "CPU and --device cuda" if DEFAULTS[mode].get("cuda") == DEFAULTS[mode]["cpu"] else "CPU"
+        assert f"{mode} ({where}): {flags({k: getattr(args, k) for k in defaults(mode)})}" in text, mode
+    cuda = _resolved("launches", "--device", "cuda")
+    assert f"launches (--device cuda): {flags({k: getattr(cuda, k) for k in defaults('launches', 'cuda')})}" in text
+    assert "launches: 4096 16384 65536 (--quick: 4096 16384) on CPU" in text  # in --plan-seq-lens' own help
+    assert "counted on meta tensors (no GPU needed; a small grid unless --device cuda)" in text
+
+
+def test_each_mode_prints_a_line_per_case_when_stderr_is_not_a_terminal(tmp_path, capsys):
+    """Progress of every mode through one helper: a line per case in a log (a bar on a terminal); each mode first
+    says the sizes it runs; no plot claimed with --no-plots."""
+    assert list(each_case(["a", "b"], "demo", str.upper)) == ["a", "b"]
+    assert capsys.readouterr().err == "cp-bench: demo 1/2 case A\ncp-bench: demo 2/2 case B\n"
+    out = tmp_path / "small"
+    assert main(["--modes", "launches", "masks", "--plan-seq-lens", "256", "--plan-cp-sizes", "2", "--comm-types",
+                 "p2p", "--formats", "bshd", "--launch-kernels", "flash", "--mask-seq-len", "64", "--mask-cp-size",
+                 "2", "--mask-window", "8", "--mask-chunk", "16", "--reps", "1", "--warmup", "0", "--no-plots",
+                 "--out-dir", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "cp-bench: launches: --comm-types p2p --plan-seq-lens 256 --plan-cp-sizes 2 --plan-heads 32" in err
+    assert "cp-bench: launches 1/1 case p2p bshd S=256 cp=2\n" in err
+    assert "cp-bench: masks 1/6 case full causal rank 0\n" in err
+    assert "cp-bench: masks 6/6 case chunk 16 rank 1\n" in err
+    assert err.splitlines()[-1].startswith(f"cp-bench: wrote {out}/results.json, results.md in ")
+
+
+def test_memory_mode_counts_fake_tensors_as_real_ones():
+    """``--modes memory`` measures the Llama-3-8B layer on fake tensors (seconds, where real bfloat16 weights took
+    over 13 minutes on a CPU without bfloat16 instructions): every saved byte is the same as on real tensors."""
+    from cp_handler.bench import memory
+
+    shape = {"hidden_size": 32, "num_layers": 1, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 64, "vocab_size": 1000}
+    fake = memory.measure_layer(32, shape, chunk=8)
+    assert fake == memory.measure_layer(32, shape, chunk=8, fake=False)
+    assert {r["layer_bytes_per_token"] for r in fake if not r["recompute"]} == {1496.0, 984.0}  # whole / tiled MLP
+
+
+@pytest.mark.parametrize("mode", ["generate", "hybrid", "memory"])
+def test_cpu_only_modes_refuse_cuda(monkeypatch, capsys, mode):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", mode, "--device", "cuda", "--no-plots"])
+    err = capsys.readouterr().err
+    assert f"--modes {mode} runs on CPU" in err and "drop --device cuda" in err
+
+
+def test_cp_bench_takes_flags_only_spelled_in_full(capsys):
+    """Issue 50: no prefix of a flag is taken for it (``--plan-seq 256`` is not ``--plan-seq-lens``); the one meant
+    is named."""
+    with pytest.raises(SystemExit):
+        parse_args(["--modes", "launches", "--plan-seq", "256", "--no-plots"])
+    assert "unrecognized arguments: --plan-seq (did you mean --plan-seq-lens?)" in capsys.readouterr().err

@@ -35,9 +35,9 @@ from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
-from ..progress import Progress
 from ..training.data import stdlib_files
 from . import report
+from .case_progress import case_progress
 from .plan import hierarchical_sizes
 from .torch_ring import ROTATE_METHODS, check_available, torch_ring_attn
 
@@ -258,7 +258,7 @@ def build_cases(args) -> dict[int, list[Case]]:
 def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list[dict] | None:
     with rank_session("cp-bench", device_type=shape.device):  # CUDA: one GPU per rank, NCCL
         rank0 = dist.get_rank() == 0
-        bar = Progress(len(cases), f"cp-bench: attn cp={dist.get_world_size()} case", enabled=rank0)
+        bar = case_progress(len(cases), f"attn cp={dist.get_world_size()}", enabled=rank0)
         rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
             case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
         bar.close()

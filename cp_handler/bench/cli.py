@@ -14,22 +14,26 @@ Modes (``--modes``, default both):
   the whole sequence on one device: per-rank compute efficiency;
 * ``launches`` (only when asked for): :mod:`.launches`: the same rank plans on ``meta`` tensors through
   each of ``--launch-kernels`` (CUDA kernels), counting the operators (kernel launches) per rank-step;
-  no GPU needed, sizes from the plan flags (CUDA defaults);
+  no GPU needed, sizes from the plan flags: a Llama-3-8B attention layer on a small grid (S 4k-64k, cp 2-8),
+  the CUDA grid of ``plan`` (S 4k-128k, cp 1-32: tens of minutes on a 2-core CPU) with ``--device cuda``;
 * ``generate`` (only when asked for): :mod:`.generation`: prefill time and decode time per token against
   prompt length at each CP size (a KV cache sharded over the ranks);
 * ``hybrid`` (only when asked for): :mod:`.hybrid`: one Gated DeltaNet layer (short convolution and gated delta
   rule) forward + backward per rank with state passing, beside all-gathering the sequence, with the bytes each
   rank sends;
 * ``memory`` (only when asked for): :mod:`.memory`: bytes saved for the backward per token per layer (saved-tensor
-  hooks) at the Llama-3-8B layer shape, training state and peak RSS per rank of DDP vs FSDP runs here, and the
-  longest sequence per rank an 80 GB GPU holds (a projection from those measurements);
+  hooks, on fake tensors: no arithmetic) at the Llama-3-8B layer shape, training state and peak RSS per rank of
+  DDP vs FSDP runs here, and the longest sequence per rank an 80 GB GPU holds (a projection from those
+  measurements);
 * ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
   every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
   K/V tokens each rank sends.
 
-Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each.
-Writes ``results.json``, ``results.md`` and PNG plots (:mod:`.plots`, matplotlib: the ``bench`` extra; ``--no-plots``
-without it) to ``--out-dir`` and prints the tables.
+Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each. Every mode's
+defaults (:mod:`.defaults`, shown by ``--help``) depend on ``--device`` and ``--quick``; on CPU each mode finishes
+in a few minutes on 2 cores (attn's full grid: tens of minutes). Every mode prints its sizes when it starts and its
+progress per case (:mod:`.case_progress`). Writes ``results.json``, ``results.md`` and PNG plots (:mod:`.plots`,
+matplotlib: the ``bench`` extra; ``--no-plots`` without it) to ``--out-dir`` and prints the tables.
 """
 
 from __future__ import annotations
@@ -43,86 +47,85 @@ import time
 
 import torch
 
-from ..cli.flag_names import HelpFormatter
+from ..cli.flag_names import FlagParser, HelpFormatter
 from ..config import CP_COMM_TYPES
-from . import e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
+from . import defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
+from .defaults import default_help
 from .flag_rules import check_flags
 from .torch_ring import check_available
 
-QUICK = {"seq_lens": [2048, 4096], "cp_sizes": [1, 2, 4], "reps": 3, "comm_types": list(CP_COMM_TYPES),
-         "num_heads": 4, "num_kv_heads": 4}
-FULL = {"seq_lens": [4096, 8192, 16384], "cp_sizes": [1, 2, 4], "reps": 5, "comm_types": list(CP_COMM_TYPES),
-        "num_heads": 8, "num_kv_heads": 8}
-PLAN = {"cuda": {"plan_seq_lens": [4096, 8192, 16384, 32768, 65536, 131072], "plan_cp_sizes": [1, 2, 4, 8, 16, 32],
-                 "plan_heads": 32, "plan_kv_heads": 8, "plan_head_dim": 128, "plan_dtype": "bfloat16"},
-        "cpu": {"plan_seq_lens": [1024, 4096], "plan_cp_sizes": [1, 2, 4, 8], "plan_heads": 8, "plan_kv_heads": 2,
-                "plan_head_dim": 64, "plan_dtype": "float32"}}
-"""Defaults of ``--modes plan`` by device (CUDA: a Llama-3-8B attention layer)."""
+RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan", plan.run),
+        "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
+        "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run)}
+"""mode -> (its key in results.json, its run), in the order the modes run."""
 
 
-def _quick_default(what: str, key: str, table_quick=QUICK, table_full=FULL) -> str:
-    return f"{what} (default: {table_quick[key]} with --quick, else {table_full[key]})"
+class _Formatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every default shown (:class:`~cp_handler.cli.flag_names.HelpFormatter`); the defaults list kept as laid out."""
+
+
+def _default(what: str, key: str) -> str:
+    """A flag's help: ``what`` and its default in every mode that reads it (:func:`.defaults.default_help`)."""
+    return f"{what} ({default_help(key)})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The flags of cp-bench, in groups: run, attention, end to end, plan and launches."""
-    p = argparse.ArgumentParser(prog="cp-bench", formatter_class=HelpFormatter,
-                                description=__doc__.split("\n\n")[0] + " Tables and plots: docs/benchmarks.md.")
+    """The flags of cp-bench, in groups: run, attention, end to end, plan and launches, masks, hybrid, memory,
+    generation; the help closes with every mode's defaults on CPU and with ``--device cuda``."""
+    p = FlagParser(prog="cp-bench", formatter_class=_Formatter, epilog=defaults.epilog(),
+                   description=__doc__.split("\n\n")[0] + " Tables and plots: docs/benchmarks.md.")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and the plots go")
     g.add_argument("--no-plots", action="store_true",
                    help="write no PNG plots (plots need matplotlib: pip install 'cp_handler[bench]')")
     g.add_argument("--quick", action="store_true",
-                   help=f"small sizes, a few minutes on a 2-core CPU: sequence lengths {QUICK['seq_lens']}, "
-                        f"{QUICK['reps']} repetitions, {QUICK['num_heads']} heads (default: full sizes "
-                        f"{FULL['seq_lens']}, {FULL['reps']} repetitions, {FULL['num_heads']} heads)")
-    g.add_argument("--modes", nargs="+",
-                   choices=("attn", "e2e", "plan", "launches", "masks", "generate", "hybrid", "memory"),
-                   default=["attn", "e2e"],
+                   help="every mode's smaller defaults (--quick in each flag's default and in the list below; on "
+                        "CPU each mode finishes in a few minutes on 2 cores, attn and e2e together in about 3)")
+    g.add_argument("--modes", nargs="+", choices=tuple(RUNS), default=["attn", "e2e"],
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
-                        "per-rank compute on one device; launches: kernel launches per rank-step (no GPU needed); "
-                        "masks: sliding window and chunked attention vs full causal per rank; generate: prefill and "
-                        "decode with a sharded KV cache; hybrid: one Gated DeltaNet layer; memory: saved activations, "
-                        "training state and the 80 GB projection")
+                        "per-rank compute on one device; launches: kernel launches per rank-step of CUDA kernels, "
+                        "counted on meta tensors (no GPU needed; a small grid unless --device cuda); masks: sliding "
+                        "window and chunked attention vs full causal per rank; generate: prefill and decode with a "
+                        "sharded KV cache; hybrid: one Gated DeltaNet layer; memory: saved activations (fake tensors "
+                        "of the Llama-3-8B layer), training state and the 80 GB projection")
     g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="attn: cuda runs one rank per GPU over NCCL; plan: the device timed")
-    g = p.add_argument_group("attention (--modes attn)")
-    g.add_argument("--cp-sizes", type=int, nargs="+", default=None, help="CP sizes (default: 1 2 4)")
+                   help="attn: cuda runs one rank per GPU over NCCL; plan and masks: the device timed; launches: "
+                        "the grid only (cuda: plan's CUDA grid, tens of minutes on a 2-core CPU; no GPU needed); "
+                        "e2e, generate, hybrid and memory run on CPU only. The defaults follow it (list below)")
+    g = p.add_argument_group("attention (--modes attn; --cp-sizes and --reps also e2e's)")
+    g.add_argument("--cp-sizes", type=int, nargs="+", default=None, help=_default("CP sizes", "cp_sizes"))
     g.add_argument("--seq-lens", type=int, nargs="+", default=None,
-                   help=_quick_default("global sequence lengths in tokens, each divisible by 2 * cp", "seq_lens"))
+                   help=_default("global sequence lengths in tokens, each divisible by 2 * cp", "seq_lens"))
     g.add_argument("--comm-types", nargs="+", choices=CP_COMM_TYPES, default=None,
-                   help="cp_comm_type values (default: all four)")
+                   help=_default("cp_comm_type values", "comm_types"))
     g.add_argument("--formats", nargs="+", choices=("bshd", "thd"), default=["bshd", "thd"],
                    help="qkv formats (thd: packs of stdlib documents)")
     g.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES), help="timed passes")
-    g.add_argument("--num-heads", type=int, default=None, help=_quick_default("query heads", "num_heads"))
-    g.add_argument("--num-kv-heads", type=int, default=None, help=_quick_default("KV heads", "num_kv_heads"))
+    g.add_argument("--num-heads", type=int, default=None, help=_default("query heads", "num_heads"))
+    g.add_argument("--num-kv-heads", type=int, default=None, help=_default("KV heads", "num_kv_heads"))
     g.add_argument("--head-dim", type=int, default=64, help="head dim")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="q/k/v dtype")
-    g.add_argument("--reps", type=int, default=None, help=_quick_default("timed repetitions, median reported", "reps"))
+    g.add_argument("--reps", type=int, default=None, help=_default("timed repetitions, median reported", "reps"))
     g.add_argument("--warmup", type=int, default=1, help="untimed repetitions before timing")
     g = p.add_argument_group("end to end (--modes e2e)")
-    g.add_argument("--e2e-seq-len", type=int, default=None,
-                   help=_quick_default("cp-train --seq-len", "e2e_seq_len", e2e.QUICK, e2e.FULL))
-    g.add_argument("--e2e-steps", type=int, default=None,
-                   help=_quick_default("cp-train --steps", "e2e_steps", e2e.QUICK, e2e.FULL))
-    g = p.add_argument_group("plan and launches (--modes plan / launches: one rank's compute, no communication)")
+    g.add_argument("--e2e-seq-len", type=int, default=None, help=_default("cp-train --seq-len", "e2e_seq_len"))
+    g.add_argument("--e2e-steps", type=int, default=None, help=_default("cp-train --steps", "e2e_steps"))
+    g = p.add_argument_group("plan and launches (--modes plan / launches: one rank's compute, no communication; "
+                             "masks reads the shape)")
     g.add_argument("--attn-kernel", default=None,
-                   help="plan: force a block kernel (a name of cp_handler.ops.kernels.KERNELS; default: automatic)")
+                   help="plan, masks: force a block kernel (a name of cp_handler.ops.kernels.KERNELS; default: "
+                        "automatic)")
     g.add_argument("--plan-seq-lens", type=int, nargs="+", default=None,
-                   help=f"global sequence lengths (default: {PLAN['cuda']['plan_seq_lens']} on CUDA, "
-                        f"{PLAN['cpu']['plan_seq_lens']} on CPU)")
-    g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None,
-                   help=f"CP sizes (default: {PLAN['cuda']['plan_cp_sizes']} on CUDA, "
-                        f"{PLAN['cpu']['plan_cp_sizes']} on CPU)")
-    g.add_argument("--plan-heads", type=int, default=None, help="query heads (default: 32 on CUDA, 8 on CPU)")
-    g.add_argument("--plan-kv-heads", type=int, default=None, help="KV heads (default: 8 on CUDA, 2 on CPU)")
-    g.add_argument("--plan-head-dim", type=int, default=None, help="head dim (default: 128 on CUDA, 64 on CPU)")
+                   help=_default("global sequence lengths", "plan_seq_lens"))
+    g.add_argument("--plan-cp-sizes", type=int, nargs="+", default=None, help=_default("CP sizes", "plan_cp_sizes"))
+    g.add_argument("--plan-heads", type=int, default=None, help=_default("query heads", "plan_heads"))
+    g.add_argument("--plan-kv-heads", type=int, default=None, help=_default("KV heads", "plan_kv_heads"))
+    g.add_argument("--plan-head-dim", type=int, default=None, help=_default("head dim", "plan_head_dim"))
     g.add_argument("--plan-dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="dtype (default: bfloat16 on CUDA, float32 on CPU)")
+                   help=_default("dtype", "plan_dtype"))
     g.add_argument("--thd-mean-doc", type=int, default=1024, help="mean document length of thd packs (tokens)")
     g.add_argument("--whole-kernels", nargs="+", choices=whole.WHOLE_KERNELS, default=["auto"],
                    help="plan: the whole-sequence references the efficiency is measured against (sdpa; flex: "
@@ -137,21 +140,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-chunk", type=int, default=2048, help="chunked attention: chunk length C (tokens)")
     g = p.add_argument_group("hybrid layer (--modes hybrid: the reference Gated DeltaNet layer, float32, CPU ranks)")
     g.add_argument("--hybrid-seq-lens", type=int, nargs="+", default=None,
-                   help="global sequence lengths in tokens (default 4096 16384; --quick: 2048 8192)")
+                   help=_default("global sequence lengths in tokens", "hybrid_seq_lens"))
     g.add_argument("--hybrid-cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes")
     g.add_argument("--hybrid-hidden-size", type=int, default=256, help="layer hidden size")
     g.add_argument("--hybrid-heads", type=int, default=4, help="value heads")
     g.add_argument("--hybrid-key-heads", type=int, default=2, help="key heads (each serves heads / key heads)")
     g.add_argument("--hybrid-head-dim", type=int, default=64, help="head dim of keys and values")
-    g = p.add_argument_group("memory (--modes memory: saved activations, training state, the 80 GB projection)")
-    g.add_argument("--mem-layer-tokens", type=int, default=64,
-                   help="tokens of the Llama-3-8B layer measurement (bytes per token do not depend on it)")
-    g.add_argument("--mem-seq-len", type=int, default=2048, help="sequence of the DDP / FSDP runs here (4 ranks, cp 2)")
+    g = p.add_argument_group("memory (--modes memory, CPU: saved activations, training state, the 80 GB projection)")
+    g.add_argument("--mem-layer-tokens", type=int, default=None,
+                   help=_default("tokens of the Llama-3-8B layer measurement, bfloat16 on fake tensors (bytes per "
+                                 "token do not depend on it)", "mem_layer_tokens"))
+    g.add_argument("--mem-seq-len", type=int, default=None,
+                   help=_default("sequence of the DDP / FSDP runs here (4 ranks, cp 2)", "mem_seq_len"))
     g.add_argument("--mem-local-model", type=json.loads, default=memory.LOCAL_MODEL, metavar="JSON",
                    help="the reference GPT shape of the runs here (GPTConfig fields)")
-    g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt)")
+    g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt, CPU ranks)")
     g.add_argument("--gen-prompt-lens", type=int, nargs="+", default=None,
-                   help="prompt lengths in tokens (default 4096 8192 16384 32768 65536; --quick: 4096 8192)")
+                   help=_default("prompt lengths in tokens", "gen_prompt_lens"))
     g.add_argument("--gen-cp-sizes", type=int, nargs="+", default=[1, 2, 4], help="CP sizes (1 is the baseline)")
     g.add_argument("--gen-new-tokens", type=int, default=16, help="tokens generated per prompt")
     g.add_argument("--gen-hidden-size", type=int, default=256, help="model hidden size")
@@ -162,20 +167,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Flags, with the ``--quick`` or full defaults filled in for the ones not given.
+    """The flags as given (unset ones ``None``: each mode fills its own defaults, :func:`.defaults.resolve`), every
+    requested mode's rules checked on them.
 
     Raises:
-        SystemExit: a cp size below 1 or a sequence length not divisible by ``2 * cp`` (zigzag);
-            a plan / launches flag breaking its rule (:func:`.flag_rules.check_plan_flags`); ``--device cuda``
-            without CUDA, with e2e, or for attn with fewer GPUs than the largest cp size or not bf16.
+        SystemExit: a flag breaking its mode's rule (:mod:`.flag_rules`: a cp size below 1, a sequence length not
+            divisible by ``2 * cp``, a shape a kernel cannot run, ...); ``--device cuda`` without CUDA for attn,
+            plan or masks, with a CPU-only mode, or for attn with fewer GPUs than the largest cp size or not bf16.
     """
     p = build_parser()
     args = p.parse_args(argv)
-    timed = {"plan", "masks"} & set(args.modes)
-    plan_device = "cpu" if args.device == "cpu" and timed else "cuda"  # launches counts CUDA plans
-    for key, value in {**(QUICK if args.quick else FULL), **PLAN[plan_device]}.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
     check_flags(p, args)
     return args
 
@@ -188,33 +189,23 @@ def main(argv: list[str] | None = None) -> int:
                "machine": {"cores": args.cores, "platform": platform.platform(), "torch": torch.__version__,
                            "processor": platform.processor()},
                "peer_unavailable": check_available()}
-    if "attn" in args.modes:
-        results["attention"] = run_attn(args)
-    if "e2e" in args.modes:
-        results["e2e"] = e2e.run(args)
-    if "plan" in args.modes:
-        results["plan"] = plan.run(args)
-    if "launches" in args.modes:
-        results["launches"] = launches.run(args)
-    if "masks" in args.modes:
-        results["masks"] = masks.run(args)
-    if "generate" in args.modes:
-        results["generate"] = generation.run(args)
-    if "hybrid" in args.modes:
-        results["hybrid"] = hybrid.run(args)
-    if "memory" in args.modes:
-        results["memory"] = memory.run(args)
+    for mode, (key, run) in RUNS.items():
+        if mode in args.modes:
+            mode_args = defaults.resolve(args, mode)
+            print(f"cp-bench: {mode}: {defaults.summary(mode_args, mode)}", file=sys.stderr, flush=True)
+            results[key] = run(mode_args)
     results["seconds"] = time.time() - started
     with open(os.path.join(args.out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     markdown = report.markdown(results)
     with open(os.path.join(args.out_dir, "results.md"), "w") as f:
         f.write(markdown)
-    if not args.no_plots:
-        plots.plots(results, args.out_dir)
+    written = [] if args.no_plots else plots.plots(results, args.out_dir)
     print(markdown)
-    print(f"cp-bench: wrote {args.out_dir}/results.json, results.md{'' if args.no_plots else ' and plots'} in "
-          f"{results['seconds']:.0f} s", file=sys.stderr)
+    names = ", ".join(os.path.basename(path) for path in written)
+    plotted = f" and {len(written)} plot{'s' * (len(written) > 1)} ({names})" if written else ""  # only those written
+    print(f"cp-bench: wrote {args.out_dir}/results.json, results.md{plotted} in {results['seconds']:.0f} s",
+          file=sys.stderr)
     return 0
 
 

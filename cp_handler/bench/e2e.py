@@ -31,9 +31,8 @@ from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
 from ..training.reference import PlainAttention
 from ..training.run import run_training
 from ..training.tokens import BYTE_VOCAB_SIZE
+from .case_progress import each_case
 
-QUICK = {"e2e_seq_len": 2048, "e2e_steps": 6}
-FULL = {"e2e_seq_len": 8192, "e2e_steps": 10}
 MODEL = {"hidden_size": 256, "num_layers": 2, "num_attention_heads": 8, "num_query_groups": 4, "ffn_hidden_size": 704}
 
 
@@ -113,12 +112,14 @@ def train(args, cp_size: int) -> dict:
 
 
 def run(args) -> dict:
-    """All three e2e measurements at ``args.cp_sizes``."""
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    memory = []
-    for cp in args.cp_sizes:
-        memory += launch(memory_worker, cp, args.e2e_seq_len, program="cp-bench")[0]
-    return {"model": MODEL, "train": [train(args, cp) for cp in args.cp_sizes], "memory": memory,
-            "overhead": overhead(args.e2e_seq_len, args.reps)}
+    """All three e2e measurements at ``args.cp_sizes``, a progress line per launch or run."""
+    steps = [*(("memory", cp) for cp in args.cp_sizes), *(("train", cp) for cp in args.cp_sizes), ("overhead", 1)]
+    memory, trained, cost = [], [], None
+    for kind, cp in each_case(steps, "e2e", lambda step: f"{step[0]} cp={step[1]}"):
+        if kind == "memory":
+            memory += launch(memory_worker, cp, args.e2e_seq_len, program="cp-bench")[0]
+        elif kind == "train":
+            trained.append(train(args, cp))
+        else:
+            cost = overhead(args.e2e_seq_len, args.reps)
+    return {"model": MODEL, "train": trained, "memory": memory, "overhead": cost}

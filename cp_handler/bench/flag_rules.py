@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 
 from ..ops.patterns import PATTERNS
 from . import launches, plan, plots, whole
+from .defaults import resolve
 
 
 def check_at_least_one(p: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
@@ -40,11 +40,16 @@ def check_cuda_attn_flags(p: argparse.ArgumentParser, args: argparse.Namespace) 
                 "(PyTorch's ring runs FlashAttention-2)")
 
 
-def check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The rules of the plan and launches modes' flags, each error naming its flag (before any run)."""
+def check_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The plan flags' attention shape (plan, launches, masks): every size >= 1, query heads a multiple of KV heads."""
     check_at_least_one(p, args, "plan_heads", "plan_kv_heads", "plan_head_dim", "thd_mean_doc")
     if args.plan_heads % args.plan_kv_heads:
         p.error(f"--plan-heads {args.plan_heads} must be a multiple of --plan-kv-heads {args.plan_kv_heads} (GQA)")
+
+
+def check_plan_grid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The plan and launches modes' grid: :func:`check_shape`, zigzag lengths, heads divisible by every a2a size."""
+    check_shape(p, args)
     check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
     for cp in args.plan_cp_sizes:
         patterns = {case.pattern for case in plan.cases([2 * cp], [cp], args.comm_types, ["bshd"])} - {"whole"}
@@ -52,67 +57,109 @@ def check_plan_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         for size in sorted(a2a_sizes):
             if args.plan_heads % size:
                 p.error(f"--plan-heads {args.plan_heads} must be divisible by the a2a size {size} (cp {cp})")
-    shape = plan.PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads,
-                           head_dim=args.plan_head_dim, dtype=args.plan_dtype)
+
+
+def _shape(args: argparse.Namespace, device: str = "cuda") -> plan.PlanShape:
+    return plan.PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads, head_dim=args.plan_head_dim,
+                          dtype=args.plan_dtype, device=device)
+
+
+def _check_attn_kernel(p: argparse.ArgumentParser, args: argparse.Namespace, formats) -> None:
+    """A forced ``--attn-kernel`` runs the shape on ``--device`` in ``formats`` (plan, masks)."""
+    if args.attn_kernel is not None:
+        try:
+            plan.check_kernel(args.attn_kernel, _shape(args, args.device), formats)
+        except ValueError as err:
+            p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
+
+
+def check_attn(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        check_cuda_attn_flags(p, args)
+    check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)
+
+
+def check_e2e(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device == "cuda":
+        p.error("--device cuda runs --modes attn, plan and launches (e2e runs cp-train on gloo CPU ranks)")
+    check_at_least_one(p, args, "e2e_steps", "reps")
+    check_zigzag(p, "--cp-sizes", args.cp_sizes, "--e2e-seq-len", [args.e2e_seq_len])
+
+
+def check_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    check_plan_grid(p, args)
+    _check_attn_kernel(p, args, args.formats)
+    for fmt in args.formats:
+        for name in args.whole_kernels:
+            kernel = whole.resolve(name, fmt, args.device)
+            reason = whole.cannot_run(kernel, args.device, getattr(torch, args.plan_dtype))
+            if reason:
+                p.error(f"--whole-kernels {name} ({fmt}): {reason}")
+
+
+def check_launches(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    check_plan_grid(p, args)
     try:
-        if "launches" in args.modes:
-            launches.check_kernels(args.launch_kernels, shape)
-        if "plan" in args.modes and args.attn_kernel is not None:
-            plan.check_kernel(args.attn_kernel, dataclasses.replace(shape, device=args.device), args.formats)
+        launches.check_kernels(args.launch_kernels, _shape(args))
     except ValueError as err:
-        p.error(str(err).replace("attn_kernel=", "--attn-kernel "))
-    if "plan" in args.modes:
-        for fmt in args.formats:
-            for name in args.whole_kernels:
-                reason = whole.cannot_run(whole.resolve(name, fmt, args.device), args.device,
-                                          getattr(torch, args.plan_dtype))
-                if reason:
-                    p.error(f"--whole-kernels {name} ({fmt}): {reason}")
+        p.error(str(err))
+
+
+def check_masks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    check_shape(p, args)
+    _check_attn_kernel(p, args, ["bshd"])
+    check_at_least_one(p, args, "mask_window", "mask_chunk", "mask_cp_size")
+    check_zigzag(p, "--mask-cp-size", [args.mask_cp_size], "--mask-seq-len", [args.mask_seq_len])
+
+
+def check_generate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device != "cpu":
+        p.error("--modes generate runs on CPU ranks (gloo): drop --device cuda")
+    check_at_least_one(p, args, "gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads")
+    if min(args.gen_prompt_lens) < 1 or min(args.gen_cp_sizes) < 1:
+        p.error("--gen-prompt-lens and --gen-cp-sizes must be >= 1")
+    if 1 not in args.gen_cp_sizes:
+        p.error("--gen-cp-sizes must include 1 (the baseline of the efficiency)")
+    if args.gen_heads % args.gen_kv_heads or args.gen_hidden_size % args.gen_heads:
+        p.error(f"--gen-heads {args.gen_heads} must divide --gen-hidden-size {args.gen_hidden_size} and be a "
+                f"multiple of --gen-kv-heads {args.gen_kv_heads}")
+
+
+def check_hybrid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device != "cpu":
+        p.error("--modes hybrid runs on CPU ranks (gloo): drop --device cuda")
+    check_at_least_one(p, args, "hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim")
+    if args.hybrid_heads % args.hybrid_key_heads:
+        p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads {args.hybrid_key_heads}")
+    check_zigzag(p, "--hybrid-cp-sizes", args.hybrid_cp_sizes, "--hybrid-seq-lens", args.hybrid_seq_lens)
+
+
+def check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device != "cpu":
+        p.error("--modes memory runs on CPU (saved-tensor counts are machine-independent): drop --device cuda")
+    check_at_least_one(p, args, "mem_layer_tokens")
+    check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
+
+
+RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
+         "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory}
+"""Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
+
+TIMED_ON_DEVICE = ("attn", "plan", "masks")
+"""Modes that run kernels on ``--device`` (launches counts CUDA kernels on ``meta`` tensors: no GPU needed)."""
 
 
 def check_flags(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Every mode's rules (after the ``--quick`` / full defaults were filled in), and the defaults that depend
-    on ``--quick`` for the generate and hybrid modes. Exits through ``p.error`` naming the flag."""
+    """Every requested mode's rules, on the flags with that mode's defaults filled in (:func:`~.defaults.resolve`),
+    before any run. Exits through ``p.error`` naming the flag, its value and the rule."""
     if not args.no_plots:
         try:
             plots.require_matplotlib()
         except ImportError as err:
             p.error(str(err))
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available here")
-    if args.device == "cuda" and "e2e" in args.modes:
-        p.error("--device cuda runs --modes attn, plan and launches (e2e runs cp-train on gloo CPU ranks)")
-    if args.device == "cuda" and "attn" in args.modes:
-        check_cuda_attn_flags(p, args)
-    if {"plan", "launches", "masks"} & set(args.modes):
-        check_plan_flags(p, args)
-    if "generate" in args.modes:
-        if args.gen_prompt_lens is None:
-            args.gen_prompt_lens = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
-        check_at_least_one(p, args, "gen_new_tokens", "gen_hidden_size", "gen_layers", "gen_heads", "gen_kv_heads")
-        if min(args.gen_prompt_lens) < 1 or min(args.gen_cp_sizes) < 1:
-            p.error("--gen-prompt-lens and --gen-cp-sizes must be >= 1")
-        if 1 not in args.gen_cp_sizes:
-            p.error("--gen-cp-sizes must include 1 (the baseline of the efficiency)")
-        if args.gen_heads % args.gen_kv_heads or args.gen_hidden_size % args.gen_heads:
-            p.error(f"--gen-heads {args.gen_heads} must divide --gen-hidden-size {args.gen_hidden_size} and be a "
-                    f"multiple of --gen-kv-heads {args.gen_kv_heads}")
-    if "hybrid" in args.modes:
-        if args.device != "cpu":
-            p.error("--modes hybrid runs on CPU ranks (gloo): drop --device cuda")
-        if args.hybrid_seq_lens is None:
-            args.hybrid_seq_lens = [2048, 8192] if args.quick else [4096, 16384]
-        check_at_least_one(p, args, "hybrid_hidden_size", "hybrid_heads", "hybrid_key_heads", "hybrid_head_dim")
-        if args.hybrid_heads % args.hybrid_key_heads:
-            p.error(f"--hybrid-heads {args.hybrid_heads} must be a multiple of --hybrid-key-heads "
-                    f"{args.hybrid_key_heads}")
-        check_zigzag(p, "--hybrid-cp-sizes", args.hybrid_cp_sizes, "--hybrid-seq-lens", args.hybrid_seq_lens)
-    if "memory" in args.modes:
-        if args.device != "cpu":
-            p.error("--modes memory runs on CPU (saved-tensor counts are machine-independent): drop --device cuda")
-        check_at_least_one(p, args, "mem_layer_tokens")
-        check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
-    if "masks" in args.modes:
-        check_at_least_one(p, args, "mask_window", "mask_chunk", "mask_cp_size")
-        check_zigzag(p, "--mask-cp-size", [args.mask_cp_size], "--mask-seq-len", [args.mask_seq_len])
-    check_zigzag(p, "--cp-sizes", args.cp_sizes, "--seq-lens", args.seq_lens)
+    timed = [mode for mode in args.modes if mode in TIMED_ON_DEVICE]
+    if args.device == "cuda" and timed and not torch.cuda.is_available():
+        p.error(f"--device cuda: no CUDA device is available here (--modes {' '.join(timed)} runs on it; "
+                "launches needs none)")
+    for mode in dict.fromkeys(args.modes):
+        RULES[mode](p, resolve(args, mode))

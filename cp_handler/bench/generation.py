@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..inference import generate
 from ..launch import launch, rank_session
-from ..progress import Progress
+from .case_progress import case_progress
 
 
 def _model(args):
@@ -38,7 +38,7 @@ def gen_worker(args, threads: int) -> list[dict] | None:
         group = dist.group.WORLD if cp > 1 else None
         model = _model(args)
         rows, rank0 = [], dist.get_rank() == 0
-        bar = Progress(len(args.gen_prompt_lens), f"cp-bench: generate cp={cp} prompt", enabled=rank0)
+        bar = case_progress(len(args.gen_prompt_lens), f"generate cp={cp}", enabled=rank0)
         for length in args.gen_prompt_lens:
             warm = [torch.randint(0, 256, (64,))]
             generate(model, warm, 2, cp_group=group, num_layers=args.gen_layers)

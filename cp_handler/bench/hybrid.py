@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..handlers.local import LocalContextParallelHandler
 from ..launch import launch, rank_session
 from ..ops.collectives import all_gather_summed, count_comms
-from ..progress import Progress
+from .case_progress import case_progress
 
 
 def _layer(args):
@@ -83,7 +83,7 @@ def hybrid_worker(args, threads: int) -> list[dict] | None:
         cp, rank = dist.get_world_size(), dist.get_rank()
         group = dist.group.WORLD if cp > 1 else None
         layer, rows = _layer(args), []
-        bar = Progress(len(args.hybrid_seq_lens), f"cp-bench: hybrid cp={cp} S", enabled=rank == 0)
+        bar = case_progress(len(args.hybrid_seq_lens), f"hybrid cp={cp}", enabled=rank == 0)
         for length in args.hybrid_seq_lens:
             x = torch.randn(1, length, args.hybrid_hidden_size, generator=torch.Generator().manual_seed(length))
             row = _measure(layer, x, group, args.reps)

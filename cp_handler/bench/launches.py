@@ -25,7 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..ops.kernels import KERNELS, AttnKernel
-from .plan import PlanShape, cases, plan_tiles, rank_plan, rank_step, whole_tiles
+from .case_progress import each_case
+from .plan import PlanCase, PlanShape, cases, plan_tiles, rank_plan, rank_step, whole_tiles
 
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 """Operators that only allocate (no kernel on CUDA)."""
@@ -100,13 +101,14 @@ def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Coun
 
 
 def run(args) -> dict:
-    """``--modes launches``: every pattern's rank plan (the plan flags' sizes) for each of ``args.launch_kernels``."""
+    """``--modes launches``: every pattern's rank plan (the plan flags' sizes) for each of ``args.launch_kernels``,
+    a progress line per case."""
     shape = PlanShape(num_heads=args.plan_heads, num_kv_heads=args.plan_kv_heads, head_dim=args.plan_head_dim,
                       dtype=args.plan_dtype, thd_mean_doc=args.thd_mean_doc)
     rows = []
-    for case in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats):
-        if case.pattern == "whole":
-            continue
+    todo = [c for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats)
+            if c.pattern != "whole"]
+    for case in each_case(todo, "launches", PlanCase.describe):
         plan = rank_plan(case, shape)
         # a kernel that builds a plan per block shape does not run packed documents (select_kernel refuses it)
         counts = {name: count_launches(case, shape, name) for name in args.launch_kernels

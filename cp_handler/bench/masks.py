@@ -21,6 +21,7 @@ from ..masks import AttentionMask
 from ..ops.halo import halo_applies, halo_plan
 from ..ops.kernels import count_attn_work, select_kernel
 from ..ops.ring import ring_blocks
+from .case_progress import each_case
 from .plan import PlanShape, RankPlan, _timer, rank_step
 
 
@@ -56,15 +57,17 @@ def run(args) -> dict:
     rows = []
     masks = {"full causal": AttentionMask(), f"window {args.mask_window}": AttentionMask(window=args.mask_window),
              f"chunk {args.mask_chunk}": AttentionMask(chunk=args.mask_chunk)}
+    ranks: dict[str, list[dict]] = {name: [] for name in masks}
+    for name, rank in each_case([(name, rank) for name in masks for rank in range(layout.size)], "masks",
+                                lambda case: f"{case[0]} rank {case[1]}"):
+        plan, sent = rank_work(layout, masks[name], rank, shape.num_heads, shape.num_kv_heads)
+        step = rank_step(plan, shape)
+        with count_attn_work() as work:
+            step()
+        ranks[name].append({"rank": rank, "median_ms": _median_ms(step, args.warmup, args.reps, shape.device),
+                            "kv_tokens_sent": sent, "pairs": work.pairs, "blocks": work.blocks})
     for name, mask in masks.items():
-        per_rank = []
-        for rank in range(layout.size):
-            plan, sent = rank_work(layout, mask, rank, shape.num_heads, shape.num_kv_heads)
-            step = rank_step(plan, shape)
-            with count_attn_work() as work:
-                step()
-            per_rank.append({"rank": rank, "median_ms": _median_ms(step, args.warmup, args.reps, shape.device),
-                             "kv_tokens_sent": sent, "pairs": work.pairs, "blocks": work.blocks})
+        per_rank = ranks[name]
         slowest = max(per_rank, key=lambda r: r["median_ms"])
         rows.append({"case": name, "window": mask.window, "chunk": mask.chunk,
                      "halo": halo_applies(layout, mask), "median_ms": slowest["median_ms"],

@@ -7,7 +7,12 @@
   machine-independent (what autograd keeps, not what an allocator reports). Measured at the Llama-3-8B layer
   shape (one layer, bfloat16) with the whole loss and the chunked one, with and without recomputation, with
   whole and tiled MLPs (:func:`~cp_handler.tiling.tile_mlps`), and at this machine's model shape through spawned
-  CP ranks.
+  CP ranks. The Llama layer runs on fake tensors (``FakeTensorMode``: the same code, autograd graph, shapes and
+  dtypes, no arithmetic; about a second on any CPU). On real tensors its 1.3B bfloat16 weights took 22-27 s to
+  fill, and on a CPU without bfloat16 instructions (AVX2; here ``ATEN_CPU_CAPABILITY=avx2``) the first of its six
+  steps had not finished after 5 minutes (issue 50: the mode past 13 minutes); the bytes are the same
+  (tests/test_bench.py compares both at a small shape; the Llama rows equal those measured on real tensors,
+  ``docs/benchmarks/results/memory.json``).
 * **Training state per rank**: parameters, gradients and optimizer states of a ``cp-train`` run (its
   ``state_bytes_per_rank``), DDP vs ``--fsdp``, against the ideal ``whole / world``; and its peak RSS per rank.
 * **Projection** (:func:`project`): the longest sequence per rank a GPU of 80 GB holds for the Llama-3-8B shape
@@ -20,6 +25,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..config import AttentionShape, ContextParallelConfig
 from ..handlers.local import LocalContextParallelHandler
@@ -28,6 +34,7 @@ from ..tiling import tile_mlps
 from ..training.config import TrainConfig
 from ..training.run import run_training
 from ..training.tokens import BYTE_VOCAB_SIZE
+from .case_progress import each_case
 
 LLAMA3_8B = {"hidden_size": 4096, "num_layers": 32, "num_attention_heads": 32, "num_query_groups": 8,
              "ffn_hidden_size": 14336, "vocab_size": 128256}
@@ -41,15 +48,20 @@ LOCAL_MODEL = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "n
 """The model of the measured runs on this machine (byte vocabulary)."""
 
 
+def _storage(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage while it lives (its ``StorageImpl``; fake tensors have no data pointer)."""
+    return t.untyped_storage()._cdata
+
+
 @contextlib.contextmanager
 def _attributed(model: GPTModel, bins: dict):
     """Saved tensors' bytes into ``bins[key]`` (``mlp`` while a layer's feed-forward runs, ``layer`` while the
     rest of a transformer layer runs, else ``other``), once per storage, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {_storage(p) for p in model.parameters()}
     seen, where = set(), ["other"]
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
+        ptr = _storage(t)
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
             bins[where[-1]] = bins.get(where[-1], 0) + t.untyped_storage().nbytes()
@@ -80,53 +92,72 @@ def saved_bytes(model: GPTModel, tokens: torch.Tensor, handler=None, chunk: int 
             "mlp_bytes_per_token": bins.get("mlp", 0) / n / layers, "other_bytes_per_token": bins.get("other", 0) / n}
 
 
-def one_layer(shape: dict, recompute: bool) -> GPTModel:
-    """One layer of ``shape`` with its embedding and output head, bfloat16, random weights (std 0.02)."""
-    config = GPTConfig(**{**shape, "num_layers": 1})
+def one_layer(shape: dict, recompute: bool, mlp_chunk: int | None = None,
+              fake: FakeTensorMode | None = None) -> GPTModel:
+    """One layer of ``shape`` with its embedding and output head, bfloat16, recomputation on / off, the MLP tiled in
+    chunks of ``mlp_chunk`` tokens (``None``: whole): on fake tensors of ``fake`` (shapes and dtypes only), else real
+    random weights (std 0.02)."""
     with torch.device("meta"):
-        model = GPTModel(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
+        model = GPTModel(GPTConfig(**{**shape, "num_layers": 1}))
+    if fake is not None:
+        if mlp_chunk:
+            tile_mlps(model, mlp_chunk)  # on meta weights (its probe needs data; the reference MLP is token-wise)
+        with fake:
+            for module in model.modules():
+                for name, p in list(module.named_parameters(recurse=False)):
+                    setattr(module, name, torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16)))
+    else:
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02 if p.dim() > 1 else torch.ones(p.shape))
+        if mlp_chunk:
+            tile_mlps(model, mlp_chunk)
     if recompute:
         model.gradient_checkpointing_enable()
     return model
 
 
-def measure_layer(tokens: int, shape: dict = LLAMA3_8B, chunk: int = 16) -> list[dict]:
+def measure_layer(tokens: int, shape: dict = LLAMA3_8B, chunk: int = 16, fake: bool = True) -> list[dict]:
     """Saved bytes of one layer of ``shape`` (bfloat16, cp 1) on ``tokens`` tokens: the whole loss vs chunks of
-    ``chunk`` tokens, recomputation off / on; then with the chunked loss and the MLP tiled in chunks of ``chunk``."""
+    ``chunk`` tokens, recomputation off / on; then with the chunked loss and the MLP tiled in chunks of ``chunk``.
+    ``fake``: on fake tensors (module doc; the same bytes in a second), else on real ones."""
+    mode = FakeTensorMode() if fake else None
+    with mode or contextlib.nullcontext():
+        ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=None if fake else
+                            torch.Generator().manual_seed(0))
     rows = []
-    ids = torch.randint(0, shape["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(0))
     for recompute in (False, True):
-        model = one_layer(shape, recompute)
         for tokens_per_chunk, mlp_chunk in ((None, None), (chunk, None), (chunk, chunk)):
-            if mlp_chunk:
-                tile_mlps(model, mlp_chunk)
-            rows.append({"recompute": recompute, "loss_chunk_tokens": tokens_per_chunk, "mlp_chunk_tokens": mlp_chunk,
-                         **saved_bytes(model, ids, chunk=tokens_per_chunk)})
-            model.zero_grad(set_to_none=True)
+            model = one_layer(shape, recompute, mlp_chunk, mode)
+            with mode or contextlib.nullcontext():
+                rows.append({"recompute": recompute, "loss_chunk_tokens": tokens_per_chunk,
+                             "mlp_chunk_tokens": mlp_chunk, **saved_bytes(model, ids, chunk=tokens_per_chunk)})
     return rows
 
 
-def local_runs(args) -> list[dict]:
-    """``cp-train`` runs of :data:`LOCAL_MODEL` on this machine: DDP vs FSDP (cp 2, dp 2), state bytes and peak
-    RSS per rank."""
-    rows = []
+LOCAL_CASES = ((False, False), (False, True), (True, False), (True, True))
+"""``(fsdp, recompute)`` of the ``cp-train`` runs here."""
+
+
+def local_run(args, fsdp: bool, recompute: bool) -> dict:
+    """A ``cp-train`` run of ``args.mem_local_model`` on this machine (cp 2, dp 2, ``args.mem_seq_len`` tokens, 2
+    steps): its state bytes and peak RSS per rank."""
     model = GPTConfig(vocab_size=BYTE_VOCAB_SIZE, **args.mem_local_model)
     shape = AttentionShape(model.num_attention_heads, model.num_query_groups, model.kv_channels, model.v_head_dim)
     cp = ContextParallelConfig(context_parallel_size=2, num_layers=model.num_layers)
-    for fsdp in (False, True):
-        for recompute in (False, True):
-            config = TrainConfig(world_size=4, cp=cp, eval_cp=cp, model=model, attn_shape=shape,
-                                 seq_len=args.mem_seq_len, batch_size=1, steps=2, fsdp=fsdp, recompute=recompute)
-            metrics = run_training(config)
-            state = metrics["state_bytes_per_rank"][0]
-            rows.append({"fsdp": fsdp, "recompute": recompute, "world": 4, "cp_size": 2, "seq_len": args.mem_seq_len,
-                         "state_bytes_per_rank": sum(state.values()), "state": state,
-                         "peak_rss_bytes_per_rank": max(metrics["peak_memory_bytes_per_rank"])})
+    config = TrainConfig(world_size=4, cp=cp, eval_cp=cp, model=model, attn_shape=shape, seq_len=args.mem_seq_len,
+                         batch_size=1, steps=2, fsdp=fsdp, recompute=recompute)
+    metrics = run_training(config)
+    state = metrics["state_bytes_per_rank"][0]
+    return {"fsdp": fsdp, "recompute": recompute, "world": 4, "cp_size": 2, "seq_len": args.mem_seq_len,
+            "state_bytes_per_rank": sum(state.values()), "state": state,
+            "peak_rss_bytes_per_rank": max(metrics["peak_memory_bytes_per_rank"])}
+
+
+def add_state_vs_ideal(rows: list[dict]) -> list[dict]:
+    """Each run's state per rank over the ideal: DDP's whole state, divided by the world under FSDP."""
     whole = next(r["state_bytes_per_rank"] for r in rows if not r["fsdp"])
     for r in rows:
         r["state_vs_ideal"] = r["state_bytes_per_rank"] / (whole / (r["world"] if r["fsdp"] else 1))
@@ -177,10 +208,22 @@ def project(measured: list[dict], cp_sizes=(1, 8, 32), shape: dict = LLAMA3_8B) 
     return rows
 
 
+def _describe(case) -> str:
+    if case == "layer":
+        return "Llama-3-8B layer's saved bytes (fake tensors)"
+    fsdp, recompute = case
+    return f"cp-train {'FSDP' if fsdp else 'DDP'} recompute {'on' if recompute else 'off'}"
+
+
 def run(args) -> dict:
-    """``--modes memory``: the Llama-3-8B layer's saved bytes, the local runs, the projection."""
-    local = local_runs(args)  # first: ranks started later would inherit the Llama layer's pages in their RSS
-    measured = measure_layer(args.mem_layer_tokens)
-    return {"llama_shape": LLAMA3_8B, "layer_tokens": args.mem_layer_tokens, "measured": measured,
-            "local_model": args.mem_local_model, "local": local, "assumptions": PROJECTION,
-            "projection": project(measured)}
+    """``--modes memory``: the local runs (first: ranks started later would inherit the Llama layer's pages in their
+    RSS), the Llama-3-8B layer's saved bytes, the projection; a progress line per run."""
+    local, measured = [], []
+    for case in each_case([*LOCAL_CASES, "layer"], "memory", _describe):
+        if case == "layer":
+            measured = measure_layer(args.mem_layer_tokens)
+        else:
+            local.append(local_run(args, *case))
+    return {"llama_shape": LLAMA3_8B, "layer_tokens": args.mem_layer_tokens, "layer_tensors": "fake",
+            "measured": measured, "local_model": args.mem_local_model, "local": add_state_vs_ideal(local),
+            "assumptions": PROJECTION, "projection": project(measured)}

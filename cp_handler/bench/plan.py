@@ -33,6 +33,7 @@ from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles
 from ..ops.patterns import PATTERNS
 from ..ops.spec import AttnSpec
+from .case_progress import each_case
 from .whole import resolve, whole_step
 
 
@@ -43,6 +44,11 @@ class PlanCase:
     cp_size: int
     seq_len: int
     reference: str = ""  # "whole" rows: the whole-sequence kernel (:mod:`.whole`)
+
+    def describe(self) -> str:
+        """The case in a progress line: ``p2p thd S=16384 cp=4`` (``whole sdpa bshd S=4096``)."""
+        where = f"S={self.seq_len}" + (f" cp={self.cp_size}" if self.pattern != "whole" else "")
+        return " ".join(filter(None, (self.pattern, self.reference, self.qkv_format, where)))
 
 
 @dataclass(frozen=True)
@@ -233,9 +239,9 @@ def run(args) -> dict:
                       thd_mean_doc=args.thd_mean_doc)
     if shape.device == "cpu":
         torch.set_num_threads(args.cores)
-    rows = [time_case(c, shape, args.warmup, args.reps)
-            for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats, args.whole_kernels,
-                           shape.device)]
+    todo = cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats, args.whole_kernels,
+                 shape.device)
+    rows = [time_case(c, shape, args.warmup, args.reps) for c in each_case(todo, "plan", PlanCase.describe)]
     probe = torch.empty(1, 1, 1, shape.head_dim, device=shape.device, dtype=getattr(torch, shape.dtype))
     kernel = select_kernel(probe, shape.kernel).name
     device_name = torch.cuda.get_device_name() if shape.device == "cuda" else "cpu"

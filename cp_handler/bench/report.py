@@ -156,7 +156,7 @@ def memory_tables(mem: dict) -> str:
     measured = table(f"Saved for the backward, one Llama-3-8B layer (hidden {s['hidden_size']}, "
                      f"{s['num_attention_heads']}/{s['num_query_groups']} heads, FFN {s['ffn_hidden_size']}, "
                      f"vocabulary {s['vocab_size']}), bfloat16, {mem['layer_tokens']} tokens, cp 1 "
-                     "(saved-tensor hooks)",
+                     f"(saved-tensor hooks{', fake tensors' if mem.get('layer_tensors') == 'fake' else ''})",
                      ["recompute", "loss", "MLP", "layer bytes/token", "of which the MLP",
                       "outside the layers bytes/token"],
                      [["on" if r["recompute"] else "off",
