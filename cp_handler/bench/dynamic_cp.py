@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -29,6 +28,7 @@ import tempfile
 import time
 from dataclasses import replace
 
+from ..cli.flag_names import FlagParser
 from ..dynamic import CostModel, Workload, schedule_sequences
 from ..dynamic.scheduler import cp_size_for
 from ..training.data import stdlib_files
@@ -149,7 +149,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cp_handler.bench.dynamic_cp", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m cp_handler.bench.dynamic_cp", description=__doc__.splitlines()[0])
     p.add_argument("--draws", type=int, default=5)
     p.add_argument("--rank-times", default=RANK_TIMES, help="per-rank plan times (CSV like the H100 table)")
     p.add_argument("--column", default="rank_fa2_ms", help="which kernel's column of --rank-times to fit")

@@ -9,7 +9,6 @@ barriers. Prints a markdown table and writes JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -19,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..cli.flag_names import FlagParser
 from ..config import ContextParallelConfig
 from ..eval_cp import EvalContextParallel, eval_config
 from ..launch import launch, rank_session
@@ -66,7 +66,7 @@ def worker(args) -> list[dict] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cp_handler.bench.eval_cp", description=__doc__.splitlines()[0])
+    p = FlagParser(prog="python -m cp_handler.bench.eval_cp", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--train-cp-size", type=int, default=1)
     p.add_argument("--eval-cp-size", type=int, default=4)

@@ -43,7 +43,8 @@ from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
 from ..tiling import tile_mlps
 from .hf_batch import shard_batch
-from .hf_model import check_causal, check_decoder_only
+from .hf_causal import check_causal, check_decoder_only
+from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
 from .hf_router_loss import RouterLossScope, router_loss_scope
 from .transformers import cp_attention, register
 
@@ -227,44 +228,18 @@ class ContextParallelMixin:
         return loss, logits, labels
 
     def evaluation_loop(self, *args, **kwargs):
-        """Trainer's loop with its gather over the dp ranks only (:meth:`_gather_over_dp`)."""
+        """Trainer's loop with its gather over the dp ranks only (:func:`.hf_dp.gather_over_dp`)."""
         if self.args.eval_use_gather_object:
             raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
         self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
         return super().evaluation_loop(*args, **kwargs)
 
     def _gather_over_dp(self, tensors):
-        """``gather_for_metrics`` over the dp ranks: every rank's tensors gathered, those of one rank per CP group
-        kept (CP ranks are adjacent), then the last batch's duplicates dropped as ``gather_for_metrics`` does."""
-        from accelerate.utils import recursively_apply
-
-        cp, state = self.get_cp_size(), self.accelerator.gradient_state
-        world = self.accelerator.num_processes
-
-        def one_per_group(t):
-            return t.reshape(world, -1, *t.shape[1:])[::cp].flatten(0, 1)
-
-        data = recursively_apply(one_per_group, self.accelerator.gather(tensors))
-        if state.end_of_dataloader and state.remainder > 0:
-            data = recursively_apply(lambda t: t[:state.remainder], data)
-        return data
+        return gather_over_dp(self.accelerator, self.get_cp_size(), tensors)
 
     def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        """The accelerator's ``prepare_data_loader`` with the dp ranks as its processes (one per CP group)."""
-        from accelerate.data_loader import prepare_data_loader
-
-        acc = self.accelerator
-        if getattr(data_loader, "_is_accelerate_prepared", False):
-            return data_loader
-        prepared = prepare_data_loader(
-            data_loader, acc.device, num_processes=self.cp_groups.dp_size, process_index=self.cp_groups.dp_rank,
-            split_batches=acc.split_batches, put_on_device=acc.device_placement if device_placement is None
-            else device_placement, rng_types=acc.rng_types.copy(), dispatch_batches=False,
-            even_batches=acc.even_batches, slice_fn_for_dispatch=slice_fn_for_dispatch,
-            use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
-            non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
-        acc._dataloaders.append(prepared)  # as the accelerator's own (checkpointing of the loader state)
-        return prepared
+        return prepare_data_loader_over_dp(self.accelerator, self.cp_groups.dp_size, self.cp_groups.dp_rank,
+                                           data_loader, device_placement, slice_fn_for_dispatch)
 
 
 def _trainer_class():

@@ -44,9 +44,10 @@ from ..handlers.requirements import release
 from ..loss import masked_token_loss_sum, token_loss_sum
 from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
+from .hf_causal import check_causal
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import cp_mask
-from .hf_model import check_causal, prepare_model
+from .hf_model import prepare_model
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
