@@ -30,13 +30,18 @@ def reset_active(token: contextvars.Token) -> None:
 
 
 @contextlib.contextmanager
+def value_in(variable: contextvars.ContextVar, value):
+    """``variable`` holds ``value`` inside the block (reset on exit, also on error)."""
+    token = variable.set(value)
+    try:
+        yield value
+    finally:
+        variable.reset(token)
+
+
 def handler_context(handler: ContextParallelHandler):
     """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
-    token = _active.set(handler)
-    try:
-        yield handler
-    finally:
-        _active.reset(token)
+    return value_in(_active, handler)
 
 
 @dataclass

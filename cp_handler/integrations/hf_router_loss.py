@@ -27,7 +27,6 @@ an ``aux_loss`` this module did not compute is refused by the model hook (:mod:`
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import sys
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .hf_active import active_handler, record_router_loss
+from .hf_active import active_handler, record_router_loss, value_in
 from .hf_inputs import text_config
 
 FUNCTION = "load_balancing_loss_func"
@@ -65,14 +64,9 @@ class RouterLossScope:
 _scope: contextvars.ContextVar[RouterLossScope | None] = contextvars.ContextVar("cp_router_loss", default=None)
 
 
-@contextlib.contextmanager
 def router_loss_scope(scope: RouterLossScope):
     """The load-balancing loss of the forwards inside the block follows ``scope``."""
-    token = _scope.set(scope)
-    try:
-        yield scope
-    finally:
-        _scope.reset(token)
+    return value_in(_scope, scope)
 
 
 def _reference():
