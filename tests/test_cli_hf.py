@@ -98,7 +98,7 @@ def test_hugging_face_architecture_the_guard_refuses_is_refused_before_spawning(
 def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tmp_path, monkeypatch):
     """--hf-model DIR holding a tokenizer (merged tokens, not bytes): cp-train trains on
     its tokens with --check-parity, --export-hf writes it beside the weights, cp-generate reads the prompt
-    and prints the continuation with it (parity with one process), and a resume fed bytes is refused."""
+    and prints the prompt and its continuation with it (parity with one process), and a resume fed bytes is refused."""
     import json
     import subprocess
     import sys
@@ -129,7 +129,8 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
     assert "parity passed (float32): same tokens True" in done.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["prompt_tokens"] == [len(loaded(text)["input_ids"])] and len(text) > report["prompt_tokens"][0]
-    assert done.stdout == loaded.decode(report["tokens"][0], skip_special_tokens=True) + "\n"
+    echoed = loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True)  # the prompt, then its continuation
+    assert done.stdout == echoed + loaded.decode(report["tokens"][0], skip_special_tokens=True) + "\n"
 
     config.save_pretrained(tmp_path / "bytes")  # the same model without its tokenizer: fed bytes
     monkeypatch.delenv("WORLD_SIZE", raising=False)
