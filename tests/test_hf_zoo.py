@@ -214,7 +214,7 @@ HYBRIDS = ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehy
            "qwen3_next", "qwen4_exp_text", "zamba", "zamba2")
 """Hybrid architectures (token mixers other than attention, routed through the handler's mixer methods)."""
 GENERATION_REFUSED = {**dict.fromkeys(("bert", "bert-generation", "electra", "ernie", "roc_bert"),
-                                     "refused: is not a causal language model: its attention layers"),
+                                     "refused: not a causal language model"),
                       **dict.fromkeys(HYBRIDS, "refused: generation of hybrid models is not implemented")}
 """Generation outcomes other than ``exact`` among the architectures whose training is exact: encoders run
 as causal LMs with bidirectional attention (``CPCausalLM`` refuses them: a KV cache needs causal attention, and a
