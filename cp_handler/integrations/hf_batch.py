@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
-from .hf_inputs import cp_model_inputs
+from .hf_inputs import cp_model_inputs, handler_real_tokens
 
 IGNORE_INDEX = -100
 """transformers' label of a position without loss."""
@@ -82,8 +82,7 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
         real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()
         token_mask = handler.dispatch(F.pad(real.long(), (0, input_ids.shape[1] - real.shape[1])), 1).bool()
     else:
-        token_mask = handler.thd_layout.real_mask(handler.cp_rank)[None].to(local_ids.device) \
-            if getattr(handler, "thd_layout", None) is not None else torch.ones_like(local_ids, dtype=torch.bool)
+        token_mask = handler_real_tokens(handler, local_ids)
     inputs = {"input_ids": local_ids, **cp_model_inputs(handler, local_ids),
               **{k: batch[k] for k in PASSED_ON if k in batch}}
     if shift_labels is not None:  # thd padding rows dispatch as 0: shifted so that they come out as -100

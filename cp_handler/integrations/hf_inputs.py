@@ -15,16 +15,22 @@ def text_config(model: nn.Module):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def handler_real_tokens(handler: ContextParallelHandler, local_ids: torch.Tensor) -> torch.Tensor:
+    """bool ``(B, S_local)``: the local slots holding tokens of the batch (thd: not the padding the handler adds;
+    bshd: every slot, the handler adds none of its own)."""
+    layout = getattr(handler, "thd_layout", None)
+    if layout is None:
+        return torch.ones(local_ids.shape, dtype=torch.bool, device=local_ids.device)
+    return layout.real_mask(handler.cp_rank).to(local_ids.device).view(1, -1).expand(local_ids.shape[0], -1)
+
+
 def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
     """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document,
     0 at the padding slots the handler adds), as the model's rotary embedding takes them."""
     local_len = input_ids.shape[1]
     positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
-    local = handler.get_emb_on_this_cp_rank(positions)
-    layout = getattr(handler, "thd_layout", None)
-    if layout is not None:
-        local = torch.where(layout.real_mask(handler.cp_rank).to(local.device), local, 0)
-    return local.view(1, -1).expand(input_ids.shape[0], -1)
+    local = handler.get_emb_on_this_cp_rank(positions).view(1, -1).expand(input_ids.shape[0], -1)
+    return torch.where(handler_real_tokens(handler, input_ids), local, 0)
 
 
 def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) -> dict:

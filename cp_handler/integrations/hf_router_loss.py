@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .hf_active import active_handler, record_router_loss, value_in
-from .hf_inputs import text_config
+from .hf_inputs import handler_real_tokens, text_config
 
 FUNCTION = "load_balancing_loss_func"
 """The module-level name transformers' MoE modeling files give the load-balancing loss."""
@@ -142,7 +142,8 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
         return 0
     handler, scope = active_handler(), _scope.get() or RouterLossScope()
     group = scope.group if scope.group is not None else handler.cp_group
-    mask = _token_mask(handler, scope, attention_mask, gate_logits[0])
+    rows_per_layer = gate_logits[0].reshape(-1, num_experts).shape[0]
+    mask = _token_mask(handler, scope, attention_mask, rows_per_layer, gate_logits[0].device)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=mask.device)
     probs, rows = torch.zeros_like(counts), mask.new_zeros(())
     for layer in gate_logits:
@@ -166,17 +167,18 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
     return size * share + (value - size * share).detach()
 
 
-def _token_mask(handler, scope: RouterLossScope, attention_mask, like: torch.Tensor) -> torch.Tensor:
-    """This rank's real tokens, float32 ``(B * S_local,)``."""
+def _token_mask(handler, scope: RouterLossScope, attention_mask, rows: int, device) -> torch.Tensor:
+    """This rank's real tokens, float32 ``(B * S_local,)``: the scope's, else the handler's (one row per routed
+    token), and ``attention_mask``'s where it has this rank's shape."""
     mask = scope.token_mask
     if mask is None:
-        layout = getattr(handler, "thd_layout", None)
-        if layout is not None:
-            mask = layout.real_mask(handler.cp_rank)[None]
-        elif attention_mask is not None:
-            mask = torch.ones_like(attention_mask, dtype=torch.bool)
-    if mask is None:
-        mask = torch.ones(like.reshape(-1, like.shape[-1]).shape[0], dtype=torch.bool)
+        batch = attention_mask.shape[0] if attention_mask is not None else 1
+        mask = handler_real_tokens(handler, torch.empty(batch, rows // batch, device=device))
     if attention_mask is not None and attention_mask.shape == mask.shape:
         mask = mask & attention_mask.to(mask.device).bool()
-    return mask.reshape(-1).to(device=like.device, dtype=torch.float32)
+    return mask.reshape(-1).to(device=device, dtype=torch.float32)
+
+
+def active_scope() -> RouterLossScope | None:
+    """The scope of the forwards running now (``None``: none set)."""
+    return _scope.get()

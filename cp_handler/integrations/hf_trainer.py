@@ -45,7 +45,7 @@ from ..tiling import tile_mlps
 from .hf_batch import shard_batch
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
-from .hf_router_loss import RouterLossScope, router_loss_scope
+from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .transformers import cp_attention, register
 
 TESTED_TRL = (">=1.16", "<1.17")
@@ -105,7 +105,6 @@ class ContextParallelMixin:
     router_loss_convention = "share"
     """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`): Trainer takes the model's
     own loss, a sum of shares."""
-    _cp_token_mask = None
 
     def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
         from transformers.utils.versions import require_version
@@ -171,15 +170,11 @@ class ContextParallelMixin:
 
     @contextlib.contextmanager
     def _under(self, sharded):
-        """The batch's handler active, the router loss over the CP group (:mod:`.hf_router_loss`), its real tokens
-        known to :meth:`compute_loss`."""
+        """The batch's handler active, its real tokens known to the router loss (over the CP group:
+        :mod:`.hf_router_loss`) and to :meth:`compute_loss`."""
         scope = RouterLossScope(self.cp_groups.cp_group, sharded.token_mask, self.router_loss_convention)
-        self._cp_token_mask = sharded.token_mask
-        try:
-            with cp_attention(sharded.handler), router_loss_scope(scope):
-                yield
-        finally:
-            self._cp_token_mask = None
+        with cp_attention(sharded.handler), router_loss_scope(scope):
+            yield
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on this rank's shard of the batch, under its handler."""
@@ -194,8 +189,9 @@ class ContextParallelMixin:
         before = getattr(self, "_total_train_tokens", None)
         result = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        if before is not None and self.model.training and self._cp_token_mask is not None:
-            real = self._cp_token_mask.sum().to(self.args.device)
+        scope = active_scope()
+        if before is not None and self.model.training and scope is not None:
+            real = scope.token_mask.sum().to(self.args.device)
             if dist.is_initialized():
                 dist.all_reduce(real)
             self._total_train_tokens = before + int(real) // getattr(self, "_tp_size", 1)
