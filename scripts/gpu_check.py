@@ -52,8 +52,10 @@ import gpu_ledger  # noqa: E402  (beside this script)
 
 ROOT = gpu_ledger.ROOT
 PYTHON = sys.executable
-# addopts="": pyproject's --timeout (pytest-timeout) is a CPU-suite hang guard; the part's timeout guards here
-PYTEST = [PYTHON, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu"]
+# addopts="": pyproject's --timeout (pytest-timeout) is a CPU-suite hang guard; the part's timeout guards here.
+# -s: the spawned ranks' stderr (their stacks every 60 s, a crash's Python stack) reaches the log as it is written;
+# captured, it was lost with a stopped part (the thd stall of 2026-11-27 left no stack)
+PYTEST = [PYTHON, "-m", "pytest", "-v", "-s", "-rs", "-p", "no:cacheprovider", "-o", "addopts=", "-m", "gpu"]
 BENCH = [PYTHON, "-m", "cp_handler.bench.cli", "--modes", "plan", "--device", "cuda", "--plan-cp-sizes", "4",
          "--reps", "5", "--warmup", "2", "--no-plots"]
 PATTERNS = ["tests/test_attn_patterns.py", "tests/test_thd.py"]

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import functools
 import os
 import sys
 import tempfile
+import time
+import traceback
 
 import conftest
 import host_staging
@@ -28,6 +31,9 @@ import torch.multiprocessing as mp
 from cp_handler import destroy_process_groups
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
+PEER_GONE, PEER_GONE_DELAY_S = ("Connection closed by peer", "Connection reset by peer"), 5.0
+"""A rank whose collective failed because a peer exited waits this long before failing: spawn reports the first
+failure it sees and terminates the rest, and the peer's own error is the one that says what went wrong."""
 STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
 """Seconds after which (and every as many after) each rank prints every thread's Python stack (unset: never)."""
 
@@ -48,6 +54,7 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
     # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
     # teardown race that destroy_process_groups() fixes was found.
     torch._C._set_print_stack_traces_on_fatal_signal(True)
+    faulthandler.enable()  # ... and the Python stack of the thread that crashed (the call that met the crash)
     if os.environ.get(STACKS_ENV):  # scripts/gpu_check.py: a stalled rank shows where it waits
         faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), repeat=True)
     torch.set_num_threads(1)
@@ -58,6 +65,11 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
     )
     try:
         fn(rank, world_size, *args)
+    except RankFailure as failure:  # spawn reports an Exception's traceback to the parent
+        raise AssertionError(f"rank {rank}: {failure.report}") from None
+    except Exception as err:
+        _wait_if_a_peer_failed(err)
+        raise
     finally:
         destroy_process_groups()
     # A rank that passed ends here, without interpreter finalisation: a gloo worker thread still releasing a
@@ -66,6 +78,40 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _wait_if_a_peer_failed(err: Exception) -> None:
+    if any(text in str(err) for text in PEER_GONE):  # a consequence: the failing peer's report goes first
+        time.sleep(PEER_GONE_DELAY_S)
+
+
+class RankFailure(BaseException):
+    """A failure inside a hypothesis-driven body run on every rank (:func:`fails_fast`), carried past hypothesis.
+
+    Hypothesis replays a failing example in the failing rank alone (to report it); the replay's collectives
+    meet the other ranks' next example: a gloo size mismatch ("576 vs 12") or a hang, and the assertion that
+    failed is never shown (the thd GPU case of 2026-11-27). Not an ``Exception``, it passes through hypothesis
+    at once; :func:`_worker` turns it back into the rank's error."""
+
+    def __init__(self, report: str):
+        super().__init__(report)
+        self.report = report
+
+
+def fails_fast(body):
+    """Decorate a ``@given`` body that runs on every rank: its first failure ends the rank at once with the
+    example and traceback (:class:`RankFailure`) instead of a replay the other ranks do not make."""
+
+    @functools.wraps(body)
+    def wrapped(*args, **kwargs):
+        try:
+            return body(*args, **kwargs)
+        except Exception as err:
+            _wait_if_a_peer_failed(err)
+            example = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+            raise RankFailure(f"{body.__name__}({example}) failed:\n{traceback.format_exc()}") from None
+
+    return wrapped
 
 
 CONNECT_FAILURES = ("connectFullMesh failed",)

@@ -10,7 +10,8 @@ assertions of flash-attn-4 4.0.0b36, computing in float32 on CPU, recording ever
   forward and lse; the merged-lse backward over keys split in blocks; packed calls with length-1 segments,
   ``Sq != Sk`` segments and more than 256 segments.
 * Every pattern in bf16 forced to ``fa4`` (bshd) and ``fa4_varlen`` (thd) against the float64 reference.
-* The kernels' limits: never automatic (no GPU run), a forced kernel that cannot run fails with our error
+* The kernels' limits: automatic only where run H200-2026-11-27b verified them (``fa4``: bshd, head dims 64 /
+  128), a forced kernel that cannot run fails with our error
   (package missing, fp32, head dim, compute capability).
 """
 
@@ -163,16 +164,25 @@ def test_packed_calls_against_float64(fake, dtype):
     assert bwd["lse"]["shape"] == (4, tq)
 
 
-def test_fa4_is_never_automatic_and_a_forced_kernel_says_why(fake, monkeypatch):
+def test_fa4_is_automatic_only_where_a_run_verified_it_and_a_forced_kernel_says_why(fake, monkeypatch):
+    """Run H200-2026-11-27b verified ``fa4`` blocks (head dims 64 / 128) and every bshd pattern through them: the
+    automatic choice for bshd there; thd plans, other head dims and ``fa4_varlen`` stay opt-in."""
     monkeypatch.delenv(ATTN_KERNEL_ENV, raising=False)
+    # the CUDA order (the FA4 kernels before the others), the fakes labelled cpu and cpu_flash last
+    monkeypatch.setattr(kernels, "KERNELS", {k: kernels.KERNELS[k] for k in ("fa4_varlen", "fa4", "cpu_flash")})
     q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16)
-    assert select_kernel(q).name == "cpu_flash"  # the fake makes it runnable here; unverified: not automatic
-    assert select_kernel(q, "fa4").name == "fa4"  # an explicit opt-in
+    assert select_kernel(q).name == "fa4"
+    assert select_kernel(q, varying_shapes=True).name == "cpu_flash"  # thd: fa4_varlen and fa4 unverified there
+    assert select_kernel(torch.randn(1, 4, 8, 32, dtype=torch.bfloat16)).name == "cpu_flash"  # head dim 32
     with pytest.raises(ValueError, match=r"attn_kernel='fa4' cannot run this attention: it takes \['torch.float16', "
                                          r"'torch.bfloat16'\], q is torch.float32"):
         select_kernel(q.float(), "fa4")
     with pytest.raises(ValueError, match=r"head dims that are multiples of 8 in torch.bfloat16, q has 60"):
         select_kernel(torch.randn(1, 4, 8, 60, dtype=torch.bfloat16), "fa4")
+    monkeypatch.setattr(kernels, "KERNELS", {k: v for k, v in kernels.KERNELS.items() if k.startswith("fa4")})
+    with pytest.raises(ValueError, match=r"fa4_varlen: not yet verified .*; fa4: not yet verified on a GPU for "
+                                         r"packed documents \(thd\)"):
+        select_kernel(q, varying_shapes=True)
 
 
 def test_a_missing_or_other_release_is_named(monkeypatch):

@@ -36,7 +36,15 @@ def transformers_kernels():
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
     from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn, torch_chunk_gated_delta_rule
-    return {"conv": causal_conv1d_fn, "gdn": torch_chunk_gated_delta_rule, "kda": chunk_kimi_delta_attention,
+    def gdn(q, k, v, g, beta, **options):
+        # each q/k head serves v.shape[2] // k.shape[2] value heads: transformers 5.23's kernel repeats them
+        # itself, 5.17's (the GPU machine's) expects them repeated, as its model does before the call
+        repeats = v.shape[2] // k.shape[2]
+        return torch_chunk_gated_delta_rule(q.repeat_interleave(repeats, 2), k.repeat_interleave(repeats, 2), v, g,
+                                            beta, **options)
+
+    gdn.__name__ = torch_chunk_gated_delta_rule.__name__
+    return {"conv": causal_conv1d_fn, "gdn": gdn, "kda": chunk_kimi_delta_attention,
             "ssd": mamba2_chunk_scan, "selective": mamba_selective_scan}
 
 

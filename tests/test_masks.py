@@ -31,6 +31,10 @@ from cp_handler.ops.ring import ring_attn
 
 TOL = 1e-10
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+GPU_HEAD_DIMS = {HEAD_DIM: (16, 16), 12: (16, 24), 6: (16, 8)}
+"""On CUDA, each value head dim of :data:`MASKS` as ``(q/k head dim, value head dim)``: the same shapes (MLA wider
+and narrower than q/k) in multiples of 8, which the memory-efficient kernel (MLA's opt-in there) takes; the GPU
+pass of 2026-11-27 was refused a value head dim of 12."""
 
 
 def reference(q, k, v, dout, mask: AttentionMask, scale: float, sinks, lengths):
@@ -102,10 +106,11 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
     torch.manual_seed(0)  # the same global tensors on every rank
     total, chunk = sum(lengths), ZigzagDocs.from_lengths(lengths, world).chunk(0)
     make_mask, with_sinks, v_head_dim = MASKS[name]
+    head_dim, v_head_dim = (HEAD_DIM, v_head_dim) if case is None else GPU_HEAD_DIMS[v_head_dim]
     mask = make_mask(chunk)
-    q = torch.randn(total, HEADS, HEAD_DIM, dtype=torch.float64)
+    q = torch.randn(total, HEADS, head_dim, dtype=torch.float64)
     dout = torch.randn(total, HEADS, v_head_dim, dtype=torch.float64)
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, dtype=torch.float64)
+    k = torch.randn(total, KV_HEADS, head_dim, dtype=torch.float64)
     v = torch.randn(total, KV_HEADS, v_head_dim, dtype=torch.float64)
     sinks = torch.randn(HEADS, dtype=torch.float64) if with_sinks else None
     if case is not None:  # the reference gets the inputs the device gets
@@ -118,7 +123,7 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
               "hierarchical_cp_groups": groups.hierarchical_cp_groups}
     if qkv_format == "thd":
         kwargs["cu_seqlens"] = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    if case is not None and v_head_dim != HEAD_DIM:  # MLA on CUDA: opt-in until a GPU run verifies it
+    if case is not None and v_head_dim != head_dim:  # MLA on CUDA: opt-in until a GPU run verifies it
         kwargs["attn_kernel"] = "efficient"
     handler = LocalContextParallelHandler(**kwargs)
 

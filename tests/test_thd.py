@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from attn_reference import per_document_attention, run_pattern
 from device_cases import CPU, GPU_CASES
-from dist_utils import run_distributed
+from dist_utils import fails_fast, run_distributed
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -146,6 +146,7 @@ def _thd_worker(rank, world, patterns, sizes, case=CPU):
     @example(lengths=[2, 1, 130, 3, 1])  # one huge among tiny ones
     @example(lengths=[4, 4])  # the cp=2 RoPE regression layout
     @example(lengths=[0, 5, 0, 0, 17, 0])  # zero-length documents first, between and last
+    @fails_fast  # a rank's failure ends the run with its message (no replay the other ranks do not make)
     def run(lengths):
         cu = [0]
         for n in lengths:

@@ -1,8 +1,9 @@
 """Run a plan of attention blocks through a packed (varlen) kernel: few calls instead of one per block.
 
 The plan's blocks are grouped into calls: blocks with the same mask flag whose query rows do not
-overlap go into one call (a greedy pass in plan order), their rows gathered into packed tensors with
-segment offsets ``cu_q`` / ``cu_k`` (FlashAttention-2's varlen layout). A call's output is merged
+overlap go into one call (a greedy pass in plan order; a call without query rows is dropped: it computes
+nothing, and a zero-row launch is outside the CUDA varlen kernels' contract), their rows gathered into
+packed tensors with segment offsets ``cu_q`` / ``cu_k`` (FlashAttention-2's varlen layout). A call's output is merged
 into the accumulators at its rows by log-sum-exp (:mod:`.merge`) in one batched gather / merge /
 scatter, or copied when no earlier call wrote those rows into fresh accumulators. Backward runs the
 same calls and adds the packed gradients back with ``index_add_``. A call whose query (or key) rows
@@ -62,6 +63,8 @@ def _call(causal: bool, members: list[BlockKey], fresh: bool, device) -> PackedC
     q_rows, kv_rows = [(m[0], m[1]) for m in members], [(m[2], m[3]) for m in members]
     q_len = [qe - qs for qs, qe in q_rows]
     k_len = [ke - ks for ks, ke in kv_rows]
+    if not max(q_len) or not max(k_len):  # a zero-row launch: outside the CUDA varlen kernels' contract
+        raise ValueError(f"a packed call without query or key rows ({members}): a bug in the planner")
     for a, b in zip(q_len, k_len, strict=True):
         check_causal_square(a, b, causal)
     return PackedCall(causal, indices(q_rows), indices(kv_rows), offsets(q_len), offsets(k_len), max(q_len),
@@ -103,6 +106,8 @@ def packed_calls(plan: tuple[BlockKey, ...], device: torch.device) -> list[Packe
             groups.append((causal, [block], [(qs, qe)]))
     calls, written = [], []
     for causal, members, rows in groups:
+        if all(b <= a for a, b in rows):  # keys without queries (halves' empty segments): nothing to compute
+            continue
         fresh = not any(_overlaps(written, a, b) for a, b in rows)
         calls.append(_call(causal, members, fresh, device))
         written += rows

@@ -5,7 +5,8 @@ Automatic choice, fastest first, among kernels that a GPU run has verified (:att
 * CPU: ``cpu_flash`` (any float dtype, GQA native); ``cpu_varlen`` (the packed interface on CPU,
   the reference of the batching: never automatic);
 * CUDA: ``fa4_varlen`` and ``fa4`` (FlashAttention-4 packed calls and blocks, :mod:`.fa4`: sm90+, fp16/bf16,
-  GQA native; the optional ``fa4`` extra; opt-in until a GPU run verifies them), ``cudnn`` (fp16/bf16, head
+  GQA native; the optional ``fa4`` extra; ``fa4`` verified for bshd / sbhd at head dims 64 and 128, the rest
+  opt-in until a GPU run verifies it), ``cudnn`` (fp16/bf16, head
   dim <= 128; opt-in: a graph per block shape, never for packed documents), ``cudnn_ragged`` (the same with
   ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1``: a graph per power-of-two bucket of lengths; opt-in),
   ``flash_varlen`` (FlashAttention-2 varlen: a plan's blocks in few calls; verified in bf16), ``flash_gqa``
@@ -98,8 +99,11 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
         dims = f"head dim {q.shape[-1]}" if v_head_dim in (None, q.shape[-1]) else \
             f"head dims {q.shape[-1]} (q, k) / {v_head_dim} (v)"
         unverified = f"not yet verified on a GPU in {q.dtype} at {dims} (opt-in: attn_kernel={kernel.name!r})"
+        if varying_shapes and not kernel.verified_thd:
+            unverified = f"not yet verified on a GPU for packed documents (thd) (opt-in: attn_kernel={kernel.name!r})"
         reason = kernel.cannot_run(q, varying_shapes, v_head_dim) or \
-            (None if kernel.verified_for(q.dtype, q.shape[-1], v_head_dim) else unverified)
+            (None if kernel.verified_for(q.dtype, q.shape[-1], v_head_dim) and (kernel.verified_thd or not
+                                                                               varying_shapes) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")

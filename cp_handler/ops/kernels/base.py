@@ -26,6 +26,8 @@ import torch
 
 H100_RUN = "H100 80GB HBM3, torch 2.11.0+cu130, cuDNN 9.19, 2026-11-24 (scripts/gpu_check.py)"
 """The GPU run that verified the kernels marked with it (docs/testing.md)."""
+H200_RUN_B = "NVIDIA H200, torch 2.11.0+cu130, flash-attn-4 4.0.0b36, 2026-11-27 (run H200-2026-11-27b)"
+"""The second GPU pass of 2026-11-27 (docs/testing.md, GPU runs)."""
 
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backward = Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -60,6 +62,8 @@ class AttnKernel:
             attention, ``Dv != Dqk``), exactly (never by padding q / k, which would change the default scale).
             A CUDA kernel's MLA blocks are verified only by a GPU run of them (none yet): the automatic choice
             takes ``Dv != Dqk`` on CUDA only from a kernel a run verified for it; CPU kernels are the suite's.
+        verified_thd: the verifying run covered plans of packed documents (thd) too; ``False``: the automatic
+            choice takes it for bshd / sbhd plans only (a forced kernel still runs thd).
     """
 
     name: str
@@ -77,6 +81,7 @@ class AttnKernel:
     verified_head_dims: tuple[int, ...] | None = None
     distinct_v_head_dim: bool = False
     verified_distinct_v: bool = False
+    verified_thd: bool = True
 
     def verified_for(self, dtype: torch.dtype, head_dim: int | None = None, v_head_dim: int | None = None) -> bool:
         """Whether a GPU run verified this kernel in ``dtype`` (and ``head_dim``, and a value head dim
@@ -111,8 +116,10 @@ class AttnKernel:
             if not self.distinct_v_head_dim:
                 return (f"it takes one head dim for q, k and v; v has {v_head_dim}, q and k {q.shape[-1]} (multi-head "
                         "latent attention)")
-            if (self.max_head_dim is not None and v_head_dim > self.max_head_dim) or v_head_dim % multiple:
-                return f"it takes value head dims <= {self.max_head_dim}, multiples of {multiple}; v has {v_head_dim}"
+            if self.max_head_dim is not None and v_head_dim > self.max_head_dim:
+                return f"it takes value head dims <= {self.max_head_dim}; v has {v_head_dim}"
+            if v_head_dim % multiple:
+                return f"it takes value head dims that are multiples of {multiple} in {q.dtype}; v has {v_head_dim}"
         return self.requirement(q) if self.requirement is not None else None
 
 

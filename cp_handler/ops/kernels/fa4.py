@@ -1,5 +1,7 @@
 """FlashAttention-4 (``flash-attn-4==4.0.0b36``, the CuTe-DSL FlashAttention for sm90 / sm100): ``fa4`` blocks
-and ``fa4_varlen`` packed calls. Opt-in until a GPU run verifies them (``verified_on``); docs/backends.md.
+and ``fa4_varlen`` packed calls. ``fa4`` is automatic for bshd / sbhd in fp16 / bf16 at head dims 64 and 128
+where it runs (run H200-2026-11-27b verified it); thd and ``fa4_varlen`` stay opt-in until a GPU run verifies them
+(``verified_on``, ``verified_thd``); docs/backends.md.
 
 Entry points (``flash_attn.cute.interface`` of that release, private, hence the exact pin):
 
@@ -24,7 +26,7 @@ ranks of a node and later runs share them.
 
 Limits (:attr:`~.base.AttnKernel.cannot_run`, so the automatic choice moves on and a forced kernel fails with
 a clear error): CUDA compute capability 9.0 or newer (FA4 has no sm80 backward), fp16 / bf16, head dims
-multiples of 8 up to 256 (the backward verified per head dim by a GPU run: none yet), the plain causal and
+multiples of 8 up to 256 (verified per head dim by a GPU run: 64 and 128), the plain causal and
 full masks (windows, chunks and soft-caps run in the masked kernel; sinks are folded after the merge), and
 the package importable at the pinned release.
 """
@@ -38,7 +40,7 @@ import os
 
 import torch
 
-from .base import AttnKernel
+from .base import H200_RUN_B, AttnKernel
 
 FA4_RELEASE = "4.0.0b36"
 """The only release whose private entry points this module is written against (``pip install
@@ -121,8 +123,10 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int,
                                        max_seqlen_k=int(max_k))
 
 
-KERNEL = AttnKernel("fa4", "cuda", (torch.float16, torch.bfloat16), forward, backward, verified_on=None,
-                    requirement=cannot_run_here, verified_head_dims=(), **HEAD_DIMS)
+KERNEL = AttnKernel("fa4", "cuda", (torch.float16, torch.bfloat16), forward, backward,
+                    verified_on=f"{H200_RUN_B}: blocks vs float64 (bf16/fp16, head dims 64/128, GQA 4:1 and 1:1), "
+                                "every bshd pattern at cp 2 and 4 in bf16 and fp16",
+                    requirement=cannot_run_here, verified_head_dims=(64, 128), verified_thd=False, **HEAD_DIMS)
 VARLEN_KERNEL = AttnKernel("fa4_varlen", "cuda", (torch.float16, torch.bfloat16), varlen_forward, varlen_backward,
                            verified_on=None, packed=True, requirement=cannot_run_here, verified_head_dims=(),
                            **HEAD_DIMS)
