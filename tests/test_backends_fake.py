@@ -1,7 +1,8 @@
 """Transformer Engine and MagiAttention handlers on CPU, through contract fakes (tests/fakes/).
 
 The fakes mirror the libraries' signatures and rules, one release at a time (each fake's docstring
-names the source file, tag and lines): TE as 2.17.1 and 2.20.2 (thd + all_gather from 2.18),
+names the source file, tag and lines): TE as 2.17.1 and 2.20.2 (thd + all_gather from 2.18, thd + a2a+p2p
+and FP8 + thd from 2.19; te_releases' rules at 2.17-2.21 also checked directly),
 MagiAttention as 1.0.4, 1.1.0 and 1.1.1 (three key signatures, ``roll`` only in 1.1.1). They compute
 with cp_handler's local algorithms or a dense masked attention, in float16/bfloat16 only, as the
 libraries do. Checked at cp=2 and cp=4:
@@ -29,9 +30,13 @@ from dist_utils import run_distributed
 from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, loss_and_grads
 
 from cp_handler import AttentionShape, ContextParallelConfig, build_dp_cp_groups, get_cp_handler_cls
+from cp_handler.handlers import te_releases
+from cp_handler.handlers.requirements import release
+from cp_handler.handlers.te_releases import thd_comm_types
 from cp_handler.models import GPTConfig, GPTModel
 
 FAKES = str(Path(__file__).parent / "fakes")
+FAKES_FA4 = str(Path(__file__).parent / "fakes_fa4")
 GQA = CONFIG  # 4 query heads, 2 KV heads, head dim 16
 MHA = GPTConfig(**{**vars(CONFIG), "num_query_groups": 4})
 MLA = {"v_head_dim": 24}  # multi-head latent attention: values 24 wide, queries and keys 16
@@ -85,10 +90,11 @@ def _te_worker(rank, world, version):
         channels = 16 if config.v_head_dim == 16 else (16, 24)  # TE's kv_channels: an int, or (k, v) for MLA
         assert all(c["kv_channels"] == channels for c in CALLS if c["call"] == "__init__")
     thd_tokens, cu = thd_batch(tokens)
-    for comm in ("p2p", "a2a", "all_gather") if version >= "2.18" else ("p2p", "a2a"):
+    for comm in thd_comm_types(release(version)):  # all_gather from 2.18, a2a+p2p from 2.19
         te_cls, local_cls = get_cp_handler_cls("transformer_engine", comm), get_cp_handler_cls("local", comm)
-        config = GPTConfig(**{**vars(MHA if comm == "a2a" else GQA), **MLA})
-        common = {"cp_group": groups.cp_group, "cp_comm_type": comm, "qkv_format": "thd", "cu_seqlens": cu}
+        config = GPTConfig(**{**vars(MHA if comm.startswith("a2a") else GQA), **MLA})
+        common = {"cp_group": groups.cp_group, "cp_comm_type": comm, "qkv_format": "thd", "cu_seqlens": cu,
+                  "hierarchical_cp_groups": groups.hierarchical_cp_groups}
         CALLS.clear()
         handler = te_cls(**common)
         got = step(config, handler, thd_tokens, groups.cp_group)
@@ -135,8 +141,6 @@ def _te_rebinds(groups, tokens):
 
 
 def _te_restrictions(groups, version):
-    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
-
     from cp_handler import TEContextParallelHandler
     from cp_handler.models.gpt import SelfAttention
 
@@ -165,9 +169,11 @@ def _te_restrictions(groups, version):
                                              r"cp_comm_type=\['all_gather'\]"):
             TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="all_gather", qkv_format="thd",
                                      cu_seqlens=cu)
-    with pytest.raises(ValueError, match=r"does not support qkv_format='thd' with cp_comm_type=\['a2a\+p2p'\]"):
-        TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p", qkv_format="thd", cu_seqlens=cu,
-                                 hierarchical_cp_groups=groups.hierarchical_cp_groups)
+    if version < "2.19":  # thd + a2a+p2p from 2.19 (run in _te_worker)
+        with pytest.raises(ValueError, match=r"does not support qkv_format='thd' with cp_comm_type=\['a2a\+p2p'\]; "
+                                             r".*a2a\+p2p from 2.19"):
+            TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p", qkv_format="thd",
+                                     cu_seqlens=cu, hierarchical_cp_groups=groups.hierarchical_cp_groups)
     with pytest.raises(ValueError, match=r"needs hierarchical_cp_groups=\[a2a_group, p2p_group\]"):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a+p2p")
     attn.window_size = None
@@ -180,14 +186,47 @@ def _te_restrictions(groups, version):
             TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a").core_attn(attn, q[..., :4, :],
                                                                                           q[..., :2, :], q[..., :2, :])
         setattr(attn, name, None)
-    thd = TEContextParallelHandler(cp_group=groups.cp_group, qkv_format="thd", cu_seqlens=cu)
-    local = torch.randn(thd.thd_layout.local_len, 4, 16, dtype=BF16)
-    FP8GlobalStateManager.ENABLED, FP8GlobalStateManager.RECIPE.fp8_dpa = True, True
+    _te_fp8_thd(groups, version, cu)
+
+
+def _te_fp8_thd(groups, version, cu):
+    """FP8 attention with thd: no backend before TE 2.19; from 2.19 DelayedScaling / Float8CurrentScaling on
+    SM100+ with cuDNN 9.23+ run, the rest is refused by name (MXFP8BlockScaling; other recipes, SM90: unverified)."""
+    from transformer_engine.pytorch import fp8, utils
+
+    from cp_handler import TEContextParallelHandler
+    from cp_handler.models.gpt import SelfAttention
+
+    def handler():  # a new one each time: a handler that raised refuses further calls
+        return TEContextParallelHandler(cp_group=groups.cp_group, qkv_format="thd", cu_seqlens=cu)
+
+    local = torch.randn(handler().thd_layout.local_len, 4, 16, dtype=BF16)
+    manager = fp8.FP8GlobalStateManager
+
+    def attend(recipe, capability=(10, 0), cudnn=(9, 26, 0)):
+        manager.RECIPE, utils.CAPABILITY, utils.CUDNN = recipe(fp8_dpa=True), capability, cudnn
+        return handler().core_attn(SelfAttention(GQA, 1), local, local[:, :2], local[:, :2])
+
+    manager.ENABLED = True
     try:
-        with pytest.raises(ValueError, match=r"FP8 attention \(fp8_dpa\) with qkv_format='thd' is not supported"):
-            thd.core_attn(SelfAttention(GQA, 1), local, local[:, :2], local[:, :2])
+        if version < "2.19":
+            with pytest.raises(ValueError, match=r"FP8 attention \(fp8_dpa\) with qkv_format='thd' under context "
+                                                 r"parallelism is not supported \(TE disables"):
+                attend(fp8.DelayedScaling)
+            return
+        for recipe in (fp8.DelayedScaling, fp8.Float8CurrentScaling):
+            assert attend(recipe).shape == local.shape
+        with pytest.raises(ValueError, match=r"not supported with recipe MXFP8BlockScaling \(TE PR #2994"):
+            attend(fp8.MXFP8BlockScaling)
+        with pytest.raises(ValueError, match=r"recipe Float8BlockScaling is unverified"):
+            attend(fp8.Float8BlockScaling)
+        with pytest.raises(ValueError, match=r"on compute capability 9.0 is unverified"):
+            attend(fp8.DelayedScaling, capability=(9, 0))
+        with pytest.raises(ValueError, match=r"needs cuDNN >= 9.23 \(TE PR #2994\), found 9.22.0"):
+            attend(fp8.DelayedScaling, cudnn=(9, 22, 0))
     finally:
-        FP8GlobalStateManager.ENABLED, FP8GlobalStateManager.RECIPE.fp8_dpa = False, False
+        manager.ENABLED, manager.RECIPE = False, fp8.DelayedScaling()
+        utils.CAPABILITY, utils.CUDNN = (10, 0), (9, 26, 0)
 
 
 def _sliding_window_reference(q, k, v, window, scale):
@@ -313,6 +352,10 @@ def _magi_errors(group, shape, version):
     with pytest.raises(RuntimeError, match=r"magi_attention 1.0.2 is installed; backend='magi' supports "
                                            r"MagiAttention 1.0.4 to 1.1.1"):
         magi_cls(cp_group=group, **shape)
+    magi_attention.__version__ = "1.1.8"  # newer than the range: refused, naming what was not verified
+    with pytest.raises(RuntimeError, match=r"magi_attention 1.1.8 is installed; .* to 1.1.1 .*newer releases are "
+                                           r"refused as unverified: 1.1.2 to 1.1.8"):
+        magi_cls(cp_group=group, **shape)
     api.install_version(version)
     from cp_handler.handlers import requirements  # the real check (replaced in the magi module above)
 
@@ -334,10 +377,16 @@ def _te_odd_heads_worker(rank, world):
     from cp_handler.models.gpt import SelfAttention
 
     q = torch.randn(1, 6, 3, 16, dtype=BF16)
-    with pytest.raises(ValueError, match=r"odd head counts \(3, 3\) disable FusedAttention, and flash_attn is not "
-                                         r"installed"):
-        TEContextParallelHandler(cp_group=build_dp_cp_groups(world).cp_group, cp_comm_type="a2a").core_attn(
-            SelfAttention(GPTConfig(hidden_size=48, num_attention_heads=3, num_query_groups=3), 1), q, q, q)
+    attn = SelfAttention(GPTConfig(hidden_size=48, num_attention_heads=3, num_query_groups=3), 1)
+    group = build_dp_cp_groups(world).cp_group
+    with pytest.raises(ValueError, match=r"odd head counts \(3, 3\) disable FusedAttention, and no FlashAttention "
+                                         r"that TE 2.20.2 runs under CP with qkv_format='bshd' is installed "
+                                         r"\(installed: \[\]"):
+        TEContextParallelHandler(cp_group=group, cp_comm_type="a2a").core_attn(attn, q, q, q)
+    sys.path.insert(0, FAKES_FA4)  # flash-attn-4 (its dist-info): TE runs FA4 under CP for thd from 2.21 only
+    with pytest.raises(ValueError, match=r"no FlashAttention that TE 2.20.2 runs under CP with qkv_format='bshd' is "
+                                         r"installed \(installed: \['FA4'\]"):
+        TEContextParallelHandler(cp_group=group, cp_comm_type="a2a").core_attn(attn, q, q, q)
 
 
 def test_transformer_engine_odd_heads_need_flash_attn():
@@ -348,3 +397,34 @@ def test_transformer_engine_odd_heads_need_flash_attn():
 @pytest.mark.parametrize("world", [2, 4])
 def test_magi_handler_matches_local(world, version):
     run_distributed(_magi_worker, world, version)
+
+
+@pytest.mark.parametrize("version, thd", [((2, 17, 1), ("p2p", "a2a")), ((2, 18), ("p2p", "a2a", "all_gather")),
+                                          ((2, 19, 0), ("p2p", "a2a", "all_gather", "a2a+p2p"))])
+def test_te_thd_comm_types_by_release(version, thd):
+    """thd: all_gather from 2.18 (v2.18), a2a+p2p from 2.19 (commit 8ff60f8de, #3290, on release_v2.19)."""
+    assert te_releases.thd_comm_types(version) == thd
+
+
+def test_te_fp8_thd_rule_by_release():
+    """Release notes v2.19 / PR #2994: FP8 + thd under CP from 2.19, two recipes, SM100+, cuDNN 9.23+."""
+    rule = te_releases.fp8_thd_refusal
+    assert "is not supported (TE disables" in rule((2, 18), "DelayedScaling", (10, 0), (9, 26, 0))
+    assert rule((2, 19), "DelayedScaling", (10, 0), (9, 23, 0)) is None
+    assert rule((2, 21, 0), "Float8CurrentScaling", (10, 3), (9, 26, 0)) is None
+    assert "MXFP8BlockScaling" in rule((2, 21), "MXFP8BlockScaling", (10, 0), (9, 26, 0))
+    assert "NVFP4BlockScaling is unverified" in rule((2, 21), "NVFP4BlockScaling", (10, 0), (9, 26, 0))
+    assert "compute capability 9.0 is unverified" in rule((2, 21), "DelayedScaling", (9, 0), (9, 26, 0))
+
+
+@pytest.mark.parametrize("version, comm, fmt, installed, usable", [
+    ((2, 20, 2), "a2a", "bshd", ("FA2", "FA3", "FA4"), ("FA2", "FA3")),  # FA4 disabled under CP up to main d0067d0
+    ((2, 21, 0), "a2a", "bshd", ("FA4",), ()),  # FA4 under CP for bshd: in no release note reached, unverified
+    ((2, 16), "a2a", "thd", ("FA2", "FA3"), ()),  # padded thd: never FA2; FA3 from 2.17 (#2596)
+    ((2, 17), "a2a", "thd", ("FA2", "FA3"), ("FA3",)),
+    ((2, 20, 2), "a2a", "thd", ("FA4",), ()),
+    ((2, 21, 0), "a2a", "thd", ("FA4",), ("FA4",)),  # release notes v2.21.0 (#3205)
+    ((2, 21, 0), "a2a+p2p", "thd", ("FA3", "FA4"), ()),  # thd + a2a+p2p with FlashAttention: unverified
+])
+def test_te_flash_under_cp_by_release(version, comm, fmt, installed, usable):
+    assert te_releases.flash_under_cp(version, comm, fmt, installed) == usable

@@ -28,6 +28,7 @@ from cp_handler.masks import AttentionMask, mask_blocks
 from cp_handler.ops.collectives import count_comms
 from cp_handler.ops.halo import halo_applies
 from cp_handler.ops.ring import ring_attn
+from cp_handler.testing.reference import attention as attention_reference
 
 TOL = 1e-10
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -38,24 +39,11 @@ pass of 2026-11-27 was refused a value head dim of 12."""
 
 
 def reference(q, k, v, dout, mask: AttentionMask, scale: float, sinks, lengths):
-    """``(out, dq, dk, dv, dsinks)`` of packed ``(T, H, D)`` float64 tensors, each document alone."""
+    """``(out, dq, dk, dv, dsinks)`` of packed ``(T, H, D)`` float64 tensors, each document alone (the conformance
+    kit's reference, :func:`cp_handler.testing.reference.attention`)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     sinks = sinks.detach().clone().requires_grad_() if sinks is not None else None
-    outs, start = [], 0
-    for n in lengths:
-        qd, kd, vd = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
-        kd, vd = (t.repeat_interleave(HEADS // KV_HEADS, dim=0) for t in (kd, vd))
-        scores = qd @ kd.transpose(-1, -2) * scale
-        if mask.softcap is not None:
-            scores = mask.softcap * torch.tanh(scores / mask.softcap)
-        pos = torch.arange(n)
-        scores = scores.masked_fill(~mask.visible(pos[:, None], pos[None, :]), float("-inf"))
-        if sinks is not None:
-            scores = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], dim=-1)
-        probs = scores.softmax(-1)[..., :n]
-        outs.append((probs @ vd).transpose(0, 1))
-        start += n
-    out = torch.cat(outs)
+    out = attention_reference(q, k, v, mask, scale, sinks, lengths)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
 

@@ -125,8 +125,8 @@ def _serial_worker(rank, world):
     if rank == 0:
         LocalContextParallelHandler(cp_group=group)  # rank 0 built one handler more (e.g. skipped a batch)
     h = LocalContextParallelHandler(cp_group=group)
-    with pytest.raises(RanksRefused, match=r"dispatch: the ranks of the CP group disagree \(rank 0: handler "
-                                           r"serial=(\d+).*rank 1: handler serial=(?!\1)"):
+    with pytest.raises(RanksRefused, match=r"dispatch: the ranks of the CP group disagree on handler serial \(rank 0: "
+                                           r"(\d+); rank 1: (?!\1)\d+\); every rank"):
         h.dispatch(next(_qkv(2)), 1)  # the handler's first call
     dist.barrier()
 
@@ -145,21 +145,28 @@ def _variant_worker(rank, world):
         local = [h.dispatch(t, 1) for t in (q, k, v)]
         first, second = Attn(), Attn()
         first.window_size, second.layer_number = (3, 0), 2
-        second.window_size = (3, 0) if rank == 0 else (5, 0)
+        second.window_size = (3, 0) if rank % 2 == 0 else (4, 0)
         h.core_attn(first, *local)
-        with pytest.raises(RanksRefused, match=r"core_attn \(layer_number 2\): the ranks of the CP group disagree "
-                                               r"\(rank 0: .*variant=(\d+); rank 1: .*variant=(?!\1)"):
+        with pytest.raises(RanksRefused) as caught:
             h.core_attn(second, *local)
+        even, odd = ("rank 0", "rank 1") if world == 2 else ("ranks [0, 2]", "ranks [1, 3]")
+        window = f"cp_comm_type={comm!r}, attn_mask_type='causal', attn_mod.window_size=(%d, 0) (sliding window), " \
+                 f"softmax_scale={8 ** -0.5!r}"  # each distinct value once, with the ranks that hold it; no hash
+        assert str(caught.value).startswith(
+            f"core_attn (layer_number 2): the ranks of the CP group disagree on variant ({even}: {window % 3}; "
+            f"{odd}: {window % 4}); every rank must pass"), str(caught.value)
     scaled = Attn()
     scaled.softmax_scale = 0.5 + rank  # another scale on each rank: another result
     h = LocalContextParallelHandler(cp_group=group)
-    with pytest.raises(RanksRefused, match=r"disagree"):
+    with pytest.raises(RanksRefused, match=r"disagree on variant \(rank 0: [^;]*, softmax_scale=0.5; rank 1: [^;]*, "
+                                           r"softmax_scale=1.5[;)]"):
         h.core_attn(scaled, *(h.dispatch(t, 1) for t in (q, k, v)))
     dist.barrier()
 
 
-def test_an_attention_variant_that_differs_between_ranks_is_every_ranks_error():
-    run_distributed(_variant_worker, 2)
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_attention_variant_that_differs_between_ranks_is_every_ranks_error(world):
+    run_distributed(_variant_worker, world)
 
 
 def test_an_unbounded_left_window_without_a_causal_mask_is_refused():

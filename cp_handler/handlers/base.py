@@ -111,11 +111,12 @@ class ContextParallelHandler(MixerMethods, ABC):
                              f"{bound!r}): build the handler with the class of the comm type it runs")
         return cp_comm_type
 
-    def agree(self, what: str, values: dict[str, int], device, error: Exception | None = None) -> None:
+    def agree(self, what: str, values: dict[str, int | str], device, error: Exception | None = None) -> None:
         """Once per handler and ``what``: check that every rank of the CP group passed its local checks
-        (``error`` is this rank's failure) and has the same ``values`` and handler serial (raises the same
-        ValueError on every rank); skipped at cp=1, when ``check_ranks`` is off, or after the first call
-        of this kind (then a local ``error`` is raised on this rank alone)."""
+        (``error`` is this rank's failure) and has the same ``values`` (ints, or texts quoted when they differ:
+        :func:`~.agreement.check_ranks_agree`) and handler serial (raises the same ValueError on every rank,
+        naming each differing field and each rank's value); skipped at cp=1, when ``check_ranks`` is off, or
+        after the first call of this kind (then a local ``error`` is raised on this rank alone)."""
         if self.cp_size == 1 or not self.check_ranks or what in self._agreed:
             if error is not None:
                 raise error
@@ -123,8 +124,8 @@ class ContextParallelHandler(MixerMethods, ABC):
         check_ranks_agree(self.cp_group, what, {"handler serial": self.serial, **values}, device, error)
         self._agreed.add(what)
 
-    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int]:
-        """Run ``local_checks() -> {field: int}`` (this rank's checks, no collective) and fold its
+    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int | str]:
+        """Run ``local_checks() -> {field: int or str}`` (this rank's checks, no collective) and fold its
         pass/fail into :meth:`agree`: a rank whose checks fail still joins the agreement, so every rank
         raises the same error instead of the others entering a collective alone."""
         try:

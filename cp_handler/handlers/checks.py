@@ -1,5 +1,6 @@
 """Input checks of the handlers: what one rank can see (cheap, before any collective), and the
-agreement of the ranks of a CP group (one small all-gather per handler and kind of call).
+agreement of the ranks of a CP group (one small all-gather per handler and kind of call; :mod:`.agreement`,
+its names importable from here too).
 
 Every failure is a ``ValueError`` or ``TypeError`` naming the argument, its value and the rule:
 never a gloo abort, an ATen error from deep inside a kernel, or a silently wrong result.
@@ -8,20 +9,21 @@ never a gloo abort, an ATen error from deep inside a kernel, or a silently wrong
 from __future__ import annotations
 
 import math
-import os
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from ..layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
 from ..masks import AttentionMask
-from ..ops.collectives import all_gather_single
 from ..ops.sinks import check_sinks
-
-CHECK_RANKS_ENV = "CP_HANDLER_CHECK_RANKS"
-"""Set to ``0`` to skip the cross-rank agreement checks (default on); the handler argument
-``check_ranks`` takes precedence."""
+from .agreement import (  # noqa: F401 - the agreement check lives in .agreement; its names stay importable here
+    CHECK_RANKS_ENV,
+    RanksRefused,
+    RanksRefusedType,
+    check_ranks_agree,
+    fingerprint,
+    ranks_check_enabled,
+)
 
 
 def check_member(group: dist.ProcessGroup | None) -> None:
@@ -192,62 +194,13 @@ def variant_names(mask, sinks) -> list[str]:
     return used
 
 
-def fingerprint(*parts) -> int:
-    """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
-    return zlib.crc32(repr(parts).encode())
-
-
-def variant_fingerprint(comm_type: str, mask, sinks, scale: float) -> int:
-    """An integer of what shapes a ``core_attn`` call's communication and result beyond the tensors' shapes:
-    the layer's comm type, its mask (causal, window, chunk, soft-cap), the sinks' shape and the softmax scale
-    (compared across ranks: a window that differs between ranks would hang the halo exchange, or return an
-    answer of neither window)."""
-    return fingerprint(comm_type, mask, None if sinks is None else tuple(sinks.shape), float(scale))
-
-
-def ranks_check_enabled(check_ranks: bool | None) -> bool:
-    """The handler's ``check_ranks`` argument, else ``CP_HANDLER_CHECK_RANKS`` (default on)."""
-    if check_ranks is not None:
-        return bool(check_ranks)
-    return os.environ.get(CHECK_RANKS_ENV, "1") not in ("0", "false", "False")
-
-
-class RanksRefused(ValueError):
-    """Raised by :func:`check_ranks_agree` on every rank of the group at the same point, before any
-    collective of the call: the ranks stay in step (the handler is not poisoned)."""
-
-
-class RanksRefusedType(RanksRefused, TypeError):
-    """:class:`RanksRefused` where every failing rank's own error was a TypeError (a wrong type)."""
-
-
-def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int], device,
-                      error: Exception | None = None) -> None:
-    """All-gather ``values`` (small ints) and this rank's pass/fail over ``group``: when any rank
-    failed its local checks (``error``), every rank raises the same ValueError quoting each failing
-    rank's message; when the values differ, every rank raises the same ValueError listing them.
-
-    Cost: one all-gather of ``len(values) + 1`` int64 per call (docs/architecture.md has the measured
-    time), plus one object all-gather when a rank failed.
-    """
-    fields = list(values)
-    local = torch.tensor([int(error is not None), *(int(values[f]) for f in fields)], dtype=torch.int64,
-                         device=device)
-    size = dist.get_world_size(group)
-    gathered = torch.empty(size * len(local), dtype=torch.int64, device=device)
-    all_gather_single(gathered, local, group)
-    rows = gathered.view(size, len(local)).tolist()
-    if any(row[0] for row in rows):
-        messages = [None] * size
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}", group=group)
-        failed = "; ".join(f"rank {i}: {m}" for i, m in enumerate(messages) if m is not None)
-        kind = RanksRefusedType if all(m.startswith("TypeError") for m in messages if m) else RanksRefused
-        raise kind(f"{what}: the inputs of some ranks of the CP group were refused ({failed}); every rank "
-                         "stops here, before any collective of this call")
-    rows = [row[1:] for row in rows]
-    if any(row != rows[0] for row in rows):
-        listing = "; ".join(f"rank {i}: " + ", ".join(f"{f}={v}" for f, v in zip(fields, row, strict=True))
-                            for i, row in enumerate(rows))
-        raise RanksRefused(f"{what}: the ranks of the CP group disagree ({listing}); every rank must pass the same "
-                         "batch layout (sequence length, cu_seqlens, dtype, heads) and build its handlers in the same "
-                         "order (serial)")
+def variant_description(comm_type: str, mask, sinks, scale: float) -> str:
+    """What shapes a ``core_attn`` call's communication and result beyond the tensors' shapes, in the terms the
+    caller set them: the layer's comm type, the mask (``attn_mask_type`` and the ``attn_mod`` attributes of
+    :func:`variant_names`: window, chunk, soft-cap, the sinks' shape) and the softmax scale. Compared across
+    ranks (a window that differs between ranks would hang the halo exchange, or return an answer of neither
+    window) and quoted when they differ, e.g. ``cp_comm_type='p2p', attn_mask_type='causal',
+    attn_mod.window_size=(3, 0) (sliding window), softmax_scale=0.125``."""
+    mask_type = "causal" if mask.causal else "no_mask"
+    return ", ".join([f"cp_comm_type={comm_type!r}", f"attn_mask_type={mask_type!r}", *variant_names(mask, sinks),
+                      f"softmax_scale={float(scale)!r}"])

@@ -9,8 +9,9 @@ tensors come back as ``(1, T_local, ...)``. ``cp_comm_type`` is not used (MagiAt
 own communication).
 
 Supported releases: 1.0.4 to 1.1.1 (and main at 2c641357, which has 1.1.1's API), read against
-``magi_attention/api/magi_attn_interface.py`` of each tag. Older releases are refused: before 1.0.4
-``calc_attn`` takes no ``softmax_scale`` and 1.0.0-1.0.2's ``dispatch`` does not pad. The key's
+``magi_attention/api/magi_attn_interface.py`` of each tag (:mod:`.magi_releases`). Older releases are refused:
+before 1.0.4 ``calc_attn`` takes no ``softmax_scale`` and 1.0.0-1.0.2's ``dispatch`` does not pad; newer ones
+(1.1.2 to 1.1.8) are refused as unverified, named in the error (their API was not reached in source). The key's
 arguments differ by release and are called as that release defines them:
 
 * 1.0.4-1.0.5: ``(cu_seqlens_q, cu_seqlens_k, pad_size, chunk_size, cp_group_or_mesh, causal)``;
@@ -28,49 +29,20 @@ Requires ``magi_attention`` (imported lazily), CUDA and an NCCL CP group.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
-from .checks import check_dim, check_shift, fingerprint
+from .checks import check_dim, check_shift
 from .magi_alone import alone_attn, alone_positions, alone_roll
+from .magi_releases import check_release
 from .preflight import AttnCall
-from .requirements import import_backend, release, require_cuda, require_nccl
+from .requirements import import_backend, require_cuda, require_nccl
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
 DEFAULT_CHUNK_SIZE = 512
 """``chunk_size`` passed to the releases whose key needs one (MagiAttention's examples use 512)."""
-SUPPORTED_RELEASES = ((1, 0, 4), (1, 1, 1))
-"""First and last MagiAttention release this handler was checked against (inclusive)."""
 MAX_HEAD_DIM = 128
-
-
-def magi_release(package, api) -> tuple[int, ...]:
-    """The installed release: ``magi_attention.__version__`` (leading integers), or, for a source
-    build without a version, the release whose API the key function has."""
-    version = getattr(package, "__version__", None)
-    if version:
-        return release(version)
-    params = inspect.signature(api.magi_attn_varlen_key).parameters
-    if "x" in params:
-        return (1, 0, 0)
-    if "num_heads_q" not in params:
-        return (1, 0, 4) if "softmax_scale" in inspect.signature(api.calc_attn).parameters else (1, 0, 3)
-    return (1, 1, 0) if params["chunk_size"].default is inspect.Parameter.empty else (1, 1, 1)
-
-
-def check_release(package, api) -> tuple[int, ...]:
-    """Raises RuntimeError naming the installed release and the supported range when outside it."""
-    release = magi_release(package, api)
-    low, high = SUPPORTED_RELEASES
-    if not low <= release[:3] <= high:
-        raise RuntimeError(
-            f"magi_attention {getattr(package, '__version__', None) or '.'.join(map(str, release))} is installed; "
-            f"backend='magi' supports MagiAttention {'.'.join(map(str, low))} to {'.'.join(map(str, high))} "
-            "(docs/backends.md)")
-    return release
 
 
 class _Dispatch(torch.autograd.Function):
@@ -205,7 +177,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
             return tensor
         if self.key is None:
             cu_seqlens = self._cu_seqlens(tensor, seq_dim)
-            self.agree("dispatch", {"tokens": int(cu_seqlens[-1]), "layout": fingerprint(cu_seqlens.tolist())},
+            self.agree("dispatch", {"tokens": int(cu_seqlens[-1]), "layout": f"cu_seqlens {cu_seqlens.tolist()}"},
                        tensor.device)
             self._build_key(cu_seqlens, tensor.device)
         local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.api, self.key, self.positions)

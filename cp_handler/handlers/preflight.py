@@ -20,7 +20,7 @@ import torch
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask
 from ..ops.qkv_format import from_bhsd, to_bhsd
-from .checks import check_qkv, fingerprint, softmax_scale, variant_fingerprint
+from .checks import check_qkv, softmax_scale, variant_description
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
@@ -92,7 +92,7 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
     """
     resolved = {}
 
-    def local_checks() -> dict[str, int]:
+    def local_checks() -> dict[str, int | str]:
         if attn_mask_type not in ATTN_MASK_TYPES:
             raise ValueError(f"attn_mask_type={attn_mask_type!r} is not one of {ATTN_MASK_TYPES}")
         if not isinstance(q, torch.Tensor):
@@ -109,9 +109,9 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
         resolved["call"] = call
         batch = q.shape[1 - seq_dim] if q.dim() == 4 and handler.qkv_format != "thd" else 1
         return {"local_len": q.shape[seq_dim], "batch": batch, "heads": q.shape[-2], "kv_heads": k.shape[-2],
-                "head_dim": q.shape[-1], "v_head_dim": v.shape[-1], "dtype": fingerprint(str(q.dtype)),
-                "layout": 0 if layout is None else fingerprint(layout.lengths),
-                "variant": variant_fingerprint(comm_type, mask, sinks, scale)}
+                "head_dim": q.shape[-1], "v_head_dim": v.shape[-1], "dtype": str(q.dtype),
+                "layout": "none" if layout is None else f"document lengths {list(layout.lengths)}",
+                "variant": variant_description(comm_type, mask, sinks, scale)}
 
     key = handler.agreement_key(attn_mod)
     device = q.device if isinstance(q, torch.Tensor) else "cpu"

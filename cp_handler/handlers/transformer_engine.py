@@ -13,18 +13,19 @@ CP need. The window of a sliding-window ``attn_mod`` (``window_size``) is passed
 TE's rules under CP, checked first and raised as ``ValueError`` (instead of an assertion or "no
 dot product attention backend" inside TE); read against TE's sources (``attn_forward_func_with_cp``
 in ``attention/dot_product_attention/context_parallel.py``, ``get_attention_backend`` in ``utils.py``,
-tags v2.10-v2.18 and main at 2.20.0.dev0):
+tags v2.10-v2.18, release_v2.19 and main at 2.20.0.dev0; the per-release rules, with their sources and the
+release notes of 2.19 and 2.21, are in :mod:`.te_releases`):
 
 * dtype float16 or bfloat16: no fp32 backend supports CP (UnfusedDotProductAttention is disabled
   under CP, FlashAttention and FusedAttention take fp16/bf16);
 * sliding-window attention only with ``a2a`` and ``all_gather``; chunked attention, soft-capping and
   learnable sinks refused by name (:meth:`TEContextParallelHandler.unsupported_variant`);
 * ``a2a`` / ``a2a+p2p``: query and KV heads divisible by the a2a size (TE does not replicate KV); an
-  odd head count also disables FusedAttention, so it needs ``flash_attn`` installed;
-* thd: ``p2p`` and ``a2a``; ``all_gather`` from TE 2.18 (earlier: "No support for
-  cp_comm_type='all_gather' and qkv_format='thd'"); not ``a2a+p2p`` (not checked against source:
-  refused); not with FP8 attention (FusedAttention and FlashAttention are both disabled for FP8 +
-  thd under CP); ``cu_seqlens_padded`` multiples of ``2 * cp``;
+  odd head count also disables FusedAttention, so it needs a FlashAttention that TE runs there: FA2 or FA3
+  (bshd/sbhd); thd with ``a2a``: FA3 from TE 2.17, FA4 from 2.21 (never FA2: padding between sequences);
+* thd: ``p2p`` and ``a2a``; ``all_gather`` from TE 2.18; ``a2a+p2p`` from 2.19; FP8 attention from 2.19
+  (DelayedScaling / Float8CurrentScaling on SM100+ with cuDNN 9.23+; others refused by name);
+  ``cu_seqlens_padded`` multiples of ``2 * cp``;
 * a CP group (or hierarchical level) of ``None`` while cp > 1: TE would run without CP;
 * multi-head latent attention (value head dim != q/k head dim; ``kv_channels=(Dqk, Dv)``) in every comm type:
   FusedAttention runs it (separate q/k/v tensors), FlashAttention only with p2p (TE's own CP tests skip
@@ -37,7 +38,7 @@ Requires ``transformer_engine`` (imported lazily) and CUDA.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -46,13 +47,12 @@ from ..ops.patterns import PATTERNS
 from .checks import softmax_scale, variant_names, window_size
 from .preflight import AttnCall
 from .requirements import import_backend, release, require_cuda
+from .te_releases import flash_under_cp, fp8_thd_refusal, installed_flash, thd_comm_types
 from .zigzag import ZigzagContextParallelHandler
 
 TE_HINT = "install it on a CUDA machine: pip install transformer_engine[pytorch] (see docs/backends.md)"
 TE_MODULE_NAME = "te_attention"
 """Name of the ``DotProductAttention`` child registered on each attention module."""
-THD_ALL_GATHER_SINCE = (2, 18)
-"""First TE release whose KV all-gather CP takes thd (the assertion went in v2.18)."""
 
 
 def _same_groups(a, b) -> bool:
@@ -112,7 +112,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
                                  f"({attn_shape.num_kv_heads}) must both be divisible by the a2a size ({size})")
 
     def _thd_comm_types(self) -> tuple[str, ...]:
-        return ("p2p", "a2a", "all_gather") if self.te_version >= THD_ALL_GATHER_SINCE else ("p2p", "a2a")
+        return thd_comm_types(self.te_version)
 
     def _check_groups(self) -> None:
         if "a2a+p2p" in self.comm_types:
@@ -128,7 +128,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             if bad:
                 version = ".".join(map(str, self.te_version))
                 raise ValueError(f"transformer_engine {version} does not support qkv_format='thd' with "
-                                 f"cp_comm_type={bad}; use one of {list(allowed)} (all_gather takes thd from TE 2.18)")
+                                 f"cp_comm_type={bad}; use one of {list(allowed)} (thd: all_gather from TE 2.18, "
+                                 "a2a+p2p from 2.19)")
             padded = self.cu_seqlens_padded
             if torch.any(padded % (2 * self.cp_size) != 0):
                 raise ValueError(f"cu_seqlens_padded {padded.tolist()} must be multiples of "
@@ -156,23 +157,34 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             if heads % size or kv_heads % size:
                 raise ValueError(f"transformer_engine {comm_type}: query heads ({heads}) and KV heads ({kv_heads}) "
                                  f"must both be divisible by the a2a size ({size})")
-            if (heads % 2 or kv_heads % 2) and importlib.util.find_spec("flash_attn") is None:
+            installed = installed_flash() if heads % 2 or kv_heads % 2 else None  # read only when needed
+            if installed is not None and not flash_under_cp(self.te_version, comm_type, self.qkv_format, installed):
+                version = ".".join(map(str, self.te_version))
                 raise ValueError(f"transformer_engine {comm_type}: odd head counts ({heads}, {kv_heads}) disable "
-                                 "FusedAttention, and flash_attn is not installed: TE would have no backend")
+                                 f"FusedAttention, and no FlashAttention that TE {version} runs under CP with "
+                                 f"qkv_format={self.qkv_format!r} is installed (installed: {list(installed)}; FA2/FA3 "
+                                 "for bshd/sbhd, thd with a2a: FA3 from TE 2.17, FA4 from 2.21): TE would have no "
+                                 "backend")
         if call.v.shape[-1] != q.shape[-1] and comm_type == "a2a" and (heads % 2 or kv_heads % 2):
             raise ValueError(f"transformer_engine a2a: a value head dim {call.v.shape[-1]} != q/k head dim "
                              f"{q.shape[-1]} (MLA) needs FusedAttention (FlashAttention runs MLA under CP with p2p "
                              f"only), and odd head counts ({heads}, {kv_heads}) disable it")
-        if self.qkv_format == "thd" and self._fp8_attention():
-            raise ValueError("transformer_engine: FP8 attention (fp8_dpa) with qkv_format='thd' is not supported "
-                             "under context parallelism; turn fp8_dpa off or use bshd/sbhd")
+        recipe = self._fp8_attention()
+        if self.qkv_format == "thd" and recipe is not None:
+            utils = importlib.import_module("transformer_engine.pytorch.utils")
+            refusal = fp8_thd_refusal(self.te_version, type(recipe).__name__, utils.get_device_compute_capability(),
+                                      utils.get_cudnn_version())
+            if refusal:
+                raise ValueError(refusal)
 
-    def _fp8_attention(self) -> bool:
-        """Whether FP8 attention is on (TE's ``FP8GlobalStateManager`` with an ``fp8_dpa`` recipe)."""
+    def _fp8_attention(self):
+        """The FP8 recipe when FP8 attention is on (TE's ``FP8GlobalStateManager`` with an ``fp8_dpa`` recipe),
+        else None."""
         manager = getattr(getattr(self.te, "fp8", None), "FP8GlobalStateManager", None)
         if manager is None or not manager.is_fp8_enabled():
-            return False
-        return bool(getattr(manager.get_fp8_recipe(), "fp8_dpa", False))
+            return None
+        recipe = manager.get_fp8_recipe()
+        return recipe if getattr(recipe, "fp8_dpa", False) else None
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         """What TE's context parallelism runs (checked in its ``attn_forward_func_with_cp``, TE 2.8 - 2.20):

@@ -18,7 +18,7 @@ from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
 from .base import ContextParallelHandler
-from .checks import check_dim, check_shift, fingerprint
+from .checks import check_dim, check_shift
 from .mixers import ZigzagMixers
 
 
@@ -45,11 +45,11 @@ class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
         return None if self.thd_layout is None else max(self.thd_layout.lengths)
 
     @property
-    def layout_fingerprint(self) -> int:
-        """An integer naming this batch's layout (thd: its cu_seqlens), compared across ranks."""
+    def layout_description(self) -> str:
+        """This batch's layout in words (thd: its documents' lengths, from cu_seqlens), compared across ranks."""
         if self.thd_layout is None:
-            return 0
-        return fingerprint(self.thd_layout.lengths)
+            return "no documents (bshd/sbhd)"
+        return f"document lengths {list(self.thd_layout.lengths)}"
 
     def layout(self, local_len: int) -> ZigzagDocs:
         """The layout of a local tensor with ``local_len`` tokens along its sequence dim.
@@ -140,7 +140,7 @@ class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
                                  "be known to be a shard; dispatch the batch with this handler first (one handler "
                                  "per batch)")
             self.layout(tensor.shape[check_dim("seq_dim", seq_dim, tensor.dim())])
-            return {"local_len": tensor.shape[seq_dim], "layout": self.layout_fingerprint}
+            return {"local_len": tensor.shape[seq_dim], "layout": self.layout_description}
 
         self.checked("combine", tensor.device, ("local_len", "layout"), local_checks)
         seq_dim = seq_dim % tensor.dim()
@@ -159,7 +159,7 @@ class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
         """
         def local_checks():
             self.layout(tensor.shape[check_dim("roll_tensor dims", dims, tensor.dim())])
-            return {"local_len": tensor.shape[dims], "layout": self.layout_fingerprint, "shifts": check_shift(shifts)}
+            return {"local_len": tensor.shape[dims], "layout": self.layout_description, "shifts": check_shift(shifts)}
 
         self.checked("roll_tensor", tensor.device, ("local_len", "layout", "shifts"), local_checks)
         dims = dims % tensor.dim()

@@ -15,7 +15,12 @@ Mirrors, in NVIDIA/TransformerEngine main at 2.20.0.dev0 (commit d0067d0d):
   (599-641), UnfusedDotProductAttention disabled under CP (1169-1173), FusedAttention disabled
   for FP8 + thd and for odd head counts with a2a (1216-1280);
 * thd with all_gather: refused ("No support for cp_comm_type='all_gather' and qkv_format='thd'")
-  up to v2.17.1, accepted from v2.18 (``transformer_engine.__version__`` picks the rule).
+  up to v2.17.1, accepted from v2.18; thd with a2a+p2p asserted ("thd format is not supported with
+  hierarchical CP implementation yet!") up to v2.18, accepted from 2.19 (commit 8ff60f8de, #3290);
+  FP8 attention with thd under CP: no backend before 2.19; from 2.19 (release notes v2.19, PR #2994's
+  matrix) DelayedScaling / Float8CurrentScaling on SM100+, DelayedScaling also on SM90 (forward only),
+  MXFP8BlockScaling never, cuDNN 9.23+ (``utils.py`` fake: capability and cuDNN). The release is
+  ``transformer_engine.__version__``.
 
 It has no parameters, as the real module (its FP8 metadata is extra state). It computes with
 cp_handler's local algorithms, and sliding-window attention with a dense masked attention over
@@ -34,7 +39,7 @@ from cp_handler.ops.all_gather import all_gather_attn
 from cp_handler.ops.ring import ring_attn
 from cp_handler.ops.ulysses import a2a_attn
 
-from . import fp8
+from . import fp8, utils
 
 CALLS: list[dict] = []
 NO_BACKEND = ("No dot product attention backend is available for the provided inputs. Please run with "
@@ -177,9 +182,14 @@ class DotProductAttention(nn.Module):
             f"Context parallelism does not support sliding window attention with {comm=}!"
         if comm == "all_gather" and _version() < (2, 18):
             assert qkv_format != "thd", f"No support for cp_comm_type='all_gather' and {qkv_format=}."
-        if qkv_format == "thd" and fp8.FP8GlobalStateManager.is_fp8_enabled() and \
-                fp8.FP8GlobalStateManager.get_fp8_recipe().fp8_dpa:
-            raise ValueError(NO_BACKEND)
+        if comm == "a2a+p2p" and _version() < (2, 19):
+            assert qkv_format != "thd", f"{qkv_format} format is not supported with hierarchical CP implementation yet!"
+        recipe = fp8.FP8GlobalStateManager.get_fp8_recipe()
+        if qkv_format == "thd" and fp8.FP8GlobalStateManager.is_fp8_enabled() and recipe.fp8_dpa:
+            name, sm100 = type(recipe).__name__, utils.CAPABILITY >= (10, 0)
+            supported = name == "Float8CurrentScaling" and sm100 or name == "DelayedScaling"
+            if _version() < (2, 19) or not supported or utils.CUDNN < (9, 23, 0):
+                raise ValueError(NO_BACKEND)
         if comm in ("a2a", "a2a+p2p"):
             group = self.cp_group if comm == "a2a" else self.cp_group[0]
             size = dist.get_world_size(group)
