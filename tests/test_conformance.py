@@ -131,3 +131,5 @@ def test_bad_arguments_are_named():
         check_handler(LocalContextParallelHandler, formats=["bhsd"])
     with pytest.raises(ValueError, match=r"world_sizes \[1\]: a CP group has at least 2 ranks"):
         check_handler(LocalContextParallelHandler, world_sizes=(1,))
+    with pytest.raises(TypeError, match=r"handler_cls=<class 'int'> is not a ContextParallelHandler subclass"):
+        check_handler(int)

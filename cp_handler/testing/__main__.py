@@ -31,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         handler_cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
         p.error(f"handler {args.handler!r}: {err}")
-    report = check_handler(handler_cls, comm_types=args.comm_types, formats=args.formats,
-                           dtypes=[getattr(torch, d) for d in args.dtypes], variants=args.variants,
-                           world_sizes=args.world_sizes, checks=args.checks)
+    try:
+        report = check_handler(handler_cls, comm_types=args.comm_types, formats=args.formats,
+                               dtypes=[getattr(torch, d) for d in args.dtypes], variants=args.variants,
+                               world_sizes=args.world_sizes, checks=args.checks)
+    except (TypeError, ValueError) as err:  # an argument the kit refuses (named)
+        p.error(str(err))
     print(report.table())
     if args.json:
         with open(args.json, "w") as f:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..config import CP_COMM_TYPES, QKV_FORMATS
+from ..handlers.base import ContextParallelHandler
 from . import cases
 
 CHECKS = ("layout", "roll", "rope", "attention", "disagreement", "bad_input")
@@ -180,8 +181,11 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(
         NOT RUN. ``report.ok`` is False when any case failed.
 
     Raises:
+        TypeError: ``handler_cls`` not a ContextParallelHandler subclass.
         ValueError: an unknown comm type, format, variant or check, or a world size below 2.
     """
+    if not (isinstance(handler_cls, type) and issubclass(handler_cls, ContextParallelHandler)):
+        raise TypeError(f"check_handler: handler_cls={handler_cls!r} is not a ContextParallelHandler subclass")
     comm_types = list(comm_types or CP_COMM_TYPES)
     for name, given, known in (("comm_types", comm_types, CP_COMM_TYPES), ("formats", formats, QKV_FORMATS),
                                ("variants", variants, tuple(cases.VARIANTS)), ("checks", checks, CHECKS)):
