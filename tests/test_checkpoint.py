@@ -30,8 +30,7 @@ from dist_utils import run_distributed
 from test_cli import SMALL, cp_train
 
 from cp_handler.cli.args import parse
-from cp_handler.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, step_name
-from cp_handler.training.checkpoint_meta import find_checkpoint
+from cp_handler.training.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, save_checkpoint, step_name
 from cp_handler.training.schedule import LRSchedule
 
 SCHEDULE = ["--lr-warmup-steps", "2", "--lr-decay-style", "cosine", "--lr-decay-steps", "8", "--min-lr", "3e-4"]

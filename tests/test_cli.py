@@ -468,19 +468,19 @@ def test_what_cp_train_writes_has_the_mode_the_umask_gives(tmp_path, monkeypatch
     modes open / mkdir give, as the checkpoints do (tests/test_cli_generate.py)."""
     import types
 
-    import cp_handler.training.run_files as run_files
+    import cp_handler.training.run as run
     from cp_handler.cli.common import write_json_atomically
 
     class Saved:
         def save_pretrained(self, folder, state_dict=None):
             (Path(folder) / "config.json").write_text("{}")
 
-    monkeypatch.setattr(run_files.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(run.dist, "get_rank", lambda: 0)
     old = os.umask(umask)
     try:
         write_json_atomically(str(tmp_path / "m.json"), {"step": 1})
-        run_files.export_hf(types.SimpleNamespace(export_hf=str(tmp_path / "export"), hf_source=None),
-                            types.SimpleNamespace(model=Saved()))
+        run.export_hf(types.SimpleNamespace(export_hf=str(tmp_path / "export"), hf_source=None),
+                      types.SimpleNamespace(model=Saved()))
     finally:
         os.umask(old)
     assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o666 & ~umask

@@ -1,6 +1,7 @@
 """The package's layers (docs/architecture.md, "Layers"): every module imports only from its own layer or
 the ones below, and no modules import each other in a circle, lazy imports inside functions included; and
-no library file grows past ``MAX_LINES`` (a file that long holds more than one idea: split it).
+one concept per file: a library file over ``LONG_LINES`` lines is a prompt to ask whether it still holds one
+concept, so each is listed, with the reason, in docs/architecture.md's "Files over 400 lines" table.
 
 The layer table is read from docs/architecture.md, so the doc and the code cannot drift apart: a module
 the table does not cover fails here, as does an import that runs up a layer.
@@ -64,13 +65,44 @@ def imports_of(name: str) -> set[str]:
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
-MAX_LINES = 300
+LONG_LINES = 400
 
 
-def test_no_library_file_is_longer_than_max_lines():
-    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in MODULES.values()}
+def long_files_table() -> dict[str, str]:
+    """``{path under cp_handler/: reason}`` from the doc's "Files over 400 lines" table."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert "### Files over 400 lines" in doc, "no 'Files over 400 lines' table in docs/architecture.md"
+    section = doc.split("### Files over 400 lines", 1)[1].split("\n#", 1)[0]
+    return dict(re.findall(r"^\| `([^`]+)` \| (.+?) \|$", section, re.M))
+
+
+def unlisted_and_stale(lengths: dict[str, int], listed: dict[str, str]) -> tuple[dict[str, int], dict[str, int | None]]:
+    """Files over ``LONG_LINES`` not listed, and listed files that are missing (``None``) or not over it."""
+    unlisted = {path: n for path, n in lengths.items() if n > LONG_LINES and path not in listed}
+    stale = {path: lengths.get(path) for path in listed if lengths.get(path, 0) <= LONG_LINES}
+    return unlisted, stale
+
+
+def test_every_file_over_400_lines_is_listed_with_its_reason():
+    """One concept per file: a long file is allowed, but named in docs/architecture.md with why it is still one
+    concept; and the list holds only files that exist and are over the threshold (so it stays true)."""
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in MODULES.values()}
     assert lengths, "no library files found"
-    assert not {path: n for path, n in lengths.items() if n > MAX_LINES}
+    listed = long_files_table()
+    assert all(reason.strip() for reason in listed.values()), listed
+    unlisted, stale = unlisted_and_stale(lengths, listed)
+    assert not unlisted, f"over {LONG_LINES} lines, not in docs/architecture.md's 'Files over 400 lines': {unlisted}"
+    assert not stale, f"listed in docs/architecture.md's 'Files over 400 lines' but missing or not over: {stale}"
+
+
+def test_the_line_check_sees_an_unlisted_long_file_and_a_stale_entry():
+    """Negative control: a 401-line file not in the table fails, and so does an entry of 400 lines or a
+    missing file; a listed 401-line file passes."""
+    assert unlisted_and_stale({"a.py": 401}, {}) == ({"a.py": 401}, {})
+    assert unlisted_and_stale({"a.py": 401}, {"a.py": "one idea"}) == ({}, {})
+    assert unlisted_and_stale({"a.py": 400}, {"a.py": "one idea", "gone.py": "x"}) == ({}, {"a.py": 400,
+                                                                                           "gone.py": None})
+    assert long_files_table(), "the table parses to nothing"
 
 
 def test_no_import_runs_up_a_layer():

@@ -1,4 +1,4 @@
-"""Checkpoints that never lose or mix data (cp_handler/training/save_folder.py, checkpoint_meta.py).
+"""Checkpoints that never lose or mix data (cp_handler/training/checkpoint.py).
 
 Each case reproduces a way a checkpoint was lost, replaced or silently mismatched before:
 
@@ -25,8 +25,7 @@ from test_checkpoint import BASE, straight  # noqa: F401 - the module fixture: 8
 from test_cli import SMALL, cp_train
 
 from cp_handler.cli.args import parse
-from cp_handler.training.checkpoint import step_name
-from cp_handler.training.save_folder import LOCK, SaveFolderError, SaveLock, _process_start
+from cp_handler.training.checkpoint import LOCK, SaveFolderError, SaveLock, _process_start, step_name
 
 
 @pytest.fixture(autouse=True)
@@ -67,8 +66,7 @@ def _resave_worker(rank, world, root):
     import torch.distributed as dist
     from test_checkpoint import _toy
 
-    from cp_handler.training.checkpoint import CheckpointError, save_checkpoint
-    from cp_handler.training.checkpoint_meta import find_checkpoint
+    from cp_handler.training.checkpoint import CheckpointError, find_checkpoint, save_checkpoint
 
     model, optim = _toy(rank)
     save_checkpoint(root, 1, model, optim, {"step": 1, "world_size": world})
@@ -142,7 +140,7 @@ def test_the_whole_hugging_face_config_is_compared_on_resume(tmp_path):
     on as another model. The whole config is compared (minus names and bookkeeping), each field named."""
     from transformers import GPT2Config
 
-    from cp_handler.training.checkpoint_meta import run_meta
+    from cp_handler.training.checkpoint import run_meta
 
     def gpt2(folder, **changes):
         shape = {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "bos_token_id": 0,

@@ -1,6 +1,6 @@
 """cp-train's checkpoint flags (``--save``, ``--save-every``, ``--save-keep``, ``--resume``,
 ``--allow-data-change``, ``--export-hf``) and their rules, checked before any rank starts
-(:mod:`cp_handler.training.save_folder`, :mod:`cp_handler.training.checkpoint_meta`)."""
+(:mod:`cp_handler.training.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import os
 from dataclasses import replace
 
 from ..training import TrainConfig
-from ..training.checkpoint_meta import check_resume, find_checkpoint
+from ..training.checkpoint import check_export_target, check_resume, check_save_folder, find_checkpoint
 from ..training.data import collect_files, data_fingerprint
-from ..training.save_folder import check_export_target, check_save_folder
 from .common import check_folder
 
 

@@ -22,7 +22,7 @@ from ..handlers.registry import load_plugins
 from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
 from ..inference.sampling import Sampling
 from ..integrations.transformers import check_generation
-from ..training.checkpoint_meta import find_checkpoint, read_meta, verify_checkpoint
+from ..training.checkpoint import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .common import check_numbers, check_writable, world_size_from, write_output

@@ -23,7 +23,7 @@ from ..groups import build_dp_cp_groups
 from ..handlers.registry import load_plugins
 from ..launch import heartbeat, launch, rank_session
 from ..models import GPTConfig, GPTModel
-from ..training.checkpoint_meta import read_meta
+from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits
 from .generate import compare_generations, generate, reference_generate

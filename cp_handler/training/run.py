@@ -4,13 +4,23 @@ World = dp x cp (CP groups on adjacent ranks). Each step every DP replica takes 
 global batch, shards it over its CP group with a handler (:func:`~cp_handler.handlers.build_cp_handler`),
 and the loss is token-weighted over all ranks; gradients are reduced over all dp x cp ranks by torch
 DDP (MoE: by :class:`~.experts.ExpertGroups`; dynamic CP: one all-reduce per global batch).
+
+What a run reads and writes on disk beside the training: ``--resume`` and the checkpoint callback of
+``--save`` / ``--save-every`` (:func:`checkpointing`, over :mod:`.checkpoint`), the ``--save`` folder's lock
+(:func:`save_lock`), ``--export-hf`` (:func:`export_hf`), and the ``cp-generate`` command that continues a
+prompt from what the run saved (:func:`generate_command`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
+import shlex
+import shutil
 import sys
+import tempfile
+import time
 from dataclasses import asdict
 
 import torch
@@ -21,18 +31,19 @@ from torch.nn.parallel import DistributedDataParallel
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups
 from ..handlers.registry import load_plugins
-from ..launch import launch, rank_session
+from ..launch import is_first_rank, launch, rank_session
 from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
 from ..tiling import tile_mlps
+from .checkpoint import CheckpointError, CheckpointWriter, SaveLock, check_resume, load_checkpoint, run_meta
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
-from .fsdp import shard_model, state_bytes
+from .file_modes import new_folder_mode
+from .fsdp import full_state, is_sharded, shard_model, state_bytes
 from .loop import default_optimizer, local_grad_norm, train_steps
-from .parity import StepReference, parity_result
+from .parity import StepReference, parity_result, unwrap
 from .reference import hf_logits
-from .run_files import checkpointing, export_hf, generate_command, save_lock, say
 from .steps import (
     dynamic_step,
     gpt_logits,
@@ -43,6 +54,116 @@ from .steps import (
     reference_step,
     static_step,
 )
+from .tokens import has_tokenizer, tokens_for
+
+
+def say(text: str) -> None:
+    """``cp-train: text`` on stderr, from rank 0 only."""
+    if dist.get_rank() == 0:
+        print(f"cp-train: {text}", file=sys.stderr)
+
+
+def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, object]:
+    """``(steps already done, checkpoint callback for train_steps)``: loads ``--resume`` into ``trained`` /
+    ``optim`` / the learning-rate ``scheduler`` (every rank), and saves after every ``--save-every`` steps
+    and after the last one."""
+    start = 0
+    if config.resume:
+        checkpoint, _ = check_resume(config, config.resume, type(optim).__name__, verify=False)  # verified at launch
+        began = time.perf_counter()
+        start = load_checkpoint(checkpoint, trained, optim, scheduler)
+        say(f"resumed from {checkpoint} after step {start} (loaded in {time.perf_counter() - began:.2f} s)")
+    if not config.save_dir:
+        return start, None
+    meta = run_meta(config, 0, type(optim).__name__)  # read once (a Hugging Face config from disk)
+    writer = CheckpointWriter(config.save_dir, config.save_keep)
+
+    def save(done: int) -> None:
+        if done == config.steps or (config.save_every and done % config.save_every == 0):
+            began = time.perf_counter()
+            path = writer.save(done, trained, optim, {**meta, "step": done, "lr_scheduler": scheduler.state_dict()})
+            size = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+            say(f"saved {path} ({size:.1f} MiB) in {time.perf_counter() - began:.2f} s")
+    return start, save
+
+
+def export_hf(config: TrainConfig, trained) -> None:
+    """``--export-hf``: rank 0 writes the Hugging Face model (and the tokenizer it was trained with, if
+    any) with ``save_pretrained`` into a new temporary folder beside the target, renamed onto the target
+    (new or empty: :func:`~.checkpoint.check_export_target`, checked before the ranks started) when
+    complete; plain transformers loads it. Nothing the export did not write is deleted.
+
+    Raises:
+        CheckpointError: the target received files since the launch (the export is left unpublished).
+    """
+    if not config.export_hf:
+        return
+    state = full_state(trained) if is_sharded(trained) else None  # FSDP: every rank sends its shards
+    if dist.get_rank() != 0:
+        return
+    target = os.path.abspath(config.export_hf)
+    partial = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.partial-", dir=os.path.dirname(target))
+    try:
+        os.chmod(partial, new_folder_mode())  # mkdtemp's 0700 would stay after the rename: the umask's mode
+        unwrap(trained).model.save_pretrained(
+            partial, state_dict=None if state is None else {k.removeprefix("model."): v for k, v in state.items()})
+        if has_tokenizer(config.hf_source):  # the tokens it was trained on go with it (cp-generate reads them)
+            tokens_for(config.hf_source).tokenizer.save_pretrained(partial)
+        os.rename(partial, target)  # onto a missing or empty folder only
+    except OSError as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(f"--export-hf {config.export_hf}: could not publish the export ({err.strerror or err}); "
+                              "the folder was left as it was") from None
+    say(f"exported the Hugging Face model to {target}")
+
+
+def command_of(script: str, module: str) -> list[str]:
+    """How to run this installation's console ``script``: its name when the PATH finds this Python's, its path
+    beside this Python when the PATH finds another (or none), else ``python -m module``."""
+    beside = os.path.join(os.path.dirname(sys.executable), script)
+    found = shutil.which(script)
+    if os.path.isfile(beside):
+        return [script] if found and os.path.samefile(found, beside) else [beside]
+    return [script] if found else [sys.executable, "-m", module]
+
+
+GENERATE_PROMPT = "def main():"
+"""The prompt of the printed cp-generate command (the default corpus is the Python stdlib's sources)."""
+
+
+def generate_command(config: TrainConfig) -> str | None:
+    """The ``cp-generate`` command that continues a prompt from the run's final checkpoint (``--save``: the
+    reference GPT; ``--export-hf``: a Hugging Face model), or ``None`` when the run saved nothing it reads
+    (cp-generate does not decode the GPT's linear-attention layers)."""
+    if config.save_dir and config.model is not None and "linear_attention" not in (config.model.layer_types or ()):
+        source = ["--checkpoint", config.save_dir]
+    elif config.export_hf:
+        source = ["--hf-model", config.export_hf]
+    else:
+        return None
+    return shlex.join([*command_of("cp-generate", "cp_handler.cli.generate"), *source, "--prompt", GENERATE_PROMPT,
+                       "--max-new-tokens", "64"])
+
+
+def save_lock(config: TrainConfig) -> SaveLock | None:
+    """The ``--save`` folder's lock (:class:`~.checkpoint.SaveLock`) taken for the run by the launcher (under
+    torchrun: by rank 0); a stale lock taken over is named on stderr.
+
+    Raises:
+        SystemExit: another run writes the folder (named).
+    """
+    if not config.save_dir or not is_first_rank():
+        return None
+    lock = SaveLock(config.save_dir)
+    try:
+        lock.acquire()
+    except ValueError as err:
+        raise SystemExit(f"cp-train: error: {err}") from None
+    if lock.took_over:
+        owner = lock.took_over
+        print(f"cp-train: --save {config.save_dir}: took over a stale lock (pid {owner.get('pid')} on "
+              f"{owner.get('host')} since {owner.get('since')} is no longer running)", file=sys.stderr)
+    return lock
 
 
 def build_model(config: TrainConfig, device: torch.device, reference: bool = False) -> torch.nn.Module:
