@@ -14,7 +14,7 @@ from dist_utils import new_cp_group, run_distributed
 
 from cp_handler import ContextParallelConfig, HierarchicalContextParallelHandler, LocalContextParallelHandler
 from cp_handler.handlers import base as handler_base
-from cp_handler.handlers.checks import CHECK_RANKS_ENV
+from cp_handler.handlers.agreement import CHECK_RANKS_ENV
 from cp_handler.models.gpt import GPTConfig, SelfAttention
 
 ATTN = SelfAttention(GPTConfig(hidden_size=64, num_attention_heads=4, num_query_groups=2), 1)

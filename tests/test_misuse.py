@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler import HierarchicalContextParallelHandler, LocalContextParallelHandler, build_dp_cp_groups
-from cp_handler.handlers.checks import RanksRefused
+from cp_handler.handlers.agreement import RanksRefused
 
 
 class Attn:

@@ -26,11 +26,6 @@ SHOWN_CHARS = 200
 texts start to differ."""
 
 
-def fingerprint(*parts) -> int:
-    """A stable integer of ``parts`` (crc32 of their text), for cross-rank comparison."""
-    return zlib.crc32(repr(parts).encode())
-
-
 def ranks_check_enabled(check_ranks: bool | None) -> bool:
     """The handler's ``check_ranks`` argument, else ``CP_HANDLER_CHECK_RANKS`` (default on)."""
     if check_ranks is not None:

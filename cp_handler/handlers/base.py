@@ -16,14 +16,8 @@ import torch.distributed as dist
 from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
 from ..ops.patterns import PATTERNS
 from ..ops.ulysses import check_a2a_heads
-from .checks import (
-    attention_variant,
-    check_cu_seqlens,
-    check_member,
-    check_ranks_agree,
-    ranks_check_enabled,
-    variant_names,
-)
+from .agreement import check_ranks_agree, ranks_check_enabled
+from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
 from .guard import Guard, next_serial, poisoning
 from .mixers import MixerMethods
 from .preflight import AttnCall, preflight

@@ -1,6 +1,5 @@
-"""Input checks of the handlers: what one rank can see (cheap, before any collective), and the
-agreement of the ranks of a CP group (one small all-gather per handler and kind of call; :mod:`.agreement`,
-its names importable from here too).
+"""Input checks of the handlers: what one rank can see (cheap, before any collective); the agreement of the
+ranks of a CP group (one small all-gather per handler and kind of call) is :mod:`.agreement`.
 
 Every failure is a ``ValueError`` or ``TypeError`` naming the argument, its value and the rule:
 never a gloo abort, an ATen error from deep inside a kernel, or a silently wrong result.
@@ -16,14 +15,6 @@ import torch.distributed as dist
 from ..layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
 from ..masks import AttentionMask
 from ..ops.sinks import check_sinks
-from .agreement import (  # noqa: F401 - the agreement check lives in .agreement; its names stay importable here
-    CHECK_RANKS_ENV,
-    RanksRefused,
-    RanksRefusedType,
-    check_ranks_agree,
-    fingerprint,
-    ranks_check_enabled,
-)
 
 
 def check_member(group: dist.ProcessGroup | None) -> None:

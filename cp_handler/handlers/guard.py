@@ -8,7 +8,7 @@ import functools
 
 import torch.distributed as dist
 
-from .checks import RanksRefused
+from .agreement import RanksRefused
 
 _serials: dict[str, int] = {}
 
@@ -27,7 +27,7 @@ def next_serial(group: dist.ProcessGroup | None) -> int:
 class Guard:
     """The guard of a handler call (``with Guard(handler, name):``): it refuses to run on a handler whose earlier
     call failed on this rank, and marks the handler failed when the call raises at cp > 1 (except a
-    :class:`~.checks.RanksRefused`, which every rank raised at the same point). After such a failure the ranks'
+    :class:`~.agreement.RanksRefused`, which every rank raised at the same point). After such a failure the ranks'
     collectives may no longer be paired (another rank may be inside one): reusing the handler could pair them
     with the wrong ones. A context manager, not a wrapper: the call's own frame runs the work."""
 

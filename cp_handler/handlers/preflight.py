@@ -88,7 +88,7 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
 
     Raises:
         ValueError / TypeError: naming the argument, the value and the rule (on every rank of the group when
-            the agreement check runs); :class:`~.checks.RanksRefused` when the ranks disagree.
+            the agreement check runs); :class:`~.agreement.RanksRefused` when the ranks disagree.
     """
     resolved = {}
 

@@ -77,8 +77,8 @@ def _rank_main(rank, world, init_file, handler_cls, plan, out_file, timeout_s) -
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     results, broken = [], None
-    levels = {comm_type: cases.Case(comm_type, "bshd", torch.float32, world).levels for comm_type, *_ in plan}
-    groups = {sizes: build_dp_cp_groups(world, "cpu", list(sizes) if sizes else None) for sizes in levels.values()}
+    groups = {sizes: build_dp_cp_groups(world, "cpu", list(sizes) if sizes else None)
+              for sizes in {cases.Case(comm_type, "bshd", torch.float32, world).levels for comm_type, *_ in plan}}
     try:
         for comm_type, fmt, dtype_name, check, variant in plan:
             row = dict(world=world, comm_type=comm_type, qkv_format=fmt, dtype=dtype_name, check=check,
@@ -87,7 +87,7 @@ def _rank_main(rank, world, init_file, handler_cls, plan, out_file, timeout_s) -
                 results.append(dict(row, status="NOT RUN", detail=broken))
                 continue
             case = cases.Case(comm_type, fmt, getattr(torch, dtype_name), world)
-            status, detail, error = _run_case(handler_cls, case, groups[levels[comm_type]], check, variant)
+            status, detail, error = _run_case(handler_cls, case, groups[case.levels], check, variant)
             statuses = [None] * world
             dist.all_gather_object(statuses, (status, detail, error))
             status, detail = _agree(statuses)

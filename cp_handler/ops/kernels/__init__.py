@@ -102,8 +102,7 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
         if varying_shapes and not kernel.verified_thd:
             unverified = f"not yet verified on a GPU for packed documents (thd) (opt-in: attn_kernel={kernel.name!r})"
         reason = kernel.cannot_run(q, varying_shapes, v_head_dim) or \
-            (None if kernel.verified_for(q.dtype, q.shape[-1], v_head_dim) and (kernel.verified_thd or not
-                                                                               varying_shapes) else unverified)
+            (None if kernel.verified_for(q.dtype, q.shape[-1], v_head_dim, varying_shapes) else unverified)
         if reason is None:
             return kernel
         reasons.append(f"{kernel.name}: {reason}")

@@ -83,13 +83,15 @@ class AttnKernel:
     verified_distinct_v: bool = False
     verified_thd: bool = True
 
-    def verified_for(self, dtype: torch.dtype, head_dim: int | None = None, v_head_dim: int | None = None) -> bool:
+    def verified_for(self, dtype: torch.dtype, head_dim: int | None = None, v_head_dim: int | None = None,
+                     varying_shapes: bool = False) -> bool:
         """Whether a GPU run verified this kernel in ``dtype`` (and ``head_dim``, and a value head dim
-        ``v_head_dim`` other than it; CPU kernels: verified by the suite)."""
+        ``v_head_dim`` other than it, and plans of packed documents with ``varying_shapes``; CPU kernels:
+        verified by the suite)."""
         head_dim_ok = head_dim is None or self.verified_head_dims is None or head_dim in self.verified_head_dims
         mla_ok = v_head_dim in (None, head_dim) or self.verified_distinct_v or self.device_type == "cpu"
         return self.verified_on is not None and dtype in (self.verified_dtypes or self.dtypes) and head_dim_ok and \
-            mla_ok
+            mla_ok and (self.verified_thd or not varying_shapes)
 
     def cannot_plan(self, varying_shapes: bool) -> str | None:
         """Why this kernel cannot run plans of packed documents (``varying_shapes``), or ``None``."""
