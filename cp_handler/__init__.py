@@ -3,7 +3,7 @@
 Build a handler per batch, shard the batch with it, and pass it to a model that calls only its
 methods (see DESIGN.md):
 
-    h = get_cp_handler_cls("local", "p2p")(cp_group=group, qkv_format="bshd")
+    h = get_cp_handler_cls("local", "p2p")(cp_group=group, cp_comm_type="p2p", qkv_format="bshd")
     logits = model(h.dispatch(tokens, seq_dim=1), cp_handler=h)
     full = h.combine(logits, seq_dim=1)
 
@@ -22,7 +22,6 @@ from .handlers import (
     LocalContextParallelHandler,
     MagiAttnContextParallelHandler,
     TEContextParallelHandler,
-    ZigzagContextParallelHandler,
     build_cp_handler,
     get_cp_handler_cls,
     register_cp_handler,
@@ -41,7 +40,6 @@ __all__ = [
     "registered_backends",
     # the handlers: the base classes a backend subclasses, and the shipped ones
     "ContextParallelHandler",
-    "ZigzagContextParallelHandler",
     "LocalContextParallelHandler",
     "HierarchicalContextParallelHandler",
     "TEContextParallelHandler",

@@ -1,8 +1,9 @@
 """A complete third-party backend in one file: K/V all-gathered, one SDPA call per layer, the mask from the layout.
 
-The handler subclasses ``ZigzagContextParallelHandler``, which gives it the token layout (dispatch, combine,
-roll_tensor, RoPE: the zigzag split, thd documents padded per document) and the pre-flight of every ``core_attn``
-(checks, cross-rank agreement, the attention variant as an ``AttentionMask``). It writes the attention step only:
+The handler subclasses ``ContextParallelHandler``, whose composed parts give it the token layout (dispatch,
+combine, roll_tensor, RoPE: the default zigzag split, thd documents padded per document), the call guard and the
+pre-flight of every ``core_attn`` (checks, cross-rank agreement, the attention variant as an ``AttentionMask``), and
+the comm type as data on the instance. It writes the attention step only:
 gather every rank's K/V (``all_gather_summed``: its backward reduce-scatters the K/V gradients back to their
 ranks), build the boolean mask of each local query against every gathered key from the
 layout (same document, the variant's causal / window / chunk rule, real tokens only) and run
@@ -21,12 +22,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cp_handler import ContextParallelConfig, ZigzagContextParallelHandler, get_cp_handler_cls, register_cp_handler
+from cp_handler import ContextParallelConfig, ContextParallelHandler, get_cp_handler_cls, register_cp_handler
 from cp_handler.ops.collectives import all_gather_summed
 from cp_handler.testing import check_handler
 
 
-class GatherSDPAHandler(ZigzagContextParallelHandler):
+class GatherSDPAHandler(ContextParallelHandler):
     """KV all-gather + one SDPA call (``cp_comm_type="all_gather"``), every format of the zigzag layout."""
 
     def __init__(self, **kwargs):
@@ -69,7 +70,7 @@ register_cp_handler("gather_sdpa", GatherSDPAHandler, comm_types=("all_gather",)
 def main() -> int:
     config = ContextParallelConfig(backend="gather_sdpa", cp_comm_type="all_gather")
     cls = get_cp_handler_cls(config.backend, config.cp_comm_type)  # selected by config, as any backend
-    assert issubclass(cls, GatherSDPAHandler), cls
+    assert cls is GatherSDPAHandler, cls
     report = check_handler(GatherSDPAHandler, comm_types=["all_gather"], world_sizes=(2, 4))
     print(report.table())
     return 0 if report.ok else 1

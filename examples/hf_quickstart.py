@@ -24,7 +24,7 @@ def main() -> None:
     register(model)  # 1. attention through the CP handler; the model is checked (exact or refused)
     tokens = torch.randint(0, 256, (1, 128))  # (B, S) global batch, same on every rank
 
-    h = get_cp_handler_cls("local", "p2p")(cp_group=cp_group)  # 2. a handler per batch
+    h = get_cp_handler_cls("local", "p2p")(cp_group=cp_group, cp_comm_type="p2p")  # 2. a handler per batch
     input_ids, labels, loss_mask = next_token_batch(h, tokens)  # 3. local tokens, labels rolled across ranks
     logits = model(input_ids, **cp_model_inputs(h, input_ids), cp_handler=h).logits  # 4. global positions
     loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, cp_group)  # 5.

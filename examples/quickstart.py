@@ -16,7 +16,8 @@ def main() -> None:
     model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2))
     tokens = torch.randint(0, 256, (1, 128))  # (B, S) global batch, same on every rank
 
-    h = get_cp_handler_cls("local", "p2p")(cp_group=cp_group, qkv_format="bshd")  # built per batch
+    handler_cls = get_cp_handler_cls("local", "p2p")  # the backend's class (by config: backend, cp_comm_type)
+    h = handler_cls(cp_group=cp_group, cp_comm_type="p2p", qkv_format="bshd")  # per batch; the comm type is data
     local = h.dispatch(tokens, seq_dim=1)  # (B, S / cp): zigzag shard of this rank
     logits = model(local, cp_handler=h)  # (B, S / cp, V): ring attention inside
     full = h.combine(logits, seq_dim=1)  # (B, S, V) in original token order

@@ -103,8 +103,8 @@ def _te_worker(rank, world, version):
         forwards = [c for c in CALLS if c["call"] == "forward"]
         assert forwards and all(
             c["attn_mask_type"] == "padding_causal" and torch.equal(c["cu_seqlens_q"].cpu(), cu)
-            and torch.equal(c["cu_seqlens_q_padded"].cpu(), handler.cu_seqlens_padded)
-            and c["max_seqlen_q"] == max(handler.thd_layout.padded_lengths) for c in forwards)
+            and torch.equal(c["cu_seqlens_q_padded"].cpu(), handler.token_layout.cu_seqlens_padded)
+            and c["max_seqlen_q"] == max(handler.token_layout.thd_layout.padded_lengths) for c in forwards)
     _te_rebinds(groups, tokens)
     _te_restrictions(groups, version)
     _te_window(rank, world, groups)
@@ -125,7 +125,7 @@ def _te_rebinds(groups, tokens):
     CALLS.clear()
     outputs = []
     for group in (groups.cp_group, groups.cp_group, None, groups.cp_group):
-        handler = te_cls(cp_group=group)
+        handler = te_cls(cp_group=group, cp_comm_type="p2p")
         outputs.append(handler.combine(model(next_token_batch(handler, tokens)[0], cp_handler=handler), 1))
     binds = [c["cp_group"] for c in CALLS if c["call"] == "set_context_parallel_group"]
     layers = GQA.num_layers
@@ -134,7 +134,7 @@ def _te_rebinds(groups, tokens):
     model = GPTModel(MHA).to(BF16)
     CALLS.clear()
     for _ in range(2):  # a2a+p2p: a new list of the same groups each call must not re-bind
-        handler = get_cp_handler_cls("transformer_engine", "a2a+p2p")(cp_group=groups.cp_group,
+        handler = get_cp_handler_cls("transformer_engine", "a2a+p2p")(cp_group=groups.cp_group, cp_comm_type="a2a+p2p",
             hierarchical_cp_groups=list(groups.hierarchical_cp_groups))
         model(next_token_batch(handler, tokens)[0], cp_handler=handler)
     assert sum(c["call"] == "set_context_parallel_group" for c in CALLS) == MHA.num_layers
@@ -152,7 +152,8 @@ def _te_restrictions(groups, version):
         TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="a2a").core_attn(attn, q, kv, kv)
     with pytest.raises(ValueError, match=r"q has dtype torch.float32, but TE has no torch.float32 attention "
                                          r"backend under context parallelism"):
-        TEContextParallelHandler(cp_group=groups.cp_group).core_attn(attn, q.float(), q.float(), q.float())
+        handler = TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="p2p")
+        handler.core_attn(attn, q.float(), q.float(), q.float())
     attn.window_size = (16, 0)
     with pytest.raises(ValueError, match=r"window_size=\(16, 0\) \(sliding window\) is not supported by Transformer "
                                          r"Engine with cp_comm_type='p2p'"):
@@ -198,9 +199,9 @@ def _te_fp8_thd(groups, version, cu):
     from cp_handler.models.gpt import SelfAttention
 
     def handler():  # a new one each time: a handler that raised refuses further calls
-        return TEContextParallelHandler(cp_group=groups.cp_group, qkv_format="thd", cu_seqlens=cu)
+        return TEContextParallelHandler(cp_group=groups.cp_group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu)
 
-    local = torch.randn(handler().thd_layout.local_len, 4, 16, dtype=BF16)
+    local = torch.randn(handler().token_layout.thd_layout.local_len, 4, 16, dtype=BF16)
     manager = fp8.FP8GlobalStateManager
 
     def attend(recipe, capability=(10, 0), cudnn=(9, 26, 0)):
@@ -270,7 +271,7 @@ def _te_module_state(groups, tokens):
 
     from cp_handler.training import next_token_batch
 
-    handler = get_cp_handler_cls("transformer_engine", "p2p")(cp_group=groups.cp_group)
+    handler = get_cp_handler_cls("transformer_engine", "p2p")(cp_group=groups.cp_group, cp_comm_type="p2p")
     model = GPTModel(GQA).to(BF16)
     model(next_token_batch(handler, tokens)[0], cp_handler=handler)
     keys = [k for k in model.state_dict() if "te_attention" in k]
@@ -295,7 +296,8 @@ def _magi_worker(rank, world, version):
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(6))
     CALLS.clear()
     got = step(GQA, magi_cls(cp_group=group, **shape), tokens, group)
-    assert_close_by_norm(got, step(GQA, local_cls(cp_group=group), tokens, group), MAGI_TOL, f"magi {version} bshd")
+    expected = step(GQA, local_cls(cp_group=group, cp_comm_type="p2p"), tokens, group)
+    assert_close_by_norm(got, expected, MAGI_TOL, f"magi {version} bshd")
     (key_call,) = [c for c in CALLS if c["call"] == "magi_attn_varlen_key"]
     assert key_call["group"] is group and key_call["causal"]
     assert key_call["cu_seqlens_q"].tolist() == [0, 32, 64]  # two sequences squashed into two documents
@@ -304,20 +306,21 @@ def _magi_worker(rank, world, version):
         assert key_call["chunk_size"] == 512 and key_call["pad_size"] == (-64) % (512 * world)
     thd_tokens, cu = thd_batch(tokens)
     got = step(GQA, magi_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu, **shape), thd_tokens, group)
-    expected = step(GQA, local_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu), thd_tokens, group)
+    expected = step(GQA, local_cls(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu), thd_tokens,
+                    group)
     assert_close_by_norm(got, expected, MAGI_TOL, f"magi {version} thd")
     handler = magi_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu, **shape)
     x = torch.randn(1, int(cu[-1]), 3, requires_grad=True)
     local = handler.dispatch(x, 1)
     assert torch.equal(handler.combine(local.detach(), 1), x.detach())
-    reference = local_cls(cp_group=group, qkv_format="thd", cu_seqlens=cu)
+    reference = local_cls(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu)
     rolled = handler.combine(handler.roll_tensor(local.detach(), -1, 1)[0], 1)  # api.roll only in 1.1.1
     assert torch.equal(rolled, reference.combine(reference.roll_tensor(reference.dispatch(x.detach(), 1), -1, 1)[0],
                                                  1))
     weights = torch.randn_like(x)
     (local * handler.dispatch(weights, 1)).sum().backward()  # contract: this rank's tokens only
     mine = torch.zeros(int(cu[-1]), dtype=torch.bool)
-    positions = handler.positions[handler.positions < int(cu[-1])]
+    positions = handler.token_layout.positions[handler.token_layout.positions < int(cu[-1])]
     mine[positions] = True
     assert torch.equal(x.grad[0][~mine], torch.zeros_like(x.grad[0][~mine]))
     total = x.grad.clone()

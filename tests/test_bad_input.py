@@ -46,12 +46,12 @@ def _one_rank_checks(rank, world):
     x = torch.zeros(2, 8 * world)
 
     def dispatched():  # a handler per batch, which dispatched the batch
-        h = LocalContextParallelHandler(cp_group=group)
+        h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
         h.dispatch(x, seq_dim=1)
         return h
 
     with pytest.raises(ValueError, match=r"seq_dim=2 is out of range for a 2-D tensor \(valid: -2..1\)"):
-        LocalContextParallelHandler(cp_group=group).dispatch(x, seq_dim=2)
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").dispatch(x, seq_dim=2)
     with pytest.raises(ValueError, match=r"seq_dim=-3 is out of range"):
         dispatched().combine(x[:, :8], seq_dim=-3)
     with pytest.raises(ValueError, match=r"roll_tensor dims=5 is out of range for a 2-D tensor"):
@@ -67,16 +67,20 @@ def _one_rank_checks(rank, world):
             ContextParallelConfig(cp_comm_type=bad)
     with pytest.raises(TypeError, match=r"cp_comm_type=None must be one of"):
         ContextParallelConfig(cp_comm_type=None)
-    assert LocalContextParallelHandler(cp_group=group, cp_comm_type=None).cp_comm_type == "p2p"  # the default
+    with pytest.raises(ValueError, match=r"cp_comm_type=None at cp=\d: name the comm type the handler runs"):
+        LocalContextParallelHandler(cp_group=group)  # no default under CP: the comm type is named, never assumed
+    assert LocalContextParallelHandler(cp_comm_type=None).cp_comm_type == "p2p"  # cp = 1: nothing is communicated
     for dtype in (torch.uint8, torch.int8, torch.float32):
         with pytest.raises(TypeError, match=rf"cu_seqlens has dtype {dtype}; it must be int32"):
-            LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor([0, 100, 120],
+            LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd",
+                                        cu_seqlens=torch.tensor([0, 100, 120],
                                                                                                    dtype=dtype))
     for cu, message in (([[0, 4]], r"must be 1-D"), ([1, 4], r"starting at 0"),
                         ([0, 4, 3], r"non-decreasing .* cu_seqlens\[1\]=4, cu_seqlens\[2\]=3"),
                         ([0, 0, 0], r"holds no token")):
         with pytest.raises(ValueError, match=message):
-            LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=torch.tensor(cu))
+            LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd",
+                                        cu_seqlens=torch.tensor(cu))
     alone = LocalContextParallelHandler(qkv_format="thd", cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32))
     q = torch.randn(10, 4, 16)
     with pytest.raises(ValueError, match=r"thd tensor has 10 local tokens, but this batch's cu_seqlens give 8"):
@@ -93,14 +97,14 @@ def _outsider(rank, world):
     if rank >= 2:
         with pytest.raises(ValueError, match=rf"this process \(global rank {rank}\) is not a member of the CP group "
                                              r"\(global ranks \[0, 1\]\)"):
-            LocalContextParallelHandler(cp_group=group)
+            LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
 
 
 def _cross_rank(rank, world):
     group = new_cp_group()
     cu = torch.tensor([0, 4, 8] if rank == 0 else [0, 2, 8], dtype=torch.int32)  # same length, other documents
-    h = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu)
-    local = torch.randn(h.thd_layout.local_len, 4, 16)
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu)
+    local = torch.randn(h.token_layout.thd_layout.local_len, 4, 16)
     with pytest.raises(ValueError) as caught:  # the differing fields only, each rank's value in words
         h.core_attn(ATTN, local, local[:, :2], local[:, :2])
     assert str(caught.value).startswith(
@@ -111,7 +115,7 @@ def _cross_rank(rank, world):
                                          r"rank 1: 6\), layout \(rank 0: document lengths \[4, 4\]; rank 1: document "
                                          r"lengths \[2, 6\]\); every"):
         h.roll_tensor(local[:, 0], shifts=-1, dims=0)
-    bshd = LocalContextParallelHandler(cp_group=group)
+    bshd = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     q = torch.randn(1, 8 if rank == 0 else 12, 4, 16)  # different global lengths
     with pytest.raises(ValueError, match=r"disagree on local_len \(rank 0: 8; rank 1: 12\), layout \(rank 0: "
                                          r"document lengths \[16\]; rank 1: document lengths \[24\]\); every"):
@@ -121,11 +125,11 @@ def _cross_rank(rank, world):
         bshd.combine(q, seq_dim=1)
     with pytest.raises(ValueError, match=r"roll_tensor: the ranks of the CP group disagree"):
         bshd.roll_tensor(q[..., 0, 0], shifts=-1, dims=1)
-    agreed = LocalContextParallelHandler(cp_group=group)
+    agreed = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     same = torch.randn(1, 8, 4, 16)
     agreed.core_attn(ATTN, same, same[..., :2, :], same[..., :2, :])
     agreed.core_attn(ATTN, same, same[..., :2, :], same[..., :2, :])  # the same layer again (a recompute)
-    assert agreed._agreed == {"core_attn (layer_number 1)"}  # checked once per layer and handler, then remembered
+    assert agreed.agreement.done == {"core_attn (layer_number 1)"}  # checked once per layer and handler, remembered
 
 
 def _long_layouts(rank, world):
@@ -134,8 +138,8 @@ def _long_layouts(rank, world):
     group = new_cp_group()
     lengths = [4] * 78 + ([4, 8] if rank == 0 else [8, 4])
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    h = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu)
-    local = torch.randn(h.thd_layout.local_len, 4, 16)
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu)
+    local = torch.randn(h.token_layout.thd_layout.local_len, 4, 16)
     with pytest.raises(ValueError) as caught:
         h.core_attn(ATTN, local, local[:, :2], local[:, :2])
     message = str(caught.value)
@@ -154,10 +158,10 @@ def _switch_off(rank, world, monkeypatch_env):
         import os
 
         os.environ[CHECK_RANKS_ENV] = "0"
-        h = HierarchicalContextParallelHandler(cp_group=group)
+        h = HierarchicalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     else:
-        h = HierarchicalContextParallelHandler(cp_group=group, check_ranks=False)
-    assert not h.check_ranks
+        h = HierarchicalContextParallelHandler(cp_group=group, cp_comm_type="p2p", check_ranks=False)
+    assert not h.agreement.enabled
     q = torch.randn(1, 8, 4, 16)
     h.core_attn(ATTN, q, q[..., :2, :], q[..., :2, :])
 

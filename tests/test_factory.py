@@ -1,10 +1,9 @@
-"""``get_cp_handler_cls(backend, cp_comm_type)`` returns a class that runs the comm type it was asked
-for: every registered (backend, comm type) pair builds a handler with that ``cp_comm_type``, another
-one passed to it is refused, and (local backend, cp=2 and 4) the collectives issued are the named
-algorithm's, counted with ``count_comms``. Before, ``get_cp_handler_cls("local", "a2a")(cp_group=g)``
-ran p2p (the class's default)."""
+"""``get_cp_handler_cls(backend, cp_comm_type)`` returns the registered class, and the comm type is data on the
+handler: every registered (backend, comm type) pair builds a handler of that very class (no subclass per comm type)
+running that ``cp_comm_type``; at cp > 1 a handler built without one is refused by name (once,
+``get_cp_handler_cls("local", "a2a")(cp_group=g)`` ran p2p, the class's default), and (local backend, cp=2 and 4)
+the collectives issued are the named algorithm's, counted with ``count_comms``."""
 
-import re
 import sys
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from cp_handler.ops.collectives import count_comms
 
 FAKES = str(Path(__file__).parent / "fakes")
 PAIRS = sorted(_REGISTRY)
-OTHER = {"p2p": "a2a", "all_gather": "p2p", "a2a": "all_gather", "a2a+p2p": "p2p"}
 
 
 @pytest.fixture(autouse=True)
@@ -36,13 +34,11 @@ def backend_fakes(monkeypatch):
 
 
 @pytest.mark.parametrize("backend, comm_type", PAIRS)
-def test_factory_class_runs_the_comm_type_it_names(backend, comm_type):
+def test_factory_class_takes_the_comm_type_as_data(backend, comm_type):
     cls = get_cp_handler_cls(backend, comm_type)
-    assert cls(cp_group=None).cp_comm_type == comm_type
-    assert cls(cp_group=None, cp_comm_type=comm_type).cp_comm_type == comm_type
-    message = f"cp_comm_type='{OTHER[comm_type]}', but this class came from get_cp_handler_cls(..., '{comm_type}')"
-    with pytest.raises(ValueError, match=re.escape(message)):
-        cls(cp_group=None, cp_comm_type=OTHER[comm_type])
+    assert cls is _REGISTRY[(backend, comm_type)]  # the registered class, not a subclass made per comm type
+    handler = cls(cp_group=None, cp_comm_type=comm_type)
+    assert type(handler) is cls and handler.cp_comm_type == comm_type
 
 
 EXPECTED_OPS = {"p2p": {"send", "recv"}, "all_gather": {"all_gather", "reduce_scatter"}, "a2a": {"all_to_all"},
@@ -54,7 +50,10 @@ def _collectives_worker(rank, world):
     for comm_type, ops in EXPECTED_OPS.items():
         if comm_type == "a2a+p2p" and world < 4:
             continue
-        h = get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group,
+        with pytest.raises(ValueError, match=rf"LocalContextParallelHandler: cp_comm_type=None at cp={world}: name the "
+                                             "comm type the handler runs"):
+            get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group)  # the factory's value is not a default
+        h = get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group, cp_comm_type=comm_type,
                                                    hierarchical_cp_groups=groups.hierarchical_cp_groups,
                                                    check_ranks=False)  # only the attention's collectives
         q, k, v = (torch.randn(1, 8, 4, 8, requires_grad=True) for _ in range(3))  # (B, S_local, H, D)

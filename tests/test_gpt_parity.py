@@ -15,26 +15,23 @@ from device_cases import GPU_CASES
 from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
+from cp_handler.handlers import TokenLayout
 from cp_handler.models import GPTConfig
 from cp_handler.ops.seq_gather import all_gather_seq
 from cp_handler.rope import apply_rotary
 
 
-class ContiguousAllGatherHandler(ContextParallelHandler):
-    """A deliberately different strategy: rank r holds the r-th contiguous block; attention
-    all-gathers K/V (autograd reduce-scatters dK/dV) and masks by global position."""
-
-    def _positions(self, local_len, device=None):
-        return torch.arange(self.cp_rank * local_len, (self.cp_rank + 1) * local_len, device=device)
+class ContiguousLayout(TokenLayout):
+    """A deliberately different token layout: rank r holds the r-th contiguous block."""
 
     def dispatch(self, tensor, seq_dim):
-        local = tensor.shape[seq_dim] // self.cp_size
-        return tensor.narrow(seq_dim, self.cp_rank * local, local)
+        local = tensor.shape[seq_dim] // self.handler.cp_size
+        return tensor.narrow(seq_dim, self.handler.cp_rank * local, local)
 
     def combine(self, tensor, seq_dim):
-        return tensor if self.cp_size == 1 else all_gather_seq(tensor, seq_dim, self.cp_group)
+        return tensor if self.handler.cp_size == 1 else all_gather_seq(tensor, seq_dim, self.handler.cp_group)
 
-    def roll_tensor(self, tensor, shifts=-1, dims=-1):
+    def roll_tensor(self, tensor, shifts, dims):
         full = torch.roll(self.combine(tensor, dims), shifts, dims)
         n = full.shape[dims]
         full.narrow(dims, n + shifts if shifts < 0 else 0, abs(shifts)).zero_()
@@ -42,22 +39,28 @@ class ContiguousAllGatherHandler(ContextParallelHandler):
         return rolled, rolled.sum()
 
     def get_rotary_seq_len(self, local_seq_len):
-        return local_seq_len * self.cp_size
+        return local_seq_len * self.handler.cp_size
 
     def get_emb_on_this_cp_rank(self, emb):
         return self.dispatch(emb, 0)
 
     def apply_rotary_pos_emb(self, t, freqs):
-        return apply_rotary(t, freqs, self.qkv_format)
+        return apply_rotary(t, freqs, self.handler.qkv_format)
 
-    def core_attn(self, attn_mod, q, k, v, *, attn_mask_type="causal"):
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+
+class ContiguousAllGatherHandler(ContextParallelHandler):
+    """Its own layout (:class:`ContiguousLayout`) and attention step: all-gathers K/V (autograd reduce-scatters
+    dK/dV) and masks by global position."""
+
+    token_layout_cls = ContiguousLayout
+
+    def attend(self, call):
+        q, k, v = call.q, call.k, call.v  # (B, H, S_local, D)
         if self.cp_size > 1:
             k, v = (GatherSumGrad.apply(t.transpose(0, 2), self.cp_group).transpose(0, 2) for t in (k, v))
-        q_pos = self._positions(q.shape[2], q.device)
+        q_pos = torch.arange(self.cp_rank * q.shape[2], (self.cp_rank + 1) * q.shape[2], device=q.device)
         mask = q_pos[:, None] >= torch.arange(k.shape[2], device=q.device)[None, :]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn_mod.softmax_scale, enable_gqa=True)
-        return out.transpose(1, 2)
+        return call.restore(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=call.scale, enable_gqa=True))
 
 
 register_cp_handler("contiguous_allgather", ContiguousAllGatherHandler, ["all_gather"])
@@ -84,7 +87,8 @@ def _gpt_worker(rank, world):
     for config in (CONFIG, GPTConfig(**{**vars(CONFIG), "tie_word_embeddings": True, "num_query_groups": 4})):
         local_cls = get_cp_handler_cls("local", "p2p")
         reference = loss_and_grads(config, local_cls(cp_group=None), tokens, None)
-        assert_parity(loss_and_grads(config, local_cls(cp_group=group), tokens, group), reference, "local p2p")
+        got = loss_and_grads(config, local_cls(cp_group=group, cp_comm_type="p2p"), tokens, group)
+        assert_parity(got, reference, "local p2p")
     custom_cls = get_cp_handler_cls("contiguous_allgather", "all_gather")
     reference = loss_and_grads(CONFIG, custom_cls(cp_group=None, cp_comm_type="all_gather"), tokens, None)
     custom = loss_and_grads(CONFIG, custom_cls(cp_group=group, cp_comm_type="all_gather"), tokens, group)

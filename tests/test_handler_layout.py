@@ -70,7 +70,7 @@ def _check_rope(h, device):
 
 def _layout_worker(rank, world, device="cpu"):
     group = new_cp_group() if world > 1 else None
-    h = LocalContextParallelHandler(cp_group=group, qkv_format="bshd")
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="bshd")
     assert (h.cp_size, h.cp_rank) == (world, rank)
     for seq_dim in (0, 1, 2):
         _check_dispatch_combine(h, group, seq_dim, device)
@@ -80,7 +80,7 @@ def _layout_worker(rank, world, device="cpu"):
     _check_rope(h, device)
     if world > 1:  # a failed call leaves a handler unusable on its rank: a new one per check
         with pytest.raises(ValueError, match=r"seq_len=10 is not divisible by 2 \* context_parallel_size"):
-            LocalContextParallelHandler(cp_group=group).dispatch(torch.zeros(1, 10), seq_dim=1)
+            LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").dispatch(torch.zeros(1, 10), seq_dim=1)
         with pytest.raises(ValueError, match=r"\|shifts\| must be <= the zigzag chunk length"):
             h.roll_tensor(torch.zeros(1, 24 // world), shifts=24 // (2 * world) + 1, dims=1)
 

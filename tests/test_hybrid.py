@@ -139,7 +139,7 @@ def check_mixer(rank, world, groups, name, kernel, dtype, fmt, negative=False, d
     tensors, params = _with_grads(inputs, params)
     extra = {} if fmt != "thd" else {"qkv_format": "thd", "cu_seqlens": torch.tensor(
         [0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)}
-    handler = LocalContextParallelHandler(cp_group=groups.cp_group if world > 1 else None, **extra)
+    handler = LocalContextParallelHandler(cp_group=groups.cp_group if world > 1 else None, cp_comm_type="p2p", **extra)
     local = {k: handler.dispatch(t, inputs[k][1]) for k, t in tensors.items()}
     got = call(handler, **local)
     got.backward(handler.dispatch(grad_out.to(device), out_dim))
@@ -217,7 +217,8 @@ def _bytes_worker(rank, world):
 
     group, sent = dist.group.WORLD, {}
     for length in (16 * world, 64 * world):
-        handler = LocalContextParallelHandler(cp_group=group, check_ranks=False)  # no agreement all-gather counted
+        # no agreement all-gather counted
+        handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", check_ranks=False)
         x = handler.dispatch(torch.randn(2, 6, length, requires_grad=True), 2)
         q, k = (handler.dispatch(torch.randn(2, length, 2, 5, requires_grad=True), 1) for _ in range(2))
         v = handler.dispatch(torch.randn(2, length, 4, 3, requires_grad=True), 1)

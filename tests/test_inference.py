@@ -278,7 +278,8 @@ def _errors_worker(rank, world):
     from cp_handler.handlers.local import LocalContextParallelHandler
 
     cu = torch.tensor([0, 13], dtype=torch.int32)
-    prefill = LocalContextParallelHandler(cp_group=group, qkv_format="thd", cu_seqlens=cu, kv_cache=filled)
+    prefill = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu,
+                                          kv_cache=filled)
     model(prefill.dispatch(prompts()[0].view(1, -1), 1), cp_handler=prefill)
     filled.finish_prefill()
     step = DecodeHandler(filled, cp_group=group)
@@ -288,7 +289,7 @@ def _errors_worker(rank, world):
                                          r"\(layer: \(step, prefill\) calls\) \{1: \(0, 1\), 2: \(0, 1\)\}"):
         DecodeHandler(filled, cp_group=group)  # the step above never ran the model
     with pytest.raises(ValueError, match=r"kv_cache: a prefill runs prompts as thd documents"):
-        LocalContextParallelHandler(cp_group=group, qkv_format="bshd", kv_cache=KVCache(group, 2))
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="bshd", kv_cache=KVCache(group, 2))
 
 
 def test_bad_use_is_a_clear_error():

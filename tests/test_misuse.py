@@ -33,19 +33,20 @@ def _qkv(seed: int, length: int = 16):
 def _dispatch_combine_worker(rank, world):
     group = new_cp_group()
     x = torch.randn(1, 16, 4)
-    h = LocalContextParallelHandler(cp_group=group)
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     local = h.dispatch(x, 1)
     with pytest.raises(ValueError, match=r"dispatch: a tensor of 8 tokens along dim 1, but this handler dispatched "
                                          r"sequences of 16 tokens: it is a shard already"):
         h.dispatch(local, 1)
     with pytest.raises(ValueError, match=r"combine: .*this handler dispatched nothing, so a tensor \(1, 8, 4\) cannot "
                                          r"be known to be a shard"):
-        LocalContextParallelHandler(cp_group=group).combine(local, 1)  # on every rank, before any collective
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").combine(local, 1)  # all ranks, no collective
     with pytest.raises(ValueError, match=r"dispatch: a sequence of 0 tokens along dim 1"):
-        LocalContextParallelHandler(cp_group=group).dispatch(torch.zeros(1, 0, 4), 1)
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").dispatch(torch.zeros(1, 0, 4), 1)
     with pytest.raises(ValueError, match=r"a local sequence of 0 tokens"):
-        LocalContextParallelHandler(cp_group=group).core_attn(Attn(), *(torch.zeros(1, 0, 4, 8),) * 3)
-    reused = LocalContextParallelHandler(cp_group=group)
+        empty = torch.zeros(1, 0, 4, 8)
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").core_attn(Attn(), empty, empty, empty)
+    reused = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     reused.dispatch(x, 1)
     if rank == 1:  # this rank's second batch is longer: refused on it before any collective
         with pytest.raises(ValueError, match=r"this handler dispatched sequences of 16 tokens"):
@@ -75,7 +76,7 @@ def _scale_worker(rank, world):
     attn = Attn()
     attn.softmax_scale = 0.0  # falsy: it used to run at the default scale
     with pytest.raises(ValueError, match=r"attn_mod.softmax_scale=0.0 must be a finite number > 0"):
-        LocalContextParallelHandler(cp_group=group).core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
     attn.softmax_scale = 0.9  # not the default D ** -0.5 = 0.35
     want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=0.9)
     for comm in ("p2p", "all_gather", "a2a"):
@@ -84,7 +85,7 @@ def _scale_worker(rank, world):
         torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)  # float32, reordered sums
     attn.softmax_scale, attn.window_size = None, 8
     with pytest.raises(TypeError, match=r"attn_mod.window_size=8 must be a \(left, right\) pair of ints"):
-        LocalContextParallelHandler(cp_group=group).core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").core_attn(attn, q[:, :8], k[:, :8], v[:, :8])
 
 
 def test_softmax_scale_is_used_as_given_and_bad_options_are_refused():
@@ -94,18 +95,18 @@ def test_softmax_scale_is_used_as_given_and_bad_options_are_refused():
 def _one_rank_fails_worker(rank, world):
     group = new_cp_group()
     q, k, v = _qkv(1)
-    bad = LocalContextParallelHandler(cp_group=group)
+    bad = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     local = [bad.dispatch(t, 1) for t in (q, k, v)]
     if rank == 1:
         local[0] = local[0].double()  # only this rank's inputs are wrong
     with pytest.raises(RanksRefused, match=r"core_attn \(layer_number 1\): the inputs of some ranks of the CP group "
                                            r"were refused \(rank 1: TypeError: core_attn q, k, v must share one dtype"):
         bad.core_attn(Attn(), *local)  # every rank raises the same error, no rank entered the ring
-    h = LocalContextParallelHandler(cp_group=group)  # the caller goes on to the next batch
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")  # the caller goes on to the next batch
     out = h.combine(h.core_attn(Attn(), *(h.dispatch(t, 1) for t in (q, k, v))), 1)
     want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
     torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-6, rtol=1e-6)
-    broken = LocalContextParallelHandler(cp_group=group)
+    broken = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     with pytest.raises(RanksRefused, match=r"dispatch: the inputs of some ranks of the CP group were refused \(rank 1: "
                                            r"ValueError: seq_len=7 is not divisible"):
         broken.dispatch(torch.zeros(1, 7 if rank == 1 else 8, 4), 1)  # one rank's length: every rank raises
@@ -123,8 +124,8 @@ def test_one_rank_failing_is_every_ranks_error_and_the_next_batch_is_exact():
 def _serial_worker(rank, world):
     group = new_cp_group()
     if rank == 0:
-        LocalContextParallelHandler(cp_group=group)  # rank 0 built one handler more (e.g. skipped a batch)
-    h = LocalContextParallelHandler(cp_group=group)
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")  # rank 0 built one more (skipped a batch)
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     with pytest.raises(RanksRefused, match=r"dispatch: the ranks of the CP group disagree on handler serial \(rank 0: "
                                            r"(\d+); rank 1: (?!\1)\d+\); every rank"):
         h.dispatch(next(_qkv(2)), 1)  # the handler's first call
@@ -157,7 +158,7 @@ def _variant_worker(rank, world):
             f"{odd}: {window % 4}); every rank must pass"), str(caught.value)
     scaled = Attn()
     scaled.softmax_scale = 0.5 + rank  # another scale on each rank: another result
-    h = LocalContextParallelHandler(cp_group=group)
+    h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     with pytest.raises(RanksRefused, match=r"disagree on variant \(rank 0: [^;]*, softmax_scale=0.5; rank 1: [^;]*, "
                                            r"softmax_scale=1.5[;)]"):
         h.core_attn(scaled, *(h.dispatch(t, 1) for t in (q, k, v)))

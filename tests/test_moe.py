@@ -52,7 +52,7 @@ def _moe_worker(rank, world, cp, ep):
     dp_rank = dist.get_rank(groups.groups["dp"])
     rows = tokens()[dp_rank * BATCH // layout.data_parallel_size:(dp_rank + 1) * BATCH // layout.data_parallel_size]
     moe = ExpertParallelHandler(num_experts=8, ep_group=groups.groups["ep"], stats_group=groups.groups["dp_cp"])
-    handler = LocalContextParallelHandler(cp_group=groups.groups["cp"])
+    handler = LocalContextParallelHandler(cp_group=groups.groups["cp"], cp_comm_type="p2p")
     loss, grads, model = step(handler, moe, rows, groups.groups["dp_cp"], shard=True)
     experts = {n for n in grads if ".experts." in n}
     assert len(experts) == 2 * 3 * 8 // ep  # 2 layers x 3 matrices x local experts

@@ -85,12 +85,13 @@ def check_moves(h, group, cu, device):
     torch.manual_seed(1)
     x = torch.randn(total, 3, dtype=torch.float64).to(device).requires_grad_()
     local = h.dispatch(x, 0)
-    assert local.shape[0] == h.thd_layout.local_len
+    assert local.shape[0] == h.token_layout.thd_layout.local_len
     assert torch.equal(h.combine(local.detach(), 0), x.detach())
-    assert torch.all(local.detach()[~h.thd_layout.real_mask(h.cp_rank).to(device)] == 0)  # padding inserted as zeros
+    real = h.token_layout.thd_layout.real_mask(h.cp_rank).to(device)
+    assert torch.all(local.detach()[~real] == 0)  # padding inserted as zeros
     rolled, _ = h.roll_tensor(local, shifts=-1, dims=0)
     assert torch.equal(h.combine(rolled.detach(), 0), roll_per_document(x.detach(), -1, cu))
-    pad = ~h.thd_layout.real_mask(h.cp_rank).to(device)
+    pad = ~h.token_layout.thd_layout.real_mask(h.cp_rank).to(device)
     dirty = local.detach() + 7.0 * pad[:, None]  # activations are not zero at padding slots
     for shift in (-1, 1):
         rolled_dirty, _ = h.roll_tensor(dirty, shifts=shift, dims=0)
@@ -105,7 +106,7 @@ def check_moves(h, group, cu, device):
     (roll_per_document(x_ref, -1, cu) * w).sum().backward()
     assert torch.equal(grad, x_ref.grad)
     t = torch.randn(total, 2, 8).to(device)
-    freqs = rotary_freqs(h.get_rotary_seq_len(h.thd_layout.local_len), 8, device=device)
+    freqs = rotary_freqs(h.get_rotary_seq_len(h.token_layout.thd_layout.local_len), 8, device=device)
     got = h.apply_rotary_pos_emb(h.dispatch(t, 0), h.get_emb_on_this_cp_rank(freqs))
     assert torch.equal(got, h.dispatch(rope_per_document(t, cu, freqs), 0))
 
@@ -115,14 +116,14 @@ def check_attention(h, groups, patterns, world, cu_t, case):
     total, heads, kv_heads, d = int(cu_t[-1]), 4, 2, 16
     q, dout = torch.randn(total, heads, d), torch.randn(total, heads, d)
     k, v = torch.randn(total, kv_heads, d), torch.randn(total, kv_heads, d)
-    real = h.thd_layout.real_mask(h.cp_rank)
+    real = h.token_layout.thd_layout.real_mask(h.cp_rank)
     for causal in (True, False):
         expected = per_document_attention(*(case.reference(t) for t in (q, k, v, dout)), cu_t, causal)
         for pattern in patterns:
             q_l, k_l, v_l = (case.local(h.dispatch(t, 0)).transpose(0, 1).unsqueeze(0).requires_grad_()
                              for t in (q, k, v))
             out, lse = run_pattern(pattern, q_l, k_l, v_l, groups, causal=causal, scale=d**-0.5,
-                                   layout=h.thd_layout)
+                                   layout=h.token_layout.thd_layout)
             out.backward(case.local(h.dispatch(dout, 0)).transpose(0, 1).unsqueeze(0))
             got = [out[0].transpose(0, 1), lse[0], *(g[0].transpose(0, 1) for g in (q_l.grad, k_l.grad, v_l.grad))]
             got = [g.detach().to("cpu", expected[0].dtype) for g in got]
@@ -153,7 +154,7 @@ def _thd_worker(rank, world, patterns, sizes, case=CPU):
             cu.append(cu[-1] + n)
         cu_t = torch.tensor(cu, dtype=torch.int32)
         h = HierarchicalContextParallelHandler(
-            cp_group=groups.cp_group if world > 1 else None, qkv_format="thd", cu_seqlens=cu_t,
+            cp_group=groups.cp_group if world > 1 else None, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu_t,
             hierarchical_cp_groups=groups.hierarchical_cp_groups)
         check_moves(h, groups.cp_group if world > 1 else None, cu, case.device)
         if world > 1:

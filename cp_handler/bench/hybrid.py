@@ -54,7 +54,7 @@ def _measure(layer, x: torch.Tensor, group, reps: int) -> dict:
     largest difference of their outputs."""
     cp, rank = dist.get_world_size(), dist.get_rank()
     plain = LocalContextParallelHandler()
-    handler = LocalContextParallelHandler(cp_group=group, check_ranks=False)
+    handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", check_ranks=False)
     local = handler.dispatch(x, 1).detach().requires_grad_()
     shard = x[:, rank * x.shape[1] // cp:(rank + 1) * x.shape[1] // cp].clone().requires_grad_()
 

@@ -195,7 +195,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
                    hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
     handler_cls = get_cp_handler_cls(config.backend, config.cp_comm_type)
     handler_cls.check_available()
-    if model is not None and "linear_attention" in (model.layer_types or ()) and not handler_cls.runs_mixers:
+    runs_mixers = handler_cls.token_layout_cls.mixers_cls.runs_mixers
+    if model is not None and "linear_attention" in (model.layer_types or ()) and not runs_mixers:
         raise ValueError(f"--layer-pattern {args.layer_pattern}: --backend {config.backend} runs attention only; "
                          "linear-attention layers need --backend local or transformer_engine")
     with flags_in_errors(EVAL_FLAGS):

@@ -4,8 +4,9 @@ from .base import ContextParallelHandler
 from .local import HierarchicalContextParallelHandler, LocalContextParallelHandler
 from .magi import MagiAttnContextParallelHandler
 from .registry import build_cp_handler, get_cp_handler_cls, register_cp_handler, registered_backends
+from .token_layout import TokenLayout
 from .transformer_engine import TEContextParallelHandler
-from .zigzag import ZigzagContextParallelHandler
+from .zigzag import ZigzagLayout
 
 register_cp_handler("local", LocalContextParallelHandler)
 register_cp_handler("transformer_engine", TEContextParallelHandler, ("p2p", "all_gather", "a2a", "a2a+p2p"))
@@ -17,7 +18,8 @@ __all__ = [
     "LocalContextParallelHandler",
     "MagiAttnContextParallelHandler",
     "TEContextParallelHandler",
-    "ZigzagContextParallelHandler",
+    "TokenLayout",
+    "ZigzagLayout",
     "build_cp_handler",
     "get_cp_handler_cls",
     "register_cp_handler",

@@ -128,3 +128,45 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int
         raise RanksRefused(f"{what}: the ranks of the CP group disagree on {listing}; every rank must pass the same "
                            "batch layout (sequence length, cu_seqlens, dtype, heads), attention variant and comm type, "
                            "and build its handlers in the same order (serial)")
+
+
+class RankAgreement:
+    """A handler's agreement component: once per kind of call (``what``), every rank of the CP group compares
+    its pass/fail and its values (:func:`check_ranks_agree`), with the handler's serial.
+
+    Args:
+        group: the CP group (``None``, or one rank: no agreement, a local error is raised as is).
+        serial: how many handlers this process built on ``group`` before this one (:func:`~.guard.next_serial`).
+        enabled: the handler's ``check_ranks`` (:func:`ranks_check_enabled`).
+    """
+
+    __slots__ = ("group", "serial", "enabled", "done")
+
+    def __init__(self, group: dist.ProcessGroup | None, serial: int, enabled: bool):
+        self.group = group if group is not None and dist.get_world_size(group) > 1 else None
+        self.serial, self.enabled = serial, enabled
+        self.done: set[str] = set()
+        """The kinds of call already agreed (each is agreed once per handler)."""
+
+    def agree(self, what: str, values: dict[str, int | str], device, error: Exception | None = None) -> None:
+        """Once per ``what``: every rank passed its local checks (``error`` is this rank's failure) with the same
+        ``values`` and handler serial, else the same :class:`RanksRefused` on every rank; skipped at cp=1, when
+        disabled, or after the first call of this kind (then a local ``error`` is raised on this rank alone)."""
+        if self.group is None or not self.enabled or what in self.done:
+            if error is not None:
+                raise error
+            return
+        check_ranks_agree(self.group, what, {"handler serial": self.serial, **values}, device, error)
+        self.done.add(what)
+
+    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int | str]:
+        """Run ``local_checks() -> {field: int or str}`` (this rank's checks, no collective) and fold its pass/fail
+        into :meth:`agree`: a rank whose checks fail still joins the agreement, so every rank raises the same error
+        instead of the others entering a collective alone. Returns the values (missing fields 0)."""
+        try:
+            values, error = local_checks(), None
+        except (ValueError, TypeError) as err:
+            values, error = dict.fromkeys(fields, 0), err
+        values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
+        self.agree(what, values, device, error)
+        return values

@@ -8,53 +8,61 @@ the identity or plain attention, so one model file runs alone and context-parall
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 
 import torch
 import torch.distributed as dist
 
-from ..config import QKV_FORMATS, as_comm_type_list, check_comm_types
+from ..config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list, check_comm_types
 from ..ops.patterns import PATTERNS
 from ..ops.ulysses import check_a2a_heads
-from .agreement import check_ranks_agree, ranks_check_enabled
+from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
-from .guard import Guard, next_serial, poisoning
-from .mixers import MixerMethods
+from .guard import Guard, next_serial
 from .preflight import AttnCall, preflight
-
-GUARDED_METHODS = ("dispatch", "combine", "roll_tensor", "core_attn")
-"""Methods after whose failure a handler refuses every further call on this rank (it is poisoned): a subclass's
-own are wrapped in the :class:`~.guard.Guard`; the base's ``core_attn`` runs its guard inline."""
+from .token_layout import TokenLayout
+from .zigzag import ZigzagLayout
 
 
-class ContextParallelHandler(MixerMethods, ABC):
-    """Abstract CP strategy. Subclasses implement the methods below (attention as :meth:`attend`, after the
-    one pre-flight of :meth:`core_attn`).
+class ContextParallelHandler(metaclass=ABCMeta):
+    """A CP strategy: the contract's seven methods (and the mixer methods) over composed parts.
+
+    A backend subclasses this class and implements :meth:`attend`, the attention step of a checked call
+    (:class:`~.preflight.AttnCall`); optionally its own token layout (``token_layout_cls``, a
+    :class:`~.token_layout.TokenLayout`; default the zigzag layout) and its rules (:meth:`check_call`,
+    :meth:`unsupported_variant`, :meth:`check_config`, :meth:`check_available`, :meth:`from_config`). What every
+    backend shares is composed in, not inherited: the call guard (:class:`~.guard.Guard`, around ``dispatch``,
+    ``combine``, ``roll_tensor``, ``core_attn`` and the mixer methods), the rank agreement (``self.agreement``,
+    :class:`~.agreement.RankAgreement`), the token layout (``self.token_layout``), the mixers (``self.mixers``) and
+    the pre-flight of ``core_attn`` (:func:`~.preflight.preflight`). The comm type is data on the instance.
 
     Args:
         cp_group: the CP process group; ``None`` means cp=1.
         qkv_format: layout of q, k, v given to :meth:`core_attn` (``"bshd"``, ``"sbhd"``, ``"thd"``).
         cp_comm_type: one of ``CP_COMM_TYPES``, or a list with one entry per layer (indexed by the
-            attention module's 1-based ``layer_number``, as in Megatron-LM). Default: the comm type
-            the class was bound to by ``get_cp_handler_cls``, else ``"p2p"``.
+            attention module's 1-based ``layer_number``, as in Megatron-LM). Required at cp > 1 (unless the class
+            declares ``default_cp_comm_type``): ``get_cp_handler_cls(backend, cp_comm_type)`` picks the class, the
+            handler is told the comm type it runs; at cp = 1 nothing is communicated (default ``"p2p"``).
         hierarchical_cp_groups: this rank's group at each hierarchical CP level, inner first
             (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
         cu_seqlens: for ``qkv_format="thd"``: int32 ``[num_docs + 1]`` offsets of the real
             (unpadded) documents packed in the global sequence; required for thd, refused otherwise.
         check_ranks: check once per handler and kind of call that the ranks of the CP group agree
-            on the batch layout (one all-gather of a few int64; :mod:`.checks`); default: on, unless
+            on the batch layout (one all-gather of a few int64; :mod:`.agreement`); default: on, unless
             the environment variable ``CP_HANDLER_CHECK_RANKS=0``.
 
     Raises:
-        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list, a
-            ``cp_comm_type`` other than the one the class was bound to by ``get_cp_handler_cls``;
-            ``cu_seqlens`` missing for thd, given for bshd/sbhd, or malformed; this process not a
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list, no ``cp_comm_type``
+            at cp > 1; ``cu_seqlens`` missing for thd, given for bshd/sbhd, or malformed; this process not a
             rank of ``cp_group``.
         TypeError: ``cp_comm_type`` not a str or list of str; ``cu_seqlens`` not an int32/int64 tensor.
     """
 
-    bound_cp_comm_type: str | list[str] | None = None
-    """The comm type ``get_cp_handler_cls`` bound this class to (``None``: not bound, default ``"p2p"``)."""
+    token_layout_cls: type[TokenLayout] = ZigzagLayout
+    """Where the tokens sit on the ranks (:mod:`.token_layout`); the mixers follow from it."""
+    default_cp_comm_type: str | None = None
+    """The comm type of a handler built without one at cp > 1 (``None``: the caller must name it; a backend that
+    plans its own communication declares its one value)."""
 
     def __init__(
         self,
@@ -68,7 +76,6 @@ class ContextParallelHandler(MixerMethods, ABC):
     ):
         if qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
-        cp_comm_type = self._resolve_comm_type(cp_comm_type)
         if (qkv_format == "thd") != (cu_seqlens is not None):
             raise ValueError(
                 f"qkv_format={qkv_format!r} with cu_seqlens={'given' if cu_seqlens is not None else None}: "
@@ -77,58 +84,32 @@ class ContextParallelHandler(MixerMethods, ABC):
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens)
         check_member(cp_group)
-        self.check_ranks = ranks_check_enabled(check_ranks)
-        self._agreed: set[str] = set()
-        self.cu_seqlens = cu_seqlens
         self.cp_group = cp_group
-        self.qkv_format = qkv_format
-        self.cp_comm_type = cp_comm_type
-        self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.cp_comm_type = self._comm_type(cp_comm_type)
+        self.cu_seqlens = cu_seqlens
+        self.qkv_format = qkv_format
+        self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
         self.serial = next_serial(cp_group)
         self.failure: str | None = None
+        """The first failure of a guarded call on this rank (the handler then refuses every call: :mod:`.guard`)."""
+        self.agreement = RankAgreement(cp_group, self.serial, ranks_check_enabled(check_ranks))
+        self.token_layout = self.token_layout_cls(self)
+        self.mixers = self.token_layout.mixers_cls(self)
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        for name in GUARDED_METHODS:
-            if name in cls.__dict__:
-                setattr(cls, name, poisoning(cls.__dict__[name]))
-
-    def _resolve_comm_type(self, cp_comm_type):
-        bound = self.bound_cp_comm_type
+    def _comm_type(self, cp_comm_type):
         if cp_comm_type is None:
-            return bound if bound is not None else "p2p"
+            cp_comm_type = self.default_cp_comm_type
+        if cp_comm_type is None:
+            if self.cp_size > 1:
+                raise ValueError(f"{type(self).__name__}: cp_comm_type=None at cp={self.cp_size}: name the comm type "
+                                 f"the handler runs, one of {CP_COMM_TYPES} or a list with one per layer "
+                                 "(get_cp_handler_cls(backend, cp_comm_type) picks the class; the handler takes the "
+                                 "same cp_comm_type, or build it with build_cp_handler(config, ...))")
+            return "p2p"  # cp = 1: nothing is communicated
         check_comm_types(cp_comm_type)
-        if bound is not None and as_comm_type_list(cp_comm_type) != as_comm_type_list(bound):
-            raise ValueError(f"cp_comm_type={cp_comm_type!r}, but this class came from get_cp_handler_cls(..., "
-                             f"{bound!r}): build the handler with the class of the comm type it runs")
         return cp_comm_type
-
-    def agree(self, what: str, values: dict[str, int | str], device, error: Exception | None = None) -> None:
-        """Once per handler and ``what``: check that every rank of the CP group passed its local checks
-        (``error`` is this rank's failure) and has the same ``values`` (ints, or texts quoted when they differ:
-        :func:`~.agreement.check_ranks_agree`) and handler serial (raises the same ValueError on every rank,
-        naming each differing field and each rank's value); skipped at cp=1, when ``check_ranks`` is off, or
-        after the first call of this kind (then a local ``error`` is raised on this rank alone)."""
-        if self.cp_size == 1 or not self.check_ranks or what in self._agreed:
-            if error is not None:
-                raise error
-            return
-        check_ranks_agree(self.cp_group, what, {"handler serial": self.serial, **values}, device, error)
-        self._agreed.add(what)
-
-    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int | str]:
-        """Run ``local_checks() -> {field: int or str}`` (this rank's checks, no collective) and fold its
-        pass/fail into :meth:`agree`: a rank whose checks fail still joins the agreement, so every rank
-        raises the same error instead of the others entering a collective alone."""
-        try:
-            values, error = local_checks(), None
-        except (ValueError, TypeError) as err:
-            values, error = dict.fromkeys(fields, 0), err
-        values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
-        self.agree(what, values, device, error)
-        return values
 
     def agreement_key(self, attn_mod) -> str | None:
         """The agreement key of a ``core_attn`` call: one per layer (``attn_mod.layer_number``, else the call's
@@ -137,10 +118,6 @@ class ContextParallelHandler(MixerMethods, ABC):
         layer = getattr(attn_mod, "layer_number", None)
         self._attn_calls = getattr(self, "_attn_calls", 0) + 1
         return f"core_attn (layer_number {layer})" if layer is not None else f"core_attn (call {self._attn_calls})"
-
-    def call_layout(self, local_len: int):
-        """The batch's layout for a local length (checked: ValueError), or ``None`` (default: no zigzag layout)."""
-        return None
 
     def check_call(self, call: AttnCall) -> None:
         """This backend's rules for one call, run inside the pre-flight (raise ValueError / TypeError)."""
@@ -222,31 +199,35 @@ class ContextParallelHandler(MixerMethods, ABC):
             return None
         return f"{', '.join(used)} not supported by this backend; backend='local' runs them in every comm type"
 
-    @abstractmethod
+    # -- the contract: the token layout's methods, under the call guard where they communicate -------------------
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard along ``seq_dim``. Backward returns the gradient in
         the global layout (zero outside this rank's tokens; sum over the group for the total)."""
+        with Guard(self, "dispatch"):
+            return self.token_layout.dispatch(tensor, seq_dim)
 
-    @abstractmethod
     def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Local shard -> global tensor in original token order (inverse of :meth:`dispatch`)."""
+        with Guard(self, "combine"):
+            return self.token_layout.combine(tensor, seq_dim)
 
-    @abstractmethod
     def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """``torch.roll`` in global token order across ranks; wrapped-around positions are zero.
         Returns ``(rolled, rolled.sum())`` (local sum) as Megatron-LM's ``roll_tensor`` does."""
+        with Guard(self, "roll_tensor"):
+            return self.token_layout.roll_tensor(tensor, shifts, dims)
 
-    @abstractmethod
     def get_rotary_seq_len(self, local_seq_len: int) -> int:
         """Number of rows the rotary table needs for this batch (from the live group)."""
+        return self.token_layout.get_rotary_seq_len(local_seq_len)
 
-    @abstractmethod
     def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
         """Rows of a per-position table ``emb (S_global, ...)`` for this rank's local tokens."""
+        return self.token_layout.get_emb_on_this_cp_rank(emb)
 
-    @abstractmethod
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE at the global positions of the local tokens; ``freqs`` from :meth:`get_emb_on_this_cp_rank`."""
+        return self.token_layout.apply_rotary_pos_emb(t, freqs)
 
     def core_attn(
         self,
@@ -267,8 +248,28 @@ class ContextParallelHandler(MixerMethods, ABC):
         with Guard(self, "core_attn"):
             return self.attend(preflight(self, attn_mod, q, k, v, attn_mask_type))
 
+    @abstractmethod
     def attend(self, call: AttnCall) -> torch.Tensor:
         """The attention of a checked call (:class:`~.preflight.AttnCall`), shaped like the q passed
-        (``call.restore``): the backend's algorithm, which checks nothing again. A backend implements this (or,
-        as before the pre-flight existed, overrides :meth:`core_attn` whole and does its own checks)."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither attend(call) nor core_attn")
+        (``call.restore``): the backend's algorithm, which checks nothing again."""
+
+    # -- the mixer methods: the mixer component of the token layout, under the call guard ----------------------
+    def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
+        """A causal depthwise convolution of the whole sequence (:meth:`.mixers.ZigzagMixers.causal_conv1d`)."""
+        with Guard(self, "causal_conv1d"):
+            return self.mixers.causal_conv1d(x, weight, bias, activation, conv_fn=conv_fn, **conv_kwargs)
+
+    def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
+        """The gated delta rule over the whole sequence (:meth:`.mixers.ZigzagMixers.gated_delta_rule`)."""
+        with Guard(self, "gated_delta_rule"):
+            return self.mixers.gated_delta_rule(query, key, value, g, beta, kernel=kernel, **kernel_kwargs)
+
+    def ssd_scan(self, x, dt, A, B, C, chunk_size, *, kernel, **kernel_kwargs):
+        """Mamba2's scan over the whole sequence (:meth:`.mixers.ZigzagMixers.ssd_scan`)."""
+        with Guard(self, "ssd_scan"):
+            return self.mixers.ssd_scan(x, dt, A, B, C, chunk_size, kernel=kernel, **kernel_kwargs)
+
+    def selective_scan(self, u, delta, A, B, C, *, kernel, **kernel_kwargs):
+        """Mamba's selective scan over the whole sequence (:meth:`.mixers.ZigzagMixers.selective_scan`)."""
+        with Guard(self, "selective_scan"):
+            return self.mixers.selective_scan(u, delta, A, B, C, kernel=kernel, **kernel_kwargs)

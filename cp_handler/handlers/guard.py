@@ -4,8 +4,6 @@ agreement check). docs/architecture.md, "After an exception inside a handler cal
 
 from __future__ import annotations
 
-import functools
-
 import torch.distributed as dist
 
 from .agreement import RanksRefused
@@ -48,13 +46,3 @@ class Guard:
         if err is not None and not isinstance(err, RanksRefused) and handler.failure is None and handler.cp_size > 1:
             handler.failure = f"{self.name}: {type(err).__name__}: {err}"
 
-
-def poisoning(method):
-    """``method`` run under :class:`Guard` (dispatch, combine, roll_tensor of every backend)."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        with Guard(self, method.__name__):
-            return method(self, *args, **kwargs)
-
-    return guarded

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.spec import AttnSpec, KernelChoice
+from .base import ContextParallelHandler
 from .preflight import AttnCall
-from .zigzag import ZigzagContextParallelHandler
 
 
-class LocalContextParallelHandler(ZigzagContextParallelHandler):
+class LocalContextParallelHandler(ContextParallelHandler):
     """Pure-torch CP handler for every ``cp_comm_type`` of :data:`~cp_handler.ops.patterns.PATTERNS`
     (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``, or a list of them, one per layer).
 
@@ -101,7 +101,7 @@ class LocalContextParallelHandler(ZigzagContextParallelHandler):
 
     def attend(self, call: AttnCall) -> torch.Tensor:
         q, k, v, mask = call.q, call.k, call.v, call.mask
-        if self.cp_size == 1 and self.thd_layout is None and self.attn_kernel == AUTOMATIC and mask.plain \
+        if self.cp_size == 1 and self.qkv_format != "thd" and self.attn_kernel == AUTOMATIC and mask.plain \
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])

@@ -38,6 +38,7 @@ from .magi_alone import alone_attn, alone_positions, alone_roll
 from .magi_releases import check_release
 from .preflight import AttnCall
 from .requirements import import_backend, require_cuda, require_nccl
+from .token_layout import TokenLayout
 
 MAGI_HINT = "install MagiAttention (magi_attention) on a supported NVIDIA GPU machine, see docs/backends.md"
 DEFAULT_CHUNK_SIZE = 512
@@ -63,6 +64,124 @@ class _Dispatch(torch.autograd.Function):
         return full, None, None, None
 
 
+class MagiLayout(TokenLayout):
+    """MagiAttention's token layout (module doc): the runtime key built at the first dispatch, tokens placed by
+    ``magi_attention.api.dispatch``; every mixer method refused by name."""
+
+    def __init__(self, handler):
+        super().__init__(handler)
+        self.key = None
+        self.positions: torch.Tensor | None = None
+        self.batch_shape: tuple[int, int] | None = None
+
+    # -- the runtime key -------------------------------------------------------------------
+    def _thd_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` without its zero-length documents: MagiAttention requires strictly increasing
+        ``cu_seqlens`` (``AttnRanges.from_cu_seqlens``), and an empty document has no token to place."""
+        return torch.unique_consecutive(self.handler.cu_seqlens).to(torch.int32)
+
+    def _cu_seqlens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        if self.handler.qkv_format == "thd":
+            return self._thd_cu_seqlens()
+        batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
+        self.batch_shape = (batch, seq) if seq_dim == 1 else (seq, batch)
+        return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
+
+    def _build_key(self, cu_seqlens: torch.Tensor, device) -> None:
+        """The key, called with the arguments of the installed release (module doc)."""
+        cu = cu_seqlens.to(device)
+        total = int(cu_seqlens[-1])
+        h, api = self.handler, self.handler.api
+        common = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "cp_group_or_mesh": h.cp_group, "causal": h.causal}
+        heads = dict(zip(("num_heads_q", "num_heads_kv", "head_dim"), h.heads, strict=True))
+        explicit_pad = {"pad_size": api.compute_pad_size(total, h.cp_size, DEFAULT_CHUNK_SIZE),
+                        "chunk_size": DEFAULT_CHUNK_SIZE}
+        if self.handler.release[:3] < (1, 1, 0):
+            self.key = api.magi_attn_varlen_key(**common, **explicit_pad)
+        elif self.handler.release[:3] < (1, 1, 1):
+            self.key = api.magi_attn_varlen_key(**common, **heads, **explicit_pad)
+        else:
+            self.key = api.magi_attn_varlen_key(**common, **heads, pad_size=0)
+        self.positions = api.get_position_ids(self.key).long()
+
+    def require_key(self) -> None:
+        if self.key is None:
+            raise RuntimeError("backend='magi': call dispatch() on the batch before any other handler method")
+
+    # -- layout ------------------------------------------------------------------------------
+    def _to_tokens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        if self.handler.qkv_format == "thd":
+            return tensor.movedim(seq_dim, 0)
+        return tensor.movedim(seq_dim, 1).flatten(0, 1)  # (B*S, ...), batch-major
+
+    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout (padded).
+        Backward: this rank's tokens' gradient in the global layout, zero elsewhere."""
+        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
+        if self.handler.cp_size == 1:
+            return tensor
+        if self.key is None:
+            cu_seqlens = self._cu_seqlens(tensor, seq_dim)
+            self.handler.agreement.agree("dispatch", {"tokens": int(cu_seqlens[-1]),
+                                                      "layout": f"cu_seqlens {cu_seqlens.tolist()}"}, tensor.device)
+            self._build_key(cu_seqlens, tensor.device)
+        local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.handler.api, self.key, self.positions)
+        return local.movedim(0, seq_dim) if self.handler.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
+
+    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Local shard -> global tensor in the original layout (``undispatch``)."""
+        if self.handler.cp_size == 1:
+            return tensor
+        self.require_key()
+        if self.handler.qkv_format == "thd":
+            return self.handler.api.undispatch(tensor.movedim(seq_dim, 0), self.key).movedim(0, seq_dim)
+        tokens = self.handler.api.undispatch(tensor.movedim(seq_dim, 1)[0], self.key)
+        return tokens.unflatten(0, self.batch_shape).movedim(1, seq_dim)
+
+    def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each local token: position inside its document and the document's length (0 for padding)."""
+        position = self.positions
+        cu = (self._thd_cu_seqlens() if self.handler.qkv_format == "thd" else
+              torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
+        doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
+        inside = position < cu[-1]
+        return torch.where(inside, position - cu[doc], 0), torch.where(inside, cu[doc + 1] - cu[doc], 0)
+
+    def roll_tensor(self, tensor, shifts=-1, dims=-1):
+        """Roll in global order within each document; zero where the source leaves the document."""
+        shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
+        if self.handler.cp_size == 1:
+            return alone_roll(self.handler, tensor, shifts, dims)
+        self.require_key()
+        tokens = tensor.movedim(dims, 0) if self.handler.qkv_format == "thd" else tensor.movedim(dims, 1)[0]
+        if hasattr(self.handler.api, "roll"):
+            rolled = self.handler.api.roll(tokens, shifts, 0, self.key)
+        else:
+            api = self.handler.api
+            rolled = api.dispatch(torch.roll(api.undispatch(tokens, self.key), shifts, 0), self.key)
+        position, length = self._doc_positions()
+        valid = (position - shifts >= 0) & (position - shifts < length)
+        rolled = rolled * valid.view(-1, *[1] * (rolled.dim() - 1)).to(rolled.dtype)
+        rolled = rolled.movedim(0, dims) if self.handler.qkv_format == "thd" else rolled.unsqueeze(0).movedim(1, dims)
+        return rolled, rolled.sum()
+
+    def get_rotary_seq_len(self, local_seq_len: int) -> int:
+        if self.handler.qkv_format == "thd":
+            return int(torch.diff(self.handler.cu_seqlens).max())
+        return self.batch_shape[1] if self.batch_shape else local_seq_len * self.handler.cp_size
+
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        if self.handler.cp_size == 1:
+            if self.handler.qkv_format != "thd":
+                return emb
+            return emb.index_select(0, alone_positions(self.handler).to(emb.device))
+        self.require_key()
+        return emb.index_select(0, self._doc_positions()[0].to(emb.device))
+
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(t, freqs, "thd")  # (T, H, D) or (1, T, H, D)
+
+
 class MagiAttnContextParallelHandler(ContextParallelHandler):
     """Handler for backend ``"magi"``.
 
@@ -77,6 +196,9 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         a non-NCCL group. ValueError: missing head shape, head_dim > 128.
     """
 
+    token_layout_cls = MagiLayout
+    default_cp_comm_type = "p2p"  # a nominal value: MagiAttention plans its own communication
+
     def __init__(self, *, num_heads_q: int | None = None, num_heads_kv: int | None = None,
                  head_dim: int | None = None, causal: bool = True, **kwargs):
         super().__init__(**kwargs)
@@ -84,9 +206,6 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
             raise ValueError("backend='magi' takes qkv_format 'bshd' (squashed to packed tokens) or 'thd', not 'sbhd'")
         self.heads = (num_heads_q, num_heads_kv, head_dim)
         self.causal = causal
-        self.key = None
-        self.positions: torch.Tensor | None = None
-        self.batch_shape: tuple[int, int] | None = None
         self.api = import_backend("magi_attention.api", "magi_attention", MAGI_HINT)
         self.release = check_release(import_backend("magi_attention", "magi_attention", MAGI_HINT), self.api)
         require_cuda("magi")
@@ -130,109 +249,6 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         check_release(import_backend("magi_attention", "magi_attention", MAGI_HINT), api)
         require_cuda("magi")
 
-    # -- the runtime key -------------------------------------------------------------------
-    def _thd_cu_seqlens(self) -> torch.Tensor:
-        """``cu_seqlens`` without its zero-length documents: MagiAttention requires strictly increasing
-        ``cu_seqlens`` (``AttnRanges.from_cu_seqlens``), and an empty document has no token to place."""
-        return torch.unique_consecutive(self.cu_seqlens).to(torch.int32)
-
-    def _cu_seqlens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        if self.qkv_format == "thd":
-            return self._thd_cu_seqlens()
-        batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
-        self.batch_shape = (batch, seq) if seq_dim == 1 else (seq, batch)
-        return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
-
-    def _build_key(self, cu_seqlens: torch.Tensor, device) -> None:
-        """The key, called with the arguments of the installed release (module doc)."""
-        cu = cu_seqlens.to(device)
-        total = int(cu_seqlens[-1])
-        common = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "cp_group_or_mesh": self.cp_group, "causal": self.causal}
-        heads = dict(zip(("num_heads_q", "num_heads_kv", "head_dim"), self.heads, strict=True))
-        explicit_pad = {"pad_size": self.api.compute_pad_size(total, self.cp_size, DEFAULT_CHUNK_SIZE),
-                        "chunk_size": DEFAULT_CHUNK_SIZE}
-        if self.release[:3] < (1, 1, 0):
-            self.key = self.api.magi_attn_varlen_key(**common, **explicit_pad)
-        elif self.release[:3] < (1, 1, 1):
-            self.key = self.api.magi_attn_varlen_key(**common, **heads, **explicit_pad)
-        else:
-            self.key = self.api.magi_attn_varlen_key(**common, **heads, pad_size=0)
-        self.positions = self.api.get_position_ids(self.key).long()
-
-    def _require_key(self) -> None:
-        if self.key is None:
-            raise RuntimeError("backend='magi': call dispatch() on the batch before any other handler method")
-
-    # -- layout ------------------------------------------------------------------------------
-    def _to_tokens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        if self.qkv_format == "thd":
-            return tensor.movedim(seq_dim, 0)
-        return tensor.movedim(seq_dim, 1).flatten(0, 1)  # (B*S, ...), batch-major
-
-    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout (padded).
-        Backward: this rank's tokens' gradient in the global layout, zero elsewhere."""
-        seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
-        if self.cp_size == 1:
-            return tensor
-        if self.key is None:
-            cu_seqlens = self._cu_seqlens(tensor, seq_dim)
-            self.agree("dispatch", {"tokens": int(cu_seqlens[-1]), "layout": f"cu_seqlens {cu_seqlens.tolist()}"},
-                       tensor.device)
-            self._build_key(cu_seqlens, tensor.device)
-        local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.api, self.key, self.positions)
-        return local.movedim(0, seq_dim) if self.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
-
-    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Local shard -> global tensor in the original layout (``undispatch``)."""
-        if self.cp_size == 1:
-            return tensor
-        self._require_key()
-        if self.qkv_format == "thd":
-            return self.api.undispatch(tensor.movedim(seq_dim, 0), self.key).movedim(0, seq_dim)
-        tokens = self.api.undispatch(tensor.movedim(seq_dim, 1)[0], self.key)
-        return tokens.unflatten(0, self.batch_shape).movedim(1, seq_dim)
-
-    def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each local token: position inside its document and the document's length (0 for padding)."""
-        position = self.positions
-        cu = (self._thd_cu_seqlens() if self.qkv_format == "thd" else
-              torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
-        doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
-        inside = position < cu[-1]
-        return torch.where(inside, position - cu[doc], 0), torch.where(inside, cu[doc + 1] - cu[doc], 0)
-
-    def roll_tensor(self, tensor, shifts=-1, dims=-1):
-        """Roll in global order within each document; zero where the source leaves the document."""
-        shifts, dims = check_shift(shifts), check_dim("roll_tensor dims", dims, tensor.dim())
-        if self.cp_size == 1:
-            return alone_roll(self, tensor, shifts, dims)
-        self._require_key()
-        tokens = tensor.movedim(dims, 0) if self.qkv_format == "thd" else tensor.movedim(dims, 1)[0]
-        if hasattr(self.api, "roll"):
-            rolled = self.api.roll(tokens, shifts, 0, self.key)
-        else:
-            rolled = self.api.dispatch(torch.roll(self.api.undispatch(tokens, self.key), shifts, 0), self.key)
-        position, length = self._doc_positions()
-        valid = (position - shifts >= 0) & (position - shifts < length)
-        rolled = rolled * valid.view(-1, *[1] * (rolled.dim() - 1)).to(rolled.dtype)
-        rolled = rolled.movedim(0, dims) if self.qkv_format == "thd" else rolled.unsqueeze(0).movedim(1, dims)
-        return rolled, rolled.sum()
-
-    def get_rotary_seq_len(self, local_seq_len: int) -> int:
-        if self.qkv_format == "thd":
-            return int(torch.diff(self.cu_seqlens).max())
-        return self.batch_shape[1] if self.batch_shape else local_seq_len * self.cp_size
-
-    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
-        if self.cp_size == 1:
-            return emb if self.qkv_format != "thd" else emb.index_select(0, alone_positions(self).to(emb.device))
-        self._require_key()
-        return emb.index_select(0, self._doc_positions()[0].to(emb.device))
-
-    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(t, freqs, "thd")  # (T, H, D) or (1, T, H, D)
-
     def check_call(self, call: AttnCall) -> None:
         """The mask of the handler's key; at cp > 1 a key (dispatch first), fp16/bf16, the key's heads."""
         if call.mask.causal != self.causal:
@@ -245,7 +261,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
                              "backend='local' or 'transformer_engine'")
         if self.cp_size == 1:
             return
-        self._require_key()
+        self.token_layout.require_key()
         if call.q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"backend='magi': q has dtype {call.q.dtype}; MagiAttention computes in float16 or "
                              "bfloat16 only (cast the model, or use backend='local' for float32)")
@@ -258,5 +274,5 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
         q, k, v = (call.in_format(t).reshape(-1, *t.shape[1:2], t.shape[-1]) for t in (call.q, call.k, call.v))
         if self.cp_size == 1:  # (T_local, H, D)
             return alone_attn(self, q, k, v, call.scale, call.given.shape).reshape(call.out_shape)
-        out = self.api.calc_attn(q, k, v, self.key, softmax_scale=call.scale)[0]  # (out, lse) or (out, meta)
+        out = self.api.calc_attn(q, k, v, self.token_layout.key, softmax_scale=call.scale)[0]  # (out, lse or meta)
         return out.reshape(call.out_shape)

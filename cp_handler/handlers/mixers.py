@@ -12,9 +12,9 @@ context (the causal convolution) or by state passing (the linear recurrences), d
 
 State arguments (an initial state, a final state asked for, packed-sequence metadata such as ``cu_seqlens`` or
 ``seq_idx``: the handler's layout is the truth) and any other argument a method does not implement are
-refused by name. On CUDA tensors the methods are opt-in (``CP_HANDLER_CUDA_MIXERS=1``) until a GPU run. Backends
-without the zigzag layout (MagiAttention) and the inference handlers refuse every
-method by name (:class:`MixerMethods`): generation for models with these mixers is not implemented.
+refused by name. On CUDA tensors the methods are opt-in (``CP_HANDLER_CUDA_MIXERS=1``) until a GPU run. Layouts
+other than the zigzag one (MagiAttention's, the decode step's) refuse every
+method by name (:class:`Mixers`): generation for models with these mixers is not implemented.
 """
 
 from __future__ import annotations
@@ -24,33 +24,42 @@ import os
 import torch
 
 from ..ops.mixers import conv, delta_rule, selective, ssd
-from .guard import Guard
 
 MIXERS = ("causal_conv1d", "gated_delta_rule", "ssd_scan", "selective_scan")
 """The mixer methods of the contract."""
 
 
-class MixerMethods:
-    """The contract's mixer methods for a backend that does not run them: each raises ``ValueError`` by name."""
+class Mixers:
+    """The mixer component of a handler whose layout does not run token mixers other than attention: each method
+    raises ``ValueError`` by name. A handler holds one (``handler.mixers``, the class its token layout names:
+    :attr:`~.token_layout.TokenLayout.mixers_cls`) and its mixer methods call it under the call guard.
+
+    Args:
+        handler: the :class:`~.base.ContextParallelHandler` it belongs to.
+    """
 
     runs_mixers = False
     """Whether the mixer methods run (checked before spawning a model with such layers)."""
 
-    def mixer_refusal(self, name: str) -> str:
-        return (f"{type(self).__name__}.{name}: this backend does not run token mixers other than attention under "
-                "context parallelism (they need the zigzag layout of backend='local' or 'transformer_engine')")
+    def __init__(self, handler):
+        self.handler = handler
+        self.calls: dict[str, int] = {}
+
+    def refusal(self, name: str) -> str:
+        return (f"{type(self.handler).__name__}.{name}: this backend does not run token mixers other than attention "
+                "under context parallelism (they need the zigzag layout of backend='local' or 'transformer_engine')")
 
     def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
-        raise ValueError(self.mixer_refusal("causal_conv1d"))
+        raise ValueError(self.refusal("causal_conv1d"))
 
     def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
-        raise ValueError(self.mixer_refusal("gated_delta_rule"))
+        raise ValueError(self.refusal("gated_delta_rule"))
 
     def ssd_scan(self, x, dt, A, B, C, chunk_size, *, kernel, **kernel_kwargs):
-        raise ValueError(self.mixer_refusal("ssd_scan"))
+        raise ValueError(self.refusal("ssd_scan"))
 
     def selective_scan(self, u, delta, A, B, C, *, kernel, **kernel_kwargs):
-        raise ValueError(self.mixer_refusal("selective_scan"))
+        raise ValueError(self.refusal("selective_scan"))
 
 
 STATE_ARGUMENTS = {"initial_state": None, "initial_states": None, "output_final_state": False,
@@ -93,8 +102,8 @@ def check_arguments(name: str, kwargs: dict, passed_on: tuple[str, ...], neutral
     return {k: v for k, v in kwargs.items() if k in passed_on}
 
 
-class ZigzagMixers(MixerMethods):
-    """The mixer methods of the zigzag backends (module doc)."""
+class ZigzagMixers(Mixers):
+    """The mixer component of the zigzag layout (module doc)."""
 
     runs_mixers = True
 
@@ -105,21 +114,21 @@ class ZigzagMixers(MixerMethods):
         options = {}
 
         def local_checks():
-            if getattr(self, "kv_cache", None) is not None:
+            if getattr(self.handler, "kv_cache", None) is not None:
                 raise ValueError(f"{name}: generation (a KV cache) of a model with token mixers other than attention "
                                  "is not implemented: a decode step would need each sequence's convolution and "
                                  "recurrent state where its last token is; refused")
             check_device(name, tensors[0])
             options.update(check_arguments(name, kwargs, passed_on, neutral))
-            self.layout(local_len)
+            self.handler.token_layout.layout(local_len)
             shapes = [(tuple(t.shape), str(t.dtype)) for t in tensors if t is not None]
             passed = sorted((k, repr(v)) for k, v in options.items() if not isinstance(v, torch.Tensor))
             return {"local_len": local_len, "shapes": f"{shapes}, options {passed}"}
 
-        calls = self.__dict__.setdefault("_mixer_calls", {})
-        calls[name] = calls.get(name, 0) + 1
-        self.checked(f"{name} (call {calls[name]})", tensors[0].device, ("local_len", "shapes"), local_checks)
-        return self.layout(local_len), options
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.handler.agreement.checked(f"{name} (call {self.calls[name]})", tensors[0].device, ("local_len", "shapes"),
+                                       local_checks)
+        return self.handler.token_layout.layout(local_len), options
 
     def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
         """A causal depthwise convolution of the whole sequence at this rank's rows.
@@ -131,10 +140,9 @@ class ZigzagMixers(MixerMethods):
         Returns:
             ``(B, C, S_local)`` (zero at thd padding rows). Raises ValueError: see the module doc.
         """
-        with Guard(self, "causal_conv1d"):
-            layout, _ = self._mixer_call("causal_conv1d", x.shape[2], (x, weight, bias), conv_kwargs, ())
-            return conv.causal_conv1d(conv_fn or conv.depthwise_causal_conv1d, x, weight, bias, activation,
-                                      layout=layout, rank=self.cp_rank, group=self.cp_group)
+        layout, _ = self._mixer_call("causal_conv1d", x.shape[2], (x, weight, bias), conv_kwargs, ())
+        return conv.causal_conv1d(conv_fn or conv.depthwise_causal_conv1d, x, weight, bias, activation,
+                                  layout=layout, rank=self.handler.cp_rank, group=self.handler.cp_group)
 
     def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
         """The gated delta rule over the whole sequence (:func:`~cp_handler.ops.mixers.delta_rule.gated_delta_rule`).
@@ -148,11 +156,11 @@ class ZigzagMixers(MixerMethods):
         Returns:
             ``(B, S_local, Hv, Dv)``. Raises ValueError: see the module doc.
         """
-        with Guard(self, "gated_delta_rule"):
-            layout, options = self._mixer_call("gated_delta_rule", query.shape[1], (query, key, value, g, beta),
-                                               kernel_kwargs, ("chunk_size", "use_qk_l2norm_in_kernel", "scale"))
-            return delta_rule.gated_delta_rule(kernel or delta_rule.chunk_gated_delta_rule, query, key, value, g, beta,
-                                               layout=layout, rank=self.cp_rank, group=self.cp_group, **options)
+        layout, options = self._mixer_call("gated_delta_rule", query.shape[1], (query, key, value, g, beta),
+                                           kernel_kwargs, ("chunk_size", "use_qk_l2norm_in_kernel", "scale"))
+        return delta_rule.gated_delta_rule(kernel or delta_rule.chunk_gated_delta_rule, query, key, value, g, beta,
+                                           layout=layout, rank=self.handler.cp_rank, group=self.handler.cp_group,
+                                           **options)
 
     def ssd_scan(self, x, dt, A, B, C, chunk_size, *, kernel, **kernel_kwargs):
         """Mamba2's scan over the whole sequence (:func:`~cp_handler.ops.mixers.ssd.ssd_scan`); ``D``,
@@ -161,13 +169,12 @@ class ZigzagMixers(MixerMethods):
         Returns:
             ``(B, S_local, H, P)``. Raises ValueError: see the module doc.
         """
-        with Guard(self, "ssd_scan"):
-            layout, options = self._mixer_call("ssd_scan", x.shape[1], (x, dt, A, B, C),
-                                               {"chunk_size": chunk_size, **kernel_kwargs},
-                                               ("chunk_size", "D", "dt_bias", "dt_softplus", "dt_limit"), {"z": None})
-            options.pop("chunk_size")
-            return ssd.ssd_scan(kernel, x, dt, A, B, C, chunk_size, layout=layout, rank=self.cp_rank,
-                                group=self.cp_group, **options)
+        layout, options = self._mixer_call("ssd_scan", x.shape[1], (x, dt, A, B, C),
+                                           {"chunk_size": chunk_size, **kernel_kwargs},
+                                           ("chunk_size", "D", "dt_bias", "dt_softplus", "dt_limit"), {"z": None})
+        options.pop("chunk_size")
+        return ssd.ssd_scan(kernel, x, dt, A, B, C, chunk_size, layout=layout, rank=self.handler.cp_rank,
+                            group=self.handler.cp_group, **options)
 
     def selective_scan(self, u, delta, A, B, C, *, kernel, **kernel_kwargs):
         """Mamba's selective scan over the whole sequence (:func:`~cp_handler.ops.mixers.selective.selective_scan`);
@@ -177,9 +184,8 @@ class ZigzagMixers(MixerMethods):
         Returns:
             ``(B, D_inner, S_local)``. Raises ValueError: see the module doc.
         """
-        with Guard(self, "selective_scan"):
-            layout, options = self._mixer_call("selective_scan", u.shape[2], (u, delta, A, B, C), kernel_kwargs,
-                                               ("D", "z", "delta_bias", "delta_softplus", "use_mambapy",
-                                                "use_associative_scan"))
-            return selective.selective_scan(kernel, u, delta, A, B, C, layout=layout, rank=self.cp_rank,
-                                            group=self.cp_group, **options)
+        layout, options = self._mixer_call("selective_scan", u.shape[2], (u, delta, A, B, C), kernel_kwargs,
+                                           ("D", "z", "delta_bias", "delta_softplus", "use_mambapy",
+                                            "use_associative_scan"))
+        return selective.selective_scan(kernel, u, delta, A, B, C, layout=layout,
+                                        rank=self.handler.cp_rank, group=self.handler.cp_group, **options)

@@ -7,7 +7,7 @@ mask, sinks and softmax scale (:func:`~.checks.attention_variant`, :func:`~.chec
 layer's comm type and the batch's layout. Its checks: the mask type, q/k/v (:func:`~.checks.check_qkv`),
 the local length against the layout, the variant and the backend's own rules (``handler.check_call``); a
 failure on one rank fails every rank together, and at the first call of each layer per handler the ranks
-agree on the call's shape, layout and variant (:meth:`~.base.ContextParallelHandler.checked`). The
+agree on the call's shape, layout and variant (:meth:`~.agreement.RankAgreement.checked`). The
 backend's ``attend`` and the algorithms behind it trust the call and check nothing again.
 """
 
@@ -99,7 +99,7 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
             check_qkv(q, k, v, seq_dim=0)  # raises, naming q
         seq_dim = _seq_dim(handler.qkv_format, q)
         check_qkv(q, k, v, seq_dim)
-        layout = handler.call_layout(q.shape[seq_dim])
+        layout = handler.token_layout.call_layout(q.shape[seq_dim])
         scale = softmax_scale(attn_mod, q.shape[-1])
         mask, sinks = handler.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
         comm_type = handler.comm_type_for(attn_mod)
@@ -118,5 +118,5 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
     if key is None:
         local_checks()
     else:
-        handler.checked(key, device, AGREED_FIELDS, local_checks)
+        handler.agreement.checked(key, device, AGREED_FIELDS, local_checks)
     return resolved["call"]

@@ -6,7 +6,6 @@ call, from any package; no edit to models or to this file.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 
@@ -59,11 +58,11 @@ def registered_backends() -> list[str]:
 
 
 def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[ContextParallelHandler]:
-    """The handler class for ``backend`` and ``cp_comm_type`` (one value, or one entry per layer),
-    bound to that comm type: ``get_cp_handler_cls("local", "a2a")(cp_group=g)`` runs a2a. The class
-    returned is a subclass of the registered one whose ``cp_comm_type`` defaults to the value given
-    here; passing another ``cp_comm_type`` to it is a ValueError (it would silently run another
-    algorithm than the one named).
+    """The handler class registered for ``backend`` and ``cp_comm_type`` (one value, or one entry per layer).
+    The comm type is data on the handler, not on the class: build it with the same value
+    (``get_cp_handler_cls("local", "a2a")(cp_group=g, cp_comm_type="a2a")``, or :func:`build_cp_handler`,
+    which passes the config's); at cp > 1 a handler built without one raises ValueError naming
+    ``cp_comm_type`` (it would run another algorithm than the one named here).
 
     For a per-layer list, the class registered for every entry must be one class, or one class
     that derives from all the others (it then serves every layer).
@@ -84,19 +83,11 @@ def get_cp_handler_cls(backend: str, cp_comm_type: str | list[str]) -> type[Cont
         classes.append(_REGISTRY[(backend, comm_type)])
     for candidate in classes:
         if all(issubclass(candidate, other) for other in classes):
-            return _bound(candidate, cp_comm_type if isinstance(cp_comm_type, str) else tuple(types))
+            return candidate
     raise ValueError(
         f"cp_comm_type={types} needs handlers {sorted({c.__name__ for c in classes})} of backend={backend!r}, "
         "and none of them serves every layer"
     )
-
-
-@functools.cache
-def _bound(cls: type[ContextParallelHandler], cp_comm_type: str | tuple[str, ...]) -> type[ContextParallelHandler]:
-    """``cls`` with ``cp_comm_type`` as its default (one subclass per pair, made once)."""
-    bound = cp_comm_type if isinstance(cp_comm_type, str) else list(cp_comm_type)
-    return type(cls.__name__, (cls,), {"bound_cp_comm_type": bound, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
 
 
 def build_cp_handler(config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):

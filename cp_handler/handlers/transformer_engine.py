@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 
 from ..ops.patterns import PATTERNS
+from .base import ContextParallelHandler
 from .checks import softmax_scale, variant_names, window_size
 from .preflight import AttnCall
 from .requirements import import_backend, release, require_cuda
 from .te_releases import flash_under_cp, fp8_thd_refusal, installed_flash, thd_comm_types
-from .zigzag import ZigzagContextParallelHandler
 
 TE_HINT = "install it on a CUDA machine: pip install transformer_engine[pytorch] (see docs/backends.md)"
 TE_MODULE_NAME = "te_attention"
@@ -68,7 +68,7 @@ def _te_mask_type(attn_mask_type: str, qkv_format: str) -> str:
     return attn_mask_type
 
 
-class TEContextParallelHandler(ZigzagContextParallelHandler):
+class TEContextParallelHandler(ContextParallelHandler):
     """Handler for backend ``"transformer_engine"`` (all four ``cp_comm_type`` values).
 
     ``core_attn`` takes q ``(B, S, H, D)`` (bshd), ``(S, B, H, D)`` (sbhd) or ``(T, H, D)`` /
@@ -130,7 +130,7 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
                 raise ValueError(f"transformer_engine {version} does not support qkv_format='thd' with "
                                  f"cp_comm_type={bad}; use one of {list(allowed)} (thd: all_gather from TE 2.18, "
                                  "a2a+p2p from 2.19)")
-            padded = self.cu_seqlens_padded
+            padded = self.token_layout.cu_seqlens_padded
             if torch.any(padded % (2 * self.cp_size) != 0):
                 raise ValueError(f"cu_seqlens_padded {padded.tolist()} must be multiples of "
                                  f"2 * cp = {2 * self.cp_size}")
@@ -250,8 +250,8 @@ class TEContextParallelHandler(ZigzagContextParallelHandler):
             kwargs["window_size"] = window_size(call.attn_mod)
         if self.qkv_format == "thd":
             cu_seqlens = self.cu_seqlens.to(device=q.device, dtype=torch.int32)
-            padded = self.cu_seqlens_padded.to(q.device)
-            max_seqlen = max(self.thd_layout.padded_lengths)
+            padded = self.token_layout.cu_seqlens_padded.to(q.device)
+            max_seqlen = max(self.token_layout.thd_layout.padded_lengths)
             kwargs.update(cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, cu_seqlens_q_padded=padded,
                           cu_seqlens_kv_padded=padded, max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
         return module(q, k, v, **kwargs).reshape(call.out_shape)

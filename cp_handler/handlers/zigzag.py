@@ -1,7 +1,7 @@
-"""Token-layout half of the contract for every backend that uses the zigzag (DualChunkSwap) layout.
+"""The zigzag (DualChunkSwap) token layout: the default :class:`~.token_layout.TokenLayout` of a handler.
 
 The local and Transformer Engine backends share this layout, so one batch can go through either;
-they differ only in :meth:`core_attn`. bshd/sbhd: every sequence is split into ``2 * cp`` chunks.
+they differ only in their attention step. bshd/sbhd: every sequence is split into ``2 * cp`` chunks.
 thd (packed documents, ``cu_seqlens``): every document is padded to a multiple of ``2 * cp``
 (``cu_seqlens_padded``) and split on its own, as Transformer Engine's
 ``thd_get_partitioned_indices``; dispatch inserts the padding, combine removes it.
@@ -17,21 +17,26 @@ from ..layout import ZigzagDocs
 from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
 from ..rope import apply_rotary
-from .base import ContextParallelHandler
 from .checks import check_dim, check_shift
 from .mixers import ZigzagMixers
+from .token_layout import TokenLayout
 
 
-class ZigzagContextParallelHandler(ZigzagMixers, ContextParallelHandler):
-    """dispatch / combine / roll / RoPE for the zigzag layout (rank r holds chunks r and 2cp-1-r)."""
+class ZigzagLayout(TokenLayout):
+    """dispatch / combine / roll / RoPE for the zigzag layout (rank r holds chunks r and 2cp-1-r); the mixer
+    methods run on it (:class:`~.mixers.ZigzagMixers`)."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    mixers_cls = ZigzagMixers
+
+    def __init__(self, handler):
+        super().__init__(handler)
+        self.cp_size, self.cp_rank, self.cp_group = handler.cp_size, handler.cp_rank, handler.cp_group
+        self.qkv_format, self.checked = handler.qkv_format, handler.agreement.checked
         self.thd_layout = None
         self.global_seq_len: int | None = None
         """bshd/sbhd: the sequence length this handler dispatched (a handler is per batch); thd: from cu_seqlens."""
         if self.qkv_format == "thd":
-            self.thd_layout = ZigzagDocs.from_cu_seqlens(self.cu_seqlens, self.cp_size)
+            self.thd_layout = ZigzagDocs.from_cu_seqlens(handler.cu_seqlens, self.cp_size)
             self.global_seq_len = sum(self.thd_layout.lengths)
 
     @property

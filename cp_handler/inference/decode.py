@@ -20,6 +20,7 @@ import torch
 
 from ..handlers.base import ContextParallelHandler
 from ..handlers.preflight import AttnCall
+from ..handlers.token_layout import TokenLayout
 from ..masks import AttentionMask
 from ..ops.collectives import all_gather_single
 from ..ops.kernels.masked import softmax_out, visible_scores
@@ -27,6 +28,41 @@ from ..ops.merge import merge_attn_out_
 from ..ops.sinks import fold_sinks
 from ..rope import apply_rotary
 from .cache import KVCache
+
+
+class DecodeLayout(TokenLayout):
+    """The token layout of a decode step: every rank holds the step's ``B`` new tokens (one per sequence) at their
+    global positions; no mixer method runs (generation of models with such mixers is not implemented)."""
+
+    def check_tokens(self, length: int, what: str) -> None:
+        if length != len(self.handler.positions):
+            raise ValueError(f"{what}: a decode step takes one new token per sequence "
+                             f"({len(self.handler.positions)}), got {length}")
+
+    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """Every rank computes the new tokens: the identity (checked: ``B`` tokens along ``seq_dim``)."""
+        self.check_tokens(tensor.shape[seq_dim], "dispatch")
+        return tensor
+
+    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """The identity: every rank holds the same new tokens' results."""
+        self.check_tokens(tensor.shape[seq_dim], "combine")
+        return tensor
+
+    def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1):
+        raise ValueError("roll_tensor: a decode step has no labels to shift (it is for training batches)")
+
+    def get_rotary_seq_len(self, local_seq_len: int) -> int:
+        """One past the largest new position."""
+        self.check_tokens(local_seq_len, "get_rotary_seq_len")
+        return max(self.handler.positions) + 1
+
+    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
+        """Rows ``emb[position of each new token]``."""
+        return emb.index_select(0, torch.tensor(self.handler.positions, device=emb.device))
+
+    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return apply_rotary(t, freqs, "thd")  # (B, H, D) or (1, B, H, D)
 
 
 class DecodeHandler(ContextParallelHandler):
@@ -43,46 +79,18 @@ class DecodeHandler(ContextParallelHandler):
             attention_variant`); a non-causal mask.
     """
 
+    token_layout_cls = DecodeLayout
+
     def __init__(self, cache: KVCache, *, cp_group=None, check_ranks: bool | None = None):
         cache.check_group(cp_group, "DecodeHandler")
         if not cache.prefilled:
             raise ValueError("DecodeHandler: decode before prefill: run the prompt through a prefill handler with this "
                              "cache (cp_handler.inference.prefill_handler) and call cache.finish_prefill() first")
         batch = len(cache.lengths)
-        super().__init__(cp_group=cp_group, qkv_format="thd", check_ranks=check_ranks,
+        super().__init__(cp_group=cp_group, qkv_format="thd", check_ranks=check_ranks, cp_comm_type="all_gather",
                          cu_seqlens=torch.arange(batch + 1, dtype=torch.int32))
         self.kv_cache = cache
         self.owners, self.positions = cache.next_token_owners()
-
-    def _check_tokens(self, length: int, what: str) -> None:
-        if length != len(self.positions):
-            raise ValueError(f"{what}: a decode step takes one new token per sequence ({len(self.positions)}), got "
-                             f"{length}")
-
-    def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Every rank computes the new tokens: the identity (checked: ``B`` tokens along ``seq_dim``)."""
-        self._check_tokens(tensor.shape[seq_dim], "dispatch")
-        return tensor
-
-    def combine(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """The identity: every rank holds the same new tokens' results."""
-        self._check_tokens(tensor.shape[seq_dim], "combine")
-        return tensor
-
-    def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1):
-        raise ValueError("roll_tensor: a decode step has no labels to shift (it is for training batches)")
-
-    def get_rotary_seq_len(self, local_seq_len: int) -> int:
-        """One past the largest new position."""
-        self._check_tokens(local_seq_len, "get_rotary_seq_len")
-        return max(self.positions) + 1
-
-    def get_emb_on_this_cp_rank(self, emb: torch.Tensor) -> torch.Tensor:
-        """Rows ``emb[position of each new token]``."""
-        return emb.index_select(0, torch.tensor(self.positions, device=emb.device))
-
-    def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        return apply_rotary(t, freqs, "thd")  # (B, H, D) or (1, B, H, D)
 
     def agreement_key(self, attn_mod) -> None:
         """No agreement per layer: the prefill agreed every layer's variant, and a decode step's only
@@ -92,7 +100,7 @@ class DecodeHandler(ContextParallelHandler):
     def check_call(self, call: AttnCall) -> None:
         if not call.mask.causal:
             raise ValueError("attn_mask_type='no_mask': a decode step attends causally to the cache")
-        self._check_tokens(call.q.shape[2], "core_attn")
+        self.token_layout.check_tokens(call.q.shape[2], "core_attn")
 
     def attend(self, call: AttnCall) -> torch.Tensor:
         q, k, v = (call.in_format(t) for t in (call.q, call.k, call.v))  # (B, H, D): one new token per sequence

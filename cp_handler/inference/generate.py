@@ -90,7 +90,7 @@ def check_mixers(model: torch.nn.Module) -> None:
 def _last_token_logits(handler: LocalContextParallelHandler, model, local: torch.Tensor) -> torch.Tensor:
     """``(B, V)`` float32 logits of every prompt's last token, on every rank: the forward of the local tokens
     computes logits only at the last tokens this rank holds (``logits_rows``), which it fills in."""
-    layout = handler.thd_layout
+    layout = handler.token_layout.thd_layout
     index = layout.dispatch_index(handler.cp_rank)
     last = torch.tensor(layout.lengths).cumsum(0) - 1
     held = [(i, int(rows[0])) for i, position in enumerate(last.tolist())
