@@ -131,7 +131,7 @@ def reference(model, tokens):
 def cp_run(model, tokens, comm_type: str, group, model_inputs=cp_model_inputs):
     """The documented route at this rank: logits (combined), loss and gradients summed over ``group``."""
     model.zero_grad(set_to_none=True)
-    handler = get_cp_handler_cls("local", comm_type)(cp_group=group)
+    handler = get_cp_handler_cls("local", comm_type)(cp_group=group, cp_comm_type=comm_type)
     input_ids, labels, loss_mask = next_token_batch(handler, tokens)
     logits = model(input_ids, **model_inputs(handler, input_ids), cp_handler=handler).logits
     loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)

@@ -178,8 +178,8 @@ def _recompute_worker(rank, world):
         register(model)
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        first = get_cp_handler_cls("local", "p2p")(cp_group=group)
-        second = get_cp_handler_cls("local", "a2a")(cp_group=group, qkv_format="thd", cu_seqlens=cu)
+        first = get_cp_handler_cls("local", "p2p")(cp_group=group, cp_comm_type="p2p")
+        second = get_cp_handler_cls("local", "a2a")(cp_group=group, cp_comm_type="a2a", qkv_format="thd", cu_seqlens=cu)
         loss = 0.0
         for handler, batch in ((first, tokens), (second, packed)):
             input_ids, labels, loss_mask = next_token_batch(handler, batch)

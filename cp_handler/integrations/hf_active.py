@@ -1,6 +1,10 @@
 """The handler of the Hugging Face forward running now: a context variable set by the model's forward hook
-(:mod:`.hf_model`), by :func:`handler_context`, or by a layer recomputed in the backward; read by the
-attention and mask functions and the rotary hooks. The bottom of the integration: it imports nothing of it."""
+(:mod:`.hf_model`), by :func:`handler_context`, or, in a layer recomputed in the backward, by the recompute hook
+of a module inside it that reads it. The attention function takes its handler from its call (the ``cp_handler``
+keyword or its mask, :mod:`.hf_attention`) and reads this only where neither carries one; what transformers
+calls without the forward's keyword arguments reads it: the mask function (:mod:`.hf_mask`), the rotary hooks
+(:mod:`.hf_rotary`), the mixer routes (:mod:`.hf_mixers`) and the router loss (:mod:`.hf_router_loss`). The
+bottom of the integration: it imports nothing of it."""
 
 from __future__ import annotations
 

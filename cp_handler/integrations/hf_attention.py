@@ -1,8 +1,14 @@
 """The ``"cp_handler"`` attention function of transformers' ``AttentionInterface`` (registered by
-:func:`~.transformers.register`): every attention layer of a registered model runs through the active handler's
+:func:`~.transformers.register`): every attention layer of a registered model runs through its forward's handler's
 ``core_attn``, with every argument it accepts implemented (soft-capping and learnable sinks included) and the
 others refused by name (:data:`HARMLESS`, :func:`check_arguments`); the layer's mask classified at global
 positions (:mod:`.hf_mask`).
+
+The handler comes with the call (:func:`call_handler`): the ``cp_handler`` keyword, which the model's hook leaves
+in the forward's keyword arguments and transformers passes on through the decoder layers to the attention
+function in the models that forward them (a recomputed layer gets them again); else the handler of the forward
+that built the layer's mask (:class:`~.hf_mask.CPMask`: a decoder layer that drops extra keyword arguments,
+StableLM's); else the active one (:mod:`.hf_active`).
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ def check_local_index_scaling(module, handler: ContextParallelHandler, local_len
         return
     positions = local_position_ids(handler, torch.zeros((1, local_len), dtype=torch.long))[0]
     index = torch.arange(local_len)
-    layout = getattr(handler, "thd_layout", None)
+    layout = getattr(handler.token_layout, "thd_layout", None)
     real = layout.real_mask(handler.cp_rank) if layout is not None else torch.ones(local_len, dtype=torch.bool)
     scale = module.floor_scale
     differs = (real & ((index + 1) // scale != (positions.cpu() + 1) // scale)).nonzero()
@@ -83,7 +89,7 @@ def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tu
         raise ValueError(f"a materialised attention mask ({type(attention_mask).__name__} "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
                          "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
-    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
+    longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
     spec = attention_mask.spec(longest)
     if spec.kind in ("causal", "bidirectional"):
         return ("causal" if spec.kind == "causal" else "no_mask"), None, None
@@ -93,20 +99,27 @@ def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tu
                      "context parallelism by cp_handler")
 
 
+def call_handler(cp_handler, attention_mask) -> ContextParallelHandler | None:
+    """The handler of this attention call (module doc): the keyword, the mask's, the active one, or ``None``."""
+    mask_handler = attention_mask.forward_handler if isinstance(attention_mask, CPMask) else None
+    return cp_handler or mask_handler or active_handler()
+
+
 def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                          is_causal=None, sliding_window=None, softcap=None, s_aux=None, cp_handler=None, **kwargs):
     """transformers attention function: ``query (B, H, S_local, D)``, ``key``/``value`` with the KV
     heads -> ``(B, S_local, H, D)`` from ``handler.core_attn``. The mask is the model's own mask
     function classified at global positions (``attention_mask`` is a :class:`~.hf_mask.CPMask`):
     causal, bidirectional, a sliding window or chunks; ``softcap`` (Gemma 2) and ``s_aux`` (GPT-OSS's
-    learnable sinks, one logit per query head) go to the handler as ``attn_mod.softcap`` / ``attn_mod.sinks``.
+    learnable sinks, one logit per query head) go to the handler as ``attn_mod.softcap`` / ``attn_mod.sinks``;
+    ``cp_handler`` is the handler (:func:`call_handler`).
 
     Raises:
         RuntimeError: no handler active. ValueError: an argument or a mask cp_handler does not
             implement (see the module doc); q and k of different lengths (a decoding step with a cache);
             a ``sliding_window`` argument that disagrees with the mask.
     """
-    handler = cp_handler or active_handler()
+    handler = call_handler(cp_handler, attention_mask)
     if handler is None:
         raise RuntimeError("attn_implementation='cp_handler' needs a handler: pass cp_handler=handler to the "
                            "model's forward or run it inside `with cp_attention(handler):`")
@@ -123,7 +136,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     check_local_index_scaling(module, handler, q.shape[1])
     mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
     record_attention_call(module, mask_type)
-    longest = getattr(handler, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
+    longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
     if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "
                          "attention, but the layer's mask is a plain causal one; refused (which one is meant?)")

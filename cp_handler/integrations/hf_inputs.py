@@ -18,7 +18,7 @@ def text_config(model: nn.Module):
 def handler_real_tokens(handler: ContextParallelHandler, local_ids: torch.Tensor) -> torch.Tensor:
     """bool ``(B, S_local)``: the local slots holding tokens of the batch (thd: not the padding the handler adds;
     bshd: every slot, the handler adds none of its own)."""
-    layout = getattr(handler, "thd_layout", None)
+    layout = getattr(handler.token_layout, "thd_layout", None)
     if layout is None:
         return torch.ones(local_ids.shape, dtype=torch.bool, device=local_ids.device)
     return layout.real_mask(handler.cp_rank).to(local_ids.device).view(1, -1).expand(local_ids.shape[0], -1)

@@ -25,12 +25,24 @@ field made it.
 
 The probe: every query position ``P < n`` against keys ``P - d`` for ``d`` in a fixed set (-2..64,
 powers of two +-1 up to ``n``), plus whole rows at the last and a few other positions; each candidate
-then has to match at every probed pair. Cost ``O(n * 100)`` mask evaluations, once per forward and
-mask kind (the model builds a mask per forward).
+then has to match at every probed pair. Cost about ``80 n`` mask evaluations (``n`` = 1024 to 2048).
+
+The model builds a new mask function every forward, so the classification is cached (:func:`classified`)
+under a key of *everything the function can read* (:func:`reads_key`): its code, defaults and closure
+values, recursively through the functions it composes, the globals and builtins its code names (and
+those names' attributes of modules and classes it reads), and the content of every tensor it holds. A
+second forward with the same layout and the same mask is not probed again (0 evaluations); a mask that
+reads per-batch data (image-token blocks, documents from position ids, a left-padding tensor) gets its
+batch's content in the key, so two batches with the same layout but other contents are classified
+apart. A function holding anything else (an object of another type, a large tensor) has no key and is
+probed every time: a wrong cache hit is impossible by construction, not by a list of known cases.
 """
 
 from __future__ import annotations
 
+import functools
+import types
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -97,12 +109,13 @@ class CPMask:
     __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = __add__
 
     def spec(self, n: int) -> MaskSpec:
-        """The mask over global positions ``[0, n)`` (memoised per ``n``)."""
+        """The mask over global positions ``[0, n)`` (memoised per ``n``; probed through :func:`classified`)."""
         if n not in self._specs:
-            self._specs[n] = self._classify(n)
+            self._specs[n] = self._refusal() or classified(self.mask_function, n)
         return self._specs[n]
 
-    def _classify(self, n: int) -> MaskSpec:
+    def _refusal(self) -> MaskSpec | None:
+        """The ``unknown`` spec of a mask refused without probing (padding, a KV-cache offset, per-token data)."""
         if self.padding:
             return MaskSpec("unknown", reason="the attention_mask marks padding tokens; pack documents with "
                                               "qkv_format='thd' instead of padding them")
@@ -113,7 +126,7 @@ class CPMask:
             return MaskSpec("unknown", reason=f"it reads per-token tensors of shapes {per_token} (image-token "
                                               "blocks, or documents re-derived from position ids: pass "
                                               "cp_model_inputs(handler, input_ids) to the model)")
-        return classify(self.mask_function, n)
+        return None
 
 
 def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,
@@ -163,6 +176,131 @@ def _device(mask_function) -> torch.device:
 def _distances(n: int) -> list[int]:
     powers = {p + e for k in range(1, max(2, n.bit_length() + 1)) for p in (1 << k,) for e in (-1, 0, 1)}
     return sorted(d for d in {*_SMALL_DISTANCES, *powers, n - 1} if -n < d < n)
+
+
+CACHE_SIZE = 256
+"""Classifications kept by :func:`classified` (least recently used dropped first)."""
+_cache: OrderedDict = OrderedDict()
+
+
+def classified(mask_function, n: int) -> MaskSpec:
+    """:func:`classify`, cached under ``(reads_key(mask_function), n)``; a function without a key is
+    classified every time."""
+    key = reads_key(mask_function)
+    if key is None:
+        return classify(mask_function, n)
+    key = (key, n)
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    spec = _cache[key] = classify(mask_function, n)
+    if len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return spec
+
+
+KEY_OBJECTS = 512
+"""Most objects :func:`reads_key` visits for one mask function (more: no key)."""
+KEY_TENSOR_ELEMENTS = 1 << 16
+"""Largest tensor :func:`reads_key` keys by content (larger: no key)."""
+_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+           torch.memory_format)
+_DESCRIPTORS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.GetSetDescriptorType,
+                types.MemberDescriptorType, types.ClassMethodDescriptorType)
+
+
+class _Unkeyable(Exception):
+    """Something a mask function can read whose value no key captures."""
+
+
+def reads_key(mask_function) -> tuple | None:
+    """A hashable key equal for two mask functions only if they compute the same thing: the key of
+    everything the function can read (module doc), ``None`` when it can read something no key captures.
+
+    Keyed by value: ``None``, numbers, strings, bytes, dtypes and devices (exactly those types); tuples,
+    lists, sets and dicts of keyable items; tensors of type ``torch.Tensor`` up to
+    :data:`KEY_TENSOR_ELEMENTS` elements (dtype, shape, device and content). Python functions,
+    ``functools.partial`` objects and bound methods through their parts: code (compared as CPython compares
+    code objects: bytecode, constants, names), defaults, attributes, closure cells, and every name the code
+    (and the code nested in it) loads, as a global, a builtin, or an attribute of a module or class reached
+    that way. Modules, classes, unbound C functions and method descriptors by identity (a module's or class's
+    attributes the code names, by value); a C method bound to an object (``tensor.sum``) by its name and that
+    object. Anything else (an instance of another class, a larger tensor, a tensor that cannot be read on
+    the CPU) makes the key ``None``.
+    """
+    try:
+        return _key(mask_function, frozenset(), {})
+    except Exception:  # noqa: BLE001 - _Unkeyable, or reading a value failed: no key, the function is probed
+        return None
+
+
+def _names(code: types.CodeType) -> frozenset:
+    """Every name ``code`` and the code objects nested in it load (globals, builtins, attributes)."""
+    nested = (_names(c) for c in code.co_consts if isinstance(c, types.CodeType))
+    return frozenset(code.co_names).union(*nested)
+
+
+def _loaded(names: frozenset, spaces: list[dict], visited: dict) -> tuple:
+    """``(name, key)`` of each of ``names`` found in ``spaces`` (the first that has it)."""
+    found = {n: next(space[n] for space in spaces if n in space) for n in sorted(names)
+             if any(n in space for space in spaces)}
+    return tuple((n, _key(v, names, visited)) for n, v in found.items())
+
+
+def _key(value, names: frozenset, visited: dict):
+    """The key of ``value``, read by code that loads ``names`` (module and class attributes); ``visited``: the
+    objects keyed so far (a second visit gives a reference to the first: cycles, shared objects)."""
+    if type(value) in _VALUES:
+        return (type(value), value)
+    namespace = isinstance(value, (types.ModuleType, type))
+    seen = (id(value), names) if namespace else id(value)  # a namespace again, with other names: its attributes
+    if seen in visited:
+        return ("seen", visited[seen])
+    if len(visited) >= KEY_OBJECTS:
+        raise _Unkeyable
+    visited[seen] = len(visited)
+    if type(value) in (tuple, list, set, frozenset):
+        items = [_key(v, names, visited) for v in value]
+        return (type(value), tuple(sorted(items, key=repr)) if type(value) in (set, frozenset) else tuple(items))
+    if type(value) is dict:
+        return (dict, tuple((_key(k, names, visited), _key(v, names, visited)) for k, v in value.items()))
+    if type(value) is torch.Tensor:
+        if value.numel() > KEY_TENSOR_ELEMENTS:
+            raise _Unkeyable
+        data = value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return (torch.Tensor, value.dtype, tuple(value.shape), value.device, data)
+    if type(value) is types.FunctionType:
+        return _function_key(value, visited)
+    if type(value) is functools.partial:
+        return (functools.partial, _key(value.func, names, visited), _key(value.args, names, visited),
+                _key(value.keywords, names, visited))
+    if type(value) is types.MethodType:
+        return (types.MethodType, _key(value.__func__, names, visited), _key(value.__self__, names, visited))
+    if type(value) is types.BuiltinFunctionType:  # a C function, or a C method bound to an object (tensor.sum)
+        owner = value.__self__
+        if owner is None or isinstance(owner, (types.ModuleType, type)):
+            return (types.BuiltinFunctionType, value)
+        return (types.BuiltinFunctionType, value.__name__, _key(owner, names, visited))
+    if type(value) in _DESCRIPTORS:
+        return (type(value), value)
+    if namespace:  # by identity, with the attributes the code names (a class's: its own, its bases', its metaclass's)
+        classes = (*value.__mro__, *type(value).__mro__) if isinstance(value, type) else ()
+        spaces = [vars(value)] if not classes else [vars(k) for k in classes]
+        return (type(value), value, _loaded(names, spaces, visited))
+    raise _Unkeyable
+
+
+def _function_key(function: types.FunctionType, visited: dict) -> tuple:
+    """A Python function's key: its code, defaults, attributes, closure cells and the globals and builtins its
+    code loads (:func:`reads_key`)."""
+    code, names = function.__code__, _names(function.__code__)
+    closure = function.__closure__ or ()
+    cells = tuple(_key(c.cell_contents, names, visited) if _filled(c) else ("empty",) for c in closure)
+    space = function.__builtins__
+    spaces = [function.__globals__, vars(space) if isinstance(space, types.ModuleType) else space]
+    return (types.FunctionType, code, _key(function.__defaults__, names, visited),
+            _key(function.__kwdefaults__, names, visited), _key(vars(function), names, visited), cells,
+            _loaded(names, spaces, visited))
 
 
 def classify(mask_function, n: int) -> MaskSpec:

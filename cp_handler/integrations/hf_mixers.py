@@ -34,11 +34,12 @@ from ..handlers.base import ContextParallelHandler
 from .hf_active import active_handler, record_attention_call
 
 HARMLESS = ("position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
-            "shift_labels", "num_items_in_batch")
+            "shift_labels", "num_items_in_batch", "cp_handler")
 """Keywords a model forwards to a kernel that change nothing under the handler (its layout has the positions;
 Zamba2's hybrid layers pass their rotary tables on to every kernel, which ignores them; the model-level
-flags of the attention function's ``HARMLESS``, and the loss's arguments Trainer passes down every layer; a cache
-itself is refused as ``cache_params``)."""
+flags of the attention function's ``HARMLESS``, the loss's arguments Trainer passes down every layer, and the
+handler itself, which the model's hook leaves in the forward's keyword arguments; a cache itself is refused as
+``cache_params``)."""
 
 
 def _split_kwargs(kwargs: dict) -> dict:

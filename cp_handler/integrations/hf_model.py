@@ -11,13 +11,22 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
   routed mixer (``nn.Conv1d`` with a kernel longer than 1) or a ``config.layer_types`` entry that is not an
   attention layer in a model without routed mixers is refused, naming the module or layer: such a mixer
   would see only this rank's shard.
-* **Every forward** (hooks on the model, public ``register_forward_pre_hook`` / ``register_forward_hook``
-  APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword (removed before the
-  model sees it, so a decoder layer that drops extra kwargs, as StableLM's does, still reaches CP) or
-  from an active ``cp_attention(handler)`` and made the active handler for the forward; the attention
-  calls are recorded, and when the forward ends every decoder layer must have called cp_handler's
-  attention (a layer that bypasses the attention registry, or a non-attention mixer missed by the
-  static checks, raises naming the layers).
+* **Every forward** (two hooks on the model, public ``register_forward_pre_hook`` / ``register_forward_hook``
+  APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword or from an active
+  ``cp_attention(handler)``, made the active handler for the forward (:mod:`.hf_active`), and kept in (or
+  put into) the forward's keyword arguments when the model's forward takes extra ones: transformers passes
+  them on through the decoder layers to the attention function (every model of tests/test_hf_zoo.py that runs
+  but StableLM and Nemotron, whose decoder layers drop them: their attention takes the handler of the forward
+  that built its mask). The attention calls are recorded, and when the forward ends every decoder layer must
+  have called cp_handler's attention (a layer that bypasses the attention registry, or a non-attention mixer
+  missed by the static checks, raises naming the layers).
+* **Activation recomputation** (gradient checkpointing re-runs a decoder layer in the backward, after the
+  forward and its active handler are gone): the recomputed layer gets its keyword arguments again, so its
+  attention gets the ``cp_handler`` keyword (or its mask's handler) again: no hook on decoder layers or
+  attention modules. A module that reads the active handler (a routed mixer, a rotary module) gets a pre / post
+  hook pair on itself or the module around it that is given the forward's keyword arguments or mask
+  (:func:`recompute_hosts`, :func:`_recompute_pre_hook`): a Llama-like model one pair on its base model (around
+  the rotary module), a hybrid one pair per mixer, Moshi one per attention module (its rotary module is inside).
 * **The route's inputs change nothing at cp=1** (:func:`check_route_inputs`, once, when the weights
   are real): the model run alone on 16 tokens gives the same logits with :func:`cp_model_inputs`
   (positions ``0..S-1``, an all-ones mask) as with its own defaults. A model that derives positions
@@ -49,7 +58,7 @@ from .hf_active import active_handler, end_record, handler_context, reset_active
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
-from .hf_rotary import install_rotary_hooks
+from .hf_rotary import install_rotary_hooks, is_rotary
 from .hf_router_loss import prepare_router_loss
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -192,16 +201,18 @@ def _two_documents(length: int, first: int) -> ContextParallelHandler:
 
 def _recompute_pre_hook(module, args, kwargs, last: dict):
     """Activation recomputation (gradient checkpointing) re-runs a layer during the backward, outside the
-    model's forward and its active handler: a module that receives the forward's :class:`~.hf_mask.CPMask`
-    makes that forward's handler active again for its call (its attention, and a rotary module inside it); a
-    layer given no mask (a hybrid's convolution or recurrent layers get ``None``) the handler of the model's
-    last forward with gradients (``last``: one dict per model), the forward being recomputed unless two
-    forwards with different handlers ran before one backward; never while a forward of the model runs (a
-    forward without a handler stays without one)."""
+    model's forward and its active handler. On a module that reads the active handler inside such a layer
+    (:func:`recompute_hosts`), this makes one active for the module's call: the ``cp_handler`` keyword
+    it was given, else the handler of the forward that built the :class:`~.hf_mask.CPMask` it was given,
+    else (a hybrid's convolution or recurrent layers get no such mask) the handler of the model's last
+    forward with gradients (``last``: one dict per model), the forward being recomputed unless two forwards
+    with different handlers ran before one backward; never while a forward of the model runs (a forward
+    without a handler stays without one)."""
     if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    handler = mask.forward_handler if mask is not None else (None if last.get("running") else last.get("handler"))
+    handler = kwargs.get("cp_handler") or (mask.forward_handler if mask is not None else None) or \
+        (None if last.get("running") else last.get("handler"))
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
@@ -214,18 +225,50 @@ def _recompute_hook(module, args, kwargs, output):
     return None
 
 
-def _takes_attention_mask(module: nn.Module) -> bool:
+def _takes(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` has a parameter ``name`` (``"**"``: takes extra keyword arguments)."""
     try:
-        return "attention_mask" in inspect.signature(module.forward).parameters
+        parameters = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return False
+    return any(p.kind is p.VAR_KEYWORD if name == "**" else p.name == name for p in parameters)
+
+
+def recompute_hosts(model: nn.Module) -> list[nn.Module]:
+    """The modules that get :func:`_recompute_pre_hook`: for every module that reads the active handler when
+    it runs (a routed mixer, a rotary module), the innermost module from it up to, not including, the decoder
+    layer holding it (a ``GradientCheckpointingLayer``: transformers 5 runs a layer's own hooks outside its
+    recomputation) or the model that takes ``attention_mask`` (it is given the forward's
+    :class:`~.hf_mask.CPMask` or ``cp_handler`` keyword), else the reader itself. So whatever recomputes a
+    reader runs its host's hooks too. The attention function needs no host: it takes the handler from its
+    ``cp_handler`` keyword or its mask."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    parents = {child: parent for parent in model.modules() for child in parent.children()}
+    hosts = {}
+    for reader in model.modules():
+        if not (getattr(reader, "_cp_mixer", False) or is_rotary(reader)):
+            continue
+        path = [reader]
+        while path[-1] in parents and parents[path[-1]] is not model and \
+                not isinstance(parents[path[-1]], GradientCheckpointingLayer):
+            path.append(parents[path[-1]])
+        host = next((m for m in path if _takes(m, "attention_mask")), reader)
+        hosts[id(host)] = host
+    return list(hosts.values())
 
 
 def _model_pre_hook(model, args, kwargs, last: dict):
+    """The forward's handler (module doc): the ``cp_handler`` keyword, else the active one; made active for the
+    forward (the mask function, rotary hooks, mixer routes and router loss read it) and, when the model's
+    forward takes extra keyword arguments, left in them: transformers passes them on through the decoder
+    layers to the attention function (a recomputed layer gets them again)."""
     handler = kwargs.pop("cp_handler", None) or active_handler()
     last["running"] = last.get("running", 0) + 1
     if handler is None:
         return args, kwargs
+    if model.__dict__.get("_cp_takes_kwargs"):
+        kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():
         last["handler"] = handler
     model._cp_tokens = (set_active(handler), start_record())
@@ -275,12 +318,13 @@ def prepare_model(model: nn.Module) -> nn.Module:
                model.register_forward_hook(functools.partial(_model_hook, last=last), with_kwargs=True,
                                            always_call=True)]
     handles += install_rotary_hooks(model)
+    for host in recompute_hosts(model):  # before a rotary module's own pre-hook, when it is its host
+        handles += [host.register_forward_pre_hook(functools.partial(_recompute_pre_hook, last=last),
+                                                   with_kwargs=True, prepend=True),
+                    host.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]
+    model._cp_takes_kwargs = _takes(model, "**")
     for module in model.modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
-        if module is not model and _takes_attention_mask(module):  # decoder layers, attention modules
-            handles += [module.register_forward_pre_hook(functools.partial(_recompute_pre_hook, last=last),
-                                                         with_kwargs=True),
-                        module.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]
     try:
         check_mixer_documents(model)
         check_route_inputs(model)  # a forward at cp=1: also runs the per-forward checks once

@@ -17,7 +17,7 @@ from .hf_active import active_handler
 
 def global_max_position(handler: ContextParallelHandler, local_len: int) -> int:
     """The largest position of a real token in the global batch (thd: the longest document's last)."""
-    longest = getattr(handler, "max_seqlen", None)
+    longest = getattr(handler.token_layout, "max_seqlen", None)
     return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
 
 
@@ -27,7 +27,8 @@ POSITION_PROBE = 1
 the sequence length and the cached keys are stale (position 0 would not show it: cos 1, sin 0)."""
 
 
-def _is_rotary(module: nn.Module) -> bool:
+def is_rotary(module: nn.Module) -> bool:
+    """Whether ``module`` is a rotary-embedding module (its class name ends in ``RotaryEmbedding``)."""
     return type(module).__name__.endswith("RotaryEmbedding")
 
 
@@ -54,7 +55,7 @@ def _rotary_pre_hook(module, args, kwargs):
     lengths = ()
     if cache is not None:
         appended.append(POSITION_PROBE)
-        lengths = cache.lengths if cache.prefilled else handler.thd_layout.lengths
+        lengths = cache.lengths if cache.prefilled else handler.token_layout.thd_layout.lengths
     extra = torch.tensor(appended, dtype=position_ids.dtype, device=position_ids.device)
     module._cp_rows = (position_ids.shape[-1], cache, tuple(lengths))
     return _with_positions(args, kwargs, torch.cat([position_ids, extra.expand(*position_ids.shape[:-1], -1)], -1))
@@ -109,7 +110,7 @@ def install_rotary_hooks(model: nn.Module) -> list:
     """The rotary hooks on every rotary module of ``model``; returns their handles."""
     handles = []
     for name, module in model.named_modules():
-        if _is_rotary(module):
+        if is_rotary(module):
             module._cp_name = name or type(module).__name__
             handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
                         module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]

@@ -3,13 +3,13 @@
 ``register(model)`` adds an attention function and a mask function, ``"cp_handler"``, to
 transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (no monkeypatching), switches the
 model to them, checks it and watches its forwards (:mod:`.hf_model`). Every attention layer then runs
-through the active handler's ``core_attn``; the handler reaches it per batch: the ``cp_handler=``
-keyword of the model's forward, or ``with cp_attention(handler):``. No handler is an error, never
-plain attention::
+through the forward's handler's ``core_attn``; the handler comes per batch: the ``cp_handler=`` keyword of
+the model's forward, or ``with cp_attention(handler):`` (transformers passes it on to the attention function
+in the forward's keyword arguments, :mod:`.hf_attention`). No handler is an error, never plain attention::
 
     model = AutoModelForCausalLM.from_config(config)
     register(model)
-    h = get_cp_handler_cls("local", "p2p")(cp_group=group)
+    h = get_cp_handler_cls("local", "p2p")(cp_group=group, cp_comm_type="p2p")
     input_ids, labels, loss_mask = next_token_batch(h, tokens)
     logits = model(input_ids, **cp_model_inputs(h, input_ids), cp_handler=h).logits
     loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)
