@@ -30,10 +30,7 @@ from cp_handler.testing import check_handler
 class GatherSDPAHandler(ContextParallelHandler):
     """KV all-gather + one SDPA call (``cp_comm_type="all_gather"``), every format of the zigzag layout."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        if self.comm_types != ["all_gather"]:
-            raise ValueError(f"GatherSDPAHandler runs cp_comm_type='all_gather' only, got {self.cp_comm_type!r}")
+    cp_comm_types = ("all_gather",)  # the comm types it runs: a handler built with another is refused by name
 
     def unsupported_variant(self, comm_type, mask, sinks):
         if mask.softcap is not None or sinks is not None:
@@ -64,7 +61,7 @@ class GatherSDPAHandler(ContextParallelHandler):
         return call.restore(torch.where(visible.any(-1)[:, None], out, 0.0))  # rows that see no key: zero
 
 
-register_cp_handler("gather_sdpa", GatherSDPAHandler, comm_types=("all_gather",))
+register_cp_handler("gather_sdpa", GatherSDPAHandler)  # for its cp_comm_types
 
 
 def main() -> int:

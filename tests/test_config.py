@@ -6,6 +6,7 @@ from cp_handler import (
     ContextParallelConfig,
     HierarchicalContextParallelHandler,
     LocalContextParallelHandler,
+    MagiAttnContextParallelHandler,
     check_seq_len,
     get_cp_handler_cls,
     register_cp_handler,
@@ -63,6 +64,24 @@ def test_factory_errors():
     with pytest.raises(ValueError, match=r"backend='magi' has no handler for cp_comm_type='a2a'; it supports "
                                          r"\['p2p'\]"):
         get_cp_handler_cls("magi", "a2a")  # MagiAttention plans its own communication: one entry, not four
+
+
+def test_a_class_declares_the_comm_types_it_runs():
+    class GatherOnly(LocalContextParallelHandler):
+        cp_comm_types = ("all_gather",)
+
+    assert GatherOnly().cp_comm_type == "all_gather"  # the one it runs: the default, at any cp
+    with pytest.raises(ValueError, match=r"GatherOnly: cp_comm_type='p2p': it runs \['all_gather'\] only, not "
+                                         r"\['p2p'\]"):
+        GatherOnly(cp_comm_type="p2p")
+    with pytest.raises(ValueError, match=r"comm_types names 'a2a', but the class runs \['all_gather'\]"):
+        register_cp_handler("gather_only", GatherOnly, ["a2a"])
+    register_cp_handler("gather_only", GatherOnly)  # registered for what it declares
+    assert get_cp_handler_cls("gather_only", "all_gather") is GatherOnly
+    with pytest.raises(ValueError, match=r"backend='gather_only' has no handler for cp_comm_type='p2p'"):
+        get_cp_handler_cls("gather_only", "p2p")
+    with pytest.raises(ValueError, match=r"MagiAttnContextParallelHandler: cp_comm_type='a2a': it runs \['p2p'\]"):
+        MagiAttnContextParallelHandler(cp_comm_type="a2a")  # refused before MagiAttention is imported
 
 
 def test_factory_rejects_a_list_no_single_class_serves():

@@ -9,8 +9,8 @@ from .transformer_engine import TEContextParallelHandler
 from .zigzag import ZigzagLayout
 
 register_cp_handler("local", LocalContextParallelHandler)
-register_cp_handler("transformer_engine", TEContextParallelHandler, ("p2p", "all_gather", "a2a", "a2a+p2p"))
-register_cp_handler("magi", MagiAttnContextParallelHandler, ("p2p",))  # MagiAttention plans its own communication
+register_cp_handler("transformer_engine", TEContextParallelHandler)
+register_cp_handler("magi", MagiAttnContextParallelHandler)  # MagiAttention plans its own communication: one entry
 
 __all__ = [
     "ContextParallelHandler",

@@ -40,9 +40,10 @@ class ContextParallelHandler(metaclass=ABCMeta):
         cp_group: the CP process group; ``None`` means cp=1.
         qkv_format: layout of q, k, v given to :meth:`core_attn` (``"bshd"``, ``"sbhd"``, ``"thd"``).
         cp_comm_type: one of ``CP_COMM_TYPES``, or a list with one entry per layer (indexed by the
-            attention module's 1-based ``layer_number``, as in Megatron-LM). Required at cp > 1 (unless the class
-            declares ``default_cp_comm_type``): ``get_cp_handler_cls(backend, cp_comm_type)`` picks the class, the
-            handler is told the comm type it runs; at cp = 1 nothing is communicated (default ``"p2p"``).
+            attention module's 1-based ``layer_number``, as in Megatron-LM), of the class's ``cp_comm_types``.
+            Required at cp > 1 unless the class runs only one: ``get_cp_handler_cls(backend, cp_comm_type)`` picks
+            the class, the handler is told the comm type it runs; at cp = 1 nothing is communicated (default: the
+            class's first).
         hierarchical_cp_groups: this rank's group at each hierarchical CP level, inner first
             (``[a2a_group, p2p_group]`` for ``"a2a+p2p"``); see ``build_dp_cp_groups``.
         cu_seqlens: for ``qkv_format="thd"``: int32 ``[num_docs + 1]`` offsets of the real
@@ -52,17 +53,17 @@ class ContextParallelHandler(metaclass=ABCMeta):
             the environment variable ``CP_HANDLER_CHECK_RANKS=0``.
 
     Raises:
-        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list, no ``cp_comm_type``
-            at cp > 1; ``cu_seqlens`` missing for thd, given for bshd/sbhd, or malformed; this process not a
-            rank of ``cp_group``.
+        ValueError: unknown ``qkv_format`` or ``cp_comm_type``, an empty ``cp_comm_type`` list, a comm type the
+            class does not run, no ``cp_comm_type`` at cp > 1 for a class that runs several; ``cu_seqlens``
+            missing for thd, given for bshd/sbhd, or malformed; this process not a rank of ``cp_group``.
         TypeError: ``cp_comm_type`` not a str or list of str; ``cu_seqlens`` not an int32/int64 tensor.
     """
 
     token_layout_cls: type[TokenLayout] = ZigzagLayout
     """Where the tokens sit on the ranks (:mod:`.token_layout`); the mixers follow from it."""
-    default_cp_comm_type: str | None = None
-    """The comm type of a handler built without one at cp > 1 (``None``: the caller must name it; a backend that
-    plans its own communication declares its one value)."""
+    cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
+    """The comm types this class runs (a handler built with another is refused by name; ``register_cp_handler``
+    registers the class for these by default). A backend that plans its own communication declares one."""
 
     def __init__(
         self,
@@ -91,24 +92,26 @@ class ContextParallelHandler(metaclass=ABCMeta):
         self.cu_seqlens = cu_seqlens
         self.qkv_format = qkv_format
         self.hierarchical_cp_groups = list(hierarchical_cp_groups or [])
-        self.serial = next_serial(cp_group)
         self.failure: str | None = None
         """The first failure of a guarded call on this rank (the handler then refuses every call: :mod:`.guard`)."""
-        self.agreement = RankAgreement(cp_group, self.serial, ranks_check_enabled(check_ranks))
+        self.agreement = RankAgreement(cp_group, next_serial(cp_group), ranks_check_enabled(check_ranks))
         self.token_layout = self.token_layout_cls(self)
         self.mixers = self.token_layout.mixers_cls(self)
 
     def _comm_type(self, cp_comm_type):
+        runs = self.cp_comm_types
         if cp_comm_type is None:
-            cp_comm_type = self.default_cp_comm_type
-        if cp_comm_type is None:
-            if self.cp_size > 1:
+            if self.cp_size > 1 and len(runs) > 1:
                 raise ValueError(f"{type(self).__name__}: cp_comm_type=None at cp={self.cp_size}: name the comm type "
-                                 f"the handler runs, one of {CP_COMM_TYPES} or a list with one per layer "
+                                 f"the handler runs, one of {runs} or a list with one per layer "
                                  "(get_cp_handler_cls(backend, cp_comm_type) picks the class; the handler takes the "
                                  "same cp_comm_type, or build it with build_cp_handler(config, ...))")
-            return "p2p"  # cp = 1: nothing is communicated
+            return runs[0]  # cp = 1: nothing is communicated; or the one comm type the class runs
         check_comm_types(cp_comm_type)
+        other = sorted(set(as_comm_type_list(cp_comm_type)) - set(runs))
+        if other:
+            raise ValueError(f"{type(self).__name__}: cp_comm_type={cp_comm_type!r}: it runs {list(runs)} only, not "
+                             f"{other}")
         return cp_comm_type
 
     def agreement_key(self, attn_mod) -> str | None:

@@ -197,7 +197,7 @@ class MagiAttnContextParallelHandler(ContextParallelHandler):
     """
 
     token_layout_cls = MagiLayout
-    default_cp_comm_type = "p2p"  # a nominal value: MagiAttention plans its own communication
+    cp_comm_types = ("p2p",)  # one nominal entry: MagiAttention plans its own communication
 
     def __init__(self, *, num_heads_q: int | None = None, num_heads_kv: int | None = None,
                  head_dim: int | None = None, causal: bool = True, **kwargs):

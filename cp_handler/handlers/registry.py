@@ -35,19 +35,23 @@ def load_plugins() -> list[str]:
 
 
 def register_cp_handler(
-    backend: str, cls: type[ContextParallelHandler], comm_types: tuple[str, ...] | list[str] = CP_COMM_TYPES
+    backend: str, cls: type[ContextParallelHandler], comm_types: tuple[str, ...] | list[str] | None = None
 ) -> type[ContextParallelHandler]:
-    """Register ``cls`` as the handler of ``backend`` for each of ``comm_types``; returns ``cls``.
+    """Register ``cls`` as the handler of ``backend`` for each of ``comm_types`` (default: every comm type the
+    class runs, ``cls.cp_comm_types``); returns ``cls``.
 
     Raises:
         TypeError: ``cls`` is not a ContextParallelHandler subclass.
-        ValueError: an unknown comm type.
+        ValueError: an unknown comm type, or one the class does not run.
     """
     if not (isinstance(cls, type) and issubclass(cls, ContextParallelHandler)):
         raise TypeError(f"register_cp_handler needs a ContextParallelHandler subclass, got {cls!r}")
-    for comm_type in comm_types:
+    for comm_type in cls.cp_comm_types if comm_types is None else comm_types:
         if comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        if comm_type not in cls.cp_comm_types:
+            raise ValueError(f"register_cp_handler({backend!r}, {cls.__name__}): comm_types names {comm_type!r}, but "
+                             f"the class runs {list(cls.cp_comm_types)} (its cp_comm_types)")
         _REGISTRY[(backend, comm_type)] = cls
     return cls
 

@@ -80,6 +80,7 @@ class DecodeHandler(ContextParallelHandler):
     """
 
     token_layout_cls = DecodeLayout
+    cp_comm_types = ("all_gather",)  # the merge of the ranks' partial outputs
 
     def __init__(self, cache: KVCache, *, cp_group=None, check_ranks: bool | None = None):
         cache.check_group(cp_group, "DecodeHandler")
@@ -87,7 +88,7 @@ class DecodeHandler(ContextParallelHandler):
             raise ValueError("DecodeHandler: decode before prefill: run the prompt through a prefill handler with this "
                              "cache (cp_handler.inference.prefill_handler) and call cache.finish_prefill() first")
         batch = len(cache.lengths)
-        super().__init__(cp_group=cp_group, qkv_format="thd", check_ranks=check_ranks, cp_comm_type="all_gather",
+        super().__init__(cp_group=cp_group, qkv_format="thd", check_ranks=check_ranks,
                          cu_seqlens=torch.arange(batch + 1, dtype=torch.int32))
         self.kv_cache = cache
         self.owners, self.positions = cache.next_token_owners()
