@@ -33,7 +33,7 @@ def _attention_parity(rank, world, backend):
         results = []
         for name in ("local", backend):
             extra = {"num_heads_q": heads, "num_heads_kv": kv_heads, "head_dim": 64} if name == "magi" else {}
-            h = get_cp_handler_cls(name, "p2p")(cp_group=group, **extra)
+            h = get_cp_handler_cls(name, "p2p")(cp_group=group, cp_comm_type="p2p", **extra)
             q_l, k_l, v_l = (h.dispatch(t, 1).detach().requires_grad_() for t in (q, k, v))
             out = h.core_attn(attn, q_l, k_l, v_l)
             out.float().square().sum().backward()
