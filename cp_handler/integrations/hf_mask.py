@@ -41,6 +41,7 @@ probed every time: a wrong cache hit is impossible by construction, not by a lis
 from __future__ import annotations
 
 import functools
+import hashlib
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -219,7 +220,8 @@ def reads_key(mask_function) -> tuple | None:
 
     Keyed by value: ``None``, numbers, strings, bytes, dtypes and devices (exactly those types); tuples,
     lists, sets and dicts of keyable items; tensors of type ``torch.Tensor`` up to
-    :data:`KEY_TENSOR_ELEMENTS` elements (dtype, shape, device and content). Python functions,
+    :data:`KEY_TENSOR_ELEMENTS` elements (dtype, shape, device and content, the latter by its BLAKE2b-256 digest:
+    a cached key holds 32 bytes per tensor, and two contents share a key only by a hash collision). Python functions,
     ``functools.partial`` objects and bound methods through their parts: code (compared as CPython compares
     code objects: bytecode, constants, names), defaults, attributes, closure cells, and every name the code
     (and the code nested in it) loads, as a global, a builtin, or an attribute of a module or class reached
@@ -268,6 +270,7 @@ def _key(value, names: frozenset, visited: dict):
         if value.numel() > KEY_TENSOR_ELEMENTS:
             raise _Unkeyable
         data = value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        data = hashlib.blake2b(data, digest_size=32).digest()  # 32 bytes kept per tensor, not its content
         return (torch.Tensor, value.dtype, tuple(value.shape), value.device, data)
     if type(value) is types.FunctionType:
         return _function_key(value, visited)
