@@ -55,6 +55,7 @@ from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
+from .hf_attention import call_handler
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
@@ -211,8 +212,7 @@ def _recompute_pre_hook(module, args, kwargs, last: dict):
     if active_handler() is not None:
         return None
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
-    handler = kwargs.get("cp_handler") or (mask.forward_handler if mask is not None else None) or \
-        (None if last.get("running") else last.get("handler"))
+    handler = call_handler(kwargs.get("cp_handler"), mask) or (None if last.get("running") else last.get("handler"))
     if handler is not None:
         module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
     return None
