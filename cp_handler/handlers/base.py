@@ -19,6 +19,7 @@ from ..ops.ulysses import check_a2a_heads
 from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
 from .guard import Guard, next_serial
+from .opaque import compile_handle, opaque_core_attn, variant_args
 from .preflight import AttnCall, preflight
 from .token_layout import TokenLayout
 from .zigzag import ZigzagLayout
@@ -64,6 +65,9 @@ class ContextParallelHandler(metaclass=ABCMeta):
     cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
     """The comm types this class runs (a handler built with another is refused by name; ``register_cp_handler``
     registers the class for these by default). A backend that plans its own communication declares one."""
+    opaque_under_compile: bool = True
+    """Under torch.compile ``core_attn`` is one operator (:mod:`.opaque`): true when :meth:`attend` reads of
+    ``call.attn_mod`` only its variant attributes; false: it is traced as in eager mode."""
 
     def __init__(
         self,
@@ -97,6 +101,8 @@ class ContextParallelHandler(metaclass=ABCMeta):
         self.agreement = RankAgreement(cp_group, next_serial(cp_group), ranks_check_enabled(check_ranks))
         self.token_layout = self.token_layout_cls(self)
         self.mixers = self.token_layout.mixers_cls(self)
+        self.compile_handle = compile_handle(self)
+        """What names this handler to the compiled attention operator (:mod:`.opaque`)."""
 
     def _comm_type(self, cp_comm_type):
         runs = self.cp_comm_types
@@ -113,6 +119,13 @@ class ContextParallelHandler(metaclass=ABCMeta):
             raise ValueError(f"{type(self).__name__}: cp_comm_type={cp_comm_type!r}: it runs {list(runs)} only, not "
                              f"{other}")
         return cp_comm_type
+
+    @property
+    def layer_in_compiled_calls(self) -> bool:
+        """Whether the compiled attention operator carries the layer's ``layer_number`` (:mod:`.opaque`): when a
+        per-layer ``cp_comm_type`` needs it. Reading it costs a recompile per code object under per-block compile
+        (Dynamo guards the attribute, then makes it dynamic); without it the ranks agree per call, not per layer."""
+        return not isinstance(self.cp_comm_type, str)
 
     def agreement_key(self, attn_mod) -> str | None:
         """The agreement key of a ``core_attn`` call: one per layer (``attn_mod.layer_number``, else the call's
@@ -248,6 +261,10 @@ class ContextParallelHandler(metaclass=ABCMeta):
         ``window_size`` (a causal left window ``(W - 1, 0)``), ``attention_chunk_size``, ``softcap`` and
         ``sinks``; a backend that does not run one raises ``ValueError`` naming it
         (:meth:`unsupported_variant`), never ignores it."""
+        if torch.compiler.is_compiling() and self.opaque_under_compile:
+            variant = variant_args(self, attn_mod)
+            if variant is not None:
+                return opaque_core_attn(self, attn_mod, q, k, v, attn_mask_type, variant)
         with Guard(self, "core_attn"):
             return self.attend(preflight(self, attn_mod, q, k, v, attn_mask_type))
 

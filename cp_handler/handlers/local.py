@@ -88,6 +88,11 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 "hierarchical_context_parallel_sizes=[a2a, p2p]))"
             )
 
+    @property
+    def layer_in_compiled_calls(self) -> bool:
+        """A prefill filling a KV cache stores per layer: the compiled operator carries ``layer_number``."""
+        return self.kv_cache is not None or super().layer_in_compiled_calls
+
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)
 
