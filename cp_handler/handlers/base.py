@@ -103,6 +103,10 @@ class ContextParallelHandler(metaclass=ABCMeta):
         self.mixers = self.token_layout.mixers_cls(self)
         self.compile_handle = compile_handle(self)
         """What names this handler to the compiled attention operator (:mod:`.opaque`)."""
+        self.layer_in_compiled_calls = not isinstance(self.cp_comm_type, str)
+        """Whether the compiled attention operator carries the layer's ``layer_number`` (:mod:`.opaque`): when a
+        per-layer ``cp_comm_type`` needs it. Reading it costs a recompile per code object under per-block compile
+        (Dynamo guards the attribute, then makes it dynamic); without it the ranks agree per call, not per layer."""
 
     def _comm_type(self, cp_comm_type):
         runs = self.cp_comm_types
@@ -119,13 +123,6 @@ class ContextParallelHandler(metaclass=ABCMeta):
             raise ValueError(f"{type(self).__name__}: cp_comm_type={cp_comm_type!r}: it runs {list(runs)} only, not "
                              f"{other}")
         return cp_comm_type
-
-    @property
-    def layer_in_compiled_calls(self) -> bool:
-        """Whether the compiled attention operator carries the layer's ``layer_number`` (:mod:`.opaque`): when a
-        per-layer ``cp_comm_type`` needs it. Reading it costs a recompile per code object under per-block compile
-        (Dynamo guards the attribute, then makes it dynamic); without it the ranks agree per call, not per layer."""
-        return not isinstance(self.cp_comm_type, str)
 
     def agreement_key(self, attn_mod) -> str | None:
         """The agreement key of a ``core_attn`` call: one per layer (``attn_mod.layer_number``, else the call's

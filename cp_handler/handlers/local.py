@@ -53,6 +53,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
                                  f"not qkv_format={self.qkv_format!r}")
             kv_cache.check_group(self.cp_group, "prefill handler")
         self.kv_cache = kv_cache
+        self.layer_in_compiled_calls |= kv_cache is not None  # a prefill stores per layer (handlers/opaque.py)
         attn_kernel, source = kernel_override(attn_kernel)  # the environment is read here, once
         if attn_kernel is not None and attn_kernel not in KERNELS:
             raise ValueError(f"{source}={attn_kernel!r} is not a known attention kernel; known: {list(KERNELS)}")
@@ -87,11 +88,6 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 "levels passed in the wrong order? build them with build_dp_cp_groups(..., "
                 "hierarchical_context_parallel_sizes=[a2a, p2p]))"
             )
-
-    @property
-    def layer_in_compiled_calls(self) -> bool:
-        """A prefill filling a KV cache stores per layer: the compiled operator carries ``layer_number``."""
-        return self.kv_cache is not None or super().layer_in_compiled_calls
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)
