@@ -27,16 +27,21 @@ CONFIG = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_h
 GPT_GPU_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def loss_and_grads(config, handler, tokens, group, device="cpu", dtype=torch.float32):
+def loss_and_grads(config, handler, tokens, group, device="cpu", dtype=torch.float32, prepare=None, model=None):
     """Token-weighted loss of one step and every parameter gradient, summed over ``group``; the
-    model is initialised on CPU (seed 0) and then moved to ``device`` / ``dtype``."""
-    torch.manual_seed(0)
-    model = GPTModel(config).to(device, dtype)
+    model is initialised on CPU (seed 0) and then moved to ``device`` / ``dtype`` (and given to ``prepare``,
+    e.g. to compile its layers), or ``model`` is used as it is (its gradients zeroed first)."""
+    if model is None:
+        torch.manual_seed(0)
+        model = GPTModel(config).to(device, dtype)
+        if prepare is not None:
+            prepare(model)
+    model.zero_grad(set_to_none=True)
     input_ids, labels, loss_mask = next_token_batch(handler, tokens.to(device))
     loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
     loss = loss / global_token_count(loss_mask, group)
     loss.backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    grads = {name.replace("._orig_mod", ""): p.grad.clone() for name, p in model.named_parameters()}  # compiled
     loss = loss.detach()
     if group is not None:
         dist.all_reduce(loss, group=group)

@@ -1,0 +1,166 @@
+"""torch.compile under CP: ``core_attn`` is one operator (cp_handler/handlers/opaque.py), so the reference GPT
+traces as one graph (0 graph breaks) under every comm type, bshd and thd, each block compiles with
+``fullgraph=True``, the compiled step equals the one-process step, and a handler built per batch recompiles
+nothing.
+
+Tolerances: the parity bounds of gpt_reference.py (loss rtol 1e-6; gradients atol 1e-6 + rtol 1e-4): a
+compiled step reorders the same float32 sums as a CP step does (Inductor fuses and reorders reductions;
+measured ~4e-6 absolute on logits-squared losses of size ~1e2, ~1e-8 on the normalised loss's gradients),
+while a wrong position or token moves a gradient by >1e-3. The single-process checks of the operator compare
+compiled with eager on the same process: ``aot_eager`` runs the same kernels, so they are equal to 1e-6.
+"""
+
+import pytest
+import torch
+from dist_utils import new_cp_group, run_distributed
+from gpt_reference import CONFIG, assert_parity, loss_and_grads
+
+from cp_handler import build_dp_cp_groups, get_cp_handler_cls
+from cp_handler.handlers import opaque
+from cp_handler.handlers.local import LocalContextParallelHandler
+from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.training import next_token_batch
+
+LENGTHS = (10, 22)  # two documents of a thd batch: padded to multiples of 2 * cp = 4 -> 12 + 24 = 36 tokens
+
+
+def compile_blocks(backend: str):
+    """Per-block compile, as torchtitan's ``--compile``: every transformer layer, ``fullgraph=True``."""
+    def prepare(model):
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
+    return prepare
+
+
+def _graphs_of(model, handler, tokens):
+    """``torch._dynamo.explain`` of the whole model's forward, after one eager forward with that handler."""
+    input_ids = next_token_batch(handler, tokens)[0]
+    model(input_ids, cp_handler=handler)
+    explained = torch._dynamo.explain(model)(input_ids, cp_handler=handler)
+    return explained.graph_count, explained.graph_break_count, [b.reason for b in explained.break_reasons]
+
+
+def _cases(world: int):
+    """(label, handler class, handler kwargs, tokens) of every comm type (and one per-layer list) and format."""
+    groups = build_dp_cp_groups(world, "cpu", [2, world // 2]) if world == 4 else None
+    comm_types = ["a2a+p2p"] if world == 4 else ["p2p", "all_gather", "a2a", ["p2p", "a2a"]]
+    bshd = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
+    thd = torch.randint(0, 256, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(3))
+    cu_seqlens = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+    for comm_type in comm_types:
+        cls = get_cp_handler_cls("local", comm_type)
+        levels = {} if groups is None else {"hierarchical_cp_groups": groups.hierarchical_cp_groups}
+        for fmt, tokens, batch in (("bshd", bshd, {}), ("thd", thd, {"qkv_format": "thd", "cu_seqlens": cu_seqlens})):
+            yield f"{comm_type} {fmt}", cls, {"cp_comm_type": comm_type, **levels, **batch}, tokens
+
+
+def _whole_model_worker(rank, world):
+    group = new_cp_group() if world == 2 else None
+    for label, cls, kwargs, tokens in _cases(world):
+        cp_group = group if group is not None else build_dp_cp_groups(world, "cpu", [2, 2]).cp_group
+        config = GPTConfig(**{**vars(CONFIG), "num_layers": 2})
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        graphs, breaks, reasons = _graphs_of(GPTModel(config), cls(cp_group=cp_group, **kwargs), tokens)
+        assert (graphs, breaks) == (1, 0), f"{label}: {graphs} graphs, {breaks} breaks: {reasons}"
+        reference = loss_and_grads(config, cls(cp_group=None, **{k: v for k, v in kwargs.items()
+                                                                 if k != "hierarchical_cp_groups"}), tokens, None)
+        torch._dynamo.reset()
+        got = loss_and_grads(config, cls(cp_group=cp_group, **kwargs), tokens, cp_group,
+                             prepare=compile_blocks("aot_eager"))
+        assert_parity(got, reference, f"compiled blocks, {label}")
+    assert not opaque._graphs, f"{len(opaque._graphs)} eager graphs outlived their backward"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpt_compiles_whole_and_matches_one_process(world):
+    """0 graph breaks in the whole forward; per-block ``fullgraph=True`` compiles; the compiled step equals the
+    one-process step (every comm type at cp 2, a2a+p2p [2, 2] at cp 4, a per-layer list; bshd and thd)."""
+    run_distributed(_whole_model_worker, world)
+
+
+def _batches(count: int):
+    """thd batches of two documents with changing lengths and one padded total (36 tokens at cp 2)."""
+    generator = torch.Generator().manual_seed(11)
+    for _ in range(count):
+        first = 4 * int(torch.randint(1, 8, (1,), generator=generator)) - int(torch.randint(0, 3, (1,),
+                                                                                                generator=generator))
+        padded_first = -(-first // 4) * 4
+        lengths = (first, 36 - padded_first - int(torch.randint(0, 3, (1,), generator=generator)))
+        tokens = torch.randint(0, 256, (1, sum(lengths)), generator=generator)
+        yield lengths, tokens, torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+
+
+def _recompile_worker(rank, world):
+    from torch._dynamo.utils import counters
+
+    group = new_cp_group()
+    cls = get_cp_handler_cls("local", "p2p")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPTModel(CONFIG)
+    compile_blocks("inductor")(model)
+    compiled_after = []
+    for i, (lengths, tokens, cu_seqlens) in enumerate(_batches(20)):
+        handler = cls(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu_seqlens)
+        got = loss_and_grads(CONFIG, handler, tokens, group, model=model)
+        compiled_after.append(counters["stats"]["unique_graphs"])
+        if i in (0, 19):  # parity with one process, first and last batch (every batch runs the same graphs)
+            reference = loss_and_grads(CONFIG, cls(cp_group=None, qkv_format="thd", cu_seqlens=cu_seqlens),
+                                       tokens, None)
+            assert_parity(got, reference, f"batch {i} documents {lengths}")
+    assert compiled_after[0] >= 1 and compiled_after[-1] == compiled_after[0], \
+        f"graphs compiled after each of 20 batches: {compiled_after} (a handler per batch must not recompile)"
+    assert not opaque._graphs, f"{len(opaque._graphs)} eager graphs outlived their backward"
+
+
+def test_a_handler_per_batch_recompiles_nothing():
+    """20 thd batches, documents of changing lengths in one padded-length bucket, a new handler each: the
+    compiled blocks (Inductor, fullgraph) are compiled at the first batch only, and equal one process."""
+    run_distributed(_recompile_worker, 2)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, heads: int):
+        super().__init__()
+        self.window_size, self.softcap = (2, 0), 5.0
+        self.sinks = torch.nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(0)))
+
+
+def test_operator_is_checked_exact_and_refuses_by_name():
+    """One process (cp = 1 runs the blockwise algorithm for a variant): the operator passes torch.library's
+    schema, fake-tensor and autograd-registration checks; compiled (``fullgraph``) equals eager, sinks' gradient
+    included; no eager graph outlives its backward; an invalid attribute is refused at run time by name."""
+    handler = LocalContextParallelHandler(cp_group=None)
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 8, h, 4, generator=generator, requires_grad=True) for h in (2, 1, 1))
+    attn = _Attention(2)
+    names, values = opaque.variant_args(handler, attn)
+    checks = torch.library.opcheck(
+        torch.ops.cp_handler.core_attn.default,
+        (q, k, v, attn.sinks, handler.compile_handle, torch.tensor(values, dtype=torch.float64), names, "causal", True),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    assert set(checks.values()) == {"SUCCESS"}, checks
+
+    def run(fn):
+        out = fn(q, k, v)
+        out.square().sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v, attn.sinks)]
+        for t in (q, k, v, attn.sinks):
+            t.grad = None
+        return out.detach(), grads
+
+    def attention(q, k, v):
+        return handler.core_attn(attn, q, k, v)
+
+    eager = run(attention)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(attention, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
+    for got, want, name in zip(compiled[1], eager[1], ("q", "k", "v", "sinks"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m, n=name: f"d{n}: {m}")
+    assert not opaque._graphs
+    attn.softcap = -1.0
+    with pytest.raises(ValueError, match=r"softcap=-1.0 must be a finite number > 0"):
+        torch.compile(attention, backend="aot_eager", fullgraph=True)(q, k, v)
