@@ -41,7 +41,7 @@ def loss_and_grads(config, handler, tokens, group, device="cpu", dtype=torch.flo
     loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
     loss = loss / global_token_count(loss_mask, group)
     loss.backward()
-    grads = {name.replace("._orig_mod", ""): p.grad.clone() for name, p in model.named_parameters()}  # compiled
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     loss = loss.detach()
     if group is not None:
         dist.all_reduce(loss, group=group)

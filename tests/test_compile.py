@@ -20,16 +20,14 @@ from cp_handler.handlers import opaque
 from cp_handler.handlers.local import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
 from cp_handler.training import next_token_batch
+from cp_handler.training.compile import compile_layers
 
 LENGTHS = (10, 22)  # two documents of a thd batch: padded to multiples of 2 * cp = 4 -> 12 + 24 = 36 tokens
 
 
 def compile_blocks(backend: str):
-    """Per-block compile, as torchtitan's ``--compile``: every transformer layer, ``fullgraph=True``."""
-    def prepare(model):
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer, backend=backend, fullgraph=True)
-    return prepare
+    """Per-block compile, as torchtitan's ``--compile`` (and cp-train's): every layer, ``fullgraph=True``."""
+    return lambda model: compile_layers(model, backend)
 
 
 def _graphs_of(model, handler, tokens):
@@ -119,6 +117,47 @@ def test_a_handler_per_batch_recompiles_nothing():
     """20 thd batches, documents of changing lengths in one padded-length bucket, a new handler each: the
     compiled blocks (Inductor, fullgraph) are compiled at the first batch only, and equal one process."""
     run_distributed(_recompile_worker, 2)
+
+
+HF_MODELS = ("llama", "qwen3", "gemma3_text", "gpt_oss")
+"""Llama, Qwen3 (q/k norms), Gemma 3 (sliding-window layers beside global ones), gpt-oss (learnable sinks, a
+window, MoE): their decoder layers through transformers' attention interface."""
+
+
+def _hf_worker(rank, world):
+    import hf_zoo
+    from test_hf_integration import DOCUMENTS, cp_step, reference_step
+
+    from cp_handler.integrations.transformers import register
+
+    group = new_cp_group()
+    tokens = torch.randint(0, hf_zoo.VOCAB, (1, hf_zoo.SEQ_LEN), generator=torch.Generator().manual_seed(7))
+    for name in HF_MODELS:
+        want = hf_zoo.reference(hf_zoo.build(name), tokens)
+        model = hf_zoo.build(name)
+        register(model)
+        torch._dynamo.reset()
+        assert compile_layers(model, "aot_eager") == 2
+        for comm_type in ("p2p", "a2a"):
+            problem = hf_zoo._compare(hf_zoo.cp_run(model, tokens, comm_type, group), want)
+            assert problem is None, f"{name} {comm_type}, compiled layers: {problem}"
+    cu = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
+    packed = torch.randint(0, 256, (1, int(cu[-1])), generator=torch.Generator().manual_seed(4))
+    want_logits, want = reference_step("llama", packed, cu)
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        torch._dynamo.reset()
+        handler = get_cp_handler_cls("local", comm_type)(cp_group=group, cp_comm_type=comm_type, qkv_format="thd",
+                                                         cu_seqlens=cu)
+        logits, got = cp_step("llama", handler, packed, group, prepare=compile_blocks("aot_eager"))
+        torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+        assert_parity(got, want, f"llama thd {comm_type}, compiled layers")
+    assert not opaque._graphs, f"{len(opaque._graphs)} eager graphs outlived their backward"
+
+
+def test_hf_decoder_layers_compile_whole_and_match_one_process():
+    """Each decoder layer of Llama, Qwen3, Gemma 3 and gpt-oss compiles with ``fullgraph=True`` (a graph break
+    raises) and the step equals the unmodified model's (p2p and a2a; Llama thd in every comm type at cp 2)."""
+    run_distributed(_hf_worker, 2)
 
 
 class _Attention(torch.nn.Module):

@@ -84,8 +84,11 @@ def reference_step(name, tokens, cu_seqlens=None):
     return logits.detach(), (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
 
 
-def cp_step(name, handler, tokens, group):
+def cp_step(name, handler, tokens, group, prepare=None):
+    """``prepare``: given the model first (e.g. to compile its decoder layers)."""
     model = CPCausalLM(build(name, "sdpa"))
+    if prepare is not None:
+        prepare(model)
     input_ids, labels, loss_mask = next_token_batch(handler, tokens)
     logits = model(input_ids, cp_handler=handler)
     loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)

@@ -103,6 +103,8 @@ class ContextParallelHandler(metaclass=ABCMeta):
         self.mixers = self.token_layout.mixers_cls(self)
         self.compile_handle = compile_handle(self)
         """What names this handler to the compiled attention operator (:mod:`.opaque`)."""
+        self.attention_calls = 0
+        """How many ``core_attn`` calls ran on this handler (a compiled call counts when it runs)."""
         self.layer_in_compiled_calls = not isinstance(self.cp_comm_type, str)
         """Whether the compiled attention operator carries the layer's ``layer_number`` (:mod:`.opaque`): when a
         per-layer ``cp_comm_type`` needs it. Reading it costs a recompile per code object under per-block compile
@@ -262,6 +264,7 @@ class ContextParallelHandler(metaclass=ABCMeta):
             variant = variant_args(self, attn_mod)
             if variant is not None:
                 return opaque_core_attn(self, attn_mod, q, k, v, attn_mask_type, variant)
+        self.attention_calls += 1
         with Guard(self, "core_attn"):
             return self.attend(preflight(self, attn_mod, q, k, v, attn_mask_type))
 

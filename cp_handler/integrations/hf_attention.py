@@ -13,8 +13,6 @@ StableLM's); else the active one (:mod:`.hf_active`).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from ..handlers.base import ContextParallelHandler
@@ -133,17 +131,58 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S, H, D)
     if torch.is_autocast_enabled(q.device.type):  # mixed precision (Trainer's bf16 / fp16): as autocast casts SDPA
         q, k, v = (t.to(torch.get_autocast_dtype(q.device.type)) for t in (q, k, v))
-    check_local_index_scaling(module, handler, q.shape[1])
-    mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
-    record_attention_call(module, mask_type)
-    longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
+    if torch.compiler.is_compiling():  # what reads per-batch values runs where the mask was built (hf_mask)
+        mask_type, kind, size = _compiled_mask_type(module, attention_mask, is_causal, sliding_window)
+        layer = getattr(module, "layer_idx", None) if handler.layer_in_compiled_calls else None
+    else:
+        check_local_index_scaling(module, handler, q.shape[1])
+        mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
+        record_attention_call(module, mask_type)
+        longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
+        _check_sliding_window(module, kind, sliding_window, mask_type, longest)
+        layer = getattr(module, "layer_idx", None)  # None: an attention block shared by several layers (Zamba)
+    attn = LayerAttention(scaling, None if layer is None else layer + 1, (size - 1, 0) if kind == "sliding" else None,
+                          size if kind == "chunked" else None, softcap, s_aux)
+    out = handler.core_attn(attn, q, k, v, attn_mask_type=mask_type)
+    return out.contiguous(), None  # (B, S, H, D) as transformers' own attention functions return it
+
+
+class LayerAttention:
+    """The ``attn_mod`` a transformers attention layer gives ``core_attn``: its variant attributes (a plain class:
+    Dynamo traces its construction, not a SimpleNamespace's)."""
+
+    def __init__(self, softmax_scale, layer_number, window_size, attention_chunk_size, softcap, sinks):
+        self.softmax_scale, self.layer_number, self.window_size = softmax_scale, layer_number, window_size
+        self.attention_chunk_size, self.softcap, self.sinks = attention_chunk_size, softcap, sinks
+
+
+def _check_sliding_window(module, kind, sliding_window, mask_type: str, longest: int) -> None:
     if kind is None and sliding_window is not None and sliding_window < longest and mask_type == "causal":
         raise ValueError(f"layer {getattr(module, 'layer_idx', '?')}: sliding_window={sliding_window} was passed to "
                          "attention, but the layer's mask is a plain causal one; refused (which one is meant?)")
-    layer_idx = getattr(module, "layer_idx", None)  # None: an attention block shared by several layers (Zamba)
-    attn = SimpleNamespace(softmax_scale=scaling, layer_number=None if layer_idx is None else layer_idx + 1,
-                           window_size=(size - 1, 0) if kind == "sliding" else None,
-                           attention_chunk_size=size if kind == "chunked" else None,
-                           softcap=softcap, sinks=s_aux)
-    out = handler.core_attn(attn, q, k, v, attn_mask_type=mask_type)
-    return out.contiguous(), None  # (B, S, H, D) as transformers' own attention functions return it
+
+
+def _compiled_mask_type(module, attention_mask, is_causal, sliding_window) -> tuple[str, str | None, int | None]:
+    """:func:`_mask_type` and the sliding-window check under torch.compile: from the spec classified where the mask
+    was built (:func:`~.hf_mask.classify_at_creation`). Not checked here: Llama 4's temperature tuning of NoPE
+    layers (refused under compile), and the layer record (the model counts the handler's calls instead)."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        raise ValueError("Llama 4's attention temperature tuning (NoPE layers) is checked per batch against the "
+                         "positions; not under torch.compile: run this model without compiling")
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is None:
+        return ("causal" if causal else "no_mask"), None, None
+    if not isinstance(attention_mask, CPMask) or attention_mask.created is None:
+        raise ValueError("under torch.compile, cp_handler's attention needs the mask built by its mask function in "
+                         "a forward with a handler (pass attention_mask from cp_model_inputs and cp_handler=handler)")
+    spec = attention_mask.created
+    if spec.kind in ("causal", "bidirectional"):
+        mask_type, kind, size = ("causal" if spec.kind == "causal" else "no_mask"), None, None
+    elif spec.kind in ("sliding", "chunked"):
+        mask_type, kind, size = "causal", spec.kind, spec.size
+    else:
+        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} asks for {spec.describe()}: not supported under "
+                         "context parallelism by cp_handler")
+    if kind is None and sliding_window is not None and mask_type == "causal":  # reads the batch's length (a guard)
+        _check_sliding_window(module, kind, sliding_window, mask_type, attention_mask.longest)
+    return mask_type, kind, size

@@ -90,6 +90,10 @@ class CPMask:
         recomputed in the backward (gradient checkpointing), when no forward is running."""
         self.padding = padding_mask is not None and not bool(padding_mask.all())
         self._specs: dict[int, MaskSpec] = {}
+        self.longest: int | None = None
+        """The global length the mask was classified over where it was built (:func:`classify_at_creation`)."""
+        self.created: MaskSpec | None = None
+        """Its spec over ``longest`` positions, classified where it was built (``None``: no handler then)."""
 
     def _refuse(self, what: str):
         raise MaskUsedAsTensor(f"the model used its attention mask as a tensor ({what}): it builds or edits masks "
@@ -136,7 +140,20 @@ def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offse
     returns a :class:`CPMask` (the other keyword arguments are transformers' sizing hints for
     materialised masks, which are not built)."""
 
-    return CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask, active_handler())
+    mask = CPMask(mask_function, int(q_offset), int(kv_offset), attention_mask, active_handler())
+    if mask.forward_handler is not None and q_length is not None:
+        classify_at_creation(mask, int(q_length))
+    return mask
+
+
+@torch.compiler.disable
+def classify_at_creation(mask: CPMask, q_length: int) -> None:
+    """Classify ``mask`` where it is built, for its forward's handler and ``q_length`` local queries: the
+    attention function finds the spec memoised (eager), or reads it from ``mask.created`` (under torch.compile,
+    where probing cannot be traced; a whole-model compile runs this outside its graphs)."""
+    handler = mask.forward_handler
+    mask.longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q_length)
+    mask.created = mask.spec(mask.longest)
 
 
 def _closure_tensors(mask_function):

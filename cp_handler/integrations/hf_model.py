@@ -19,7 +19,8 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
   but StableLM and Nemotron, whose decoder layers drop them: their attention takes the handler of the forward
   that built its mask). The attention calls are recorded, and when the forward ends every decoder layer must
   have called cp_handler's attention (a layer that bypasses the attention registry, or a non-attention mixer
-  missed by the static checks, raises naming the layers).
+  missed by the static checks, raises naming the layers); under torch.compile the attention runs as one operator
+  that records no layer, and the handler's count of calls in the forward must reach the layer count instead.
 * **Activation recomputation** (gradient checkpointing re-runs a decoder layer in the backward, after the
   forward and its active handler are gone): the recomputed layer gets its keyword arguments again, so its
   attention gets the ``cp_handler`` keyword (or its mask's handler) again: no hook on decoder layers or
@@ -271,7 +272,7 @@ def _model_pre_hook(model, args, kwargs, last: dict):
         kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():
         last["handler"] = handler
-    model._cp_tokens = (set_active(handler), start_record())
+    model._cp_tokens = (set_active(handler), start_record(), handler, handler.attention_calls)
     return args, kwargs
 
 
@@ -287,7 +288,8 @@ def _model_hook(model, args, kwargs, output, last: dict):
     model.__dict__["_cp_mask_types"] = dict(record.mask_types)
     seen = record.layers
     layers = text_config(model).num_hidden_layers - sum(t in TOKENLESS_LAYER_TYPES for t in layer_types(model))
-    if len(seen) < layers:
+    calls = tokens[2].attention_calls - tokens[3]  # compiled layers are not recorded by layer: counted
+    if max(len(seen), calls) < layers:
         missing = sorted(set(range(layers)) - seen) if all(isinstance(x, int) for x in seen) else \
             f"{layers - len(seen)} of them"
         raise ValueError(f"{type(model).__name__}: of its {layers} layers, {missing} did not run cp_handler's "
