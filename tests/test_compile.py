@@ -203,3 +203,28 @@ def test_operator_is_checked_exact_and_refuses_by_name():
     attn.softcap = -1.0
     with pytest.raises(ValueError, match=r"softcap=-1.0 must be a finite number > 0"):
         torch.compile(attention, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_cp_train_compile_matches_one_process_every_step():
+    """``cp-train --compile``: every layer compiled (Inductor, fullgraph), thd packing at cp 2, each step's loss
+    and whole gradient equal the eager one-process step (``--check-parity``, tolerance 1e-5 relative)."""
+    from test_cli import SMALL, cp_train
+
+    result = cp_train("--nproc", "2", "--packing", "thd", *SMALL[2:], "--steps", "3", "--check-parity", "--compile")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed: each of 3 steps" in result.stderr
+
+
+@pytest.mark.parametrize("flags, rule", [
+    (["--moe-experts", "2"], r"--compile with --moe-experts 2: the expert exchange is not one operator"),
+    (["--layer-pattern", "LA"], r"--compile with --layer-pattern LA: the linear-attention layers"),
+    (["--backend", "transformer_engine"], r"--compile with --backend transformer_engine: its attention is not one"),
+])
+def test_cp_train_compile_refuses_layers_that_cannot_compile_whole(flags, rule, monkeypatch):
+    from cp_handler.cli.args import parse
+    from cp_handler.handlers.transformer_engine import TEContextParallelHandler
+
+    if "transformer_engine" in flags:  # not installed here: its rule is checked before its availability matters
+        monkeypatch.setattr(TEContextParallelHandler, "check_available", classmethod(lambda cls: None))
+    with pytest.raises(SystemExit, match=rule):
+        parse(["--compile", "--seq-len", "64", *flags])

@@ -25,6 +25,7 @@ from .flag_names import EVAL_FLAGS, FlagParser, HelpFormatter, flags_in_errors, 
 from .model_args import check_moe_flags, hf_layers, model_shape
 from .training_args import (
     add_training_flags,
+    check_compile,
     check_fsdp,
     check_loss_chunk_tokens,
     check_lr_schedule,
@@ -212,6 +213,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
             handler_cls.check_config(cp_config, attn_shape, getattr(torch, args.dtype))
         except ValueError as err:
             raise ValueError(f"{heads_source} with {flag} {cp_config.context_parallel_size}: {err}") from None
+    compile_layers = check_compile(args, model, config.backend, handler_cls)
     check_data(args, world // evaluation.context_parallel_size, dynamic is not None)
     check_writable("--metrics-out", args.metrics_out)
     check_checkpoint_flags(args)
@@ -224,7 +226,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         thd_max_doc_len=args.thd_max_doc_len, dtype=args.dtype, seed=args.seed,
         steps=args.steps, lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_steps,
         lr_decay_style=args.lr_decay_style, lr_decay_steps=lr_decay_steps, clip_grad=args.clip_grad,
-        recompute=args.recompute, loss_chunk_tokens=check_loss_chunk_tokens(args), fsdp=check_fsdp(args),
+        recompute=args.recompute, compile=compile_layers, loss_chunk_tokens=check_loss_chunk_tokens(args),
+        fsdp=check_fsdp(args),
         offload_activations=check_offload(args), mlp_chunk_tokens=check_mlp_chunk_tokens(args),
         check_parity=args.check_parity, eval_every=args.eval_every,
         eval_batches=args.eval_batches, check_eval_cp=args.check_eval_cp, log_every=args.log_every,

@@ -14,6 +14,7 @@ from ..integrations.transformers import check_architecture, check_transformers_v
 from ..models import GPTConfig
 from ..tiling import tile_mlps
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
+from .training_args import check_compile_mixers
 
 
 def check_moe_flags(args: argparse.Namespace) -> None:
@@ -113,6 +114,8 @@ def check_hf_training(args: argparse.Namespace, config) -> None:
         check_no_router_loss(config)
         if args.recompute:
             check_gradient_checkpointing(config)
+        if args.compile:
+            check_compile_mixers(config)
         if args.mlp_chunk_tokens:
             from transformers import AutoModelForCausalLM
 

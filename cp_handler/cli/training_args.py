@@ -1,6 +1,6 @@
 """cp-train's training flags: steps, the learning-rate schedule, gradient clipping, micro-batches
-(gradient accumulation), activation recomputation and the memory flags (FSDP2, activation offload, loss
-and MLP chunks), with their rules. Every error names the flag."""
+(gradient accumulation), activation recomputation, per-block compilation and the memory flags (FSDP2, activation
+offload, loss and MLP chunks), with their rules. Every error names the flag."""
 
 from __future__ import annotations
 
@@ -32,6 +32,11 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
                    help="recompute every layer's activations in the backward instead of keeping them (activation "
                         "checkpointing: Megatron-LM's full recompute; transformers' gradient checkpointing): less "
                         "memory per rank for one more forward of each layer, its CP communication included")
+    g.add_argument("--compile", action="store_true",
+                   help="compile every layer with torch.compile (Inductor, fullgraph=True, one layer at a time, as "
+                        "torchtitan's --compile); the CP attention is one operator in each layer's graph, so a "
+                        "handler per batch recompiles nothing (docs/compile.md); attention layers only: not with "
+                        "--moe-experts or linear-attention / Mamba layers")
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer states over every rank of the job (FSDP2's "
                         "fully_shard over dp x cp, one unit per layer) instead of replicating them (DDP)")
@@ -118,3 +123,37 @@ def check_mlp_chunk_tokens(args: argparse.Namespace) -> int | None:
         raise ValueError(f"--mlp-chunk-tokens with --moe-experts {args.moe_experts}: a mixture of experts routes and "
                          "balances its load over all tokens, it is not tiled; drop one of them")
     return args.mlp_chunk_tokens
+
+
+def check_compile(args: argparse.Namespace, gpt_config, backend: str, handler_cls) -> bool:
+    """``--compile``: a layer compiles whole when its CP work is one operator, which is the attention of a backend
+    that declares it (``opaque_under_compile``, :mod:`cp_handler.handlers.opaque`); the reference GPT's expert
+    exchanges and linear-attention layers are not yet (a Hugging Face model's mixers: :func:`check_compile_mixers`).
+    Raises ValueError naming the flag."""
+    if not args.compile:
+        return False
+    if not handler_cls.opaque_under_compile:
+        raise ValueError(f"--compile with --backend {backend}: its attention is not one operator under "
+                         "torch.compile (it reads its own state on the attention module); use --backend local")
+    if args.moe_experts:
+        raise ValueError(f"--compile with --moe-experts {args.moe_experts}: the expert exchange is not one operator "
+                         "under torch.compile yet (a layer would not compile whole); leave one of them out")
+    if gpt_config is not None and "linear_attention" in (gpt_config.layer_types or ()):
+        raise ValueError(f"--compile with --layer-pattern {args.layer_pattern}: the linear-attention layers' CP "
+                         "exchanges are not one operator under torch.compile yet; leave one of them out")
+    return True
+
+
+def check_compile_mixers(config) -> None:
+    """``--compile`` with a Hugging Face config: no token mixer routed through the handler (gated delta rule,
+    Mamba, short convolutions: their CP exchanges are not one operator yet). Raises ValueError."""
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.hf_mixers import KERNELS, kernel_names
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    mixers = sorted({type(m).__name__ for m in model.modules() if kernel_names(m) & KERNELS})
+    if mixers:
+        raise ValueError(f"--compile: {', '.join(mixers)} run CP exchanges that are not one operator under "
+                         "torch.compile yet (a layer would not compile whole); leave --compile out")

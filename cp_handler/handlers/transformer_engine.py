@@ -81,6 +81,10 @@ class TEContextParallelHandler(ContextParallelHandler):
         ValueError: a TE restriction (see module doc), before any collective.
     """
 
+    opaque_under_compile = False
+    """Its attention registers a ``DotProductAttention`` child on ``attn_mod`` (:meth:`te_module`): under
+    torch.compile it is traced as in eager mode, not one operator (:mod:`.opaque`)."""
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.te = import_backend("transformer_engine.pytorch", "transformer_engine", TE_HINT)

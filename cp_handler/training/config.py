@@ -71,6 +71,8 @@ class TrainConfig:
     """Clip the global gradient norm to this (0: no clipping)."""
     recompute: bool = False
     """Recompute every layer's activations in the backward (``gradient_checkpointing_enable``)."""
+    compile: bool = False
+    """Compile every layer with torch.compile (``fullgraph=True``, Inductor; :mod:`.compile`)."""
     offload_activations: bool = False
     """Keep saved activations in pinned host memory (``torch.autograd.graph.save_on_cpu``; CUDA)."""
     fsdp: bool = False

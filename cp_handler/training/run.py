@@ -36,6 +36,7 @@ from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
 from ..tiling import tile_mlps
 from .checkpoint import CheckpointError, CheckpointWriter, SaveLock, check_resume, load_checkpoint, run_meta
+from .compile import compile_layers
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, periodic_eval, report_eval_check
 from .experts import ExpertGroups
@@ -183,6 +184,8 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
         model.gradient_checkpointing_enable()
     if config.mlp_chunk_tokens and not reference:  # the parity reference keeps whole MLPs
         tile_mlps(model, config.mlp_chunk_tokens)
+    if config.compile and not reference:  # the parity reference runs eager
+        compile_layers(model)
     return model
 
 
