@@ -42,6 +42,13 @@ CASES = {
                                                                                           "full_attention"]},
                                 "collator": "trl", "trainer": "sft", "padding_free": False,
                                 "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
+    # TrainingArguments(torch_compile=True): accelerate compiles the model (here with the aot_eager backend: the
+    # graphs and the attention operator Inductor would get, without its CPU code generation); the reference eager
+    "llama_compiled": {"model": "llama", "collator": "flatten", "cp": {"context_parallel_size": 2},
+                       "compile": "aot_eager"},
+    "sft_compiled": {"model": "qwen3", "collator": "trl", "trainer": "sft", "cp": {"context_parallel_size": 2,
+                                                                                  "cp_comm_type": "a2a"},
+                     "compile": "aot_eager"},
     "local_positions": {"model": "llama", "collator": "pad", "cp": {"context_parallel_size": 2}, "break": "positions"},
     "router_loss_per_shard": {"model": "qwen3_moe", "config": _AUX, "collator": "flatten",
                               "cp": {"context_parallel_size": 2}, "break": "router_loss"},
@@ -108,6 +115,8 @@ def _arguments(case: dict, out: str, batch: int, cp_run: bool):
                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
                   seed=0, train_sampling_strategy="sequential", dataloader_num_workers=0, disable_tqdm=True,
                   ddp_backend="gloo" if cp_run else None)
+    if case.get("compile") and cp_run:
+        fields.update(torch_compile=True, torch_compile_backend=case["compile"])
     if case.get("trainer") == "sft":
         from trl import SFTConfig
 
