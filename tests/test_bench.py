@@ -195,6 +195,19 @@ def test_hybrid_mode_state_passing_beside_the_sequence_gather(tmp_path):
     assert "| 128 | 2 |" in (out / "results.md").read_text()
 
 
+def test_compile_mode_compiled_beside_eager(tmp_path):
+    """``--modes compile``: per comm type, the whole forward is one graph with no break, the compiled logits equal
+    the eager ones (float32, Inductor's reordered sums: 1e-5), and the eager forward's Python calls are counted."""
+    out = tmp_path / "compile"
+    assert main(["--modes", "compile", "--compile-seq-len", "64", "--compile-comm-types", "p2p", "a2a", "--reps",
+                 "1", "--no-plots", "--out-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["compile"]["rows"]
+    assert [r["comm_type"] for r in rows] == ["p2p", "a2a"]
+    assert all((r["graphs"], r["breaks"]) == (1, 0) and r["max_abs_diff"] < 1e-5 and r["python_calls"] > 0
+               for r in rows)
+    assert "| p2p | 64 | 2 |" in (out / "results.md").read_text()
+
+
 def _tiles_of(mask: torch.Tensor, tile: int) -> int:
     """Tiles of a dense (Sq, Sk) bool mask holding at least one True: the brute-force count."""
     rows, cols = -(-mask.shape[0] // tile), -(-mask.shape[1] // tile)

@@ -6,10 +6,10 @@ tokens), dp 2 x cp 2 with a2a, Mistral with a window shorter than the sequence o
 (``DataCollatorWithFlattening``), Gemma 2 with soft-caps, Qwen3-Next (a hybrid), TRL's padding-free SFT, and a MoE
 model's load-balancing loss turned on (Qwen3-MoE on packed documents under Trainer; Qwen3-Next under TRL, which logs
 it, ``num_tokens``, entropy and token accuracy: all compared), and ``torch_compile=True`` (Llama on packed documents
-under Trainer, Qwen3 padding-free under TRL with a2a; the reference eager). The negative controls (positions left local; the
-router loss computed on each rank's shard, as transformers would) must fail the same comparison. The router loss is
-compared at dp 1: with dp > 1 transformers adds each dp rank's own batch's loss (DDP semantics, with or without CP),
-not the global batch's.
+under Trainer, Qwen3 padding-free under TRL with a2a; the reference eager). The negative controls (positions left
+local; the router loss computed on each rank's shard, as transformers would) must fail the same comparison. The
+router loss is compared at dp 1: with dp > 1 transformers adds each dp rank's own batch's loss (DDP semantics, with
+or without CP), not the global batch's.
 
 Tolerances (float32): losses, gradient norms, TRL's logged figures and the eval loss rtol 1e-5; parameters after 3
 SGD steps (the update is linear in the gradient) atol 1e-6 + rtol 1e-5; logits atol = rtol = 1e-5

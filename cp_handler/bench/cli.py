@@ -27,7 +27,10 @@ Modes (``--modes``, default both):
   measurements);
 * ``masks`` (only when asked for): :mod:`.masks`: full causal vs a sliding window vs chunked attention,
   every rank's ``p2p`` plan timed like ``plan`` (heads, head dim, dtype from the plan flags), with the
-  K/V tokens each rank sends.
+  K/V tokens each rank sends;
+* ``compile`` (only when asked for): :mod:`.compiled`: the reference GPT's training step with every layer
+  compiled (Inductor, fullgraph) beside eager, per comm type, with the compiled forward's graphs and breaks and the
+  eager forward's cp_handler Python calls.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each. Every mode's
 defaults (:mod:`.defaults`, shown by ``--help``) depend on ``--device`` and ``--quick``; on CPU each mode finishes
@@ -49,7 +52,7 @@ import torch
 
 from ..cli.flag_names import FlagParser, HelpFormatter
 from ..config import CP_COMM_TYPES
-from . import defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
+from . import compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .defaults import default_help
 from .flag_rules import check_flags
@@ -57,7 +60,7 @@ from .torch_ring import check_available
 
 RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan", plan.run),
         "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
-        "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run)}
+        "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run)}
 """mode -> (its key in results.json, its run), in the order the modes run."""
 
 
@@ -154,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_default("sequence of the DDP / FSDP runs here (4 ranks, cp 2)", "mem_seq_len"))
     g.add_argument("--mem-local-model", type=json.loads, default=memory.LOCAL_MODEL, metavar="JSON",
                    help="the reference GPT shape of the runs here (GPTConfig fields)")
+    g = p.add_argument_group("compiled vs eager (--modes compile: the reference GPT of e2e, CPU ranks)")
+    g.add_argument("--compile-seq-len", type=int, default=None,
+                   help=_default("global sequence length in tokens", "compile_seq_len"))
+    g.add_argument("--compile-cp-size", type=int, default=2, help="CP size (ranks)")
+    g.add_argument("--compile-comm-types", nargs="+", choices=("p2p", "all_gather", "a2a"),
+                   default=["p2p", "all_gather", "a2a"], help="comm types")
     g = p.add_argument_group("generation (--modes generate: the reference GPT, greedy, one prompt, CPU ranks)")
     g.add_argument("--gen-prompt-lens", type=int, nargs="+", default=None,
                    help=_default("prompt lengths in tokens", "gen_prompt_lens"))

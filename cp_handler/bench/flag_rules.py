@@ -141,8 +141,18 @@ def check_memory(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     check_zigzag(p, "cp size of --modes memory", [2], "--mem-seq-len", [args.mem_seq_len])
 
 
+def check_compile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.device != "cpu":
+        p.error("--modes compile runs on CPU ranks (gloo): drop --device cuda")
+    check_zigzag(p, "--compile-cp-size", [args.compile_cp_size], "--compile-seq-len", [args.compile_seq_len])
+    heads = 8  # the e2e model's query heads (bench/e2e.py MODEL)
+    if "a2a" in args.compile_comm_types and heads % args.compile_cp_size:
+        p.error(f"--compile-comm-types a2a: the model's {heads} heads are not divisible by --compile-cp-size "
+                f"{args.compile_cp_size}")
+
+
 RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
-         "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory}
+         "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile}
 """Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
 
 TIMED_ON_DEVICE = ("attn", "plan", "masks")

@@ -122,6 +122,8 @@ def markdown(results: dict) -> str:
         parts += ["## Memory per rank (memory mode)\n", memory_tables(results["memory"]), ""]
     if "hybrid" in results:
         parts += ["## One hybrid layer per rank (hybrid mode)\n", hybrid_table(results["hybrid"]), ""]
+    if "compile" in results:
+        parts += ["## Compiled vs eager (compile mode)\n", compile_table(results["compile"]), ""]
     return "\n".join(parts)
 
 
@@ -238,3 +240,21 @@ def launches_table(launches: dict) -> str:
                  [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"], r["blocks"],
                    f"{r['tile_ratio']:.2f}", *("n/a" if r["ops"][n] is None else r["ops"][n] for n in names)]
                   for r in launches["rows"]])
+
+
+def compile_table(compiled: dict) -> str:
+    """Eager vs per-block compiled training step of the reference GPT, with the compiled forward's graphs and the
+    eager forward's cp_handler Python calls."""
+    m = compiled["model"]
+    caption = (f"Reference GPT, hidden {m['hidden_size']}, {m['num_layers']} layers, {m['num_attention_heads']} / "
+               f"{m['num_query_groups']} heads, float32, batch 1, fwd+bwd, every layer compiled "
+               f"({compiled['backend']}, fullgraph), slowest rank's median of {compiled['reps']}, {compiled['cores']} "
+               "cores shared by the ranks; graphs / breaks of the whole forward (torch._dynamo.explain); cp_handler "
+               "Python calls of one eager forward")
+    rows = sorted(compiled["rows"], key=lambda r: (r["seq_len"], r["comm_type"]))
+    return table(caption, ["comm type", "S", "cp", "eager s", "compiled s", "speed-up", "compile s",
+                           "graphs / breaks", "Python calls / forward (/ layer)", "max abs compiled - eager"],
+                 [[r["comm_type"], r["seq_len"], r["cp_size"], f"{r['eager_s']:.3f}", f"{r['compiled_s']:.3f}",
+                   f"{r['eager_s'] / r['compiled_s']:.2f}", f"{r['compile_s']:.1f}", f"{r['graphs']} / {r['breaks']}",
+                   f"{r['python_calls']} ({r['python_calls_per_layer']:.0f})", f"{r['max_abs_diff']:.1e}"]
+                  for r in rows])

@@ -39,7 +39,8 @@ def check_causal(model: nn.Module, tokens: int = 8) -> None:
     handler, was_training = build_cp_handler(ContextParallelConfig()), model.training
     model.eval()
     try:
-        with torch.no_grad(), handler_context(handler):
+        # eager even when compiled: a compiled layer's attention records no layer (:mod:`.hf_model`)
+        with torch.no_grad(), handler_context(handler), torch.compiler.set_stance("force_eager"):
             model(input_ids=ids, **cp_model_inputs(handler, ids), use_cache=False)
     finally:
         model.train(was_training)
