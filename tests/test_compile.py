@@ -39,7 +39,8 @@ def _graphs_of(model, handler, tokens):
 
 
 def _cases(world: int):
-    """(label, handler class, handler kwargs, tokens) of every comm type (and one per-layer list) and format."""
+    """(label, handler class, handler kwargs, tokens, layer types) of every comm type (and one per-layer list) and
+    format; at cp 2 p2p and a2a also with a Gated DeltaNet layer (its convolution and delta rule: two operators)."""
     groups = build_dp_cp_groups(world, "cpu", [2, world // 2]) if world == 4 else None
     comm_types = ["a2a+p2p"] if world == 4 else ["p2p", "all_gather", "a2a", ["p2p", "a2a"]]
     bshd = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(7))
@@ -49,14 +50,17 @@ def _cases(world: int):
         cls = get_cp_handler_cls("local", comm_type)
         levels = {} if groups is None else {"hierarchical_cp_groups": groups.hierarchical_cp_groups}
         for fmt, tokens, batch in (("bshd", bshd, {}), ("thd", thd, {"qkv_format": "thd", "cu_seqlens": cu_seqlens})):
-            yield f"{comm_type} {fmt}", cls, {"cp_comm_type": comm_type, **levels, **batch}, tokens
+            kwargs = {"cp_comm_type": comm_type, **levels, **batch}
+            yield f"{comm_type} {fmt}", cls, kwargs, tokens, None
+            if comm_type in ("p2p", "a2a") and world == 2:
+                yield f"{comm_type} {fmt}, hybrid", cls, kwargs, tokens, ("linear_attention", "full_attention")
 
 
 def _whole_model_worker(rank, world):
     group = new_cp_group() if world == 2 else None
-    for label, cls, kwargs, tokens in _cases(world):
+    for label, cls, kwargs, tokens, layer_types in _cases(world):
         cp_group = group if group is not None else build_dp_cp_groups(world, "cpu", [2, 2]).cp_group
-        config = GPTConfig(**{**vars(CONFIG), "num_layers": 2})
+        config = GPTConfig(**{**vars(CONFIG), "num_layers": 2, "layer_types": layer_types})
         torch._dynamo.reset()
         torch.manual_seed(0)
         graphs, breaks, reasons = _graphs_of(GPTModel(config), cls(cp_group=cp_group, **kwargs), tokens)
@@ -73,7 +77,8 @@ def _whole_model_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_compiles_whole_and_matches_one_process(world):
     """0 graph breaks in the whole forward; per-block ``fullgraph=True`` compiles; the compiled step equals the
-    one-process step (every comm type at cp 2, a2a+p2p [2, 2] at cp 4, a per-layer list; bshd and thd)."""
+    one-process step (every comm type at cp 2, a2a+p2p [2, 2] at cp 4, a per-layer list; bshd and thd; a hybrid
+    model's Gated DeltaNet layer beside an attention layer)."""
     run_distributed(_whole_model_worker, world)
 
 
@@ -177,8 +182,9 @@ def test_operator_is_checked_exact_and_refuses_by_name():
     attn = _Attention(2)
     names, values = opaque.variant_args(handler, attn)
     checks = torch.library.opcheck(
-        torch.ops.cp_handler.core_attn.default,
-        (q, k, v, attn.sinks, handler.compile_handle, torch.tensor(values, dtype=torch.float64), names, "causal", True),
+        torch.ops.cp_handler.handler_call.default,
+        ([q, k, v, attn.sinks, torch.tensor(values, dtype=torch.float64)], handler.compile_handle, "core_attn",
+         repr({"names": names, "attn_mask_type": "causal", "absent": []}), True),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     assert set(checks.values()) == {"SUCCESS"}, checks
 
@@ -217,7 +223,6 @@ def test_cp_train_compile_matches_one_process_every_step():
 
 @pytest.mark.parametrize("flags, rule", [
     (["--moe-experts", "2"], r"--compile with --moe-experts 2: the expert exchange is not one operator"),
-    (["--layer-pattern", "LA"], r"--compile with --layer-pattern LA: the linear-attention layers"),
     (["--backend", "transformer_engine"], r"--compile with --backend transformer_engine: its attention is not one"),
 ])
 def test_cp_train_compile_refuses_layers_that_cannot_compile_whole(flags, rule, monkeypatch):
@@ -228,3 +233,14 @@ def test_cp_train_compile_refuses_layers_that_cannot_compile_whole(flags, rule, 
         monkeypatch.setattr(TEContextParallelHandler, "check_available", classmethod(lambda cls: None))
     with pytest.raises(SystemExit, match=rule):
         parse(["--compile", "--seq-len", "64", *flags])
+
+
+def test_cp_train_compile_refuses_hf_mixers():
+    """A Hugging Face hybrid's mixers reach the handler through a context variable Dynamo cannot trace: refused by
+    name before any rank starts (Qwen3-Next's Gated DeltaNet)."""
+    import hf_zoo
+
+    from cp_handler.cli.training_args import check_compile_mixers
+
+    with pytest.raises(ValueError, match=r"--compile: Qwen3NextGatedDeltaNet reach the handler through a context"):
+        check_compile_mixers(hf_zoo.tiny_config("qwen3_next", hf_zoo.HYBRIDS["qwen3_next"]))

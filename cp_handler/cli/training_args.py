@@ -35,8 +35,8 @@ def add_training_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="compile every layer with torch.compile (Inductor, fullgraph=True, one layer at a time, as "
                         "torchtitan's --compile); the CP attention is one operator in each layer's graph, so a "
-                        "handler per batch recompiles nothing (docs/compile.md); attention layers only: not with "
-                        "--moe-experts or linear-attention / Mamba layers")
+                        "handler per batch recompiles nothing (docs/compile.md); not with --moe-experts or a Hugging "
+                        "Face model's linear-attention / Mamba mixers")
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer states over every rank of the job (FSDP2's "
                         "fully_shard over dp x cp, one unit per layer) instead of replicating them (DDP)")
@@ -126,10 +126,10 @@ def check_mlp_chunk_tokens(args: argparse.Namespace) -> int | None:
 
 
 def check_compile(args: argparse.Namespace, gpt_config, backend: str, handler_cls) -> bool:
-    """``--compile``: a layer compiles whole when its CP work is one operator, which is the attention of a backend
-    that declares it (``opaque_under_compile``, :mod:`cp_handler.handlers.opaque`); the reference GPT's expert
-    exchanges and linear-attention layers are not yet (a Hugging Face model's mixers: :func:`check_compile_mixers`).
-    Raises ValueError naming the flag."""
+    """``--compile``: a layer compiles whole when its CP work is operators of a backend that declares them
+    (``opaque_under_compile``, :mod:`cp_handler.handlers.opaque`: the attention, the reference GPT's Gated DeltaNet
+    convolution and delta rule); the reference GPT's expert exchange is not one yet (a Hugging Face model's mixers:
+    :func:`check_compile_mixers`). Raises ValueError naming the flag."""
     if not args.compile:
         return False
     if not handler_cls.opaque_under_compile:
@@ -138,15 +138,13 @@ def check_compile(args: argparse.Namespace, gpt_config, backend: str, handler_cl
     if args.moe_experts:
         raise ValueError(f"--compile with --moe-experts {args.moe_experts}: the expert exchange is not one operator "
                          "under torch.compile yet (a layer would not compile whole); leave one of them out")
-    if gpt_config is not None and "linear_attention" in (gpt_config.layer_types or ()):
-        raise ValueError(f"--compile with --layer-pattern {args.layer_pattern}: the linear-attention layers' CP "
-                         "exchanges are not one operator under torch.compile yet; leave one of them out")
     return True
 
 
 def check_compile_mixers(config) -> None:
     """``--compile`` with a Hugging Face config: no token mixer routed through the handler (gated delta rule,
-    Mamba, short convolutions: their CP exchanges are not one operator yet). Raises ValueError."""
+    Mamba, short convolutions: the routes find the forward's handler in a context variable, which Dynamo cannot
+    trace, so the layer would not compile whole). Raises ValueError."""
     from transformers import AutoModelForCausalLM
 
     from ..integrations.hf_mixers import KERNELS, kernel_names
@@ -155,5 +153,5 @@ def check_compile_mixers(config) -> None:
         model = AutoModelForCausalLM.from_config(config)
     mixers = sorted({type(m).__name__ for m in model.modules() if kernel_names(m) & KERNELS})
     if mixers:
-        raise ValueError(f"--compile: {', '.join(mixers)} run CP exchanges that are not one operator under "
-                         "torch.compile yet (a layer would not compile whole); leave --compile out")
+        raise ValueError(f"--compile: {', '.join(mixers)} reach the handler through a context variable, which "
+                         "torch.compile cannot trace (a layer would not compile whole); leave --compile out")

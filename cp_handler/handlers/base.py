@@ -19,7 +19,7 @@ from ..ops.ulysses import check_a2a_heads
 from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
 from .guard import Guard, next_serial
-from .opaque import compile_handle, opaque_core_attn, variant_args
+from .opaque import compile_handle, is_literal, opaque_call, opaque_core_attn, variant_args
 from .preflight import AttnCall, preflight
 from .token_layout import TokenLayout
 from .zigzag import ZigzagLayout
@@ -275,12 +275,21 @@ class ContextParallelHandler(metaclass=ABCMeta):
 
     # -- the mixer methods: the mixer component of the token layout, under the call guard ----------------------
     def causal_conv1d(self, x, weight, bias=None, activation=None, *, conv_fn=None, **conv_kwargs):
-        """A causal depthwise convolution of the whole sequence (:meth:`.mixers.ZigzagMixers.causal_conv1d`)."""
+        """A causal depthwise convolution of the whole sequence (:meth:`.mixers.ZigzagMixers.causal_conv1d`); under
+        torch.compile one operator when the kernel is the default and the other arguments literals (:mod:`.opaque`)."""
+        if torch.compiler.is_compiling() and self.opaque_under_compile and conv_fn is None and \
+                is_literal(activation) and is_literal(list(conv_kwargs.values())):
+            return opaque_call(self, "causal_conv1d", [x, weight, bias], {"activation": activation,
+                                                                          "kwargs": conv_kwargs})
         with Guard(self, "causal_conv1d"):
             return self.mixers.causal_conv1d(x, weight, bias, activation, conv_fn=conv_fn, **conv_kwargs)
 
     def gated_delta_rule(self, query, key, value, g, beta, *, kernel=None, **kernel_kwargs):
-        """The gated delta rule over the whole sequence (:meth:`.mixers.ZigzagMixers.gated_delta_rule`)."""
+        """The gated delta rule over the whole sequence (:meth:`.mixers.ZigzagMixers.gated_delta_rule`); under
+        torch.compile one operator as :meth:`causal_conv1d`."""
+        if torch.compiler.is_compiling() and self.opaque_under_compile and kernel is None and \
+                is_literal(list(kernel_kwargs.values())):
+            return opaque_call(self, "gated_delta_rule", [query, key, value, g, beta], {"kwargs": kernel_kwargs})
         with Guard(self, "gated_delta_rule"):
             return self.mixers.gated_delta_rule(query, key, value, g, beta, kernel=kernel, **kernel_kwargs)
 

@@ -1,23 +1,27 @@
-"""``core_attn`` as one operator to torch.compile: Dynamo traces the model around it, never into it.
+"""A handler's calls as one operator to torch.compile: Dynamo traces the model around them, never into them.
 
-Under ``torch.compile`` a handler's ``core_attn`` (:meth:`~.base.ContextParallelHandler.core_attn`) calls
-:func:`opaque_core_attn` instead of running: one ``torch.library`` custom operator, ``cp_handler::core_attn``,
-with a fake implementation (the output's shape: q's with the values' head dim) and a registered autograd formula
-(``cp_handler::core_attn_backward``). Dynamo, AOTAutograd and Inductor see one node; its implementation runs the
-handler's eager ``core_attn`` (guard, pre-flight, the ranks' agreement, the backend's ``attend`` with its
-collectives and kernels), outside the graph, at run time. So every backend that implements ``attend`` compiles
-whole (``fullgraph=True``) with no work of its own, and what it checks it still checks, by name, at run time.
+Under ``torch.compile`` a handler's ``core_attn`` (:meth:`~.base.ContextParallelHandler.core_attn`), and its
+``causal_conv1d`` / ``gated_delta_rule`` with their default kernels, call :func:`opaque_call` instead of running:
+one ``torch.library`` custom operator, ``cp_handler::handler_call``, with a fake implementation (the output's shape
+from the inputs': :data:`CALLS`) and a registered autograd formula (``cp_handler::handler_call_backward``).
+Dynamo, AOTAutograd and Inductor see one node; its implementation runs the handler's eager method (guard,
+pre-flight, the ranks' agreement, the backend's ``attend`` or the mixer with its collectives and kernels), outside
+the graph, at run time. So every backend that implements ``attend`` compiles whole (``fullgraph=True``) with no
+work of its own, and what it checks it still checks, by name, at run time.
 
 What the graph holds of a call, and so what Dynamo guards on (a new handler per batch recompiles nothing when
 these are equal):
 
-* q, k, v and ``attn_mod.sinks`` (tensors: guarded on shape, dtype, device and strides, as every graph input);
+* the tensors (q, k, v and ``attn_mod.sinks``; a mixer's inputs): guarded on shape, dtype, device and strides, as
+  every graph input;
 * ``handler.compile_handle``: an int64 tensor of one element naming the handler in a table of live handlers
   (guarded like any tensor, so not on the handler's identity);
-* ``attn_mask_type`` and the variant attributes of ``attn_mod`` as one string (``softmax_scale``,
-  ``window_size``, ``attention_chunk_size``, ``softcap``, the aliases :data:`~.checks.VARIANT_ALIASES` refuses,
-  and ``layer_number`` only when the handler's ``cp_comm_type`` is a per-layer list: a graph per comm type);
-* the handler's class, ``qkv_format`` and ``cp_comm_type`` (read by the traced branch).
+* a string of the call's literal options: the method, ``attn_mask_type`` and the names of the variant attributes
+  of ``attn_mod`` that are set (``softmax_scale``, ``window_size``, ``attention_chunk_size``, ``softcap``, and
+  ``layer_number`` when the handler needs it: :attr:`~.base.ContextParallelHandler.layer_in_compiled_calls`), a
+  mixer's activation and keyword arguments; the variants' values travel as a float64 tensor (not guarded on);
+* the handler's class, ``qkv_format``, ``cp_comm_type`` and ``layer_in_compiled_calls`` (read by the traced
+  branch).
 
 The backward: the implementation runs the eager call with autograd on (inputs detached, as leaves) and keeps
 its autograd graph until the backward operator runs ``torch.autograd.grad`` on it. The graph is held by the
@@ -26,16 +30,19 @@ that storage is freed (after the backward, or when the autograd graph is dropped
 checkpointing discards it and recomputes the forward), so is the eager graph. Nothing is recomputed and nothing
 is saved twice: the eager graph holds what the algorithm saves (q, k, v, out, lse), as in eager mode.
 
-Not opaque (``handler.opaque_under_compile`` false): a backend whose ``attend`` reads more of ``attn_mod`` than
-its variant attributes (Transformer Engine's registers a child module on it), and a local handler filling a KV
-cache (it stores per ``layer_number``). Their ``core_attn`` is traced as in eager mode (graph breaks, same
-results). The ranks' agreement under compile is keyed by the call's index in the handler, not the layer
-(the layer number is not in the graph): one small all-gather per attention call, not per layer.
+Traced as in eager mode instead (graph breaks, same results): a backend whose ``attend`` reads more of
+``attn_mod`` than its variant attributes (``opaque_under_compile = False``: Transformer Engine's registers a child
+module on it), an attribute that is not a number (the eager call raises its error by name), a mixer given its own
+kernel (a callable cannot be an operator's argument), ``ssd_scan`` and ``selective_scan`` (they always take one).
+Without ``layer_number`` the ranks' agreement of a compiled call is keyed by the call's index in the handler, not
+the layer: one small all-gather per attention call (eager: per layer). docs/compile.md.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import itertools
 import weakref
 
@@ -86,6 +93,16 @@ class OpaqueAttnModule:
         self.sinks = sinks
 
 
+def is_literal(value) -> bool:
+    """Whether ``value`` survives ``repr`` / ``ast.literal_eval`` as itself (None, bool, int, float, str, and
+    tuples / lists / str-keyed dicts of them): what the operator's ``options`` may hold."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_literal(v) for k, v in value.items())
+    return isinstance(value, (tuple, list)) and all(is_literal(v) for v in value)
+
+
 def _numbers(value, pair: bool) -> list | None:
     items = value if pair and isinstance(value, (tuple, list)) and len(value) == 2 else None if pair else (value,)
     if items is None or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
@@ -131,46 +148,85 @@ def autograd_recording():
 def _handler(handle: torch.Tensor):
     handler = _live.get(int(handle.item()))
     if handler is None:
-        raise RuntimeError("cp_handler::core_attn: the handler of this compiled call no longer exists (a graph "
+        raise RuntimeError("cp_handler::handler_call: the handler of this compiled call no longer exists (a graph "
                            "called with a handle tensor of a handler that was freed)")
     return handler
 
 
-@torch.library.custom_op("cp_handler::core_attn", mutates_args=())
-def _core_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, handle: torch.Tensor,
-               values: torch.Tensor, names: str, attn_mask_type: str, needs_grad: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    handler = _handler(handle)
+def _core_attn_call(handler, inputs, options: dict) -> torch.Tensor:
+    q, k, v, sinks, values = inputs
+    return handler.core_attn(OpaqueAttnModule(options["names"], values, sinks), q, k, v,
+                             attn_mask_type=options["attn_mask_type"])
+
+
+def _conv_call(handler, inputs, options: dict) -> torch.Tensor:
+    x, weight, bias = inputs
+    return handler.causal_conv1d(x, weight, bias, options["activation"], **options["kwargs"])
+
+
+def _delta_rule_call(handler, inputs, options: dict) -> torch.Tensor:
+    return handler.gated_delta_rule(*inputs, **options["kwargs"])
+
+
+CALLS = {"core_attn": (_core_attn_call, lambda q, k, v, *_: (*q[:-1], v[-1])),
+         "causal_conv1d": (_conv_call, lambda x, *_: x),
+         "gated_delta_rule": (_delta_rule_call, lambda q, k, v, *_: v)}
+"""The handler methods the operator runs: method -> (the call of its eager method on the operator's inputs, the
+output's shape from the inputs' shapes, ``None`` for an absent input)."""
+
+
+@functools.lru_cache(maxsize=256)
+def _options(text: str) -> dict:
+    return ast.literal_eval(text)
+
+
+def _with_absent(inputs: list, options: dict) -> list:
+    """The method's inputs with ``None`` back at the positions ``options["absent"]`` names (an operator's list of
+    tensors cannot hold ``None`` and stay differentiable)."""
+    inputs = list(inputs)
+    for i in options["absent"]:
+        inputs.insert(i, None)
+    return inputs
+
+
+@torch.library.custom_op("cp_handler::handler_call", mutates_args=())
+def _handler_call(inputs: list[torch.Tensor], handle: torch.Tensor, method: str, options: str,
+                  needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    handler, (call, _), parsed = _handler(handle), CALLS[method], _options(options)
     if not needs_grad:
         with torch.no_grad():
-            out = handler.core_attn(OpaqueAttnModule(names, values, sinks), q, k, v, attn_mask_type=attn_mask_type)
-        return _unaliased([out], (q, k, v, sinks))[0], _token(None)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    sinks_leaf = None if sinks is None else sinks.detach().requires_grad_()
+            out = call(handler, _with_absent(inputs, parsed), parsed)
+        return _unaliased([out], inputs)[0], _token(None)
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
     with autograd_recording():
-        out = handler.core_attn(OpaqueAttnModule(names, values, sinks_leaf), *leaves,
-                                attn_mask_type=attn_mask_type)
-    inputs = (*leaves, *(() if sinks_leaf is None else (sinks_leaf,)))
-    return _unaliased([out.detach()], (q, k, v, sinks))[0], _token((out, inputs))
+        out = call(handler, _with_absent(leaves, parsed), parsed)
+    graph = (out, [t for t in leaves if t.requires_grad])
+    return _unaliased([out.detach()], inputs)[0], _token(graph)
 
 
-@_core_attn.register_fake
-def _(q, k, v, sinks, handle, values, names, attn_mask_type, needs_grad):
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty(1, dtype=torch.int64)
+@_handler_call.register_fake
+def _(inputs, handle, method, options, needs_grad):
+    shape = CALLS[method][1](*_with_absent([t.shape for t in inputs], _options(options)))
+    return inputs[0].new_empty(shape), torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("cp_handler::core_attn_backward", mutates_args=())
-def _core_attn_backward(dout: torch.Tensor, token: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        sinks: torch.Tensor | None) -> list[torch.Tensor]:
+@torch.library.custom_op("cp_handler::handler_call_backward", mutates_args=())
+def _handler_call_backward(dout: torch.Tensor, token: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``inputs`` (the forward's floating-point inputs, in order)."""
     graph = _graphs.get(int(token.item()))
     if graph is None:
-        raise RuntimeError("cp_handler::core_attn_backward: the forward of this call kept no autograd graph (it ran "
-                           "without grad, or its backward already ran: backward through a graph twice needs "
-                           "retain_graph, which the compiled attention does not keep)")
-    out, inputs = graph
-    grads = torch.autograd.grad(out, inputs, dout, allow_unused=True)
-    return _unaliased([torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)],
-                      (dout, token, q, k, v, sinks))
+        raise RuntimeError("cp_handler::handler_call_backward: the forward of this call kept no autograd graph (it "
+                           "ran without grad, or its backward already ran: backward through a graph twice needs "
+                           "retain_graph, which the compiled call does not keep)")
+    out, leaves = graph
+    grads = torch.autograd.grad(out, leaves, dout, allow_unused=True)
+    return _unaliased([torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True)],
+                      [dout, token, *inputs])
+
+
+@_handler_call_backward.register_fake
+def _(dout, token, inputs):
+    return [t.new_empty(t.shape) for t in inputs]
 
 
 def _unaliased(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
@@ -187,31 +243,37 @@ def _unaliased(outputs: list[torch.Tensor], inputs) -> list[torch.Tensor]:
     return result
 
 
-@_core_attn_backward.register_fake
-def _(dout, token, q, k, v, sinks):
-    return [t.new_empty(t.shape) for t in (q, k, v, *(() if sinks is None else (sinks,)))]
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks = inputs[:4]
-    ctx.save_for_backward(output[1], q, k, v, sinks)
+    tensors = inputs[0]
+    ctx.differentiable = [t.is_floating_point() for t in tensors]
+    ctx.save_for_backward(output[1], *(t for t, d in zip(tensors, ctx.differentiable, strict=True) if d))
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dout, _dtoken):
-    token, q, k, v, sinks = ctx.saved_tensors
-    grads = _core_attn_backward(dout.contiguous(), token, q, k, v, sinks)
-    return grads[0], grads[1], grads[2], (grads[3] if sinks is not None else None), None, None, None, None, None
+    token, *inputs = ctx.saved_tensors
+    grads = iter(_handler_call_backward(dout.contiguous(), token, inputs))
+    return [next(grads) if d else None for d in ctx.differentiable], None, None, None, None
 
 
-_core_attn.register_autograd(_backward, setup_context=_setup_context)
+_handler_call.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _needs_grad(tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def opaque_call(handler, method: str, inputs: list, options: dict) -> torch.Tensor:
+    """``handler.<method>`` of :data:`CALLS` on ``inputs`` as the operator (under torch.compile); ``options``: the
+    method's other arguments, literals only (:func:`is_literal`)."""
+    present = [t for t in inputs if t is not None]
+    options = {**options, "absent": [i for i, t in enumerate(inputs) if t is None]}
+    return _handler_call(present, handler.compile_handle, method, repr(options), _needs_grad(present))[0]
 
 
 def opaque_core_attn(handler, attn_mod, q, k, v, attn_mask_type: str, variant: tuple[str, list]) -> torch.Tensor:
     """``handler.core_attn(attn_mod, q, k, v)`` as the operator (under torch.compile; ``variant`` from
     :func:`variant_args`)."""
-    sinks = getattr(attn_mod, "sinks", None)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     names, values = variant
-    return _core_attn(q, k, v, sinks, handler.compile_handle, torch.tensor(values, dtype=torch.float64), names,
-                      attn_mask_type, needs_grad)[0]
+    inputs = [q, k, v, getattr(attn_mod, "sinks", None), torch.tensor(values, dtype=torch.float64)]
+    return opaque_call(handler, "core_attn", inputs, {"names": names, "attn_mask_type": attn_mask_type})
