@@ -25,11 +25,6 @@ def rotary_freqs(seq_len: int, dim: int, base: float = 10000.0, device=None) -> 
     return torch.cat([angles, angles], dim=-1)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str) -> torch.Tensor:
     """Rotate ``t`` by per-token angles.
 
@@ -46,7 +41,8 @@ def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, qkv_format: str) -> torch
         raise ValueError(f"qkv_format={qkv_format!r} is not one of {QKV_FORMATS}")
     angles = {"bshd": freqs[None, :, None, :], "sbhd": freqs[:, None, None, :], "thd": freqs[:, None, :]}[qkv_format]
     t32 = t.float()
-    return (t32 * angles.cos() + _rotate_half(t32) * angles.sin()).to(t.dtype)
+    x1, x2 = t32.chunk(2, dim=-1)  # rotate half, inline (called twice per layer)
+    return (t32 * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()).to(t.dtype)
 
 
 class PositionTablesChanged(RuntimeError):

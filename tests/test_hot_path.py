@@ -6,11 +6,13 @@ handler's ``p2p`` ring: at the kernel's call, the Python frames strictly between
 were 10 (the guard wrapper, the handler, a registry lambda, ``ring_attn`` and its checks, ``attention_function``,
 ``Function.apply``, the autograd forward, the ring step, ``blocks_forward_``, ``block_attn_forward`` with its
 checks and work counter); the bound is 7. Also: the kernel is chosen once per call (not per ring step), and
-the work counter costs nothing when no one counts.
+the work counter costs nothing when no one counts; and a training forward of a 2-layer GPT at cp 2 enters at most
+:data:`PYTHON_CALLS_PER_FORWARD` Python functions of cp_handler (issue 52, part 3).
 """
 
 import sys
 
+import pytest
 import torch
 from dist_utils import new_cp_group, run_distributed
 
@@ -93,3 +95,32 @@ def test_the_work_counter_is_not_read_per_kernel_call():
 class SelfAttentionStub:
     softmax_scale = None
     layer_number = 1
+
+
+PYTHON_CALLS_PER_FORWARD = {"p2p": 120, "a2a": 160}
+"""The ceilings of :func:`test_python_calls_per_forward` (issue 52's target: 100, 40 per attention layer; measured
+2026-11-28: 278 / 390 before the pre-flight cache and the hot-loop work, 114 / 150 after)."""
+
+
+def _python_calls_worker(rank, world, comm_type):
+    from cp_handler.bench.compiled import python_calls
+    from cp_handler.models import GPTModel
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=64, kv_channels=8)
+    model = GPTModel(config)
+    handler = LocalContextParallelHandler(cp_group=new_cp_group(), cp_comm_type=comm_type)
+    tokens = handler.dispatch(torch.randint(0, 64, (1, 256), generator=torch.Generator().manual_seed(0)), 1)
+    model(tokens, cp_handler=handler)  # the first forward resolves and agrees once per layer
+    calls = sum(python_calls(lambda: model(tokens, cp_handler=handler)).values())
+    assert calls <= PYTHON_CALLS_PER_FORWARD[comm_type], \
+        f"{comm_type}: {calls} cp_handler Python calls per forward (ceiling {PYTHON_CALLS_PER_FORWARD[comm_type]})"
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_python_calls_per_forward(comm_type):
+    """A training forward of a 2-layer reference GPT at 256 tokens, cp 2, steady state (the handler's second
+    forward): the Python functions of cp_handler entered (``sys.setprofile``, as ``cp-bench --modes compile``
+    counts them), the model's own code included, stay under :data:`PYTHON_CALLS_PER_FORWARD`."""
+    run_distributed(_python_calls_worker, 2, comm_type)

@@ -7,7 +7,8 @@ Per comm type: one untimed step each way (the compiled one compiles: its seconds
 ``--reps`` steps between barriers (the slowest rank's median: a step waits for it). ``graphs`` / ``breaks``:
 ``torch._dynamo.explain`` of the whole model's forward (1 / 0: the CP attention is one operator,
 :mod:`cp_handler.handlers.opaque`). ``python_calls``: the Python functions of cp_handler entered during one eager
-forward at this rank, steady state (``sys.setprofile``; :func:`python_calls`), per forward and per attention layer.
+training forward at this rank, steady state (``sys.setprofile``; :func:`python_calls`), per forward and per
+attention layer.
 ``max_abs_diff``: the compiled forward's logits against the eager ones (float32: Inductor reorders sums).
 """
 
@@ -76,8 +77,8 @@ def _case(comm_type: str, seq_len: int, reps: int, group) -> dict:
     row = {"comm_type": comm_type, "seq_len": seq_len, "cp_size": dist.get_world_size()}
     step()  # warm-up
     row["eager_s"] = _median_s(step, reps)
+    calls = python_calls(lambda: model(input_ids, cp_handler=handler))  # a training forward, as tests/test_hot_path.py
     with torch.no_grad():
-        calls = python_calls(lambda: model(input_ids, cp_handler=handler))
         eager_logits = model(input_ids, cp_handler=handler)
     row["python_calls"] = sum(calls.values())
     row["python_calls_per_layer"] = row["python_calls"] / config.num_layers

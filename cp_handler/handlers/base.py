@@ -18,7 +18,7 @@ from ..ops.patterns import PATTERNS
 from ..ops.ulysses import check_a2a_heads
 from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
-from .guard import Guard, next_serial
+from .guard import Guard, failed, next_serial, refuse
 from .opaque import compile_handle, is_literal, opaque_call, opaque_core_attn, variant_args
 from .preflight import AttnCall, preflight
 from .token_layout import TokenLayout
@@ -105,6 +105,8 @@ class ContextParallelHandler(metaclass=ABCMeta):
         """What names this handler to the compiled attention operator (:mod:`.opaque`)."""
         self.attention_calls = 0
         """How many ``core_attn`` calls ran on this handler (a compiled call counts when it runs)."""
+        self.resolved_calls: dict = {}
+        """The pre-flight's resolved calls by :func:`~.preflight.call_key` (a layer's later calls skip the checks)."""
         self.layer_in_compiled_calls = not isinstance(self.cp_comm_type, str)
         """Whether the compiled attention operator carries the layer's ``layer_number`` (:mod:`.opaque`): when a
         per-layer ``cp_comm_type`` needs it. Reading it costs a recompile per code object under per-block compile
@@ -265,8 +267,13 @@ class ContextParallelHandler(metaclass=ABCMeta):
             if variant is not None:
                 return opaque_core_attn(self, attn_mod, q, k, v, attn_mask_type, variant)
         self.attention_calls += 1
-        with Guard(self, "core_attn"):
+        if self.failure is not None:  # the call guard inline (the hot path): Guard's rules, no calls on success
+            refuse(self, "core_attn")
+        try:
             return self.attend(preflight(self, attn_mod, q, k, v, attn_mask_type))
+        except BaseException as err:
+            failed(self, "core_attn", err)
+            raise
 
     @abstractmethod
     def attend(self, call: AttnCall) -> torch.Tensor:

@@ -35,14 +35,24 @@ class Guard:
         self.handler, self.name = handler, name
 
     def __enter__(self) -> None:
-        handler = self.handler
-        if handler.failure is not None:
-            raise RuntimeError(f"{type(handler).__name__}.{self.name}: an earlier call of this handler failed on "
-                               f"this rank ({handler.failure}); its ranks' collectives may be out of step, so it "
-                               "refuses every further call: build a new handler on every rank (docs/architecture.md)")
+        if self.handler.failure is not None:
+            refuse(self.handler, self.name)
 
     def __exit__(self, kind, err, tb) -> None:
-        handler = self.handler
-        if err is not None and not isinstance(err, RanksRefused) and handler.failure is None and handler.cp_size > 1:
-            handler.failure = f"{self.name}: {type(err).__name__}: {err}"
+        if err is not None:
+            failed(self.handler, self.name, err)
+
+
+def refuse(handler, name: str):
+    """Raise the RuntimeError of a call ``name`` on a handler whose earlier call failed (:class:`Guard`)."""
+    raise RuntimeError(f"{type(handler).__name__}.{name}: an earlier call of this handler failed on this rank "
+                       f"({handler.failure}); its ranks' collectives may be out of step, so it refuses every further "
+                       "call: build a new handler on every rank (docs/architecture.md)")
+
+
+def failed(handler, name: str, err: BaseException) -> None:
+    """Mark ``handler`` failed by ``err`` raised in its call ``name`` (:class:`Guard`; the hot path of ``core_attn``
+    calls it inline, only when a call raised)."""
+    if not isinstance(err, RanksRefused) and handler.failure is None and handler.cp_size > 1:
+        handler.failure = f"{name}: {type(err).__name__}: {err}"
 

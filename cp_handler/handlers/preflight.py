@@ -9,6 +9,12 @@ the local length against the layout, the variant and the backend's own rules (``
 failure on one rank fails every rank together, and at the first call of each layer per handler the ranks
 agree on the call's shape, layout and variant (:meth:`~.agreement.RankAgreement.checked`). The
 backend's ``attend`` and the algorithms behind it trust the call and check nothing again.
+
+A handler memoises what a call resolved (``handler.resolved_calls``) under :func:`call_key`: everything the
+checks read but the handler's layout (checked every call) and ``check_call`` (run every call). A layer's later
+calls on the handler (activation recomputation, another forward) skip the rest: the mask, sinks and scale, the
+variant's description and the agreed values come from the first. So a backend's ``unsupported_variant`` and an
+override of ``attention_variant`` read only the ``attn_mod`` attributes of :data:`READ` and ``sinks``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask
 from ..ops.qkv_format import from_bhsd, to_bhsd
-from .checks import check_qkv, softmax_scale, variant_description
+from .checks import VARIANT_ALIASES, check_qkv, softmax_scale, variant_description
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
 """Mask types of ``core_attn`` (Transformer Engine's names)."""
@@ -83,13 +89,46 @@ def _seq_dim(qkv_format: str, q: torch.Tensor) -> int:
     return 0 if qkv_format == "sbhd" else 1
 
 
+READ = ("softmax_scale", "window_size", "attention_chunk_size", "softcap", "layer_number", *VARIANT_ALIASES)
+"""The attributes of ``attn_mod`` the checks read (besides ``sinks``): part of a resolved call's key."""
+_PLAIN = (type(None), bool, int, float, str, tuple)
+
+
+def call_key(attn_mod, q, k, v, attn_mask_type) -> tuple | None:
+    """Everything the checks of :func:`preflight` read but the handler's layout and ``check_call``: the mask type,
+    q/k/v's shapes, dtypes and devices, ``attn_mod``'s variant attributes and its sinks (by identity, with their
+    shape, dtype and device); ``None`` when a value cannot be a key (the call is checked in full)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    key = [attn_mask_type, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device]
+    for name in READ:
+        value = getattr(attn_mod, name, None)
+        if not isinstance(value, _PLAIN):
+            return None
+        key.append(value)
+    sinks = getattr(attn_mod, "sinks", None)
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            return None
+        key += [id(sinks), sinks.shape, sinks.dtype, sinks.device]
+    return tuple(key)
+
+
 def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
-    """The :class:`AttnCall` of one ``core_attn`` of ``handler`` (see the module doc).
+    """The :class:`AttnCall` of one ``core_attn`` of ``handler`` (see the module doc). A call whose
+    :func:`call_key` the handler resolved before (``handler.resolved_calls``) skips the checks that key covers:
+    the layout is still checked, ``check_call`` still run and the ranks' agreement still made once per layer.
 
     Raises:
         ValueError / TypeError: naming the argument, the value and the rule (on every rank of the group when
             the agreement check runs); :class:`~.agreement.RanksRefused` when the ranks disagree.
     """
+    key = call_key(attn_mod, q, k, v, attn_mask_type)
+    entry = handler.resolved_calls.get(key) if key is not None else None
+    if entry is not None and entry[2] is getattr(attn_mod, "sinks", None):
+        call = _resolved_call(handler, attn_mod, q, k, v, entry)
+        if call is not None:
+            return call
     resolved = {}
 
     def local_checks() -> dict[str, int | str]:
@@ -103,20 +142,53 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
         scale = softmax_scale(attn_mod, q.shape[-1])
         mask, sinks = handler.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
         comm_type = handler.comm_type_for(attn_mod)
+        layer = getattr(attn_mod, "layer_number", None)
         call = AttnCall(*(to_bhsd(t, handler.qkv_format) for t in (q, k, v)), mask, sinks, scale, comm_type,
-                        layout, getattr(attn_mod, "layer_number", None), handler.qkv_format, q, attn_mod)
+                        layout, layer, handler.qkv_format, q, attn_mod)
         handler.check_call(call)
         resolved["call"] = call
         batch = q.shape[1 - seq_dim] if q.dim() == 4 and handler.qkv_format != "thd" else 1
-        return {"local_len": q.shape[seq_dim], "batch": batch, "heads": q.shape[-2], "kv_heads": k.shape[-2],
-                "head_dim": q.shape[-1], "v_head_dim": v.shape[-1], "dtype": str(q.dtype),
-                "layout": "none" if layout is None else f"document lengths {list(layout.lengths)}",
-                "variant": variant_description(comm_type, mask, sinks, scale)}
+        values = {"local_len": q.shape[seq_dim], "batch": batch, "heads": q.shape[-2], "kv_heads": k.shape[-2],
+                  "head_dim": q.shape[-1], "v_head_dim": v.shape[-1], "dtype": str(q.dtype),
+                  "variant": variant_description(comm_type, mask, sinks, scale)}
+        resolved["entry"] = (seq_dim, mask, sinks, scale, comm_type, layer, values)
+        return {**values, "layout": _layout_text(layout)}
 
-    key = handler.agreement_key(attn_mod)
+    agreement_key = handler.agreement_key(attn_mod)
     device = q.device if isinstance(q, torch.Tensor) else "cpu"
-    if key is None:
+    if agreement_key is None:
         local_checks()
     else:
-        handler.agreement.checked(key, device, AGREED_FIELDS, local_checks)
+        handler.agreement.checked(agreement_key, device, AGREED_FIELDS, local_checks)
+    if key is not None:
+        if len(handler.resolved_calls) >= RESOLVED_CALLS:
+            handler.resolved_calls.clear()
+        handler.resolved_calls[key] = resolved["entry"]
     return resolved["call"]
+
+
+RESOLVED_CALLS = 4096
+"""Resolved calls a cache (``handler.resolved_calls``) keeps before it starts over."""
+
+
+def _layout_text(layout) -> str:
+    return "none" if layout is None else f"document lengths {list(layout.lengths)}"
+
+
+def _resolved_call(handler, attn_mod, q, k, v, entry) -> AttnCall | None:
+    """The call from a resolved entry (the hot path: the layout checked, ``check_call`` run, the agreement made
+    once per layer); ``None`` when the layout or ``check_call`` refuses it (the full path then raises, on every rank
+    where the agreement runs)."""
+    seq_dim, mask, sinks, scale, comm_type, layer, values = entry
+    fmt = handler.qkv_format
+    try:
+        layout = handler.token_layout.call_layout(q.shape[seq_dim])
+        call = AttnCall(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), mask, sinks, scale, comm_type, layout,
+                        layer, fmt, q, attn_mod)
+        handler.check_call(call)
+    except (ValueError, TypeError):
+        return None
+    agreement_key = handler.agreement_key(attn_mod)
+    if agreement_key is not None and agreement_key not in handler.agreement.done:
+        handler.agreement.agree(agreement_key, {**values, "layout": _layout_text(layout)}, q.device)
+    return call

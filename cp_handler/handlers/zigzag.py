@@ -33,6 +33,7 @@ class ZigzagLayout(TokenLayout):
         self.cp_size, self.cp_rank, self.cp_group = handler.cp_size, handler.cp_rank, handler.cp_group
         self.qkv_format, self.checked = handler.qkv_format, handler.agreement.checked
         self.thd_layout = None
+        self._call_layouts: dict[tuple[int, int | None], ZigzagDocs] = {}
         self.global_seq_len: int | None = None
         """bshd/sbhd: the sequence length this handler dispatched (a handler is per batch); thd: from cu_seqlens."""
         if self.qkv_format == "thd":
@@ -86,8 +87,13 @@ class ZigzagLayout(TokenLayout):
         return self.thd_layout
 
     def call_layout(self, local_len: int) -> ZigzagDocs:
-        """The pre-flight's layout of a ``core_attn`` call (:meth:`layout`: the local length checked)."""
-        return self.layout(local_len)
+        """The pre-flight's layout of a ``core_attn`` call (:meth:`layout`: the local length checked; memoised per
+        local length and dispatched length: every layer of a batch asks the same)."""
+        key = (local_len, self.global_seq_len)
+        layout = self._call_layouts.get(key)
+        if layout is None:
+            layout = self._call_layouts[key] = self.layout(local_len)
+        return layout
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> this rank's shard (thd: padding inserted as zeros). The first dispatch of a handler

@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..masks import BlockMask
-from .kernels import AttnKernel
+from .kernels import AttnKernel, work
 from .kernels.base import seq_major
 from .kernels.masked import masked_backward, masked_forward
-from .kernels.work import block_pairs, counting_work, record_attn_pairs
+from .kernels.work import block_pairs, record_attn_pairs
 from .merge import acc_dtype, merge_attn_out_
 from .packed_blocks import packed_backward_, packed_forward_
 from .sinks import fold_sinks
@@ -56,11 +56,25 @@ def tile_causal(blocks: list[Block], tile: int = CPU_CAUSAL_TILE) -> list[Block]
     return tiled
 
 
+_plans: dict[tuple[int, str], tuple[list[Block], list[Block], list[Block]]] = {}
+PLAN_CACHE_SIZE = 1024
+"""Plans :func:`_plan` keeps (the plan functions are cached themselves, so the same plan object comes back)."""
+
+
 def _plan(blocks: list[Block], kernel: AttnKernel) -> tuple[list[Block], list[Block]]:
-    """``(blocks for the kernel, masked blocks)``: the first tiled on CPU (:func:`tile_causal`)."""
+    """``(blocks for the kernel, masked blocks)``: the first tiled on CPU (:func:`tile_causal`). Memoised per plan
+    object and device type (the entry holds the plan, so its id is not reused while it is cached)."""
+    key = (id(blocks), kernel.device_type)
+    entry = _plans.get(key)
+    if entry is not None and entry[0] is blocks:
+        return entry[1], entry[2]
     plain = [b for b in blocks if not isinstance(b[2], BlockMask)]
     masked = [b for b in blocks if isinstance(b[2], BlockMask)]
-    return tile_causal(plain) if kernel.device_type == "cpu" else plain, masked
+    plain = tile_causal(plain) if kernel.device_type == "cpu" else plain
+    if len(_plans) >= PLAN_CACHE_SIZE:
+        _plans.clear()
+    _plans[key] = (blocks, plain, masked)
+    return plain, masked
 
 
 def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
@@ -73,7 +87,7 @@ def new_accumulators(q: torch.Tensor, v_head_dim: int | None = None) -> tuple[to
     ``D``): zeros and -inf, which the first merge replaces exactly. ``out`` is sequence-major (a view of
     ``(B, S, H, Dv)`` memory, :func:`~.kernels.base.seq_major`): the layout the CUDA backward kernels take
     without copies."""
-    dtype = acc_dtype(q.dtype)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # acc_dtype, inline (the hot path)
     b, h, s, d = q.shape
     d = v_head_dim or d
     out = torch.zeros((b, s, h, d), dtype=dtype, device=q.device).transpose(1, 2)
@@ -96,18 +110,19 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], spec: AttnSpec, fres
     if kernel.packed:
         packed_forward_(out, lse, q, k, v, plain, scale, fresh, kernel, spec.packed_calls)
     else:
-        if counting_work():
+        if work.counters:
             record_attn_pairs(q.shape[0] * q.shape[1] * sum(block_pairs(qr.stop - qr.start, kr.stop - kr.start, c)
                                                             for qr, kr, c in plain), len(plain))
         frontier = 0 if fresh else None
-        for q_rows, kv_rows, causal in plain:
-            block_out, block_lse = kernel.forward(rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), causal=causal,
-                                                  scale=scale)
+        forward = kernel.forward
+        for q_rows, kv_rows, causal in plain:  # rows as views: t[:, :, rows] inline (the hot loop)
+            block_out, block_lse = forward(q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows], causal=causal,
+                                           scale=scale)
             if frontier is not None and q_rows.start >= frontier:
-                rows(out, q_rows).copy_(block_out)
-                rows(lse, q_rows).copy_(block_lse)
+                out[:, :, q_rows].copy_(block_out)
+                lse[:, :, q_rows].copy_(block_lse)
             else:
-                merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
+                merge_attn_out_(out[:, :, q_rows], lse[:, :, q_rows], block_out, block_lse)
             if frontier is not None:
                 frontier = max(frontier, q_rows.stop)
     for q_rows, kv_rows, block in masked:  # after the plain blocks: always merged, never copied
@@ -140,10 +155,13 @@ def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows
     if kernel.packed:
         packed_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, plain, scale, kernel, spec.packed_calls)
     else:
-        for q_rows, kv_rows, causal in plain:
-            grads = kernel.backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-                                    rows(out, q_rows), lse_rows(q_rows), causal=causal, scale=scale)
-            _add_grads_(dq, dk, dv, q_rows, kv_rows, grads)
+        backward = kernel.backward
+        for q_rows, kv_rows, causal in plain:  # rows as views inline (the hot loop)
+            grads = backward(dout[:, :, q_rows], q[:, :, q_rows], k[:, :, kv_rows], v[:, :, kv_rows],
+                             out[:, :, q_rows], lse_rows(q_rows), causal=causal, scale=scale)
+            dq[:, :, q_rows].add_(grads[0])
+            dk[:, :, kv_rows].add_(grads[1])
+            dv[:, :, kv_rows].add_(grads[2])
     for q_rows, kv_rows, block in masked:
         grads = masked_backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
                                 rows(out, q_rows), lse_rows(q_rows), block, scale)

@@ -80,21 +80,23 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: boo
                       output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None):
     """All-to-all along dim 0: equal splits, or rows per rank in ``*_split_sizes`` (uneven).
     Bytes sent: every split but this rank's own."""
-    size = dist.get_world_size(group)
-    if input_split_sizes is None:
-        sent = inp.nbytes * (size - 1) / size
-    else:
-        row = inp[0].nbytes if inp.shape[0] else 0
-        sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
-    record("all_to_all", sent)
+    if _active:  # counting (the hot path tests the list: no call)
+        size = dist.get_world_size(group)
+        if input_split_sizes is None:
+            sent = inp.nbytes * (size - 1) / size
+        else:
+            row = inp[0].nbytes if inp.shape[0] else 0
+            sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
+        record("all_to_all", sent)
     return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
     """Post point-to-point ops together; records one ``send``/``recv`` per op."""
-    for op in ops:
-        is_send = op.op in (dist.isend, dist.send)
-        record("send" if is_send else "recv", op.tensor.nbytes if is_send else 0)
+    if _active:  # counting (the hot path tests the list: no call)
+        for op in ops:
+            is_send = op.op in (dist.isend, dist.send)
+            record("send" if is_send else "recv", op.tensor.nbytes if is_send else 0)
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -35,10 +35,13 @@ def exchange(
     recvs: list[tuple[torch.Tensor, int, int]],
 ) -> PendingRecv:
     """Start sending ``(tensor, group_rank, tag)`` and receiving into ``(buffer, group_rank, tag)``."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, p), group, tag) for t, p, tag in sends]
-    ops += [dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group, tag) for b, p, tag in recvs]
-    works = batch_isend_irecv(ops)
-    return PendingRecv(works, [b for b, _, _ in recvs])
+    ops, buffers = [], []  # loops, not comprehensions: each of those is a Python call (the hot path)
+    for t, p, tag in sends:
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, p), group, tag))
+    for b, p, tag in recvs:
+        ops.append(dist.P2POp(dist.irecv, b, dist.get_global_rank(group, p), group, tag))
+        buffers.append(b)
+    return PendingRecv(batch_isend_irecv(ops), buffers)
 
 
 class RingComm:

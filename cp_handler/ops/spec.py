@@ -36,11 +36,18 @@ class KernelChoice:
     kernel: str | AttnKernel | None = None
     varying_shapes: bool = False
     packed_calls: PackedCallCache = field(default_factory=PackedCallCache)
+    chosen: dict = field(default_factory=dict)
+    """The kernels chosen so far, by device, dtype and head dims (a handler's layers choose once)."""
 
     def select(self, q: torch.Tensor, v_head_dim: int | None = None) -> AttnKernel:
         """The kernel for this call's ``q (B, H, S, D)`` and values of head dim ``v_head_dim``
-        (:func:`~.kernels.select_kernel`; raises its ValueError)."""
-        return select_kernel(q, self.kernel, varying_shapes=self.varying_shapes, v_head_dim=v_head_dim)
+        (:func:`~.kernels.select_kernel`, once per device, dtype and head dims; raises its ValueError)."""
+        key = (q.device, q.dtype, q.shape[-1], v_head_dim)
+        kernel = self.chosen.get(key)
+        if kernel is None:
+            kernel = self.chosen[key] = select_kernel(q, self.kernel, varying_shapes=self.varying_shapes,
+                                                      v_head_dim=v_head_dim)
+        return kernel
 
 
 @dataclass(frozen=True, eq=False)

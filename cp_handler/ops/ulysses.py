@@ -20,6 +20,7 @@ copies that give every rank one), and the replicas' gradients are summed back.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -104,6 +105,14 @@ def a2a_attn(q, k, v, *, a2a_group: dist.ProcessGroup, causal: bool, scale: floa
     return a2a_attention(q, k, v, spec, return_lse)
 
 
+@functools.lru_cache(maxsize=256)
+def _reordered(layout: ZigzagDocs, a2a_size: int, device: torch.device):
+    """``(order, inverse, inner layout)`` after the all-to-all over ``a2a_size`` ranks (computed once per layout)."""
+    order = layout.a2a_reorder_index(a2a_size).to(device)
+    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
+    return order, inverse, layout.inner(a2a_size)
+
+
 def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
     """a2a (and a2a+p2p) attention of a checked call: ``spec.group`` is the a2a level, ``spec.p2p_group`` the
     ring level (:func:`a2a_attn` checks a direct call; a handler's pre-flight checks the heads with the
@@ -119,11 +128,9 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
         ring_spec = replace(ring_spec, sinks=spec.sinks[rank * heads:(rank + 1) * heads])
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
-    layout = spec.layout
-    order = layout.a2a_reorder_index(a2a_size).to(q.device)
-    inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=q.device))
+    order, inverse, inner = _reordered(spec.layout, a2a_size, q.device)
     q, k, v = (seq_to_heads(t, spec.group).index_select(2, order) for t in (q, k, v))
-    out, lse = ring_attention(q, k, v, replace(ring_spec, layout=layout.inner(a2a_size)))
+    out, lse = ring_attention(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
         lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), spec.group).squeeze(-1)

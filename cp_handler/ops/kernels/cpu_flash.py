@@ -23,6 +23,8 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def forward(q, k, v, *, causal: bool, scale: float):
+    if q.shape[-1] == v.shape[-1]:  # the common case, without padding calls (the hot path)
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
     width = max(q.shape[-1], v.shape[-1])
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(_widen(q, width), _widen(k, width), _widen(v, width),
                                                               0.0, causal, scale=scale)[:2]
@@ -30,6 +32,9 @@ def forward(q, k, v, *, causal: bool, scale: float):
 
 
 def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
+    if q.shape[-1] == v.shape[-1]:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                        scale=scale)
     width = max(q.shape[-1], v.shape[-1])
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _widen(dout, width), _widen(q, width), _widen(k, width), _widen(v, width), _widen(out, width), lse, 0.0,

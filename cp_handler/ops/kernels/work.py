@@ -25,23 +25,24 @@ class WorkCounter:
     blocks: int = 0
 
 
-_work_counters: list[WorkCounter] = []
+counters: list[WorkCounter] = []
+"""The open :func:`count_attn_work` blocks (callers on the hot path test the list itself: no call)."""
 
 
 @contextlib.contextmanager
 def count_attn_work():
     """Count the attention work of the forward blocks run inside the block (this rank only)."""
     counter = WorkCounter()
-    _work_counters.append(counter)
+    counters.append(counter)
     try:
         yield counter
     finally:
-        _work_counters.remove(counter)
+        counters.remove(counter)
 
 
 def counting_work() -> bool:
     """Whether a :func:`count_attn_work` block is open (the callers skip their accounting otherwise)."""
-    return bool(_work_counters)
+    return bool(counters)
 
 
 def block_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -58,12 +59,12 @@ def block_tiles(sq: int, sk: int, causal: bool, tile: int) -> int:
 
 def record_attn_pairs(pairs: int, blocks: int) -> None:
     """Record ``pairs`` score pairs computed by ``blocks`` forward blocks."""
-    for counter in _work_counters:
+    for counter in counters:
         counter.pairs += pairs
         counter.blocks += blocks
 
 
 def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
     """Record one forward block of ``q (B, H, Sq, D)`` against ``k (B, Hkv, Sk, D)``."""
-    if _work_counters:
+    if counters:
         record_attn_pairs(q.shape[0] * q.shape[1] * block_pairs(q.shape[-2], k.shape[-2], causal), 1)
