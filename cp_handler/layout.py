@@ -8,6 +8,7 @@ Pure index arithmetic: nothing here communicates.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
@@ -161,13 +162,9 @@ class ZigzagDocs:
         return rank, self.local_offsets[i] + half * self.chunk(i)
 
     def positions(self, rank: int) -> torch.Tensor:
-        """Position inside its document of every local slot of ``rank`` (int64 ``[local_len]``)."""
-        parts = []
-        for i in range(self.num_docs):
-            c = self.chunk(i)
-            ids = zigzag_chunk_ids(rank, self.size) if self.size > 1 else (0,)
-            parts += [_arange(k * c, c) for k in ids]
-        return torch.cat(parts)
+        """Position inside its document of every local slot of ``rank`` (int64 ``[local_len]``; computed once per
+        layout and rank: read it, do not write into it)."""
+        return _positions(self, rank)
 
     def real_mask(self, rank: int) -> torch.Tensor:
         """True for the local slots of ``rank`` that hold real tokens (bool ``[local_len]``)."""
@@ -209,3 +206,13 @@ class ZigzagDocs:
             parts += [_arange(a * self.local_len + start, c) for a in range(a2a_size)]
             parts += [_arange(a * self.local_len + start + c, c) for a in reversed(range(a2a_size))]
         return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=512)
+def _positions(layout: ZigzagDocs, rank: int) -> torch.Tensor:
+    parts = []
+    for i in range(layout.num_docs):
+        c = layout.chunk(i)
+        ids = zigzag_chunk_ids(rank, layout.size) if layout.size > 1 else (0,)
+        parts += [_arange(k * c, c) for k in ids]
+    return torch.cat(parts)

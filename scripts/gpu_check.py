@@ -68,8 +68,8 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
 ROW_SEQ_LENS = (65536, 131072, 262144, 393216, 524288)
 PROFILE = ("import os; from cp_handler.bench.plan import PlanCase, PlanShape, profile_case; "
            "print(profile_case(PlanCase('p2p', 'thd', 4, 65536), PlanShape(), os.environ['GPU_CHECK_TRACE']))")
-PASS_ORDER = ("default", "fa4_kernels", "fa4_patterns", "fa4_plan", "memory", "cudnn_ragged", "varlen_fp16",
-              "profile_thd", "kernels", "patterns", "gpt", "masks", "opt_in", "plan")
+PASS_ORDER = ("default", "fa4_kernels", "fa4_patterns", "fa4_plan", "memory", "compile", "cudnn_ragged",
+              "varlen_fp16", "profile_thd", "kernels", "patterns", "gpt", "masks", "opt_in", "plan")
 NEEDS_FA4 = ("fa4_kernels", "fa4_patterns", "fa4_plan")
 MIN_START_S = 30
 """A part does not start with less time left than this."""
@@ -112,6 +112,7 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
                                           fmt, "--out-dir", str(scratch / f"plan_{k}_{fmt}")], {})
                      for k, fmt in (("fa4", "bshd"), ("fa4_varlen", "thd"), ("auto", "bshd"), ("auto", "thd"))],
         "memory": [("offload", [*PYTEST, "tests/test_chunked_loss.py"], {}), *memory_rows(scratch)],
+        "compile": [("compile", [*PYTEST, "tests/test_compile.py"], {})],  # the compiled step on CUDA (Inductor)
         "cudnn_ragged": [("cudnn_ragged", [*PYTEST, "tests/test_cudnn_ragged.py"], {})],
         "varlen_fp16": [("patterns_flash_varlen_fp16", [*PYTEST, "-k", "fp16", *PATTERNS],
                          {"CP_HANDLER_ATTN_KERNEL": "flash_varlen"})],

@@ -45,6 +45,8 @@ COVERS: dict[str, tuple[str, ...]] = {
     "fa4_patterns": _PATTERN_STAGE,
     "fa4_plan": _PLAN_STAGE,
     "memory": ("cp_handler", "tests/test_chunked_loss.py", *_HARNESS),
+    "compile": (*_ATTN, *_HARNESS, "cp_handler/handlers/opaque.py", "cp_handler/training/compile.py",
+                "cp_handler/models", "tests/gpt_reference.py", "tests/test_compile.py"),
     "cudnn_ragged": ("cp_handler/ops/kernels", "tests/test_cudnn_ragged.py", *_HARNESS),
     "varlen_fp16": _PATTERN_STAGE,
     "profile_thd": _PLAN_STAGE,

@@ -12,8 +12,9 @@ compiled with eager on the same process: ``aot_eager`` runs the same kernels, so
 
 import pytest
 import torch
+from device_cases import GPU_CASES
 from dist_utils import new_cp_group, run_distributed
-from gpt_reference import CONFIG, assert_parity, loss_and_grads
+from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, assert_parity, loss_and_grads
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
 from cp_handler.handlers import opaque
@@ -80,6 +81,28 @@ def test_gpt_compiles_whole_and_matches_one_process(world):
     one-process step (every comm type at cp 2, a2a+p2p [2, 2] at cp 4, a per-layer list; bshd and thd; a hybrid
     model's Gated DeltaNet layer beside an attention layer)."""
     run_distributed(_whole_model_worker, world)
+
+
+def _gpu_worker(rank, world, case):
+    """The compiled step on CUDA (Inductor, every layer fullgraph; p2p and a2a) vs a float64 CPU step, as
+    tests/test_gpt_parity.py's GPU case (attention layers: the mixer methods are opt-in on CUDA)."""
+    config = CONFIG
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(7))
+    group = new_cp_group()
+    for comm_type in ("p2p", "a2a"):
+        cls = get_cp_handler_cls("local", comm_type)
+        reference = loss_and_grads(config, cls(cp_group=None), tokens, None, dtype=torch.float64)
+        torch._dynamo.reset()
+        got = loss_and_grads(config, cls(cp_group=group, cp_comm_type=comm_type), tokens, group, case.device,
+                             case.dtype, prepare=compile_blocks("inductor"))
+        worst = assert_close_by_norm(got, reference, GPT_GPU_TOLERANCE[case.dtype], f"compiled {comm_type}")
+        if rank == 0:
+            print(f"compiled {comm_type} {case.dtype}: worst error / bound {worst[0]:.3g} ({worst[1]})")
+
+
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_compiled_gpt_on_gpu(case):
+    run_distributed(_gpu_worker, 2, case, device="cuda")
 
 
 def _batches(count: int):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
 from ..ops.patterns import PATTERNS
+from ..ops.qkv_format import from_bhsd
 from ..ops.spec import AttnSpec, KernelChoice
 from .base import ContextParallelHandler
 from .preflight import AttnCall
@@ -114,7 +115,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             out = pattern.attention(q, k, v, spec)[0]
         if self.kv_cache is not None:
             self.kv_cache.store_prefill(call.layer or 0, call.in_format(k), call.in_format(v), call.layout)
-        return call.restore(out)
+        return from_bhsd(out, call.qkv_format, call.given)  # call.restore(out), without the extra call (hot path)
 
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler

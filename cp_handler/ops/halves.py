@@ -45,6 +45,7 @@ def _starts(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(firsts), tuple(seconds), tuple(real)
 
 
+@functools.lru_cache(maxsize=256)
 def uses_halves(layout: ZigzagDocs, packed: bool, mask) -> bool:
     """Whether the ring reorders the rows: a packed kernel, the plain causal mask, and a layout with padding or
     more than one document (bshd is one unpadded document: its rows are ranges already). Under the causal mask

@@ -92,7 +92,7 @@ def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None
     out, lse = new_accumulators(q, v.shape[-1])
     for step in range(steps):
         pending = comm.send_recv(kv) if step + 1 < steps else None
-        for i, plan in enumerate(step_plans(spec, step, comm.rank)):
+        for i, plan in enumerate(step_plans(spec.layout, spec.mask, spec.halves, step, comm.rank)):
             blocks_forward_(out, lse, q, *unpack_kv(kv, k.shape[-1]), plan, spec, fresh=step == 0 and i == 0)
         if pending is not None:
             kv = pending.wait()[0]
@@ -101,11 +101,13 @@ def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None
     return out.to(q.dtype), lse
 
 
-def step_plans(spec: AttnSpec, step: int, rank: int) -> tuple[list[Block], ...]:
-    """The plans of ring step ``step`` on ``rank`` (one, or over reordered rows several: :mod:`.halves`)."""
-    if spec.halves:
-        return halves_step_plans(spec.layout, step, rank)
-    return (ring_blocks(spec.layout, step, rank, spec.mask),)
+@functools.lru_cache(maxsize=1024)
+def step_plans(layout: ZigzagDocs, mask: AttentionMask, halves: bool, step: int, rank: int) -> tuple[list[Block], ...]:
+    """The plans of ring step ``step`` on ``rank`` (one, or over reordered rows several: :mod:`.halves`); cached,
+    so the hot loop calls no Python for them."""
+    if halves:
+        return halves_step_plans(layout, step, rank)
+    return (ring_blocks(layout, step, rank, mask),)
 
 
 @functools.lru_cache(maxsize=256)
@@ -158,7 +160,7 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
         kv_remote = kv_pending.wait()[0]
         kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
         dkv_remote = torch.zeros_like(dkv)
-        for plan in step_plans(spec, step, comm.rank):
+        for plan in step_plans(spec.layout, spec.mask, spec.halves, step, comm.rank):
             blocks_backward_(dq, *unpack_kv(dkv_remote, k.shape[-1]), dout, q, *unpack_kv(kv_remote, k.shape[-1]),
                              out, lse_rows, plan, spec)
         if partial is not None:
