@@ -31,11 +31,12 @@ def expected(pattern: str, cp: int, a2a: int = 1, dv: int = D) -> tuple[dict, in
                 2 * (cp - 1) * kv * ELEM + (cp - 1) * kv * ACC)
     kv_a2a = kv * max(1, a2a // HKV)  # KV heads replicated up to the a2a size
     a2a_bytes = 2 * (a2a - 1) * (2 * q + kv_a2a) * ELEM // a2a  # q, k, v, out forward; dout, dq, dk, dv back
+    # 4 all-to-alls: q, k and v packed in one, out (forward); dout, and dq, dk, dv packed in one (backward)
     if pattern == "a2a":
-        return {"all_to_all": 8}, a2a_bytes
+        return {"all_to_all": 4}, a2a_bytes
     p2p = cp // a2a
     ring_bytes = (p2p - 1) * kv_a2a * ELEM * 2 + (p2p - 1) * kv_a2a * ACC
-    return {"all_to_all": 8, "send": 3 * (p2p - 1), "recv": 3 * (p2p - 1)}, a2a_bytes + ring_bytes
+    return {"all_to_all": 4, "send": 3 * (p2p - 1), "recv": 3 * (p2p - 1)}, a2a_bytes + ring_bytes
 
 
 def _volume_worker(rank, world):

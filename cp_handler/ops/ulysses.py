@@ -34,16 +34,20 @@ from .ring import ring_attention
 from .spec import AttnSpec, attn_spec
 
 
-def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """``(B, H, S_l, D)`` sequence shard -> ``(B, H/A, A*S_l, D)``: shards of the group rank by rank
-    (differentiable: the backward is :func:`heads_to_seq`)."""
+def seq_to_heads(tensors: tuple[torch.Tensor, ...], group) -> list[torch.Tensor]:
+    """``(B, H_i, S_l, D_i)`` sequence shards -> ``(B, H_i/A, A*S_l, D_i)``: shards of the group rank by rank, every
+    tensor in one all-to-all (q, k and v: one collective instead of three; each keeps its own heads and head dim).
+    Differentiable: the backward is one reverse all-to-all."""
     n = dist.get_world_size(group)
-    received = all_to_all(rearrange(x, "b (n h) s d -> n b h s d", n=n), group)
-    return rearrange(received, "n b h s d -> b h (n s) d")
+    parts = [rearrange(t, "b (n h) s d -> n b h s d", n=n) for t in tensors]
+    received = all_to_all(torch.cat([p.reshape(n, -1) for p in parts], dim=1), group)
+    sizes = [p[0].numel() for p in parts]
+    return [rearrange(r.reshape(p.shape), "n b h s d -> b h (n s) d")
+            for r, p in zip(received.split(sizes, dim=1), parts, strict=True)]
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Inverse of :func:`seq_to_heads`."""
+    """Inverse of :func:`seq_to_heads` for one tensor."""
     n = dist.get_world_size(group)
     received = all_to_all(rearrange(x, "b h (n s) d -> n b h s d", n=n), group)
     return rearrange(received, "n b h s d -> b (n h) s d")
@@ -129,7 +133,7 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order, inverse, inner = _reordered(spec.layout, a2a_size, q.device)
-    q, k, v = (seq_to_heads(t, spec.group).index_select(2, order) for t in (q, k, v))
+    q, k, v = (t.index_select(2, order) for t in seq_to_heads((q, k, v), spec.group))
     out, lse = ring_attention(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
