@@ -39,11 +39,17 @@ def seq_to_heads(tensors: tuple[torch.Tensor, ...], group) -> list[torch.Tensor]
     tensor in one all-to-all (q, k and v: one collective instead of three; each keeps its own heads and head dim).
     Differentiable: the backward is one reverse all-to-all."""
     n = dist.get_world_size(group)
-    parts = [rearrange(t, "b (n h) s d -> n b h s d", n=n) for t in tensors]
-    received = all_to_all(torch.cat([p.reshape(n, -1) for p in parts], dim=1), group)
-    sizes = [p[0].numel() for p in parts]
-    return [rearrange(r.reshape(p.shape), "n b h s d -> b h (n s) d")
-            for r, p in zip(received.split(sizes, dim=1), parts, strict=True)]
+    parts, flat, sizes = [], [], []  # loops, not comprehensions (the hot path: each of those is a call)
+    for t in tensors:
+        part = rearrange(t, "b (n h) s d -> n b h s d", n=n)
+        parts.append(part)
+        flat.append(part.reshape(n, -1))
+        sizes.append(part[0].numel())
+    received = all_to_all(torch.cat(flat, dim=1), group).split(sizes, dim=1)
+    out = []
+    for r, part in zip(received, parts, strict=True):
+        out.append(rearrange(r.reshape(part.shape), "n b h s d -> b h (n s) d"))
+    return out
 
 
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -53,6 +59,7 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return rearrange(received, "n b h s d -> b (n h) s d")
 
 
+@functools.lru_cache(maxsize=256)
 def check_a2a_heads(heads: int, kv_heads: int, a2a_size: int) -> int:
     """KV replication factor for an a2a over ``a2a_size`` ranks (1 = none).
 
@@ -133,7 +140,8 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
     if replicas > 1:
         k, v = k.repeat_interleave(replicas, dim=1), v.repeat_interleave(replicas, dim=1)
     order, inverse, inner = _reordered(spec.layout, a2a_size, q.device)
-    q, k, v = (t.index_select(2, order) for t in seq_to_heads((q, k, v), spec.group))
+    q, k, v = seq_to_heads((q, k, v), spec.group)
+    q, k, v = q.index_select(2, order), k.index_select(2, order), v.index_select(2, order)
     out, lse = ring_attention(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
