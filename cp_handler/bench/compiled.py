@@ -15,7 +15,6 @@ attention layer.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -29,6 +28,7 @@ from ..training import masked_token_loss_sum, next_token_batch
 from ..training.compile import compile_layers
 from .case_progress import case_progress
 from .e2e import MODEL
+from .hybrid import median_step_s
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,16 +52,6 @@ def python_calls(run) -> dict[tuple[str, str], int]:
     return calls
 
 
-def _median_s(step, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        began = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
 def _case(comm_type: str, seq_len: int, reps: int, group) -> dict:
     config = GPTConfig(**MODEL)
     tokens = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
@@ -75,8 +65,7 @@ def _case(comm_type: str, seq_len: int, reps: int, group) -> dict:
         masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask).backward()
 
     row = {"comm_type": comm_type, "seq_len": seq_len, "cp_size": dist.get_world_size()}
-    step()  # warm-up
-    row["eager_s"] = _median_s(step, reps)
+    row["eager_s"] = median_step_s(step, reps)
     calls = python_calls(lambda: model(input_ids, cp_handler=handler))  # a training forward, as tests/test_hot_path.py
     with torch.no_grad():
         eager_logits = model(input_ids, cp_handler=handler)
@@ -90,7 +79,7 @@ def _case(comm_type: str, seq_len: int, reps: int, group) -> dict:
     began = time.perf_counter()
     step()  # compiles
     row["compile_s"] = time.perf_counter() - began
-    row["compiled_s"] = _median_s(step, reps)
+    row["compiled_s"] = median_step_s(step, reps)
     with torch.no_grad():
         row["max_abs_diff"] = (model(input_ids, cp_handler=handler) - eager_logits).abs().max().item()
     return row

@@ -38,7 +38,9 @@ def _layer(args):
     return GatedDeltaNet(config, layer_number=1)
 
 
-def _median_s(step, reps: int) -> float:
+def median_step_s(step, reps: int) -> float:
+    """One untimed ``step()``, then the median seconds of ``reps`` steps, each started after a barrier of the
+    default group."""
     step()  # warm-up
     times = []
     for _ in range(reps):
@@ -70,7 +72,7 @@ def _measure(layer, x: torch.Tensor, group, reps: int) -> dict:
         with count_comms() as counter:
             step()
         row[f"{name}_bytes"] = counter.bytes_sent
-        row[f"{name}_s"] = _median_s(step, reps)
+        row[f"{name}_s"] = median_step_s(step, reps)
     with torch.no_grad():
         got = layer(local, None, handler)
         got = handler.combine(got, 1) if cp > 1 else got
