@@ -113,9 +113,12 @@ def _numbers(value, pair: bool) -> list | None:
 def variant_args(handler, attn_mod) -> tuple[str, list] | None:
     """The variant of ``attn_mod`` as the graph holds it (module doc): the names of the numeric attributes set
     (a constant) and their values (a float64 tensor input, so a value is not guarded on: layers with other
-    windows or scales share a graph); ``None`` when an attribute is set to anything else, or an alias of another
-    library is set (the eager call then raises its error by name)."""
+    windows or scales share a graph); ``None`` when an attribute is set to anything else (``sinks`` to anything but a
+    tensor), or an alias of another library is set (the eager call then raises its error by name)."""
     if any(getattr(attn_mod, alias, None) is not None for alias in VARIANT_ALIASES):
+        return None
+    sinks = getattr(attn_mod, "sinks", None)
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
         return None
     names, values = [], []
     for name in VARIANT_NUMBERS:

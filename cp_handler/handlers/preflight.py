@@ -111,7 +111,12 @@ def call_key(attn_mod, q, k, v, attn_mask_type) -> tuple | None:
         if not isinstance(sinks, torch.Tensor):
             return None
         key += [id(sinks), sinks.shape, sinks.dtype, sinks.device]
-    return tuple(key)
+    key = tuple(key)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable value inside a tuple, or as attn_mask_type: checked in full (and refused)
+        return None
+    return key
 
 
 def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
