@@ -267,3 +267,33 @@ def test_cp_train_compile_refuses_hf_mixers():
 
     with pytest.raises(ValueError, match=r"--compile: Qwen3NextGatedDeltaNet reach the handler through a context"):
         check_compile_mixers(hf_zoo.tiny_config("qwen3_next", hf_zoo.HYBRIDS["qwen3_next"]))
+
+
+def test_compiled_hf_forward_is_refused_unless_one_attention_call_per_layer():
+    """Compiled decoder layers record no layer; the handler's count of calls stands in, and must equal the layer
+    count: a model whose first layer runs its attention twice (and so could hide a layer that runs it not at all)
+    is refused by name; the unchanged model runs (one process, cp = 1, the operator all the same)."""
+    import hf_zoo
+
+    from cp_handler.integrations.transformers import cp_model_inputs, register
+
+    model = hf_zoo.build("llama")
+    register(model)
+    handler = get_cp_handler_cls("local", "p2p")(cp_group=None)
+    tokens = torch.randint(0, hf_zoo.VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    compile_layers(model, "aot_eager")
+    want = hf_zoo.build("llama")(tokens).logits
+    got = model(tokens, **cp_model_inputs(handler, tokens), cp_handler=handler).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+
+    class Twice(type(attn)):  # a class, not an instance attribute: what Dynamo traces is the class's forward
+        def forward(self, *args, **kwargs):  # both outputs used (an unused operator output is eliminated)
+            first, second = super().forward(*args, **kwargs), super().forward(*args, **kwargs)
+            return (first[0] + second[0]) / 2, second[1]
+
+    attn.__class__ = Twice
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"3 attention calls ran compiled .* for 2 layers: not one call per layer"):
+        model(tokens, **cp_model_inputs(handler, tokens), cp_handler=get_cp_handler_cls("local", "p2p")(cp_group=None))

@@ -56,6 +56,9 @@ class ForwardRecord:
     layers: set = field(default_factory=set)
     mask_types: dict = field(default_factory=dict)
     router_loss: bool = False
+    core_attn_calls: int = 0
+    """Calls of the attention function recorded (each one ``core_attn``; a layer called twice counts twice; a
+    compiled layer's call is not recorded; a mixer's is recorded in ``layers`` but not here)."""
 
 
 _record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
@@ -73,15 +76,17 @@ def end_record(token: contextvars.Token) -> ForwardRecord:
     return record
 
 
-def record_attention_call(module: nn.Module, mask_type: str) -> None:
+def record_attention_call(module: nn.Module, mask_type: str, core_attn: bool = True) -> None:
     """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
-    one counts by identity) with the layer's ``attn_mask_type``."""
+    one counts by identity) with the layer's ``attn_mask_type``; ``core_attn=False``: a mixer's route (its layer
+    covered, no ``core_attn`` call)."""
     record = _record.get()
     if record is not None:
         layer = getattr(module, "layer_idx", None)
         key = layer if isinstance(layer, int) else f"module {id(module)}"
         record.layers.add(key)
         record.mask_types[key] = mask_type
+        record.core_attn_calls += core_attn
 
 
 def record_router_loss() -> None:

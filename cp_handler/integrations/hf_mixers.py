@@ -134,7 +134,7 @@ def _route(module: nn.Module, name: str, kernel):
         handler = active_handler()
         if handler is None:
             return kernel(*args, **kwargs)
-        record_attention_call(module, "causal")  # a recurrence or a causal convolution
+        record_attention_call(module, "causal", core_attn=False)  # a recurrence or a causal convolution
         if name in FUSED:
             return None
         if name in DECODE:

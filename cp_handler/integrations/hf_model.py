@@ -20,7 +20,8 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
   that built its mask). The attention calls are recorded, and when the forward ends every decoder layer must
   have called cp_handler's attention (a layer that bypasses the attention registry, or a non-attention mixer
   missed by the static checks, raises naming the layers); under torch.compile the attention runs as one operator
-  that records no layer, and the handler's count of calls in the forward must reach the layer count instead.
+  that records no layer: the layers recorded plus the handler's calls that were not recorded must then equal the
+  layer count exactly (a model that runs some layers' attention twice and others not at all is refused).
 * **Activation recomputation** (gradient checkpointing re-runs a decoder layer in the backward, after the
   forward and its active handler are gone): the recomputed layer gets its keyword arguments again, so its
   attention gets the ``cp_handler`` keyword (or its mask's handler) again: no hook on decoder layers or
@@ -288,8 +289,13 @@ def _model_hook(model, args, kwargs, output, last: dict):
     model.__dict__["_cp_mask_types"] = dict(record.mask_types)
     seen = record.layers
     layers = text_config(model).num_hidden_layers - sum(t in TOKENLESS_LAYER_TYPES for t in layer_types(model))
-    calls = tokens[2].attention_calls - tokens[3]  # compiled layers are not recorded by layer: counted
-    if max(len(seen), calls) < layers:
+    compiled = tokens[2].attention_calls - tokens[3] - record.core_attn_calls  # compiled layers' calls: not recorded
+    if compiled and len(seen) + compiled != layers:
+        raise ValueError(f"{type(model).__name__}: {compiled} attention calls ran compiled (torch.compile records no "
+                         f"layer) beside {len(seen)} recorded layers, for {layers} layers: not one call per layer, so "
+                         "whether every layer ran cp_handler's attention cannot be told; refused under torch.compile "
+                         "(run it without compiling)")
+    if not compiled and len(seen) < layers:
         missing = sorted(set(range(layers)) - seen) if all(isinstance(x, int) for x in seen) else \
             f"{layers - len(seen)} of them"
         raise ValueError(f"{type(model).__name__}: of its {layers} layers, {missing} did not run cp_handler's "
