@@ -103,11 +103,17 @@ def is_literal(value) -> bool:
     return isinstance(value, (tuple, list)) and all(is_literal(v) for v in value)
 
 
-def _numbers(value, pair: bool) -> list | None:
-    items = value if pair and isinstance(value, (tuple, list)) and len(value) == 2 else None if pair else (value,)
-    if items is None or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+def _numbers(value, kind: type, pair: bool) -> list | None:
+    """``value`` as the operator's numbers: ints for an int attribute (a float window would otherwise be cut to an
+    int; the eager call refuses it by name), ints or floats for a float one, a pair for ``window_size``; ``None`` for
+    anything else."""
+    if pair and not (isinstance(value, (tuple, list)) and len(value) == 2):
         return None
-    return list(items)
+    items = list(value) if pair else [value]
+    allowed = (int,) if kind is int else (int, float)
+    if not all(isinstance(x, allowed) and not isinstance(x, bool) for x in items):
+        return None
+    return items
 
 
 def variant_args(handler, attn_mod) -> tuple[str, list] | None:
@@ -127,7 +133,7 @@ def variant_args(handler, attn_mod) -> tuple[str, list] | None:
         value = getattr(attn_mod, name, None)
         if value is None:
             continue
-        numbers = _numbers(value, pair=name == "window_size")
+        numbers = _numbers(value, VARIANT_NUMBERS[name], pair=name == "window_size")
         if numbers is None:
             return None
         names.append(name)

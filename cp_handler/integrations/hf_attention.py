@@ -88,7 +88,12 @@ def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tu
                          f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
                          "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
     longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
-    spec = attention_mask.spec(longest)
+    return _from_spec(module, attention_mask.spec(longest))
+
+
+def _from_spec(module, spec) -> tuple[str, str | None, int | None]:
+    """``(attn_mask_type, "sliding" / "chunked" / None, size)`` of a classified mask; ValueError for one the
+    handler does not compute."""
     if spec.kind in ("causal", "bidirectional"):
         return ("causal" if spec.kind == "causal" else "no_mask"), None, None
     if spec.kind in ("sliding", "chunked"):
@@ -175,14 +180,7 @@ def _compiled_mask_type(module, attention_mask, is_causal, sliding_window) -> tu
     if not isinstance(attention_mask, CPMask) or attention_mask.created is None:
         raise ValueError("under torch.compile, cp_handler's attention needs the mask built by its mask function in "
                          "a forward with a handler (pass attention_mask from cp_model_inputs and cp_handler=handler)")
-    spec = attention_mask.created
-    if spec.kind in ("causal", "bidirectional"):
-        mask_type, kind, size = ("causal" if spec.kind == "causal" else "no_mask"), None, None
-    elif spec.kind in ("sliding", "chunked"):
-        mask_type, kind, size = "causal", spec.kind, spec.size
-    else:
-        raise ValueError(f"layer {getattr(module, 'layer_idx', '?')} asks for {spec.describe()}: not supported under "
-                         "context parallelism by cp_handler")
+    mask_type, kind, size = _from_spec(module, attention_mask.created)
     if kind is None and sliding_window is not None and mask_type == "causal":  # reads the batch's length (a guard)
         _check_sliding_window(module, kind, sliding_window, mask_type, attention_mask.longest)
     return mask_type, kind, size

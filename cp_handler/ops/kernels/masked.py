@@ -25,8 +25,9 @@ import torch
 
 from ...masks import BlockMask
 from ..merge import acc_dtype
+from . import work
 from .base import expand_kv, reduce_kv_grad
-from .work import counting_work, record_attn_pairs
+from .work import record_attn_pairs
 
 
 def visible_scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None, visible: torch.Tensor):
@@ -66,7 +67,7 @@ def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: Blo
     """``q (B,H,Sq,D)``, ``k, v (B,Hkv,Sk,D)`` -> ``(out (B,H,Sq,D), lse (B,H,Sq))``, both in the
     accumulation dtype (:func:`softmax_out`)."""
     scores, _, visible = _block_scores(q, k, block, scale)
-    if counting_work():
+    if work.counters:
         record_attn_pairs(q.shape[0] * q.shape[1] * visible.numel(), 1)  # computed, masked or not
     return softmax_out(scores, q, v)
 

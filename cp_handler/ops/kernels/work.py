@@ -40,11 +40,6 @@ def count_attn_work():
         counters.remove(counter)
 
 
-def counting_work() -> bool:
-    """Whether a :func:`count_attn_work` block is open (the callers skip their accounting otherwise)."""
-    return bool(counters)
-
-
 def block_pairs(sq: int, sk: int, causal: bool) -> int:
     """Score pairs of one block (per batch row and head): the lower triangle with its diagonal if causal."""
     return sq * (sq + 1) // 2 if causal else sq * sk
