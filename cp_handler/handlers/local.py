@@ -63,6 +63,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.kernel_choice = KernelChoice(self.attn_kernel, varying_shapes=self.qkv_format == "thd")
         if self.cp_size > 1 and any(PATTERNS[t].hierarchical for t in self.comm_types):
             self._check_levels()
+        self._patterns: dict[str, tuple] = {}
+        """``(attention, spec groups)`` by comm type, resolved at a comm type's first call (:meth:`attend`)."""
 
     def _check_levels(self) -> None:
         groups = self.hierarchical_cp_groups
@@ -108,14 +110,21 @@ class LocalContextParallelHandler(ContextParallelHandler):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
-            pattern = PATTERNS[call.comm_type if self.cp_size > 1 else "p2p"]
-            groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
+            comm_type = call.comm_type if self.cp_size > 1 else "p2p"
+            entry = self._patterns.get(comm_type)
+            if entry is None:  # once per comm type: the groups are the handler's
+                pattern = PATTERNS[comm_type]
+                groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
+                entry = self._patterns[comm_type] = (pattern.attention, groups)
+            attention, groups = entry
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             self.kernel_choice.packed_calls, sinks=call.sinks, **groups)
-            out = pattern.attention(q, k, v, spec)[0]
+            out = attention(q, k, v, spec)[0]
         if self.kv_cache is not None:
             self.kv_cache.store_prefill(call.layer or 0, call.in_format(k), call.in_format(v), call.layout)
-        return from_bhsd(out, call.qkv_format, call.given)  # call.restore(out), without the extra call (hot path)
+        if call.qkv_format == "bshd":  # call.restore(out) inline (the hot path): from_bhsd's bshd case
+            return out.transpose(1, 2)
+        return from_bhsd(out, call.qkv_format, call.given)
 
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler

@@ -188,8 +188,11 @@ def _resolved_call(handler, attn_mod, q, k, v, entry) -> AttnCall | None:
     fmt = handler.qkv_format
     try:
         layout = handler.token_layout.call_layout(q.shape[seq_dim])
-        call = AttnCall(to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt), mask, sinks, scale, comm_type, layout,
-                        layer, fmt, q, attn_mod)
+        if fmt == "bshd":  # to_bhsd inline for the common format (the hot path: three calls fewer)
+            bq, bk, bv = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:
+            bq, bk, bv = to_bhsd(q, fmt), to_bhsd(k, fmt), to_bhsd(v, fmt)
+        call = AttnCall(bq, bk, bv, mask, sinks, scale, comm_type, layout, layer, fmt, q, attn_mod)
         handler.check_call(call)
     except (ValueError, TypeError):
         return None

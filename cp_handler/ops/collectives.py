@@ -81,14 +81,19 @@ def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: boo
     """All-to-all along dim 0: equal splits, or rows per rank in ``*_split_sizes`` (uneven).
     Bytes sent: every split but this rank's own."""
     if _active:  # counting (the hot path tests the list: no call)
-        size = dist.get_world_size(group)
-        if input_split_sizes is None:
-            sent = inp.nbytes * (size - 1) / size
-        else:
-            row = inp[0].nbytes if inp.shape[0] else 0
-            sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
-        record("all_to_all", sent)
+        _record_all_to_all(inp, group, input_split_sizes)
     return dist.all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+
+def _record_all_to_all(inp: torch.Tensor, group, input_split_sizes: list[int] | None) -> None:
+    """Record an all-to-all of ``inp`` (:func:`all_to_all_single`'s count; called only while counting)."""
+    size = dist.get_world_size(group)
+    if input_split_sizes is None:
+        sent = inp.nbytes * (size - 1) / size
+    else:
+        row = inp[0].nbytes if inp.shape[0] else 0
+        sent = row * (sum(input_split_sizes) - input_split_sizes[dist.get_rank(group)])
+    record("all_to_all", sent)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
@@ -101,13 +106,18 @@ def batch_isend_irecv(ops: list[dist.P2POp]) -> list:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Differentiable :func:`all_to_all_single` along dim 0; its backward is the reverse all-to-all."""
+    """Differentiable :func:`all_to_all_single` along dim 0; its backward is the reverse all-to-all.
+    ``_AllToAll.apply(x, group, send_splits, recv_splits)`` is :func:`all_to_all` without its frame (the Ulysses
+    hot path calls it so)."""
 
     @staticmethod
     def forward(ctx, x, group, send_splits, recv_splits):
         ctx.args = (group, send_splits, recv_splits)
         out = x.new_empty((x.shape[0] if recv_splits is None else sum(recv_splits), *x.shape[1:]))
-        all_to_all_single(out, x.contiguous(), group, output_split_sizes=recv_splits, input_split_sizes=send_splits)
+        x = x.contiguous()
+        if _active:  # all_to_all_single inline (the hot path: no call unless counting)
+            _record_all_to_all(x, group, send_splits)
+        dist.all_to_all_single(out, x, recv_splits, send_splits, group=group, async_op=False)
         return out
 
     @staticmethod

@@ -29,7 +29,7 @@ from einops import rearrange
 
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask
-from .collectives import all_to_all
+from .collectives import _AllToAll
 from .ring import ring_attention
 from .spec import AttnSpec, attn_spec
 
@@ -45,7 +45,7 @@ def seq_to_heads(tensors: tuple[torch.Tensor, ...], group) -> list[torch.Tensor]
         parts.append(part)
         flat.append(part.reshape(n, -1))
         sizes.append(part[0].numel())
-    received = all_to_all(torch.cat(flat, dim=1), group).split(sizes, dim=1)
+    received = _AllToAll.apply(torch.cat(flat, dim=1), group, None, None).split(sizes, dim=1)  # all_to_all inline
     out = []
     for r, part in zip(received, parts, strict=True):
         out.append(rearrange(r.reshape(part.shape), "n b h s d -> b h (n s) d"))
@@ -55,7 +55,7 @@ def seq_to_heads(tensors: tuple[torch.Tensor, ...], group) -> list[torch.Tensor]
 def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """Inverse of :func:`seq_to_heads` for one tensor."""
     n = dist.get_world_size(group)
-    received = all_to_all(rearrange(x, "b h (n s) d -> n b h s d", n=n), group)
+    received = _AllToAll.apply(rearrange(x, "b h (n s) d -> n b h s d", n=n), group, None, None)  # all_to_all
     return rearrange(received, "n b h s d -> b (n h) s d")
 
 
