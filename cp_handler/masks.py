@@ -184,7 +184,8 @@ def mask_blocks(q_rows: slice, q_pos: int, k_rows: slice, k_pos: int, mask: Atte
                 tile: int = MASK_TILE, key_tile: int = MASK_KEY_TILE) -> list[tuple[slice, slice, bool | BlockMask]]:
     """The blocks between query rows ``q_rows`` (positions from ``q_pos``, contiguous) and key rows
     ``k_rows`` (positions from ``k_pos``): nothing for an empty pair; one block when it is full or the
-    square causal diagonal (or a small partial one); else per tile of ``tile`` query rows, the keys cut
+    square causal diagonal (or a small partial one within one chunk: a block across a chunk boundary is always
+    cut, so that no kernel needs chunks); else per tile of ``tile`` query rows, the keys cut
     where the visibility of those rows changes (:func:`_edges`): full and causal pieces for the fast
     kernels, the rest as :class:`BlockMask` pieces of at most ``key_tile`` keys. Empty pieces are
     dropped (no kernel call, no merge)."""
@@ -194,7 +195,8 @@ def mask_blocks(q_rows: slice, q_pos: int, k_rows: slice, k_pos: int, mask: Atte
     kind = _kind(mask, q_pos, q_pos + nq, k_pos, k_pos + nk)
     if kind is None:
         return []
-    if not isinstance(kind, BlockMask) or nq <= tile and nk <= key_tile:
+    small = nq <= tile and nk <= key_tile and not _straddles_chunk(mask, q_pos, nq, k_pos, nk)
+    if not isinstance(kind, BlockMask) or small:
         return [(q_rows, k_rows, kind)]
     blocks = []
     starts = sorted({*range(0, nq, tile), *_chunk_starts(mask, q_pos, nq)})
@@ -210,6 +212,38 @@ def mask_blocks(q_rows: slice, q_pos: int, k_rows: slice, k_pos: int, mask: Atte
                 blocks.append((slice(q_rows.start + qs, q_rows.start + qe),
                                slice(k_rows.start + kt, k_rows.start + min(kt + step, ke)), piece))
     return blocks
+
+
+MASK_FEATURES = ("causal", "window", "window_right", "chunk", "softcap")
+"""What a masked block may ask of a kernel (:func:`block_needs`; :attr:`~cp_handler.ops.kernels.base.AttnKernel.masks`):
+the causal edge at any offset, the left and right window edges, a chunk boundary, soft-capped scores."""
+
+
+def _straddles_chunk(mask: AttentionMask, q_pos: int, nq: int, k_pos: int, nk: int) -> bool:
+    """The queries at ``[q_pos, q_pos + nq)`` and keys at ``[k_pos, k_pos + nk)`` are not all in one chunk."""
+    return mask.chunk is not None and len({q_pos // mask.chunk, (q_pos + nq - 1) // mask.chunk, k_pos // mask.chunk,
+                                           (k_pos + nk - 1) // mask.chunk}) > 1
+
+
+def block_needs(block: BlockMask, nq: int, nk: int) -> frozenset[str]:
+    """The :data:`MASK_FEATURES` a kernel must compute to run ``block`` (``nq`` queries, ``nk`` keys) exactly: an
+    edge is needed only where it cuts the block (a window wider than the block's reach needs nothing), a chunk
+    only where the block straddles a boundary (:func:`mask_blocks` cuts every block
+    there, so its blocks never need it)."""
+    mask, first_q, last_q = block.mask, block.q_pos, block.q_pos + nq - 1
+    first_k, last_k = block.k_pos, block.k_pos + nk - 1
+    needs = set()
+    if mask.causal and last_k > first_q:
+        needs.add("causal")
+    if mask.window is not None and first_k <= last_q - mask.window:
+        needs.add("window")
+    if mask.window_right is not None and last_k > first_q + mask.window_right:
+        needs.add("window_right")
+    if _straddles_chunk(mask, first_q, nq, first_k, nk):
+        needs.add("chunk")
+    if mask.softcap is not None:
+        needs.add("softcap")
+    return frozenset(needs)
 
 
 def _chunk_starts(mask: AttentionMask, pos: int, n: int) -> list[int]:

@@ -462,8 +462,15 @@ def test_each_mode_prints_a_line_per_case_when_stderr_is_not_a_terminal(tmp_path
     err = capsys.readouterr().err
     assert "cp-bench: launches: --comm-types p2p --plan-seq-lens 256 --plan-cp-sizes 2 --plan-heads 32" in err
     assert "cp-bench: launches 1/1 case p2p bshd S=256 cp=2\n" in err
-    assert "cp-bench: masks 1/6 case full causal rank 0\n" in err
-    assert "cp-bench: masks 6/6 case chunk 16 rank 1\n" in err
+    assert "cp-bench: masks 1/10 case full causal rank 0\n" in err
+    assert "cp-bench: masks 6/10 case chunk 16 rank 1\n" in err
+    rows = json.loads((out / "results.json").read_text())["masks"]["rows"]
+    explicit = {r["case"]: r["explicit_blocks"] for r in rows}
+    # windows on cpu_flash's additive mask; FA2's windows only by opt-in until a GPU run; soft-caps explicit
+    assert explicit["window 8"]["cpu"] == explicit["window 8"]["cuda flash_gqa opt-in"] == 0
+    assert explicit["window 8"]["cuda automatic"] > 0
+    assert explicit["window 8 + softcap 50"]["cpu"] == explicit["window 8 + softcap 50"]["cuda flash_gqa opt-in"] > 0
+    assert explicit["window 8 + softcap 50"]["cuda fa4 opt-in"] == explicit["softcap 50"]["cuda fa4 opt-in"] == 0
     assert err.splitlines()[-1].startswith(f"cp-bench: wrote {out}/results.json, results.md in ")
 
 

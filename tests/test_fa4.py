@@ -26,6 +26,7 @@ import torch
 from device_cases import CPU_BF16
 from dist_utils import run_distributed
 
+from cp_handler.masks import AttentionMask, BlockMask
 from cp_handler.ops import kernels
 from cp_handler.ops.blocks import LseRows, new_accumulators
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, fa4, select_kernel
@@ -135,6 +136,40 @@ def test_merged_lse_backward_over_split_keys_equals_whole_attention(fake, dtype)
     for name, call in fake.CALLS:  # the backward got the merged lse, float32, in the forward's shape
         assert name == "bwd" and call["lse"]["dtype"] == torch.float32 and call["lse"]["contiguous"]
         assert call["out"]["dtype"] == dtype and call["dout"]["shape"][1] == call["out"]["shape"][1]
+
+
+@pytest.mark.parametrize("mask, q_pos, k_pos", [
+    (AttentionMask(window=8), 10, 0),  # rows 7.. see none of these 20 keys: cut, lowest lse
+    (AttentionMask(causal=False, window=5, window_right=3), 4, 12),  # two-sided, rows 0-4 see nothing
+    (AttentionMask(softcap=3.0), 40, 0),  # a soft-capped full block (no window: both sides unbounded)
+    (AttentionMask(window=30, softcap=3.0), 24, 0),  # Gemma 2's local layer: a soft-capped window edge
+])
+def test_masked_blocks_through_fa4_windows_and_softcap(fake, mask, q_pos, k_pos):
+    """FA4's masked calls (opt-in until a GPU run): each block's band and soft-cap against the explicit scores in
+    float64 on the same bf16 inputs, out, lse and the gradients given that out / lse; FA4 gets ``None`` for an
+    unbounded side (never -1: it would read a window of -1)."""
+    from cp_handler.ops.kernels import masked
+
+    block = BlockMask(mask, q_pos, k_pos)
+    q, k, v = _qkv(1, 8, 2, 20, 20, 64, torch.bfloat16, seed=3)
+    dout = torch.randn(1, 20, 8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).transpose(1, 2)
+    want_out, want_lse = masked.masked_forward(*(t.double() for t in (q, k, v)), block, 0.125)
+    out, lse = fa4.masked_forward(q, k, v, block, scale=0.125)
+    close(out, want_out, torch.bfloat16, "out")
+    seen = want_lse > torch.finfo(torch.float64).min  # rows with a key in the block
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=1e-4, rtol=1e-4)
+    assert (lse[~seen] == torch.finfo(torch.float32).min).all()  # no key: the lowest finite lse, out 0
+    assert (out[~seen] == 0).all()
+    for name, call in fake.CALLS:
+        assert name == "fwd" and call["softcap"]["value"] == mask.softcap and call["causal"]["value"] is False
+        assert all(call[side]["value"] is None or call[side]["value"] >= 0
+                   for side in ("window_size_left", "window_size_right"))
+    merged_lse = want_lse.float().masked_fill(~seen, 0.0).contiguous()
+    grads = fa4.masked_backward(dout, q, k, v, want_out.to(torch.bfloat16), merged_lse, block, scale=0.125)
+    want = masked.masked_backward(*(t.double() for t in (dout, q, k, v, want_out, merged_lse)), block, 0.125)
+    for name, got, expected in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert got.shape == expected.shape, name
+        close(got, expected, torch.bfloat16, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -14,6 +14,7 @@ cases on CUDA in fp32 / bf16 / fp16 against the float64 reference, with the tole
 (MLA through ``attn_kernel="efficient"``, the opt-in that run would verify).
 """
 
+import os
 import types
 
 import pytest
@@ -27,6 +28,7 @@ from cp_handler.layout import ZigzagDocs
 from cp_handler.masks import AttentionMask, mask_blocks
 from cp_handler.ops.collectives import count_comms
 from cp_handler.ops.halo import halo_applies
+from cp_handler.ops.kernels import MASKED_KERNEL_ENV
 from cp_handler.ops.ring import ring_attn
 from cp_handler.testing.reference import attention as attention_reference
 
@@ -140,12 +142,14 @@ def check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case=
 LENGTHS = {"bshd": [48], "sbhd": [48], "thd": [37, 0, 9, 64, 0]}  # zero-length documents: padding a batch's count
 
 
-def _worker(rank, world, patterns, sizes, formats, case=None):
+def _worker(rank, world, patterns, sizes, formats, case=None, names=tuple(MASKS), masked_kernel=None):
+    if masked_kernel is not None:
+        os.environ[MASKED_KERNEL_ENV] = masked_kernel
     groups = build_dp_cp_groups(world, "cpu" if case is None else case.device, sizes)
     for pattern in patterns:
         for qkv_format in formats:
             lengths = [16 * world] if qkv_format != "thd" else LENGTHS["thd"]
-            for name in MASKS:
+            for name in names:
                 check_variant(rank, world, groups, pattern, qkv_format, name, lengths, case)
 
 
@@ -163,6 +167,19 @@ def test_variants_on_gpu(case):
     """Every variant and comm type on CUDA (ranks sharing a GPU stage collectives through host memory)."""
     run_distributed(_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"], case,
                     device="cuda")
+
+
+BAND_MASKS = tuple(name for name, (make, _, v_head_dim) in MASKS.items() if v_head_dim == HEAD_DIM and
+                   make(16).softcap is None)
+"""The variants whose masked blocks are bands (windows, the causal edge; chunks leave none), q/k/v of one head dim."""
+
+
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c.id != "cuda-fp32"])
+def test_flash_windows_on_gpu(case):
+    """The masked blocks on FlashAttention-2's own windows (``CP_HANDLER_MASKED_KERNEL=flash_gqa``, the opt-in
+    :mod:`cp_handler.ops.kernels.flash_window` declares) against the float64 reference, every comm type."""
+    run_distributed(_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"], case, BAND_MASKS,
+                    "flash_gqa", device="cuda")
 
 
 def _bytes_worker(rank, world):

@@ -1,12 +1,14 @@
-"""Attention variants per rank (``cp-bench --modes masks``): full causal, a sliding window and chunked
-attention at one shape, every rank's plan timed forward + backward on ``--device`` (no communication,
-as ``--modes plan``), with the K/V each rank sends per layer from the same plans.
+"""Attention variants per rank (``cp-bench --modes masks``): full causal, a sliding window, chunked attention,
+soft-capped scores (Gemma 2's 50) and a soft-capped window (Gemma 2's local layers) at one shape, every rank's
+plan timed forward + backward on ``--device`` (no communication, as ``--modes plan``), with the K/V each rank
+sends per layer from the same plans.
 
-``p2p`` plans: the zigzag ring for full causal; for a window / chunks the halo exchange when it applies
-(:func:`~cp_handler.ops.halo.halo_applies`: the rows each rank's queries see), else the ring with the
-masked blocks. Tokens sent per rank are the rows of K/V leaving the rank in the forward (the backward
-returns as many dK/dV rows); ``count_comms`` counts the same in tests/test_masks.py. Per rank the
-slowest rank's median is reported (a step waits for it), with the score pairs computed.
+Explicit-score blocks per rank and layer forward (all its steps; the masked blocks no kernel takes,
+:mod:`cp_handler.ops.kernels.masked`): counted on the device that runs (``count_attn_work``) and, for CUDA plans,
+from the routing rule itself without a GPU: a block is explicit on CUDA unless some CUDA kernel's verified masks
+hold what it needs (``cuda automatic``), or an opt-in kernel's declared masks do (``cuda flash_gqa opt-in``:
+``CP_HANDLER_MASKED_KERNEL=flash_gqa``, FlashAttention-2's windows; ``cuda fa4 opt-in``: FlashAttention-4's windows
+and soft-cap).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from dataclasses import asdict
 import torch
 
 from ..layout import ZigzagDocs
-from ..masks import AttentionMask
+from ..masks import AttentionMask, BlockMask, block_needs
 from ..ops.halo import halo_applies, halo_plan
-from ..ops.kernels import count_attn_work, select_kernel
+from ..ops.kernels import KERNELS, count_attn_work, select_kernel
 from ..ops.ring import ring_blocks
 from .case_progress import each_case
 from .plan import PlanShape, RankPlan, _timer, rank_step
@@ -33,6 +35,20 @@ def rank_work(layout: ZigzagDocs, mask: AttentionMask, rank: int, heads: int, kv
                          [list(plan.blocks)]), sum(plan.send_splits))
     steps = [ring_blocks(layout, step, rank, mask) for step in range(layout.size)]
     return RankPlan(layout.local_len, layout.local_len, heads, kv_heads, steps), (layout.size - 1) * layout.local_len
+
+
+def explicit_blocks(plan: RankPlan, takes) -> int:
+    """Masked blocks of ``plan`` (all its steps: one rank's forward) whose needs ``takes(needs)`` rejects."""
+    return sum(isinstance(m, BlockMask) and not takes(block_needs(m, q.stop - q.start, k.stop - k.start))
+               for step in plan.steps for q, k, m in step)
+
+
+CUDA_RULES = {
+    "cuda automatic": lambda needs: any(needs <= k.verified_masks for k in KERNELS.values() if k.device_type == "cuda"),
+    "cuda flash_gqa opt-in": lambda needs: needs <= KERNELS["flash_gqa"].masks,
+    "cuda fa4 opt-in": lambda needs: needs <= KERNELS["fa4"].masks,
+}
+"""How the CUDA routing treats a block's needs (:func:`~cp_handler.ops.kernels.masked_kernel`), without a GPU."""
 
 
 def _median_ms(step, warmup: int, reps: int, device: str) -> float:
@@ -56,7 +72,9 @@ def run(args) -> dict:
     row_bytes = 2 * shape.num_kv_heads * shape.head_dim * torch.tensor([], dtype=getattr(torch, shape.dtype)).itemsize
     rows = []
     masks = {"full causal": AttentionMask(), f"window {args.mask_window}": AttentionMask(window=args.mask_window),
-             f"chunk {args.mask_chunk}": AttentionMask(chunk=args.mask_chunk)}
+             f"chunk {args.mask_chunk}": AttentionMask(chunk=args.mask_chunk),
+             "softcap 50": AttentionMask(softcap=50.0),
+             f"window {args.mask_window} + softcap 50": AttentionMask(window=args.mask_window, softcap=50.0)}
     ranks: dict[str, list[dict]] = {name: [] for name in masks}
     for name, rank in each_case([(name, rank) for name in masks for rank in range(layout.size)], "masks",
                                 lambda case: f"{case[0]} rank {case[1]}"):
@@ -65,7 +83,9 @@ def run(args) -> dict:
         with count_attn_work() as work:
             step()
         ranks[name].append({"rank": rank, "median_ms": _median_ms(step, args.warmup, args.reps, shape.device),
-                            "kv_tokens_sent": sent, "pairs": work.pairs, "blocks": work.blocks})
+                            "kv_tokens_sent": sent, "pairs": work.pairs, "blocks": work.blocks,
+                            "explicit_blocks": work.explicit_blocks,
+                            **{rule: explicit_blocks(plan, takes) for rule, takes in CUDA_RULES.items()}})
     for name, mask in masks.items():
         per_rank = ranks[name]
         slowest = max(per_rank, key=lambda r: r["median_ms"])
@@ -73,7 +93,9 @@ def run(args) -> dict:
                      "halo": halo_applies(layout, mask), "median_ms": slowest["median_ms"],
                      "kv_tokens_sent": max(r["kv_tokens_sent"] for r in per_rank),
                      "kv_bytes_sent": max(r["kv_tokens_sent"] for r in per_rank) * row_bytes,
-                     "pairs": max(r["pairs"] for r in per_rank), "ranks": per_rank})
+                     "pairs": max(r["pairs"] for r in per_rank), "ranks": per_rank,
+                     "explicit_blocks": {where: max(r[key] for r in per_rank) for where, key in
+                                         ((shape.device, "explicit_blocks"), *((rule, rule) for rule in CUDA_RULES))}})
     full = rows[0]
     for row in rows:
         row["time_vs_full"] = row["median_ms"] / full["median_ms"]

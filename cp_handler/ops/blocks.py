@@ -10,13 +10,15 @@ All tensors ``(B, H, S, D)``; accumulators in :func:`~.merge.acc_dtype`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..masks import BlockMask
-from .kernels import AttnKernel, work
+from ..masks import BlockMask, block_needs
+from .kernels import MASKED_KERNEL_ENV, AttnKernel, masked_kernel, work
 from .kernels.base import seq_major
 from .kernels.masked import masked_backward, masked_forward
-from .kernels.work import block_pairs, record_attn_pairs
+from .kernels.work import block_pairs, record_attn_pairs, record_explicit_blocks
 from .merge import acc_dtype, merge_attn_out_
 from .packed_blocks import packed_backward_, packed_forward_
 from .sinks import fold_sinks
@@ -77,6 +79,38 @@ def _plan(blocks: list[Block], kernel: AttnKernel) -> tuple[list[Block], list[Bl
     return plain, masked
 
 
+_routes: dict[tuple, tuple[list[Block], list]] = {}
+
+
+def route_masked(masked: list[Block], kernel: AttnKernel, q: torch.Tensor, v_head_dim: int) -> list:
+    """The masked blocks of a plan as ``(q_rows, kv_rows, block, kernel or None)``: each to
+    :func:`~.kernels.masked_kernel` of what it needs (``None``: explicit scores), ``CP_HANDLER_MASKED_KERNEL`` read
+    now. Memoised per plan object, kernel, q's dtype and head dims and that variable (masked plans only: a plan
+    without masked blocks never comes here)."""
+    forced = os.environ.get(MASKED_KERNEL_ENV) or None
+    key = (id(masked), kernel.name, q.device.type, q.dtype, q.shape[-1], v_head_dim, forced)
+    entry = _routes.get(key)
+    if entry is not None and entry[0] is masked:
+        return entry[1]
+    routed, chosen = [], {}
+    for q_rows, kv_rows, block in masked:
+        needs = block_needs(block, q_rows.stop - q_rows.start, kv_rows.stop - kv_rows.start)
+        if needs not in chosen:
+            chosen[needs] = masked_kernel(needs, q, kernel, None if v_head_dim == q.shape[-1] else v_head_dim, forced)
+        routed.append((q_rows, kv_rows, block, chosen[needs]))
+    if len(_routes) >= PLAN_CACHE_SIZE:
+        _routes.clear()
+    _routes[key] = (masked, routed)
+    return routed
+
+
+def _masked_work(q: torch.Tensor, routed: list) -> None:
+    """Record the masked blocks' score pairs (every pair of a block, masked or not) and the explicit ones."""
+    record_attn_pairs(q.shape[0] * q.shape[1] * sum((qr.stop - qr.start) * (kr.stop - kr.start)
+                                                    for qr, kr, _, _ in routed), len(routed))
+    record_explicit_blocks(sum(mk is None for _, _, _, mk in routed))
+
+
 def rows(t: torch.Tensor, index: slice) -> torch.Tensor:
     """Sequence rows of a ``(B, H, S, ...)`` tensor (a view)."""
     return t[:, :, index]
@@ -125,9 +159,15 @@ def blocks_forward_(out, lse, q, k, v, blocks: list[Block], spec: AttnSpec, fres
                 merge_attn_out_(out[:, :, q_rows], lse[:, :, q_rows], block_out, block_lse)
             if frontier is not None:
                 frontier = max(frontier, q_rows.stop)
-    for q_rows, kv_rows, block in masked:  # after the plain blocks: always merged, never copied
-        block_out, block_lse = masked_forward(rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), block, scale)
-        merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
+    if masked:
+        routed = route_masked(masked, kernel, q, v.shape[-1])
+        if work.counters:
+            _masked_work(q, routed)
+        for q_rows, kv_rows, block, mk in routed:  # after the plain blocks: always merged, never copied
+            qb, kb, vb = rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows)
+            block_out, block_lse = masked_forward(qb, kb, vb, block, scale) if mk is None else \
+                mk.masked_forward(qb, kb, vb, block, scale=scale)
+            merge_attn_out_(rows(out, q_rows), rows(lse, q_rows), block_out, block_lse)
 
 
 class LseRows:
@@ -162,9 +202,10 @@ def blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse: torch.Tensor | LseRows
             dq[:, :, q_rows].add_(grads[0])
             dk[:, :, kv_rows].add_(grads[1])
             dv[:, :, kv_rows].add_(grads[2])
-    for q_rows, kv_rows, block in masked:
-        grads = masked_backward(rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows),
-                                rows(out, q_rows), lse_rows(q_rows), block, scale)
+    for q_rows, kv_rows, block, mk in route_masked(masked, kernel, q, v.shape[-1]) if masked else ():
+        args = (rows(dout, q_rows), rows(q, q_rows), rows(k, kv_rows), rows(v, kv_rows), rows(out, q_rows),
+                lse_rows(q_rows), block)
+        grads = masked_backward(*args, scale) if mk is None else mk.masked_backward(*args, scale=scale)
         _add_grads_(dq, dk, dv, q_rows, kv_rows, grads)
 
 

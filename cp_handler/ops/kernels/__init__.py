@@ -20,6 +20,16 @@ forced kernel fails with a ``ValueError`` naming the limit instead of an error i
 A packed kernel (:mod:`.varlen`) runs every block of a plan that shares a mask flag, and has
 disjoint query rows, in one call (:mod:`cp_handler.ops.packed_blocks`).
 
+Masked blocks (the edge bands of windows, soft-capped blocks: :func:`cp_handler.masks.mask_blocks`) go block by
+block to the fastest kernel whose :attr:`AttnKernel.masks` hold what the block needs
+(:func:`~cp_handler.masks.block_needs`) and which a run verified for it (:attr:`AttnKernel.verified_masks`): the
+plan's kernel first, then the others of the device in the order above; else the explicit scores of
+:mod:`.masked` (exact in float32 / float64, slow: counted as ``explicit_blocks`` by :func:`count_attn_work`). Today:
+``cpu_flash`` takes windows, two-sided windows and chunks (an additive mask); soft-caps stay explicit on CPU;
+``flash`` / ``flash_gqa`` declare windows (FlashAttention-2's ``window_size_left/right``), opt-in until a GPU run
+verifies them. ``CP_HANDLER_MASKED_KERNEL`` forces the kernel of masked blocks by name, or ``explicit``: a forced
+kernel that cannot compute a block is a ``ValueError`` naming the variable, the kernel and what it lacks.
+
 Override: the ``attn_kernel`` argument of the local handler and of every algorithm in ``ops``, or
 the environment variable ``CP_HANDLER_ATTN_KERNEL`` (the argument wins). A forced kernel that
 cannot run raises ``ValueError`` naming the override, the kernel and the reason; an unknown name
@@ -38,6 +48,10 @@ from .work import WorkCounter, count_attn_work, record_attn_work
 
 ATTN_KERNEL_ENV = "CP_HANDLER_ATTN_KERNEL"
 """Environment variable that forces a kernel by name (a key of :data:`KERNELS`)."""
+MASKED_KERNEL_ENV = "CP_HANDLER_MASKED_KERNEL"
+"""Environment variable that forces the kernel of masked blocks: a key of :data:`KERNELS`, or :data:`EXPLICIT`."""
+EXPLICIT = "explicit"
+"""The explicit-scores path of masked blocks (:mod:`.masked`), as a :data:`MASKED_KERNEL_ENV` value."""
 
 KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.CPU_VARLEN, fa4.VARLEN_KERNEL,
                                                       fa4.KERNEL, cuda_cudnn.KERNEL, cuda_cudnn.RAGGED_KERNEL,
@@ -45,9 +59,9 @@ KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.C
                                                       cuda_efficient.KERNEL)}
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
-__all__ = ["ATTN_KERNEL_ENV", "AUTOMATIC", "KERNELS", "AttnKernel", "WorkCounter", "block_attn_backward",
-           "block_attn_forward", "check_plan", "count_attn_work", "kernel_override", "record_attn_work",
-           "select_kernel"]
+__all__ = ["ATTN_KERNEL_ENV", "AUTOMATIC", "AttnKernel", "EXPLICIT", "KERNELS", "MASKED_KERNEL_ENV", "WorkCounter",
+           "block_attn_backward", "block_attn_forward", "check_plan", "count_attn_work", "kernel_override",
+           "masked_kernel", "record_attn_work", "select_kernel"]
 
 
 AUTOMATIC = "automatic"
@@ -107,6 +121,40 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
             return kernel
         reasons.append(f"{kernel.name}: {reason}")
     raise ValueError(f"no attention kernel runs q {tuple(q.shape)} {q.dtype} on {q.device.type}: {'; '.join(reasons)}")
+
+
+def masked_kernel(needs: frozenset[str], q: torch.Tensor, plan_kernel: AttnKernel, v_head_dim: int | None = None,
+                  forced: str | None = None) -> AttnKernel | None:
+    """The kernel of a masked block that needs ``needs`` (:func:`~cp_handler.masks.block_needs`) in a plan of
+    ``plan_kernel`` with queries like ``q (B, H, S, D)``, or ``None`` for the explicit scores (:mod:`.masked`).
+
+    ``forced`` (the value of :data:`MASKED_KERNEL_ENV`, ``None``: automatic): :data:`EXPLICIT`, or a kernel that
+    must take the block. Automatic: the plan's kernel, then every kernel of the device in order, the first that
+    can run ``q``, holds ``needs`` among its verified :attr:`~AttnKernel.masks` and is verified in q's dtype.
+
+    Raises:
+        ValueError: ``forced`` unknown, packed, unable to run ``q`` or without one of ``needs`` (named).
+    """
+    if forced == EXPLICIT:
+        return None
+    if forced is not None:
+        kernel = KERNELS.get(forced)
+        if kernel is None or kernel.packed or kernel.masked_forward is None:
+            takers = [name for name, k in KERNELS.items() if k.masked_forward is not None]
+            raise ValueError(f"{MASKED_KERNEL_ENV}={forced!r}: the kernels of masked blocks are {takers} and "
+                             f"{EXPLICIT!r}")
+        reason = kernel.cannot_run(q, v_head_dim=v_head_dim)
+        if reason is None and not needs <= kernel.masks:
+            reason = f"it computes {sorted(kernel.masks)}, a block needs {sorted(needs - kernel.masks)}"
+        if reason is not None:
+            raise ValueError(f"{MASKED_KERNEL_ENV}={forced!r} cannot run this masked block: {reason}")
+        return kernel
+    for kernel in (plan_kernel, *KERNELS.values()):
+        if kernel.masked_forward is not None and needs <= kernel.verified_masks and not kernel.packed and \
+                kernel.device_type == q.device.type and kernel.cannot_run(q, v_head_dim=v_head_dim) is None and \
+                kernel.verified_for(q.dtype, q.shape[-1], v_head_dim):
+            return kernel
+    return None
 
 
 def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:

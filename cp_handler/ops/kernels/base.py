@@ -64,6 +64,17 @@ class AttnKernel:
             takes ``Dv != Dqk`` on CUDA only from a kernel a run verified for it; CPU kernels are the suite's.
         verified_thd: the verifying run covered plans of packed documents (thd) too; ``False``: the automatic
             choice takes it for bshd / sbhd plans only (a forced kernel still runs thd).
+        masks: what its masked calls compute exactly, of :data:`~cp_handler.masks.MASK_FEATURES` (the causal edge
+            at any offset, left / right window edges, a chunk boundary, soft-capped scores); empty: only the plain
+            causal / full blocks. Sinks need nothing of any kernel: they are folded in after the merge
+            (:mod:`~cp_handler.ops.sinks`); a value head dim other than q's is :attr:`distinct_v_head_dim`, packed
+            documents :attr:`packed`.
+        masked_forward: ``(q, k, v, block: BlockMask, *, scale) -> (out, lse)`` of one masked block (the contract
+            of ``forward``; a row that sees no key of the block gets ``out = 0`` and the lowest finite lse).
+        masked_backward: ``(dout, q, k, v, out, lse, block: BlockMask, *, scale) -> (dq, dk, dv)``, given the merged
+            out / lse.
+        verified_masks: the features of :attr:`masks` a run verified against a float64 reference (CPU kernels: the
+            suite); the automatic routing of masked blocks takes only these (``CP_HANDLER_MASKED_KERNEL`` opts in).
     """
 
     name: str
@@ -82,6 +93,10 @@ class AttnKernel:
     distinct_v_head_dim: bool = False
     verified_distinct_v: bool = False
     verified_thd: bool = True
+    masks: frozenset[str] = frozenset()
+    masked_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    masked_backward: Backward | None = None
+    verified_masks: frozenset[str] = frozenset()
 
     def verified_for(self, dtype: torch.dtype, head_dim: int | None = None, v_head_dim: int | None = None,
                      varying_shapes: bool = False) -> bool:

@@ -26,6 +26,7 @@ import functools
 
 import torch
 
+from . import flash_window
 from .base import H100_RUN, AttnKernel, expand_kv, reduce_kv_grad, seq_major
 
 aten = torch.ops.aten
@@ -53,15 +54,18 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, native_gqa:
 
 HEAD_DIMS = {"max_head_dim": 256, "head_dim_multiple": ((torch.float16, 8), (torch.bfloat16, 8))}
 """FlashAttention-2's head dims: at most 256, multiples of 8 (``head_size_og % 8 == 0`` in flash_api.cpp)."""
+WINDOWS = {"masks": flash_window.MASKS, "masked_forward": flash_window.masked_forward,
+           "masked_backward": flash_window.masked_backward}
+"""Masked blocks as FlashAttention-2's windows (:mod:`.flash_window`): declared, not yet verified on a GPU."""
 
 KERNEL = AttnKernel(
-    "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, **HEAD_DIMS,
+    "flash", "cuda", (torch.float16, torch.bfloat16), forward, backward, **HEAD_DIMS, **WINDOWS,
     verified_on="H100, torch 2.11.0+cu130, 2026-11-22: this call (undefined cum_seq_q/k) within "
                 "2-3e-3 (bf16) / 3e-4 (fp16) relative error of a float64 reference; "
                 f"{H100_RUN}: every pattern, thd, layout ops, the GPT step and the masks in fp16/bf16",
 )
 GQA_KERNEL = AttnKernel(
     "flash_gqa", "cuda", (torch.float16, torch.bfloat16), functools.partial(forward, native_gqa=True),
-    functools.partial(backward, native_gqa=True), **HEAD_DIMS,
+    functools.partial(backward, native_gqa=True), **HEAD_DIMS, **WINDOWS,
     verified_on=f"{H100_RUN}: fp16/bf16 vs float64, every pattern bshd and thd in bf16",
 )

@@ -26,9 +26,15 @@ ranks of a node and later runs share them.
 
 Limits (:attr:`~.base.AttnKernel.cannot_run`, so the automatic choice moves on and a forced kernel fails with
 a clear error): CUDA compute capability 9.0 or newer (FA4 has no sm80 backward), fp16 / bf16, head dims
-multiples of 8 up to 256 (verified per head dim by a GPU run: 64 and 128), the plain causal and
-full masks (windows, chunks and soft-caps run in the masked kernel; sinks are folded after the merge), and
-the package importable at the pinned release.
+multiples of 8 up to 256 (verified per head dim by a GPU run: 64 and 128), and the package importable at the
+pinned release. Sinks are folded after the merge (not FA4's ``learnable_sink``).
+
+Masked blocks (``fa4`` only): the causal edge and both window edges as FA4's own ``window_size_left`` /
+``window_size_right`` (the bottom-right-aligned convention of FlashAttention-2, ``None`` unbounded: ``mask.py``
+L320-365, ``_resolve_causal_local_window`` L438-459; the block cut as :func:`.flash_window.band` does) and the
+soft-cap as its ``softcap`` (a score modifier after the scale, ``softcap * tanh(s / softcap)``, backward
+``1 - tanh^2``: ``utils.create_softcap_scoremod`` / ``_bwd``; FA4's tanh is the fast approximate one). Not yet run on
+a GPU: opt-in through ``CP_HANDLER_MASKED_KERNEL=fa4`` until a run verifies it (``verified_masks`` empty).
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ import os
 
 import torch
 
+from ...masks import BlockMask
 from .base import H200_RUN_B, AttnKernel
+from .flash_window import band, whole_grads, whole_rows
 
 FA4_RELEASE = "4.0.0b36"
 """The only release whose private entry points this module is written against (``pip install
@@ -110,6 +118,33 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     return _seq(dq), _seq(dk), _seq(dv)
 
 
+def _windows(block: BlockMask, nq: int, nk: int) -> tuple[int, int, dict]:
+    queries, keys, left, right = band(block, nq, nk)
+    return queries, keys, {"window_size_left": None if left < 0 else left,
+                           "window_size_right": None if right < 0 else right}
+
+
+def masked_forward(q, k, v, block: BlockMask, *, scale: float):
+    queries, keys, windows = _windows(block, q.shape[-2], k.shape[-2])
+    out, lse, *_ = interface()._flash_attn_fwd(_seq(q)[:, :queries], _seq(k)[:, :keys], _seq(v)[:, :keys],
+                                                softmax_scale=scale, causal=False, softcap=block.mask.softcap,
+                                                return_lse=True, **windows)
+    return whole_rows(out, lse, q.shape[-2])
+
+
+def masked_backward(dout, q, k, v, out, lse, block: BlockMask, *, scale: float):
+    queries, keys, windows = _windows(block, q.shape[-2], k.shape[-2])
+    grads = interface()._flash_attn_bwd(_seq(q)[:, :queries], _seq(k)[:, :keys], _seq(v)[:, :keys],
+                                        _seq(out)[:, :queries], _seq(dout)[:, :queries],
+                                        lse[..., :queries].contiguous(), softmax_scale=scale, causal=False,
+                                        softcap=block.mask.softcap or 0.0, **windows)
+    return whole_grads(grads, q, k)
+
+
+MASKS = frozenset({"causal", "window", "window_right", "softcap"})
+"""What FA4's masked calls compute: a band (:mod:`.flash_window`) with or without the soft-cap."""
+
+
 def varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
     out, lse, *_ = interface()._flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_q),
                                                 max_seqlen_k=int(max_k), softmax_scale=scale, causal=causal,
@@ -126,7 +161,8 @@ def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int,
 KERNEL = AttnKernel("fa4", "cuda", (torch.float16, torch.bfloat16), forward, backward,
                     verified_on=f"{H200_RUN_B}: blocks vs float64 (bf16/fp16, head dims 64/128, GQA 4:1 and 1:1), "
                                 "every bshd pattern at cp 2 and 4 in bf16 and fp16",
-                    requirement=cannot_run_here, verified_head_dims=(64, 128), verified_thd=False, **HEAD_DIMS)
+                    requirement=cannot_run_here, verified_head_dims=(64, 128), verified_thd=False, **HEAD_DIMS,
+                    masks=MASKS, masked_forward=masked_forward, masked_backward=masked_backward)
 VARLEN_KERNEL = AttnKernel("fa4_varlen", "cuda", (torch.float16, torch.bfloat16), varlen_forward, varlen_backward,
                            verified_on=None, packed=True, requirement=cannot_run_here, verified_head_dims=(),
                            **HEAD_DIMS)

@@ -25,9 +25,7 @@ import torch
 
 from ...masks import BlockMask
 from ..merge import acc_dtype
-from . import work
 from .base import expand_kv, reduce_kv_grad
-from .work import record_attn_pairs
 
 
 def visible_scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None, visible: torch.Tensor):
@@ -66,10 +64,8 @@ def _block_scores(q: torch.Tensor, k: torch.Tensor, block: BlockMask, scale: flo
 def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: BlockMask, scale: float):
     """``q (B,H,Sq,D)``, ``k, v (B,Hkv,Sk,D)`` -> ``(out (B,H,Sq,D), lse (B,H,Sq))``, both in the
     accumulation dtype (:func:`softmax_out`)."""
-    scores, _, visible = _block_scores(q, k, block, scale)
-    if work.counters:
-        record_attn_pairs(q.shape[0] * q.shape[1] * visible.numel(), 1)  # computed, masked or not
-    return softmax_out(scores, q, v)
+    scores, _, _ = _block_scores(q, k, block, scale)
+    return softmax_out(scores, q, v)  # its work is recorded by the plan (cp_handler.ops.blocks)
 
 
 def masked_backward(dout, q, k, v, out, lse, block: BlockMask, scale: float):

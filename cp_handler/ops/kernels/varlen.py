@@ -19,25 +19,15 @@ Shapes: ``q (Tq, H, D)``, ``k, v (Tk, Hkv, D)`` (GQA native), ``cu_q, cu_k`` int
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..qkv_format import to_bhsd
 from . import cpu_flash
 from .base import H100_RUN, AttnKernel
 from .cuda_flash import HEAD_DIMS
+from .flash_window import rng_inputs
 
 aten = torch.ops.aten
-
-
-@functools.cache
-def _rng_layout() -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
-    """Shapes and dtypes of the rng tensors the varlen forward returns (from its meta kernel)."""
-    q = torch.empty(2, 1, 8, device="meta", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 2], dtype=torch.int32, device="meta")
-    rng_state, unused = aten._flash_attention_forward(q, q, q, cu, cu, 2, 2, 0.0, False, False)[2:4]
-    return (tuple(rng_state.shape), rng_state.dtype), (tuple(unused.shape), unused.dtype)
 
 
 def flash_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool, scale: float):
@@ -45,18 +35,9 @@ def flash_varlen_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, *, causal:
     return out, lse
 
 
-@functools.lru_cache(maxsize=16)
-def _rng_inputs(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward's rng tensors for dropout 0 (read only when ``dropout_p > 0``, never written):
-    made once per device instead of two fills per call."""
-    (seed_shape, seed_dtype), (offset_shape, offset_dtype) = _rng_layout()
-    return (torch.zeros(seed_shape, dtype=seed_dtype, device=device),
-            torch.zeros(offset_shape, dtype=offset_dtype, device=device))
-
-
 def flash_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, *, causal: bool,
                           scale: float):
-    rng_state, unused = _rng_inputs(q.device)
+    rng_state, unused = rng_inputs(q.device)
     return aten._flash_attention_backward(
         grad_out=dout, query=q, key=k, value=v, out=out, logsumexp=lse.contiguous(), cum_seq_q=cu_q, cum_seq_k=cu_k,
         max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal, rng_state=rng_state, unused=unused, scale=scale,

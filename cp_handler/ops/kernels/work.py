@@ -5,7 +5,7 @@ The benchmark's load-balance figure, as :func:`~cp_handler.ops.collectives.count
 
     with count_attn_work() as work:
         out, _ = ring_attn(...)
-    work.pairs, work.blocks
+    work.pairs, work.blocks, work.explicit_blocks
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ class WorkCounter:
 
     pairs: int = 0
     blocks: int = 0
+    explicit_blocks: int = 0
+    """Forward blocks computed as explicit scores (:mod:`.masked`): no kernel could take them."""
 
 
 counters: list[WorkCounter] = []
@@ -57,6 +59,12 @@ def record_attn_pairs(pairs: int, blocks: int) -> None:
     for counter in counters:
         counter.pairs += pairs
         counter.blocks += blocks
+
+
+def record_explicit_blocks(blocks: int) -> None:
+    """Record ``blocks`` forward blocks run as explicit scores."""
+    for counter in counters:
+        counter.explicit_blocks += blocks
 
 
 def record_attn_work(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:

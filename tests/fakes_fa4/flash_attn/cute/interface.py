@@ -5,8 +5,12 @@
 Mirrors the two private entry points cp_handler calls: their keyword names, the 5-tuple the forward returns
 (``out, lse, p, row_max, o_lo``: the last three ``None`` here as in the real non-debug path), the shapes
 ``(B, S, H, D)`` / ``(T, H, D)`` with int32 contiguous ``cu_seqlens``, lse ``(B, H, Sq)`` / ``(H, Tq)`` float32
-in natural-log units with the scale inside, bottom-right causal alignment per segment, ``-inf`` lse and zero
-output for a row that sees no key, and the assertions the real code makes on what we pass (dtypes fp16 / bf16,
+in natural-log units with the scale inside, bottom-right causal alignment per segment, local windows
+(``window_size_left`` / ``right``, ``None`` unbounded, bottom-right aligned as the causal mask: query ``i`` sees
+keys ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; ``causal`` sets ``right = 0``: ``mask.py`` L320-365,
+``_resolve_causal_local_window`` L438-459), the soft-cap as a score modifier after the scale
+(``softcap * tanh(s / softcap)``, ``utils.create_softcap_scoremod``, its backward ``1 - tanh^2``), ``-inf`` lse and
+zero output for a row that sees no key, and the assertions the real code makes on what we pass (dtypes fp16 / bf16,
 one dtype, ``num_head % num_head_kv``, the sm90 head-dim rule, the backward's exact lse shape and dtype, out /
 dout in q's dtype). It computes on CPU in float32 (the real one asserts CUDA tensors; a test relabels the
 kernel for the CPU), and records every call in :data:`CALLS` (argument types, shapes, strides, dtypes) so
@@ -44,15 +48,37 @@ def _segments(cu, total):
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def _attend(q, k, v, scale, causal):
+def _window(causal, left, right):
+    """``(left, right)`` after the real ``_resolve_causal_local_window``; negative windows are not modelled (the
+    real code reads ``-1`` with the other side set as a window of -1, not as unbounded)."""
+    assert left is None or left >= 0, f"window_size_left={left}: the fake models windows >= 0 or None"
+    assert right is None or right >= 0, f"window_size_right={right}: the fake models windows >= 0 or None"
+    return left, 0 if causal else right
+
+
+def _scores(q, k, scale, causal, softcap, left, right):
+    """Scaled, soft-capped, masked scores ``(H, Sq, Sk)`` in float32 and the soft-cap's tanh (or None)."""
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    tanh = None
+    if softcap:
+        tanh = torch.tanh(scores / softcap)
+        scores = softcap * tanh
+    left, right = _window(causal, left, right)
+    sq, sk = q.shape[0], k.shape[0]
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool)
+    if right is not None:
+        visible &= j <= i + (sk - sq) + right
+    if left is not None:
+        visible &= j >= i + (sk - sq) - left
+    return scores.masked_fill(~visible, float("-inf")), tanh
+
+
+def _attend(q, k, v, scale, causal, softcap=None, left=None, right=None):
     """One segment in float32: ``q (Sq, H, D)``, ``k, v (Sk, Hkv, D)`` -> out, lse ``(H, Sq)``, probabilities."""
     groups = q.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    if causal:
-        sq, sk = q.shape[0], k.shape[0]
-        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores, _ = _scores(q, k, scale, causal, softcap, left, right)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1))
     return torch.einsum("hqk,khd->qhd", probs, v), lse, probs, scores
@@ -83,14 +109,16 @@ def _flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, sequ
     segments = _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if cu_seqlens_q is None:
-        results = [_attend(q[b], k[b], v[b], scale, causal) for b, _ in segments]
+        results = [_attend(q[b], k[b], v[b], scale, causal, softcap, window_size_left, window_size_right)
+                   for b, _ in segments]
         out = torch.stack([r[0] for r in results]).to(q.dtype)
         lse = torch.stack([r[1] for r in results])  # (B, H, Sq)
     else:
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))  # (H, Tq): rows of no segment stay -inf
         for (qa, qb), (ka, kb) in segments:
-            seg_out, seg_lse, _, _ = _attend(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal)
+            seg_out, seg_lse, _, _ = _attend(q[qa:qb], k[ka:kb], v[ka:kb], scale, causal, softcap, window_size_left,
+                                             window_size_right)
             out[qa:qb], lse[:, qa:qb] = seg_out.to(q.dtype), seg_lse
     return out, (lse if return_lse else None), None, None, None
 
@@ -120,7 +148,8 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
 
         q_s, k_s, v_s, o_s, do_s = take(q, qs), take(k, ks), take(v, ks), take(out, qs), take(dout, qs)
         lse_s = lse[qs[0]] if qs[1] is None else lse[:, qs[0]:qs[1]]  # (H, Sq)
-        grads = _segment_grads(q_s, k_s, v_s, o_s, do_s, lse_s, scale, causal)
+        grads = _segment_grads(q_s, k_s, v_s, o_s, do_s, lse_s, scale, causal, softcap, window_size_left,
+                               window_size_right)
         for acc, s, grad in ((dq, qs, grads[0]), (dk, ks, grads[1]), (dv, ks, grads[2])):
             if s[1] is None:
                 acc[s[0]] += grad
@@ -129,21 +158,19 @@ def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, s
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _segment_grads(q, k, v, out, dout, lse, scale, causal):
+def _segment_grads(q, k, v, out, dout, lse, scale, causal, softcap=0.0, left=None, right=None):
     """FlashAttention-2's backward of one segment given the merged ``out`` and ``lse (H, Sq)`` (float32)."""
     groups = q.shape[1] // k.shape[1]
     kf, vf = (t.float().repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    if causal:
-        sq, sk = q.shape[0], k.shape[0]
-        visible = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores, tanh = _scores(q, kf, scale, causal, softcap, left, right)
     probs = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), float("inf")).unsqueeze(-1))
     do, o = dout.float(), out.float()
     dv = torch.einsum("hqk,qhd->khd", probs, do)
     dprobs = torch.einsum("qhd,khd->hqk", do, vf)
     delta = (do * o).sum(-1).transpose(0, 1)  # (H, Sq)
     dscores = probs * (dprobs - delta.unsqueeze(-1)) * scale
+    if tanh is not None:
+        dscores = dscores * (1 - tanh * tanh)
     dq = torch.einsum("hqk,khd->qhd", dscores, kf)
     dk = torch.einsum("hqk,qhd->khd", dscores, q.float())
     fold = lambda t: t.view(t.shape[0], k.shape[1], groups, t.shape[-1]).sum(2)  # noqa: E731 - GQA
