@@ -106,8 +106,10 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
                     ("thd_bf16", [*PYTEST, PATTERNS[1], "-k", "bf16"], {})],  # last: it stalled on 2026-11-27
         "fa4_kernels": [("fa4_vs_float64", [*PYTEST, "tests/test_fa4.py", "tests/test_kernels.py", "-k",
                                             "fa4 or gpu"], {})],
-        "fa4_patterns": [(f"patterns_{k}_{d}", [*PYTEST, "-k", d, test], {"CP_HANDLER_ATTN_KERNEL": k})
-                         for d in ("bf16", "fp16") for k, test in (("fa4", PATTERNS[0]), ("fa4_varlen", PATTERNS[1]))],
+        "fa4_patterns": [*((f"patterns_{k}_{d}", [*PYTEST, "-k", d, test], {"CP_HANDLER_ATTN_KERNEL": k})
+                           for d in ("bf16", "fp16")
+                           for k, test in (("fa4", PATTERNS[0]), ("fa4_varlen", PATTERNS[1]))),
+                         ("masked_fa4", [*PYTEST, "tests/test_masks.py", "-k", "fa4_masked"], {})],
         "fa4_plan": [(f"plan_{k}_{fmt}", [*plan_fa4, *(["--attn-kernel", k] if k != "auto" else []), "--formats",
                                           fmt, "--out-dir", str(scratch / f"plan_{k}_{fmt}")], {})
                      for k, fmt in (("fa4", "bshd"), ("fa4_varlen", "thd"), ("auto", "bshd"), ("auto", "thd"))],

@@ -42,7 +42,7 @@ COVERS: dict[str, tuple[str, ...]] = {
                 "tests/test_gpt_parity.py", "tests/test_masks.py", "tests/test_hybrid.py", "tests/mixer_reference.py"),
     "fa4_kernels": ("cp_handler/ops/kernels", "cp_handler/ops/blocks.py", "cp_handler/ops/packed_blocks.py",
                     "tests/test_fa4.py", "tests/test_kernels.py", *_HARNESS),
-    "fa4_patterns": _PATTERN_STAGE,
+    "fa4_patterns": (*_PATTERN_STAGE, "tests/test_masks.py"),
     "fa4_plan": _PLAN_STAGE,
     "memory": ("cp_handler", "tests/test_chunked_loss.py", *_HARNESS),
     "compile": (*_ATTN, *_HARNESS, "cp_handler/handlers/opaque.py", "cp_handler/training/compile.py",

@@ -182,6 +182,26 @@ def test_flash_windows_on_gpu(case):
                     "flash_gqa", device="cuda")
 
 
+SOFTCAP_BAND_MASKS = (*BAND_MASKS, *(name for name, (make, _, v_head_dim) in MASKS.items() if v_head_dim == HEAD_DIM
+                                     and make(16).softcap is not None))
+"""The band variants and the soft-capped ones, q/k/v of one head dim: what FA4's masked calls declare."""
+
+
+def _fa4_missing() -> str | None:
+    from cp_handler.ops.kernels import fa4
+
+    return "needs CUDA" if not torch.cuda.is_available() else fa4.cannot_run_here(torch.empty(1, device="cuda"))
+
+
+@pytest.mark.skipif(_fa4_missing() is not None, reason=str(_fa4_missing()))
+@pytest.mark.parametrize("case", [c for c in GPU_CASES if c.id != "cuda-fp32"])
+def test_fa4_masked_on_gpu(case):
+    """The masked blocks on FlashAttention-4's windows and soft-cap (``CP_HANDLER_MASKED_KERNEL=fa4``, opt-in until
+    this passes) against the float64 reference, every comm type (scripts/gpu_check.py: the fa4_patterns stage)."""
+    run_distributed(_worker, 4, ["p2p", "all_gather", "a2a", "a2a+p2p"], [2, 2], ["bshd", "thd"], case,
+                    SOFTCAP_BAND_MASKS, "fa4", device="cuda")
+
+
 def _bytes_worker(rank, world):
     """Bytes a rank sends per layer (forward + backward), counted with count_comms."""
     group = dist.group.WORLD
