@@ -471,6 +471,9 @@ def test_each_mode_prints_a_line_per_case_when_stderr_is_not_a_terminal(tmp_path
     assert explicit["window 8"]["cuda automatic"] > 0
     assert explicit["window 8 + softcap 50"]["cpu"] == explicit["window 8 + softcap 50"]["cuda flash_gqa opt-in"] > 0
     assert explicit["window 8 + softcap 50"]["cuda fa4 opt-in"] == explicit["softcap 50"]["cuda fa4 opt-in"] == 0
+    compared = {r["case"]: r["explicit_scores_ms"] is not None for r in rows}  # timed both ways where it differs
+    assert compared == {"full causal": False, "window 8": True, "chunk 16": False, "softcap 50": False,
+                        "window 8 + softcap 50": False}
     assert err.splitlines()[-1].startswith(f"cp-bench: wrote {out}/results.json, results.md in ")
 
 

@@ -8,11 +8,14 @@ Explicit-score blocks per rank and layer forward (all its steps; the masked bloc
 from the routing rule itself without a GPU: a block is explicit on CUDA unless some CUDA kernel's verified masks
 hold what it needs (``cuda automatic``), or an opt-in kernel's declared masks do (``cuda flash_gqa opt-in``:
 ``CP_HANDLER_MASKED_KERNEL=flash_gqa``, FlashAttention-2's windows; ``cuda fa4 opt-in``: FlashAttention-4's windows
-and soft-cap).
+and soft-cap). Where a kernel takes some of a plan's masked blocks, the same plan is also timed with every masked
+block on the explicit scores (``explicit_scores_ms``: before and after the kernels took them, interleaved).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 from dataclasses import asdict
 
@@ -21,7 +24,7 @@ import torch
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask, BlockMask, block_needs
 from ..ops.halo import halo_applies, halo_plan
-from ..ops.kernels import KERNELS, count_attn_work, select_kernel
+from ..ops.kernels import EXPLICIT, KERNELS, MASKED_KERNEL_ENV, count_attn_work, select_kernel
 from ..ops.ring import ring_blocks
 from .case_progress import each_case
 from .plan import PlanShape, RankPlan, _timer, rank_step
@@ -51,14 +54,35 @@ CUDA_RULES = {
 """How the CUDA routing treats a block's needs (:func:`~cp_handler.ops.kernels.masked_kernel`), without a GPU."""
 
 
-def _median_ms(step, warmup: int, reps: int, device: str) -> float:
-    times = []
+@contextlib.contextmanager
+def _masked_on(explicit: bool):
+    """Every masked block on the explicit scores (``CP_HANDLER_MASKED_KERNEL=explicit``) inside, if ``explicit``."""
+    before = os.environ.get(MASKED_KERNEL_ENV)
+    if explicit:
+        os.environ[MASKED_KERNEL_ENV] = EXPLICIT
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(MASKED_KERNEL_ENV, None)
+        else:
+            os.environ[MASKED_KERNEL_ENV] = before
+
+
+def _median_ms(step, warmup: int, reps: int, device: str, compare: bool = False) -> tuple[float, float | None]:
+    """Median ms of ``step``, and with ``compare`` the median of the same step with every masked block on the
+    explicit scores (the path before the kernels took masked blocks), the two interleaved rep by rep so that the
+    machine's drift hits both alike."""
+    times: dict[bool, list[float]] = {False: [], True: []}
     for i in range(warmup + reps):
-        stop = _timer(device)
-        step()
-        if i >= warmup:
-            times.append(stop())
-    return statistics.median(times)
+        for explicit in (False, True) if compare else (False,):
+            with _masked_on(explicit):
+                stop = _timer(device)
+                step()
+                elapsed = stop()
+            if i >= warmup:
+                times[explicit].append(elapsed)
+    return statistics.median(times[False]), statistics.median(times[True]) if compare else None
 
 
 def run(args) -> dict:
@@ -82,7 +106,10 @@ def run(args) -> dict:
         step = rank_step(plan, shape)
         with count_attn_work() as work:
             step()
-        ranks[name].append({"rank": rank, "median_ms": _median_ms(step, args.warmup, args.reps, shape.device),
+        masked = sum(isinstance(m, BlockMask) for step_blocks in plan.steps for _, _, m in step_blocks)
+        median_ms, explicit_ms = _median_ms(step, args.warmup, args.reps, shape.device,
+                                            compare=work.explicit_blocks < masked)
+        ranks[name].append({"rank": rank, "median_ms": median_ms, "explicit_scores_ms": explicit_ms,
                             "kv_tokens_sent": sent, "pairs": work.pairs, "blocks": work.blocks,
                             "explicit_blocks": work.explicit_blocks,
                             **{rule: explicit_blocks(plan, takes) for rule, takes in CUDA_RULES.items()}})
@@ -91,6 +118,7 @@ def run(args) -> dict:
         slowest = max(per_rank, key=lambda r: r["median_ms"])
         rows.append({"case": name, "window": mask.window, "chunk": mask.chunk,
                      "halo": halo_applies(layout, mask), "median_ms": slowest["median_ms"],
+                     "explicit_scores_ms": slowest["explicit_scores_ms"],
                      "kv_tokens_sent": max(r["kv_tokens_sent"] for r in per_rank),
                      "kv_bytes_sent": max(r["kv_tokens_sent"] for r in per_rank) * row_bytes,
                      "pairs": max(r["pairs"] for r in per_rank), "ranks": per_rank,

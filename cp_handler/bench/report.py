@@ -206,9 +206,11 @@ def masks_table(masks: dict) -> str:
     caption = (f"{s['device']}, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, kernel "
                f"{masks['kernel']}, S={masks['seq_len']}, cp={masks['cp_size']} (p2p), fwd+bwd, slowest rank")
     places = list(masks["rows"][0].get("explicit_blocks", {}))
-    columns = ["case", "exchange", "rank ms", "time vs full", "score pairs vs full", "K/V tokens sent per rank",
-               "K/V MiB sent", *(f"explicit blocks per rank, {where}" for where in places)]
+    columns = ["case", "exchange", "rank ms", "rank ms, masked blocks as explicit scores", "time vs full",
+               "score pairs vs full", "K/V tokens sent per rank", "K/V MiB sent",
+               *(f"explicit blocks per rank, {where}" for where in places)]
     return table(caption, columns, [[r["case"], "halo" if r["halo"] else "ring", f"{r['median_ms']:.1f}",
+                                     _fmt(r.get("explicit_scores_ms"), ".1f"),
                                      f"{r['time_vs_full']:.3f}", f"{r['pairs_vs_full']:.3f}", r["kv_tokens_sent"],
                                      f"{r['kv_bytes_sent'] / 2**20:.2f}",
                                      *(r["explicit_blocks"][where] for where in places)] for r in masks["rows"]])
