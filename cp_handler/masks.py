@@ -44,6 +44,7 @@ class AttentionMask:
         chunk: chunked attention ``C >= 1``: keys of the query's chunk, ``None``: no chunks (causal only).
         softcap: soft-capping of the scores, ``None``: none.
         window_right: without ``causal``: keys ``k <= q + R`` (``R >= 0``), ``None``: unbounded.
+        plain: causal or full, nothing else (derived, not a field): the plans' fast path, no masked block.
 
     Raises:
         ValueError / TypeError: a window, chunk or soft-cap that is not a positive number (``window_right``:
@@ -73,16 +74,14 @@ class AttentionMask:
         if self.softcap is not None and (isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float))
                                          or not math.isfinite(self.softcap) or self.softcap <= 0):
             raise ValueError(f"attention mask softcap={self.softcap!r} must be a finite number > 0")
+        # causal or full, nothing else: the plans' fast path (no masked block); an attribute, not a property: the
+        # hot path reads it per call (a property is a Python call)
+        object.__setattr__(self, "plain", not self.restricted and self.softcap is None)
 
     @property
     def restricted(self) -> bool:
         """A window or chunks: blocks may be empty or partial beyond the causal rule."""
         return self.window is not None or self.chunk is not None or self.window_right is not None
-
-    @property
-    def plain(self) -> bool:
-        """Causal or full, nothing else: the plans' fast path (no masked kernel)."""
-        return not self.restricted and self.softcap is None
 
     def visible(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Which (query, key) position pairs are visible (bool, broadcast)."""
@@ -223,6 +222,14 @@ def _straddles_chunk(mask: AttentionMask, q_pos: int, nq: int, k_pos: int, nk: i
     """The queries at ``[q_pos, q_pos + nq)`` and keys at ``[k_pos, k_pos + nk)`` are not all in one chunk."""
     return mask.chunk is not None and len({q_pos // mask.chunk, (q_pos + nq - 1) // mask.chunk, k_pos // mask.chunk,
                                            (k_pos + nk - 1) // mask.chunk}) > 1
+
+
+def mask_needs(mask: AttentionMask) -> frozenset[str]:
+    """Everything a block of ``mask`` may need (:func:`block_needs` of its blocks is a subset): the causal edge, the
+    window edges and the soft-cap it has (never a chunk boundary: :func:`mask_blocks` cuts them)."""
+    return frozenset(name for name, on in (("causal", mask.causal), ("window", mask.window is not None),
+                                           ("window_right", mask.window_right is not None),
+                                           ("softcap", mask.softcap is not None)) if on)
 
 
 def block_needs(block: BlockMask, nq: int, nk: int) -> frozenset[str]:

@@ -7,6 +7,8 @@ measured ~1e-15), while a wrong mask moves values by 1e-2 and more. The end-to-e
 format, float64 against a single-process reference) are tests/test_masks.py, which runs through this routing.
 """
 
+import types
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -159,6 +161,26 @@ def test_a_forced_masked_kernel_that_cannot_run_is_refused(value, match, monkeyp
     mask = AttentionMask(window=7, softcap=4.0) if value == "cpu_flash" else AttentionMask(window=7)
     with pytest.raises(ValueError, match=match):
         _plan_run(mask, monkeypatch, value)
+
+
+def test_a_forced_masked_kernel_is_refused_when_the_call_is_resolved(monkeypatch):
+    """Through a handler: the refusal comes from the call's spec (every rank alike, before the ring communicates),
+    for anything a block of the mask may need, not from inside a ring step."""
+    from cp_handler import LocalContextParallelHandler
+    from cp_handler.ops import blocks
+
+    monkeypatch.setenv(MASKED_KERNEL_ENV, "cpu_flash")
+    route = blocks.route_masked
+    monkeypatch.setattr(blocks, "route_masked", lambda *a: pytest.fail("reached a ring step"))
+    handler = LocalContextParallelHandler(cp_group=None, qkv_format="bshd")
+    q = torch.randn(1, 32, 4, 8)
+    attn_mod = types.SimpleNamespace(window_size=(7, 0), softcap=4.0, softmax_scale=0.3)
+    with pytest.raises(ValueError, match=r"CP_HANDLER_MASKED_KERNEL='cpu_flash' cannot run this masked block: it "
+                                         r"computes .*, a block needs \['softcap'\]"):
+        handler.core_attn(attn_mod, q, q, q, attn_mask_type="causal")
+    attn_mod.softcap = None
+    monkeypatch.setattr(blocks, "route_masked", route)
+    assert handler.core_attn(attn_mod, q, q, q, attn_mask_type="causal").shape == q.shape
 
 
 def test_flash_window_calls_bind_on_meta():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..ops.kernels import AUTOMATIC, KERNELS, kernel_override
+from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
 from ..ops.spec import AttnSpec, KernelChoice
@@ -117,8 +117,11 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
                 entry = self._patterns[comm_type] = (pattern.attention, groups)
             attention, groups = entry
-            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
-                            self.kernel_choice.packed_calls, sinks=call.sinks, **groups)
+            kernel = self.kernel_choice.select(q, v.shape[-1])
+            if not mask.plain:  # a forced masked kernel that cannot run this mask: refused before communicating
+                check_masked_override(mask, q, kernel, v.shape[-1])
+            spec = AttnSpec(mask, call.scale, call.layout, kernel, self.kernel_choice.packed_calls, sinks=call.sinks,
+                            **groups)
             out = attention(q, k, v, spec)[0]
         if self.kv_cache is not None:
             self.kv_cache.store_prefill(call.layer or 0, call.in_format(k), call.in_format(v), call.layout)

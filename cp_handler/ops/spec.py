@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..layout import ZigzagDocs
 from ..masks import AttentionMask, resolve_mask
-from .kernels import AttnKernel, select_kernel
+from .kernels import AttnKernel, check_masked_override, select_kernel
 from .packed_blocks import PackedCallCache
 from .sinks import check_sinks, sinks_grad
 
@@ -93,12 +93,16 @@ def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs
 
     Raises:
         TypeError / ValueError: a mask that disagrees with ``causal`` (:func:`~cp_handler.masks.resolve_mask`),
-            sinks of the wrong type or shape (:func:`~.sinks.check_sinks`), a kernel that cannot run ``q``.
+            sinks of the wrong type or shape (:func:`~.sinks.check_sinks`), a kernel that cannot run ``q``, a
+            masked kernel forced by ``CP_HANDLER_MASKED_KERNEL`` that cannot run the mask's blocks.
     """
     mask = resolve_mask(causal, mask)
     check_sinks(sinks, q.shape[1], q)
     choice = attn_kernel if isinstance(attn_kernel, KernelChoice) else KernelChoice(attn_kernel)
-    return AttnSpec(mask, scale, layout, choice.select(q, v_head_dim), choice.packed_calls, sinks=sinks, **groups)
+    kernel = choice.select(q, v_head_dim)
+    if not mask.plain:
+        check_masked_override(mask, q, kernel, v_head_dim)
+    return AttnSpec(mask, scale, layout, kernel, choice.packed_calls, sinks=sinks, **groups)
 
 
 class AttentionFunction(torch.autograd.Function):

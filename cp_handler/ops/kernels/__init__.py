@@ -26,9 +26,10 @@ block to the fastest kernel whose :attr:`AttnKernel.masks` hold what the block n
 plan's kernel first, then the others of the device in the order above; else the explicit scores of
 :mod:`.masked` (exact in float32 / float64, slow: counted as ``explicit_blocks`` by :func:`count_attn_work`). Today:
 ``cpu_flash`` takes windows, two-sided windows and chunks (an additive mask); soft-caps stay explicit on CPU;
-``flash`` / ``flash_gqa`` declare windows (FlashAttention-2's ``window_size_left/right``), opt-in until a GPU run
-verifies them. ``CP_HANDLER_MASKED_KERNEL`` forces the kernel of masked blocks by name, or ``explicit``: a forced
-kernel that cannot compute a block is a ``ValueError`` naming the variable, the kernel and what it lacks.
+``flash`` / ``flash_gqa`` declare windows (FlashAttention-2's ``window_size_left/right``) and ``fa4`` windows and
+soft-caps, opt-in until a GPU run verifies them. ``CP_HANDLER_MASKED_KERNEL`` forces the kernel of masked blocks by
+name, or ``explicit``: a forced kernel that lacks what a mask's blocks may need is a ``ValueError`` naming the
+variable, the kernel and what it lacks, raised when the call's spec is made (:func:`check_masked_override`).
 
 Override: the ``attn_kernel`` argument of the local handler and of every algorithm in ``ops``, or
 the environment variable ``CP_HANDLER_ATTN_KERNEL`` (the argument wins). A forced kernel that
@@ -42,6 +43,7 @@ import os
 
 import torch
 
+from ...masks import mask_needs
 from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, fa4, varlen
 from .base import AttnKernel, check_causal_square
 from .work import WorkCounter, count_attn_work, record_attn_work
@@ -60,8 +62,8 @@ KERNELS: dict[str, AttnKernel] = {k.name: k for k in (cpu_flash.KERNEL, varlen.C
 """Every kernel by name, in order of preference (fastest first) within a device type."""
 
 __all__ = ["ATTN_KERNEL_ENV", "AUTOMATIC", "AttnKernel", "EXPLICIT", "KERNELS", "MASKED_KERNEL_ENV", "WorkCounter",
-           "block_attn_backward", "block_attn_forward", "check_plan", "count_attn_work", "kernel_override",
-           "masked_kernel", "record_attn_work", "select_kernel"]
+           "block_attn_backward", "block_attn_forward", "check_masked_override", "check_plan", "count_attn_work",
+           "kernel_override", "masked_kernel", "record_attn_work", "select_kernel"]
 
 
 AUTOMATIC = "automatic"
@@ -155,6 +157,15 @@ def masked_kernel(needs: frozenset[str], q: torch.Tensor, plan_kernel: AttnKerne
                 kernel.verified_for(q.dtype, q.shape[-1], v_head_dim):
             return kernel
     return None
+
+
+def check_masked_override(mask, q: torch.Tensor, plan_kernel: AttnKernel, v_head_dim: int | None = None) -> None:
+    """Where :data:`MASKED_KERNEL_ENV` forces a kernel, raise :func:`masked_kernel`'s ``ValueError`` now if it lacks
+    anything a block of ``mask`` may need (:func:`~cp_handler.masks.mask_needs`): the same answer on every rank,
+    before the attention communicates (a block's own needs are only known inside a ring step)."""
+    forced = os.environ.get(MASKED_KERNEL_ENV) or None
+    if forced is not None:
+        masked_kernel(mask_needs(mask), q, plan_kernel, None if v_head_dim == q.shape[-1] else v_head_dim, forced)
 
 
 def _check_nonempty(q: torch.Tensor, k: torch.Tensor) -> None:
