@@ -144,6 +144,12 @@ class BlockMask:
     q_pos: int
     k_pos: int
 
+    def visible(self, nq: int, nk: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """``(nq, nk)`` bool: which of the block's ``nq`` queries see which of its ``nk`` keys."""
+        q_pos = torch.arange(self.q_pos, self.q_pos + nq, device=device)
+        k_pos = torch.arange(self.k_pos, self.k_pos + nk, device=device)
+        return self.mask.visible(q_pos[:, None], k_pos[None, :])
+
 
 CAUSAL = AttentionMask()
 """The plain causal mask (the plans' fast path)."""

@@ -8,7 +8,7 @@ score, zero V columns give zero output columns (sliced off) and zero gradients. 
 avoid the padded work; the CPU path is the reference, so exactness is what counts here.
 
 Masked blocks (windows, two-sided windows, the causal edge at any offset, chunk boundaries): the same op with an
-additive ``attn_mask`` of ``0`` / ``-inf`` from the block's visibility (:meth:`~cp_handler.masks.AttentionMask.visible`,
+additive ``attn_mask`` of ``0`` / ``-inf`` from the block's visibility (:meth:`~cp_handler.masks.BlockMask.visible`,
 ``(Sq, Sk)`` in q's dtype, cached per block geometry), so they run in the flash kernel instead of explicit float32
 scores. A row that sees no key of the block comes back from the op with ``out = 0`` and ``lse = 0``; its lse is set
 to the lowest finite value (the contract of :mod:`.base`). Soft-capped scores are not an additive mask: they stay
@@ -55,7 +55,7 @@ def backward(dout, q, k, v, out, lse, *, causal: bool, scale: float, attn_mask: 
 
 @functools.lru_cache(maxsize=64)
 def _bias(mask, q_pos: int, k_pos: int, nq: int, nk: int, dtype: torch.dtype, device: torch.device):
-    visible = mask.visible(torch.arange(q_pos, q_pos + nq)[:, None], torch.arange(k_pos, k_pos + nk)[None, :])
+    visible = BlockMask(mask, q_pos, k_pos).visible(nq, nk)
     bias = torch.zeros(nq, nk, dtype=dtype).masked_fill_(~visible, float("-inf")).to(device)
     empty = ~visible.any(-1)
     return bias, empty.to(device) if bool(empty.any()) else None

@@ -15,10 +15,11 @@ no query sees at the end and the queries that see no key at the end (a negative 
 contract of :mod:`.base`).
 
 Not verified on a GPU yet: :attr:`~.base.AttnKernel.verified_masks` is empty, so the automatic routing never takes
-these calls; ``CP_HANDLER_MASKED_KERNEL=flash`` (or ``flash_gqa``) opts in, which ``scripts/gpu_check.py``'s masks
-stage runs against a float64 reference. The band arithmetic is checked on CPU against the mask's own visibility
-(tests/test_masked_kernels.py). Here too, for both FlashAttention-2 calls of ``aten._flash_attention_backward``
-(these and ``flash_varlen``'s): the rng tensors its backward takes for dropout 0 (:func:`rng_inputs`).
+these calls; ``CP_HANDLER_MASKED_KERNEL=flash`` (or ``flash_gqa``) opts in, which the GPU pass's masks part
+(``tests/test_masks.py::test_flash_windows_on_gpu``) runs against a float64 reference. The band arithmetic is checked
+on CPU against the mask's own visibility (tests/test_masked_kernels.py). Here too, for both FlashAttention-2 calls of
+``aten._flash_attention_backward`` (these and ``flash_varlen``'s): the rng tensors its backward takes for dropout 0
+(:func:`rng_inputs`).
 """
 
 from __future__ import annotations

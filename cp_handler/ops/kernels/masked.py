@@ -55,16 +55,13 @@ def softmax_out(scores: torch.Tensor, q: torch.Tensor, v: torch.Tensor) -> tuple
 
 def _block_scores(q: torch.Tensor, k: torch.Tensor, block: BlockMask, scale: float):
     """:func:`visible_scores` of a planned block (its visibility from the positions of its rows and keys)."""
-    q_pos = torch.arange(block.q_pos, block.q_pos + q.shape[-2], device=q.device)
-    k_pos = torch.arange(block.k_pos, block.k_pos + k.shape[-2], device=q.device)
-    visible = block.mask.visible(q_pos[:, None], k_pos[None, :])
-    return (*visible_scores(q, k, scale, block.mask.softcap, visible), visible)
+    return visible_scores(q, k, scale, block.mask.softcap, block.visible(q.shape[-2], k.shape[-2], q.device))
 
 
 def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: BlockMask, scale: float):
     """``q (B,H,Sq,D)``, ``k, v (B,Hkv,Sk,D)`` -> ``(out (B,H,Sq,D), lse (B,H,Sq))``, both in the
     accumulation dtype (:func:`softmax_out`)."""
-    scores, _, _ = _block_scores(q, k, block, scale)
+    scores, _ = _block_scores(q, k, block, scale)
     return softmax_out(scores, q, v)  # its work is recorded by the plan (cp_handler.ops.blocks)
 
 
@@ -72,7 +69,7 @@ def masked_backward(dout, q, k, v, out, lse, block: BlockMask, scale: float):
     """Gradients ``(dq (B,H,Sq,D), dk, dv (B,Hkv,Sk,D))`` in the accumulation dtype of one block, given
     the merged ``out (B,H,Sq,D)`` and ``lse (B,H,Sq)`` of its rows (finite: every real query sees a key)."""
     dtype = acc_dtype(q.dtype)
-    scores, tanh, _ = _block_scores(q, k, block, scale)
+    scores, tanh = _block_scores(q, k, block, scale)
     probs = torch.exp(scores - lse.to(dtype).unsqueeze(-1))
     dout = dout.to(dtype)
     v_full = expand_kv(q, v).to(dtype)
