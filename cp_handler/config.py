@@ -15,6 +15,13 @@ CP_COMM_TYPES = tuple(PATTERNS)
 """The ``cp_comm_type`` values: ``p2p``, ``all_gather``, ``a2a``, ``a2a+p2p`` (Transformer Engine's and
 Megatron-LM's names), one per entry of :data:`~cp_handler.ops.patterns.PATTERNS`."""
 
+AUTO = "auto"
+"""``cp_comm_type="auto"``: the handler picks one of ``CP_COMM_TYPES`` per call from a cost profile
+(:mod:`cp_handler.auto`); accepted wherever a comm type is, per layer too, by the handlers that list it (the local one)."""
+
+COMM_TYPE_CHOICES = (*CP_COMM_TYPES, AUTO)
+"""Every value ``cp_comm_type`` may take: a pattern, or ``"auto"``."""
+
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 """Tensor layouts: s = sequence, b = batch, h = heads, d = head dim, t = packed tokens."""
 
@@ -35,13 +42,14 @@ def check_comm_types(cp_comm_type) -> list[str]:
     elif isinstance(cp_comm_type, (list, tuple)) and all(isinstance(t, str) for t in cp_comm_type):
         types = list(cp_comm_type)
     else:
-        raise TypeError(f"cp_comm_type={cp_comm_type!r} must be one of {CP_COMM_TYPES} or a list of them (one per "
-                        "layer)")
+        raise TypeError(f"cp_comm_type={cp_comm_type!r} must be one of {COMM_TYPE_CHOICES} or a list of them (one "
+                        "per layer)")
     if not types:
         raise ValueError("cp_comm_type=[] must name at least one communication type")
     for comm_type in types:
-        if comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={comm_type!r} is not a valid communication type; valid: {CP_COMM_TYPES}")
+        if comm_type not in COMM_TYPE_CHOICES:
+            raise ValueError(f"cp_comm_type={comm_type!r} is not a valid communication type; valid: "
+                             f"{COMM_TYPE_CHOICES}")
     return types
 
 
@@ -89,7 +97,8 @@ class ContextParallelConfig:
     """Number of ranks one sequence is split over (the CP group size)."""
 
     cp_comm_type: str | list[str] = "p2p"
-    """Communication pattern of attention: one of ``CP_COMM_TYPES``, or a list with one entry per layer."""
+    """Communication pattern of attention: one of ``CP_COMM_TYPES``, ``"auto"`` (chosen per call from a cost
+    profile), or a list with one entry per layer."""
 
     hierarchical_context_parallel_sizes: list[int] | None = None
     """Sizes of the CP levels, inner (adjacent ranks, a2a) first; required by ``"a2a+p2p"``."""
@@ -102,6 +111,11 @@ class ContextParallelConfig:
 
     num_layers: int | None = field(default=None)
     """Number of transformer layers, when known: checks the length of a per-layer ``cp_comm_type``."""
+
+    cp_comm_profile: str | None = None
+    """The cost profile ``"auto"`` prices patterns with: a name (:data:`cp_handler.auto.NAMED_PROFILES`) or a JSON file
+    of ``cp-bench --calibrate``; ``None``: the device's default (:func:`cp_handler.auto.catalog.default_profile`).
+    Only with ``"auto"``; refused when it does not cover ``context_parallel_size``."""
 
     def __post_init__(self) -> None:
         self._check_size()
@@ -120,11 +134,19 @@ class ContextParallelConfig:
     def _check_comm_types(self) -> None:
         check_comm_types(self.cp_comm_type)
         check_per_layer_comm_types(self.cp_comm_type, self.num_layers)
+        if self.cp_comm_profile is None:
+            return
+        if AUTO not in self.comm_types:
+            raise ValueError(f"cp_comm_profile={self.cp_comm_profile!r} prices the patterns of cp_comm_type='auto'; "
+                             f"cp_comm_type={self.cp_comm_type!r} has no 'auto' entry: drop it")
+        from .auto.catalog import load_profile  # the auto package prices plans of ops/; imported when used
+
+        load_profile(self.cp_comm_profile).group(self.context_parallel_size)  # raises, naming the profile
 
     def _check_hierarchy(self) -> None:
         sizes = self.hierarchical_context_parallel_sizes
         if sizes is None:
-            needing = [t for t in self.comm_types if PATTERNS[t].hierarchical]
+            needing = [t for t in self.comm_types if t != AUTO and PATTERNS[t].hierarchical]
             if needing:
                 raise ValueError(
                     f"cp_comm_type={needing[0]!r} needs hierarchical_context_parallel_sizes=[a2a_size, p2p_size] "
@@ -132,9 +154,10 @@ class ContextParallelConfig:
                 )
             return
         check_hierarchical_sizes(sizes, self.context_parallel_size)
-        if not any(PATTERNS[t].hierarchical for t in self.comm_types):
+        if not any(t == AUTO or PATTERNS[t].hierarchical for t in self.comm_types):
             raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes)} is used only by a hierarchical "
-                             f"cp_comm_type ({', '.join(t for t in PATTERNS if PATTERNS[t].hierarchical)}); "
+                             f"cp_comm_type ({', '.join(t for t in PATTERNS if PATTERNS[t].hierarchical)}) or by "
+                             f"'auto' (which may pick one); "
                              f"cp_comm_type={self.cp_comm_type!r} has none: drop it")
 
     @property

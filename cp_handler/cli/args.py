@@ -62,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
                         "local, transformer_engine, magi, or any registered name")
     g.add_argument("--cp-comm-type", default="p2p",
-                   help=f"one of {', '.join(CP_COMM_TYPES)}, or a comma-separated list with one per layer")
+                   help=f"one of {', '.join(CP_COMM_TYPES)}, auto (chosen per batch from --cp-comm-profile), or a "
+                        "comma-separated list with one per layer")
+    g.add_argument("--cp-comm-profile", default=None, metavar="NAME_OR_JSON",
+                   help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
+                        "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
                    help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first, e.g. 2 2; "
                         "required by a2a+p2p")
@@ -189,6 +193,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         backend=resolve_backend(args.backend),
         qkv_format=packing,
         num_layers=model.num_layers if model else hf_layers(args),
+        cp_comm_profile=args.cp_comm_profile,
     )
     check_seq_len(args.seq_len, cp_size, packing)
     check_moe_flags(args)

@@ -19,6 +19,7 @@ import sys
 TRAIN_FLAGS = {
     "context_parallel_size": "--cp-size",
     "cp_comm_type": "--cp-comm-type",
+    "cp_comm_profile": "--cp-comm-profile",
     "hierarchical_context_parallel_sizes": "--hierarchical-cp-sizes",
     "qkv_format": "--packing",
     "backend": "--backend",

@@ -91,8 +91,8 @@ class CostModel:
         if len(whole) < 2 or len(split) < 3:
             raise ValueError(f"CostModel.fit needs >= 2 rows at cp=1 and >= 3 at cp > 1, got {len(whole)} and "
                              f"{len(split)}")
-        w0, w1 = _relative_lstsq([[1.0, n * n] for n, _ in whole], [t for _, t in whole])
-        k0, k1, k2 = _relative_lstsq([[c, n * n / c, n / c] for n, c, _ in split], [t for *_, t in split])
+        w0, w1 = relative_lstsq([[1.0, n * n] for n, _ in whole], [t for _, t in whole])
+        k0, k1, k2 = relative_lstsq([[c, n * n / c, n / c] for n, c, _ in split], [t for *_, t in split])
         model = cls(whole_overhead_ms=w0, whole_quadratic_ms=w1, step_overhead_ms=k0, quadratic_ms=k1,
                     linear_attention_ms=k2, **fixed)
         errors = [abs(model.rank_plan_ms(n, c) - t) / t for n, c, t in rows]
@@ -119,7 +119,7 @@ class CostModel:
         return asdict(self)
 
 
-def _relative_lstsq(design: list[list[float]], times: list[float]) -> list[float]:
+def relative_lstsq(design: list[list[float]], times: list[float]) -> list[float]:
     """Least squares of ``design @ x = times`` on relative residuals; coefficients clamped at >= 0."""
     a = torch.tensor(design, dtype=torch.float64)
     t = torch.tensor(times, dtype=torch.float64)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..auto import AttnCase, choose_comm_type, load_profile
+from ..auto.catalog import default_profile
+from ..config import AUTO, CP_COMM_TYPES
+from ..masks import AttentionMask
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
@@ -15,10 +20,19 @@ from ..ops.spec import AttnSpec, KernelChoice
 from .base import ContextParallelHandler
 from .preflight import AttnCall
 
+LOG = logging.getLogger("cp_handler.auto")
+
 
 class LocalContextParallelHandler(ContextParallelHandler):
     """Pure-torch CP handler for every ``cp_comm_type`` of :data:`~cp_handler.ops.patterns.PATTERNS`
-    (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``, or a list of them, one per layer).
+    (``"p2p"``, ``"all_gather"``, ``"a2a"``, ``"a2a+p2p"``), ``"auto"``, or a list of them, one per layer.
+
+    ``"auto"``: a layer's first call of each shape picks the pattern with the lowest predicted time
+    (:func:`cp_handler.auto.choose_comm_type`: its plans and transfers priced by ``cp_comm_profile``), among
+    p2p, all_gather, a2a, and a2a+p2p when ``hierarchical_cp_groups`` are given; the pick depends only on what
+    every rank of the group shares (shapes, documents, group sizes, the profile), is compared across the ranks with
+    the call's other properties, kept in :attr:`auto_choices` and logged once per distinct pick (logger
+    ``cp_handler.auto``, CP rank 0).
 
     ``core_attn`` takes q ``(B, S_local, H, D)`` (bshd), ``(S_local, B, H, D)`` (sbhd) or
     ``(T_local, H, D)`` (thd; ``(1, T_local, H, D)`` too) and k, v with ``Hkv`` heads
@@ -39,15 +53,30 @@ class LocalContextParallelHandler(ContextParallelHandler):
             hierarchical pattern (``"a2a+p2p"``) at cp > 1, with sizes whose product is the CP size.
         kv_cache: a :class:`~cp_handler.inference.KVCache` this prefill fills (thd only: each prompt
             one document): every ``core_attn`` also stores its layer's real local K/V rows.
+        cp_comm_profile: ``"auto"``'s cost profile: a name, a JSON file or a
+            :class:`~cp_handler.auto.CostProfile`; ``None``: the device's default
+            (:func:`~cp_handler.auto.catalog.default_profile`). Refused without ``"auto"``.
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
-            not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group.
+            not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group;
+            ``cp_comm_profile`` without ``"auto"``, unknown, or not covering the group (at the first call: its
+            device or dtype).
     """
 
-    def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, **kwargs):
+    cp_comm_types = (*CP_COMM_TYPES, AUTO)
+
+    def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, cp_comm_profile=None, **kwargs):
         super().__init__(**kwargs)
+        if cp_comm_profile is not None and AUTO not in self.comm_types:
+            raise ValueError(f"cp_comm_profile={cp_comm_profile!r} prices the patterns of cp_comm_type='auto'; "
+                             f"cp_comm_type={self.cp_comm_type!r} has no 'auto' entry")
+        self.cp_comm_profile = None if cp_comm_profile is None else load_profile(cp_comm_profile)
+        if self.cp_comm_profile is not None:
+            self.cp_comm_profile.group(self.cp_size)  # refused by name before any call
+        self.auto_choices: dict[AttnCase, object] = {}
+        """``"auto"``'s picks by call (:class:`~cp_handler.auto.AttnCase` -> :class:`~cp_handler.auto.AutoChoice`)."""
         if kv_cache is not None:
             if self.qkv_format != "thd":
                 raise ValueError(f"kv_cache: a prefill runs prompts as thd documents (padding handled per prompt), "
@@ -61,8 +90,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.attn_kernel = attn_kernel or AUTOMATIC
         # with the packed calls of this batch's plans; thd: a new block shape per document pair
         self.kernel_choice = KernelChoice(self.attn_kernel, varying_shapes=self.qkv_format == "thd")
-        if self.cp_size > 1 and any(PATTERNS[t].hierarchical for t in self.comm_types):
-            self._check_levels()
+        if self.cp_size > 1 and any(PATTERNS[t].hierarchical if t in PATTERNS else self.hierarchical_cp_groups
+                                    for t in self.comm_types):
+            self._check_levels()  # "auto" with levels given: checked like a2a+p2p's (it may pick it)
         self._patterns: dict[str, tuple] = {}
         """``(attention, spec groups)`` by comm type, resolved at a comm type's first call (:meth:`attend`)."""
 
@@ -91,6 +121,36 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 "levels passed in the wrong order? build them with build_dp_cp_groups(..., "
                 "hierarchical_context_parallel_sizes=[a2a, p2p]))"
             )
+
+    @classmethod
+    def from_config(cls, config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):
+        if getattr(config, "cp_comm_profile", None) is not None:
+            batch.setdefault("cp_comm_profile", config.cp_comm_profile)
+        return super().from_config(config, cp_group, hierarchical_cp_groups, attn_shape, **batch)
+
+    def resolve_auto(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, mask: AttentionMask,
+                     layout) -> str:
+        """The pattern ``"auto"`` runs this call on (class doc); at cp=1 ``"p2p"`` (nothing is communicated).
+
+        Raises:
+            ValueError: the profile does not describe the inputs' device or dtype (named).
+        """
+        if self.cp_size == 1:
+            return "p2p"
+        batch = q.shape[1 - seq_dim] if q.dim() == 4 and self.qkv_format != "thd" else 1
+        levels = tuple(dist.get_world_size(g) for g in self.hierarchical_cp_groups) or None
+        case = AttnCase(tuple(layout.lengths), batch, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1],
+                        q.element_size(), mask, self.cp_size, levels)
+        choice = self.auto_choices.get(case)
+        if choice is None:
+            profile = self.cp_comm_profile or default_profile(q.device.type)
+            dtype = str(q.dtype).removeprefix("torch.")
+            profile.check(self.cp_size, q.device.type, dtype)
+            choice = self.auto_choices[case] = choose_comm_type(case, profile, dtype)
+            earlier = list(self.auto_choices.values())[:-1]
+            if self.cp_rank == 0 and all(c.comm_type != choice.comm_type for c in earlier):
+                LOG.info("%s; profile %r", choice.describe(), profile.name)
+        return choice.comm_type
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)

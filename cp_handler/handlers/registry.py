@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..config import CP_COMM_TYPES, as_comm_type_list
+from ..config import COMM_TYPE_CHOICES, as_comm_type_list
 from .base import ContextParallelHandler
 
 _REGISTRY: dict[tuple[str, str], type[ContextParallelHandler]] = {}
@@ -47,8 +47,8 @@ def register_cp_handler(
     if not (isinstance(cls, type) and issubclass(cls, ContextParallelHandler)):
         raise TypeError(f"register_cp_handler needs a ContextParallelHandler subclass, got {cls!r}")
     for comm_type in cls.cp_comm_types if comm_types is None else comm_types:
-        if comm_type not in CP_COMM_TYPES:
-            raise ValueError(f"cp_comm_type={comm_type!r} is not one of {CP_COMM_TYPES}")
+        if comm_type not in COMM_TYPE_CHOICES:
+            raise ValueError(f"cp_comm_type={comm_type!r} is not one of {COMM_TYPE_CHOICES}")
         if comm_type not in cls.cp_comm_types:
             raise ValueError(f"register_cp_handler({backend!r}, {cls.__name__}): comm_types names {comm_type!r}, but "
                              f"the class runs {list(cls.cp_comm_types)} (its cp_comm_types)")

@@ -59,14 +59,16 @@ divided by ``get_cp_size()``) and scales the loss changed across releases (4.57 
 @dataclass
 class ContextParallelArguments:
     """CP settings of a Trainer run (:class:`~cp_handler.config.ContextParallelConfig`'s field names; usable with
-    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated. ``mlp_chunk_tokens``:
-    the model's MLPs tiled over chunks of that many tokens (:func:`~cp_handler.tiling.tile_mlps`; ``None``: whole)."""
+    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated; ``"auto"`` picks the
+    pattern per batch from ``cp_comm_profile`` (docs/auto_plan.md). ``mlp_chunk_tokens``: the model's MLPs tiled
+    over chunks of that many tokens (:func:`~cp_handler.tiling.tile_mlps`; ``None``: whole)."""
 
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
     hierarchical_context_parallel_sizes: list[int] | None = None
     backend: str = "local"
     mlp_chunk_tokens: int | None = None
+    cp_comm_profile: str | None = None
 
     def config(self) -> ContextParallelConfig:
         """The validated config. Raises ValueError / TypeError naming the field."""
@@ -74,7 +76,7 @@ class ContextParallelArguments:
         return ContextParallelConfig(context_parallel_size=self.context_parallel_size,
                                      cp_comm_type=types[0] if len(types) == 1 else types,
                                      hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
-                                     backend=self.backend)
+                                     backend=self.backend, cp_comm_profile=self.cp_comm_profile)
 
 
 @functools.cache

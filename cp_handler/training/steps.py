@@ -19,6 +19,9 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..auto.catalog import default_profile, load_profile
+from ..auto.workload import PatternWorkload
+from ..config import AUTO
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
 from ..loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next_token_batch
@@ -131,16 +134,30 @@ def _pack(docs: list[torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat(docs).view(1, -1).to(device), cu.to(device)
 
 
+def auto_workload(config: TrainConfig, device: torch.device) -> PatternWorkload | None:
+    """Dynamic CP's workload under ``cp_comm_type="auto"``: sizes and patterns from the cost profile
+    (:class:`~cp_handler.auto.workload.PatternWorkload`); ``None`` otherwise (``L^2 / cp``)."""
+    shape = config.attn_shape
+    if AUTO not in config.cp.comm_types or shape is None:
+        return None
+    profile = load_profile(config.cp.cp_comm_profile) if config.cp.cp_comm_profile else default_profile(device.type)
+    return PatternWorkload(profile, config.dtype, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                           shape.v_head_dim or shape.head_dim, getattr(torch, config.dtype).itemsize,
+                           layers=config.cp.num_layers or 1)
+
+
 def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
-    """Dynamic CP (see the module doc): every rank holds a full model (gradients reduced here)."""
+    """Dynamic CP (see the module doc): every rank holds a full model (gradients reduced here). With
+    ``cp_comm_type="auto"`` the cost profile chooses each document's group size and each pack's pattern."""
     rank, world = dist.get_rank(), dist.get_world_size()
     chunk_of = loss_chunks(model, config)
+    workload = auto_workload(config, device)
 
     def run(step: int):
         docs = documents.global_batch(step, config.batch_size * world)
         lengths = [d.numel() for d in docs]
         schedule = schedule_sequences(lengths, world, config.dynamic.max_seqlen_per_rank, config.dynamic.min_cp_size,
-                                      max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
+                                      workload, max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
         total = sum(n - 1 for n in lengths)
         loss = torch.zeros((), dtype=torch.float64, device=device)
         for group in schedule.for_rank(rank):

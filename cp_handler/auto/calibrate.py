@@ -1,0 +1,182 @@
+"""Measure a cost profile on the machine it runs on (``cp-bench --calibrate``): compute fits and link fits.
+
+For each group size the ranks of one launch (gloo on CPU, NCCL on GPUs, the threads per rank that cp-train and
+cp-bench give them) do, all at once:
+
+* **compute**: each rank times its own plan (:func:`~.pattern_work.rank_plan`: the blocks it runs under ``p2p``,
+  ``all_gather``, ``a2a``, a window, packed documents) forward + backward through the block functions every
+  pattern uses (:func:`~cp_handler.ops.blocks.blocks_forward_` / ``blocks_backward_``, the automatic kernel), no
+  communication; the median of ``reps`` after a warm-up. The rows (the plan's features, milliseconds) of every
+  rank are fitted by least squares on relative error (:class:`~.profile.ComputeFit`);
+* **links**: each collective kind (a ring step's send + receive, all-gather, reduce-scatter, all-to-all) at three
+  payloads, fitted to ``latency + bytes / bandwidth`` (:class:`~.profile.LinkFit`).
+
+Sizes are small (``CALIBRATION_TOKENS``), so a group size takes well under a minute on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import random
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..dynamic.cost_model import relative_lstsq
+from ..launch import launch, rank_session
+from ..masks import CAUSAL, AttentionMask
+from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
+from ..ops.collectives import all_gather_single, all_to_all_single, reduce_scatter_single
+from ..ops.kernels import select_kernel
+from ..ops.spec import AttnSpec
+from .pattern_work import AttnCase, _plan_work, rank_plan
+from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit
+
+CALIBRATION_TOKENS = (512, 2048)
+"""Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8)."""
+CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128))
+"""``(heads, kv_heads, head_dim)`` of the calibration plans: MHA at 64, GQA at 128."""
+LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
+"""Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
+
+
+def calibration_cases(cp: int) -> list[tuple[str, AttnCase]]:
+    """``(comm_type, case)`` of the compute calibration at group size ``cp``: causal under p2p, all_gather and
+    a2a, a window of an eighth of the sequence, and eight packed documents, for every shape and length."""
+    out = []
+    for heads, kv_heads, dim in CALIBRATION_SHAPES:
+        for tokens in CALIBRATION_TOKENS:
+            base = AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, CAUSAL, cp)
+            rng = random.Random(tokens)
+            cuts = sorted(rng.sample(range(1, tokens), 7))
+            docs = tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True))
+            out += [("p2p", base), ("all_gather", base), ("a2a", base),
+                    ("p2p", AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, AttentionMask(window=tokens // 8),
+                                     cp)),
+                    ("p2p", AttnCase(docs, 1, heads, kv_heads, dim, dim, 4, CAUSAL, cp))]
+    return out
+
+
+def _barrier_timed(fn, reps: int, device: torch.device) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after one warm-up, every rank starting each run together."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def plan_step(comm_type: str, case: AttnCase, rank: int, dtype: torch.dtype, device: torch.device):
+    """A function running ``rank``'s plan of ``case`` forward + backward once (no communication: remote K/V stand in
+    with local tensors of the same shapes)."""
+    plan = rank_plan(comm_type, case, rank)
+    b = case.batch
+    q = torch.randn(b, plan.heads, plan.q_len, case.head_dim, dtype=dtype, device=device)
+    k = torch.randn(b, plan.kv_heads, plan.kv_len, case.head_dim, dtype=dtype, device=device)
+    v = torch.randn(b, plan.kv_heads, plan.kv_len, case.v_head_dim, dtype=dtype, device=device)
+    kernel = select_kernel(q, None, varying_shapes=len(case.lengths) > 1)
+    spec = AttnSpec(case.mask, case.head_dim ** -0.5, None, kernel)
+
+    def run():
+        out, lse = new_accumulators(q, case.v_head_dim)
+        for i, blocks in enumerate(plan.steps):
+            blocks_forward_(out, lse, q, k, v, list(blocks), spec, fresh=i == 0)
+        out = out.to(q.dtype)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
+        rows = LseRows(lse)
+        for blocks in plan.steps:
+            blocks_backward_(dq, dk, dv, out, q, k, v, out, rows, list(blocks), spec)
+    return run
+
+
+def _link_step(kind: str, nbytes: int, dtype: torch.dtype, device: torch.device):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = max(world, nbytes // dtype.itemsize // world * world)
+    x = torch.randn(n, dtype=dtype, device=device)
+    if kind == "p2p":
+        def run():
+            recv = torch.empty_like(x)
+            ops = [dist.P2POp(dist.isend, x, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+    elif kind == "all_gather":
+        gathered = torch.empty(n * world, dtype=dtype, device=device)
+
+        def run():
+            all_gather_single(gathered, x, None)
+    elif kind == "reduce_scatter":
+        big = torch.randn(n * world, dtype=dtype, device=device)
+
+        def run():
+            reduce_scatter_single(torch.empty_like(x), big, None)
+    else:
+        received = torch.empty_like(x)
+
+        def run():
+            all_to_all_single(received, x, None)
+    return run
+
+
+def _fit_link(rows: list[tuple[int, float]]) -> LinkFit:
+    latency, per_byte = relative_lstsq([[1.0, float(b)] for b, _ in rows], [ms for _, ms in rows])
+    return LinkFit(latency, 1e-6 / per_byte if per_byte > 0 else 1e6)
+
+
+def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | None:
+    with rank_session("cp-bench", device_type=device_type) as device:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dtype = getattr(torch, dtype_name)
+        rows = []
+        for comm_type, case in calibration_cases(world):
+            ms = _barrier_timed(plan_step(comm_type, case, rank, dtype, device), reps, device)
+            plan = rank_plan(comm_type, case, rank)
+            work = [_plan_work(s, plan.heads * case.batch, case.head_dim + case.v_head_dim) for s in plan.steps]
+            rows.append((sum(work[1:], work[0]).features(), ms))
+        links = {}
+        for kind in ("p2p", "all_gather", "reduce_scatter", "all_to_all"):
+            links[kind] = [(nbytes, _barrier_timed(_link_step(kind, nbytes, dtype, device), reps, device))
+                           for nbytes in LINK_BYTES]
+        gathered = [None] * world
+        dist.all_gather_object(gathered, rows)
+        return {"rows": [r for part in gathered for r in part], "links": links} if rank == 0 else None
+
+
+def fit_compute(rows: list[tuple[tuple[float, ...], float]]) -> ComputeFit:
+    """The :class:`~.profile.ComputeFit` of ``(features, ms)`` rows, with its relative errors."""
+    weights = relative_lstsq([list(f) for f, _ in rows], [ms for _, ms in rows])
+    fit = ComputeFit(tuple(weights))
+    errors = [abs(sum(w * x for w, x in zip(weights, f, strict=True)) - ms) / ms for f, ms in rows]
+    return ComputeFit(tuple(weights), {"rows": len(rows), "median_rel": statistics.median(errors),
+                                       "max_rel": max(errors)}) if errors else fit
+
+
+def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps: int = 3,
+              name: str | None = None, progress=None) -> CostProfile:
+    """Measure a :class:`~.profile.CostProfile` here: one launch of ``cp`` ranks per size (module doc).
+
+    Raises:
+        SystemExit: a rank failed (:func:`~cp_handler.launch.launch`).
+    """
+    groups = {}
+    for cp in cp_sizes:
+        if progress:
+            progress(f"calibrate cp={cp}")
+        result = launch(calibrate_worker, cp, dtype, device, reps, program="cp-bench")[0]
+        groups[cp] = GroupProfile({dtype: fit_compute(result["rows"])},
+                                  {k: _fit_link(v) for k, v in result["links"].items()})
+    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
+    when = datetime.date.today().isoformat()
+    source = (f"measured by cp-bench --calibrate on {device} ({machine}, torch {torch.__version__}), {when}; "
+              f"compute and links with every rank of the group busy")
+    return CostProfile(name or f"{device}-calibrated-{when}", source, device, 0.0 if device == "cpu" else 1.0,
+                       groups)

@@ -1,0 +1,249 @@
+"""``cp_comm_type="auto"`` (cp_handler.auto): the pick is the same on every rank and the attention it runs equals
+the single process (outputs and gradients); the model's bytes equal what the collectives send; profiles that do not
+fit the run are refused by name; dynamic CP chooses sizes and patterns from the same model.
+
+Tolerances: float32 on CPU, atol = rtol = 1e-5 as tests/test_attn_patterns.py (the patterns are exact; only the
+order of the log-sum-exp merges differs from the one-process softmax).
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+from cp_handler import ContextParallelConfig, build_dp_cp_groups
+from cp_handler.auto import (
+    NAMED_PROFILES,
+    AttnCase,
+    CostProfile,
+    GroupProfile,
+    LinkFit,
+    candidates,
+    choose_comm_type,
+    load_profile,
+    pattern_work,
+    predict,
+)
+from cp_handler.auto.calibrate import fit_compute
+from cp_handler.auto.profile import ComputeFit
+from cp_handler.auto.workload import PatternWorkload
+from cp_handler.dynamic import schedule_sequences
+from cp_handler.handlers import build_cp_handler
+from cp_handler.masks import CAUSAL, AttentionMask
+from cp_handler.ops.collectives import count_comms
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+LINKS = ("p2p", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def toy_profile(device="cpu", dtype="float32", sizes=(2, 4), latency=0.05, gbps=1.0, name="toy") -> CostProfile:
+    """A profile with round numbers: 1 ms per unit of matmul pairs, nothing else in compute."""
+    compute = {dtype: ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0))}
+    links = {k: LinkFit(latency, gbps) for k in LINKS}
+    return CostProfile(name, "test", device, 0.0, {s: GroupProfile(compute, links) for s in sizes})
+
+
+# -- the model, no ranks ---------------------------------------------------------------------------------------------
+
+def test_candidates_need_levels_for_the_hierarchical_pattern():
+    flat = AttnCase((64,), cp=4)
+    assert candidates(flat) == ["p2p", "all_gather", "a2a"]
+    assert candidates(AttnCase((64,), cp=4, hierarchical=(2, 2))) == ["p2p", "all_gather", "a2a", "a2a+p2p"]
+    assert candidates(AttnCase((64,), cp=4, hierarchical=(4, 1))) == ["p2p", "all_gather", "a2a"]
+
+
+def test_the_pick_follows_the_links():
+    """Latency-bound links favour the fewest collectives; with free links, the least compute wins. Both checked
+    against the predictions themselves: the pick is their minimum."""
+    case = AttnCase((256,), heads=8, kv_heads=8, head_dim=16, v_head_dim=16, cp=4)
+    for latency in (0.0, 100.0):
+        choice = choose_comm_type(case, toy_profile(latency=latency, gbps=1e6), "float32")
+        best = min(choice.predictions, key=lambda p: p.total_ms)
+        assert choice.comm_type == best.comm_type
+    slow = choose_comm_type(case, toy_profile(latency=100.0), "float32")
+    per_pattern = {p.comm_type: len(pattern_work(p.comm_type, case).transfers) for p in slow.predictions}
+    assert per_pattern[slow.comm_type] == min(per_pattern.values())  # 4 all-to-alls beat 9 ring sends and 6 gathers
+
+
+def test_windows_move_only_the_halo():
+    """A window of 32 under p2p: two all-to-alls of the halo rows, far fewer bytes than the ring's K/V shards."""
+    full = pattern_work("p2p", AttnCase((1024,), cp=4))
+    window = pattern_work("p2p", AttnCase((1024,), cp=4, mask=AttentionMask(window=32)))
+    assert [t.kind for t in window.transfers] == ["all_to_all", "all_to_all"]
+    assert sum(t.bytes_sent for t in window.transfers) * 8 < sum(t.bytes_sent for t in full.transfers)
+    assert window.compute.full_pairs + window.compute.causal_pairs < full.compute.full_pairs + full.compute.causal_pairs
+
+
+def test_uneven_heads_are_priced_padded():
+    """7 heads over an a2a of 4 move as 8: the a2a's bytes grow by 8/7 against 8 real heads."""
+    seven, eight = (pattern_work("a2a", AttnCase((64,), heads=h, kv_heads=h, cp=4)) for h in (7, 8))
+    assert [t.nbytes for t in seven.transfers] == [t.nbytes for t in eight.transfers]
+
+
+def test_profile_round_trip_and_refusals(tmp_path):
+    profile = toy_profile()
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    loaded = load_profile(str(path))
+    case = AttnCase((128,), cp=4)
+    assert predict("p2p", case, loaded, "float32") == predict("p2p", case, profile, "float32")
+    with pytest.raises(ValueError, match=r"cost profile 'toy' covers CP groups of \[2, 4\] ranks, not 8"):
+        profile.check(8, "cpu", "float32")
+    with pytest.raises(ValueError, match=r"cost profile 'toy' describes cpu devices, the inputs are on cuda"):
+        profile.check(2, "cuda", "float32")
+    with pytest.raises(ValueError, match=r"cost profile 'toy' has compute fits for \['float32'\], not bfloat16"):
+        profile.check(2, "cpu", "bfloat16")
+    with pytest.raises(ValueError, match=r"cp_comm_profile='nope.json' is neither a named profile"):
+        load_profile("nope.json")
+    data = json.loads(path.read_text())
+    del data["groups"]["2"]["links"]["p2p"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"cost profile 'toy', group size 2: needs links .*missing \['p2p'\]"):
+        load_profile(str(path))
+
+
+def test_named_profiles_say_what_is_modelled():
+    for name in ("h100-nvlink", "h200-nvlink"):
+        assert NAMED_PROFILES[name].source.startswith("modelled")
+    assert NAMED_PROFILES["cpu-2core-gloo"].source.startswith("measured by cp-bench --calibrate")
+
+
+def test_config_rules():
+    config = ContextParallelConfig(context_parallel_size=4, cp_comm_type="auto",
+                                   hierarchical_context_parallel_sizes=[2, 2], cp_comm_profile="h100-nvlink")
+    assert config.comm_types == ["auto"]
+    ContextParallelConfig(context_parallel_size=2, cp_comm_type=["auto", "p2p"], num_layers=2)
+    with pytest.raises(ValueError, match=r"cp_comm_profile='h100-nvlink' prices the patterns of cp_comm_type='auto'"):
+        ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", cp_comm_profile="h100-nvlink")
+    with pytest.raises(ValueError, match=r"cost profile 'h100-nvlink' covers CP groups of .* not 128"):
+        ContextParallelConfig(context_parallel_size=128, cp_comm_type="auto", cp_comm_profile="h100-nvlink")
+
+
+def test_fit_compute_recovers_weights():
+    """The least-squares fit of calibration rows returns the weights that made them (exact rows)."""
+    weights = (2.0, 3.0, 0.5, 0.0, 0.25, 0.01, 0.1)
+    rows = []
+    for i in range(1, 30):
+        features = (i * 0.1, (i % 7) * 0.2, (i % 5) * 0.3, (i % 3) * 0.1, i * 0.05 + (i % 4), float(i % 6 + 1),
+                    float(i % 4 + 1))
+        rows.append((features, sum(w * f for w, f in zip(weights, features, strict=True))))
+    fit = fit_compute(rows)
+    assert fit.fit_error["max_rel"] < 1e-9
+    assert fit.weights == pytest.approx(weights, abs=1e-9)
+
+
+def test_dynamic_cp_chooses_size_and_pattern():
+    """Short sequences stay on one rank (a collective's latency costs more than their attention), a long one is
+    sharded (its attention outweighs the transfers), and the pattern comes from the same model."""
+    workload = PatternWorkload(toy_profile(sizes=(2, 4, 8), latency=1.0, gbps=100.0), "float32", 8, 8, 64, 64, 4)
+    short, long_ = [64] * 8, [16384]
+    assert workload.cost(64, 1) < workload.cost(64, 2)
+    assert workload.cost(16384, 4) < workload.cost(16384, 1)
+    schedule = schedule_sequences(short + long_, 8, 16384, 1, workload)
+    assert schedule.cp_sizes[:8] == [1] * 8
+    assert schedule.cp_sizes[8] > 1
+    assert workload.comm_type(16384, schedule.cp_sizes[8]) in ("p2p", "all_gather", "a2a")
+
+
+# -- on ranks --------------------------------------------------------------------------------------------------------
+
+class _Layer(torch.nn.Module):
+    """An attention module as a model's: its layer number (the ranks agree once per layer) and its window."""
+
+    def __init__(self, window=None):
+        super().__init__()
+        self.layer_number = 1
+        if window is not None:
+            self.window_size = (window - 1, 0)  # Transformer Engine's convention: a causal window of W
+
+
+def _single(q, k, v, dout, mask: AttentionMask):
+    """One-process reference on whole (B, S, H, D) tensors, GQA expanded, the mask built densely."""
+    groups = q.shape[2] // k.shape[2]
+    qf, kf, vf = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    kk, vv = (t.repeat_interleave(groups, dim=2).transpose(1, 2) for t in (kf, vf))
+    s = q.shape[1]
+    pos = torch.arange(s)
+    visible = pos[None, :] <= pos[:, None]
+    if mask.window is not None:
+        visible &= pos[:, None] - pos[None, :] < mask.window
+    out = torch.nn.functional.scaled_dot_product_attention(qf.transpose(1, 2), kk, vv, attn_mask=visible)
+    out = out.transpose(1, 2)
+    out.backward(dout)
+    return out.detach(), qf.grad, kf.grad, vf.grad
+
+
+def _auto_worker(rank, world):
+    profile = toy_profile(latency=0.05, gbps=0.5)
+    cases = [((2, 64, 8, 8, 16), None, None), ((1, 64, 6, 3, 8), None, [2, 2]), ((1, 128, 4, 2, 8), 16, None)]
+    for (b, s, h, hkv, d), window, levels in cases:
+        groups = build_dp_cp_groups(world, "cpu", levels)
+        config = ContextParallelConfig(context_parallel_size=world, cp_comm_type="auto",
+                                       hierarchical_context_parallel_sizes=levels)
+        handler = build_cp_handler(config, groups.cp_group, groups.hierarchical_cp_groups, cp_comm_profile=profile)
+        g = torch.Generator().manual_seed(s + h)
+        q, dout = (torch.randn(b, s, h, d, generator=g) for _ in range(2))
+        k, v = (torch.randn(b, s, hkv, d, generator=g) for _ in range(2))
+        mask = AttentionMask(window=window) if window else CAUSAL
+        ref = _single(q, k, v, dout, mask)
+        lq, lk, lv = (handler.dispatch(t, 1).detach().requires_grad_(True) for t in (q, k, v))
+        attn_mod = _Layer(window)
+        with torch.no_grad():  # the first call also agrees across the ranks (a small collective, not attention's)
+            handler.core_attn(attn_mod, lq, lk, lv)
+        with count_comms() as counter:
+            out = handler.core_attn(attn_mod, lq, lk, lv)
+            out.backward(handler.dispatch(dout, 1))
+        for got, want in zip((out, lq.grad, lk.grad, lv.grad), ref, strict=True):
+            torch.testing.assert_close(got, handler.dispatch(want, 1), **TOL)
+        (choice,) = handler.auto_choices.values()
+        picks = [None] * world
+        dist.all_gather_object(picks, choice.comm_type)
+        assert len(set(picks)) == 1, picks
+        case = next(iter(handler.auto_choices))
+        if window is None:  # the model's bytes are what the collectives sent (the halo's uneven a2a: see its test)
+            modelled = sum(t.bytes_sent for t in pattern_work(choice.comm_type, case).transfers)
+            assert counter.bytes_sent == modelled, (choice.comm_type, counter.bytes_sent, modelled)
+    # a profile of another device is refused by name on every rank, before the attention communicates
+    handler = build_cp_handler(ContextParallelConfig(context_parallel_size=world, cp_comm_type="auto"),
+                               build_dp_cp_groups(world, "cpu").cp_group, cp_comm_profile="h100-nvlink")
+    x = handler.dispatch(torch.randn(1, 32, 4, 8), 1)
+    with pytest.raises(ValueError, match=r"cost profile 'h100-nvlink' describes cuda devices, the inputs are on cpu"):
+        handler.core_attn(None, x, x, x)
+
+
+def _bytes_worker(rank, world):
+    """Every pattern's modelled bytes against count_comms, bf16, GQA and a wider V (MLA), bshd and thd."""
+    groups = build_dp_cp_groups(world, "cpu", [2, 2])
+    for lengths, (h, hkv, d, dv) in (((64,), (8, 2, 16, 24)), ((13, 40, 11), (6, 3, 8, 8))):
+        for comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+            levels = [2, 2] if comm_type == "a2a+p2p" else None
+            config = ContextParallelConfig(context_parallel_size=world, cp_comm_type=comm_type,
+                                           hierarchical_context_parallel_sizes=levels,
+                                           qkv_format="thd" if len(lengths) > 1 else "bshd")
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            handler = build_cp_handler(config, groups.cp_group, groups.hierarchical_cp_groups,
+                                       **({"cu_seqlens": cu} if len(lengths) > 1 else {}))
+            total = sum(lengths)
+            shape = (total,) if len(lengths) > 1 else (1, total)
+            dim = 0 if len(lengths) > 1 else 1
+            q = handler.dispatch(torch.randn(*shape, h, d, dtype=torch.bfloat16), dim).requires_grad_(True)
+            k = handler.dispatch(torch.randn(*shape, hkv, d, dtype=torch.bfloat16), dim).requires_grad_(True)
+            v = handler.dispatch(torch.randn(*shape, hkv, dv, dtype=torch.bfloat16), dim).requires_grad_(True)
+            with torch.no_grad():  # the first call agrees across the ranks (not counted: attention's bytes only)
+                handler.core_attn(_Layer(), q, k, v)
+            with count_comms() as counter:
+                handler.core_attn(_Layer(), q, k, v).float().sum().backward()
+            case = AttnCase(lengths, 1, h, hkv, d, dv, 2, CAUSAL, world, (2, 2) if levels else None)
+            modelled = sum(t.bytes_sent for t in pattern_work(comm_type, case).transfers)
+            assert counter.bytes_sent == modelled, (comm_type, lengths, counter.bytes_sent, modelled)
+
+
+def test_auto_on_ranks_equals_one_process():
+    run_distributed(_auto_worker, 4)
+
+
+def test_modelled_bytes_equal_counted_bytes():
+    run_distributed(_bytes_worker, 4)
+
