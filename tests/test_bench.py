@@ -170,6 +170,23 @@ def test_plan_mode_on_cpu_writes_efficiency_table(tmp_path, capsys):
         assert pairs * plan.heads == 4 * 128 * 129 // 2 // cp, pattern
 
 
+def test_plan_heads_the_a2a_size_does_not_split_run_padded():
+    """Heads an all-to-all size does not divide (once refused by ``--plan-heads``) are planned as the a2a runs them:
+    padded (:func:`~cp_handler.ops.ulysses.a2a_head_plan`), heads per rank rounded up; the other patterns and the
+    even case keep their heads."""
+    parse_args(["--modes", "launches", "--plan-heads", "24", "--plan-cp-sizes", "16", "--comm-types", "a2a"])
+    for (heads, kv_heads), pattern, cp, per_rank in [
+        ((24, 8), "a2a", 16, (2, 1)),  # (Hkv, g) = (8, 3) -> (8, 4), KV replicated twice: 32 / 16 heads
+        ((24, 8), "a2a+p2p", 16, (12, 4)),  # a2a size 2 divides both: no padding
+        ((6, 3), "a2a", 4, (2, 1)),  # (3, 2) -> (4, 2)
+        ((6, 3), "a2a+p2p", 4, (4, 2)),  # a2a size 2: (3, 2) -> (4, 2)
+        ((4, 2), "a2a", 2, (2, 1)), ((4, 1), "a2a", 4, (1, 1)),  # even: as before
+        ((6, 3), "p2p", 4, (6, 3)), ((6, 3), "all_gather", 4, (6, 3)),
+    ]:
+        plan = rank_plan(PlanCase(pattern, "bshd", cp, 2 * cp), PlanShape(num_heads=heads, num_kv_heads=kv_heads))
+        assert (plan.heads, plan.kv_heads) == per_rank, (heads, kv_heads, pattern, cp)
+
+
 def test_profile_case_traces_one_rank_step(tmp_path):
     """gpu_check's profile_thd stage on CPU: rank 0's thd ring step under torch.profiler, a gzipped Chrome trace
     holding the attention kernel's operator, and its table naming the kernel."""
@@ -284,8 +301,6 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path, capsys):
     (["--modes", "launches", "--plan-dtype", "float32"], "--launch-kernels: 'flash' cannot run this shape: it takes"),
     (["--modes", "launches", "--plan-heads", "30"], "--plan-heads 30 must be a multiple of --plan-kv-heads 8 (GQA)"),
     (["--modes", "launches", "--plan-kv-heads", "0"], "--plan-kv-heads: 0 must be >= 1"),
-    (["--modes", "launches", "--plan-heads", "24", "--plan-cp-sizes", "16", "--comm-types", "a2a"],
-     "--plan-heads 24 must be divisible by the a2a size 16 (cp 16)"),
     (["--modes", "plan", "--plan-seq-lens", "1000", "--plan-cp-sizes", "8"],
      "--plan-seq-lens 1000 must be divisible by 2 * cp = 16"),
     (["--modes", "plan", "--attn-kernel", "flash"], "--attn-kernel 'flash' cannot run this attention: it runs on cuda"),

@@ -168,10 +168,6 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "2", "--batch-size", "-1"], "--batch-size -1 must be >= 1"),
         (["--nproc", "2", "--data", "/no/such/place"], "--data /no/such/place: no such file or folder"),
         (["--nproc", "2", "--hf-config", "/tmp"], "--hf-config /tmp: no config.json in it"),
-        (["--nproc", "4", "--cp-comm-type", "a2a", "--num-heads", "6", "--num-kv-heads", "3", "--hidden-size", "96"],
-         "--num-heads 6 / --num-kv-heads 3 with --cp-size 4: a2a needs query heads (6) divisible by the a2a size (4)"),
-        (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--cp-comm-type", "a2a", "--num-heads", "6",
-          "--num-kv-heads", "6", "--hidden-size", "96"], "with --eval-cp-size 4: a2a needs query heads (6)"),
         (["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--seq-len", "100"],
          "--seq-len 100 is not divisible by 2 * --eval-cp-size = 8"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--eval-cp-size", "2"],
@@ -209,6 +205,30 @@ def test_bad_flags_exit_before_training(flags, message, monkeypatch):
     for field in ("context_parallel_size", "hierarchical_context_parallel_sizes", "seq_len", "num_attention_heads",
                   "kv_channels", "world size", "moe_router_topk", "max_seqlen_per_dp_cp_rank"):
         assert field not in str(exit_info.value), str(exit_info.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--nproc", "4", "--cp-comm-type", "a2a", "--num-heads", "6", "--num-kv-heads", "3", "--hidden-size", "96"],
+    ["--nproc", "4", "--cp-size", "2", "--eval-cp-size", "4", "--cp-comm-type", "a2a", "--num-heads", "6",
+     "--num-kv-heads", "6", "--hidden-size", "96"],
+    ["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--num-heads", "3",
+     "--num-kv-heads", "3", "--hidden-size", "96"],
+])
+def test_heads_the_a2a_size_does_not_split_are_accepted(flags, monkeypatch):
+    """Heads an all-to-all size does not divide (once refused here) run padded with the local backend
+    (cp_handler.ops.ulysses.a2a_head_plan; exactness: tests/test_a2a_uneven_heads.py)."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config, _ = parse(flags)
+    assert config.attn_shape.num_heads == int(flags[flags.index("--num-heads") + 1])
+
+
+def test_a2a_parity_with_heads_the_cp_size_does_not_split():
+    """3 heads over an a2a of 2 ranks (padded to 4 heads, 2 per rank): trains with parity."""
+    result = cp_train("--nproc", "2", "--cp-comm-type", "a2a", *SMALL, "--num-heads", "3", "--num-kv-heads", "3",
+                      "--hidden-size", "96", "--check-parity")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
 
 
 def test_help_shows_every_default_and_the_groups():

@@ -9,7 +9,11 @@ cp-bench give them) do, all at once:
   communication; the median of ``reps`` after a warm-up. The rows (the plan's features, milliseconds) of every
   rank are fitted by least squares on relative error (:class:`~.profile.ComputeFit`);
 * **links**: each collective kind (a ring step's send + receive, all-gather, reduce-scatter, all-to-all) at three
-  payloads, fitted to ``latency + bytes / bandwidth`` (:class:`~.profile.LinkFit`).
+  payloads, fitted to ``latency + bytes / bandwidth`` (:class:`~.profile.LinkFit`);
+* **each pattern as a whole**: the pattern itself through the local handler (:func:`handler_step`) on
+  :data:`PATTERN_CASES`; its times against the compute and link fits' prediction give the pattern's
+  ``scale`` and ``fixed`` cost (:class:`~.profile.PatternFit`: what the shared fits miss for it, its copies,
+  reorders and the handler's Python).
 
 Sizes are small (``CALIBRATION_TOKENS``), so a group size takes well under a minute on two CPU cores.
 """
@@ -21,19 +25,24 @@ import platform
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from ..config import ContextParallelConfig
 from ..dynamic.cost_model import relative_lstsq
+from ..groups import build_dp_cp_groups
+from ..handlers import build_cp_handler
 from ..launch import launch, rank_session
 from ..masks import CAUSAL, AttentionMask
 from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.collectives import all_gather_single, all_to_all_single, reduce_scatter_single
 from ..ops.kernels import select_kernel
 from ..ops.spec import AttnSpec
+from .choice import candidates, predict
 from .pattern_work import AttnCase, _plan_work, rank_plan
-from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit
+from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
 
 CALIBRATION_TOKENS = (512, 2048)
 """Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8)."""
@@ -41,6 +50,62 @@ CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128))
 """``(heads, kv_heads, head_dim)`` of the calibration plans: MHA at 64, GQA at 128."""
 LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
 """Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
+PATTERN_CASES = ((512, (4, 4, 64), None, 1), (2048, (4, 4, 64), None, 1), (512, (8, 2, 128), None, 1),
+                 (2048, (8, 2, 128), None, 1), (2048, (4, 4, 64), 256, 1), (2048, (4, 4, 64), None, 8))
+"""``(tokens, (heads, kv_heads, head_dim), window, documents)`` of the patterns' own runs."""
+
+
+def levels_of(cp: int) -> tuple[int, int] | None:
+    """The two levels calibration and ``cp-bench --modes auto`` give ``a2a+p2p``: pairs of adjacent ranks, a ring
+    across them (none below 4 ranks)."""
+    return (2, cp // 2) if cp >= 4 else None
+
+
+class _Layer(torch.nn.Module):
+    """An attention module as a model's: a layer number (the ranks agree once per layer) and the case's window."""
+
+    def __init__(self, mask: AttentionMask):
+        super().__init__()
+        self.layer_number = 1
+        if mask.window is not None:
+            self.window_size = (mask.window - 1, 0)
+
+
+def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A function running ``case`` forward + backward once through the local handler with ``comm_type`` on this
+    rank (``groups``: :func:`~cp_handler.groups.build_dp_cp_groups` of the CP group, with the levels of
+    :func:`levels_of` for ``a2a+p2p``); thd when the case has several documents. Causal or a causal window."""
+    thd = len(case.lengths) > 1
+    hierarchical = comm_type == "a2a+p2p"
+    config = ContextParallelConfig(context_parallel_size=case.cp, cp_comm_type=comm_type,
+                                   qkv_format="thd" if thd else "bshd",
+                                   hierarchical_context_parallel_sizes=list(case.hierarchical) if hierarchical
+                                   else None)
+    cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    handler = build_cp_handler(config, groups.cp_group, groups.hierarchical_cp_groups if hierarchical else None,
+                               **({"cu_seqlens": cu} if thd else {}))
+    g = torch.Generator().manual_seed(seed)
+    tokens = sum(case.lengths)
+    lead, dim = ((tokens,), 0) if thd else ((case.batch, tokens), 1)
+    widths = ((case.heads, case.head_dim), (case.kv_heads, case.head_dim), (case.kv_heads, case.v_head_dim),
+              (case.heads, case.v_head_dim))
+    q, k, v, dout = (handler.dispatch(torch.randn(*lead, h, d, generator=g, dtype=dtype).to(device), dim).contiguous()
+                     for h, d in widths)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    layer = _Layer(case.mask)
+
+    def run():
+        handler.core_attn(layer, q, k, v).backward(dout)
+        for t in (q, k, v):
+            t.grad = None
+    return run
+
+
+def _documents(tokens: int, docs: int) -> tuple[int, ...]:
+    """``docs`` document lengths summing to ``tokens`` (seeded cuts)."""
+    cuts = sorted(random.Random(tokens).sample(range(1, tokens), docs - 1))
+    return tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True))
 
 
 def calibration_cases(cp: int) -> list[tuple[str, AttnCase]]:
@@ -50,9 +115,7 @@ def calibration_cases(cp: int) -> list[tuple[str, AttnCase]]:
     for heads, kv_heads, dim in CALIBRATION_SHAPES:
         for tokens in CALIBRATION_TOKENS:
             base = AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, CAUSAL, cp)
-            rng = random.Random(tokens)
-            cuts = sorted(rng.sample(range(1, tokens), 7))
-            docs = tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True))
+            docs = _documents(tokens, 8)
             out += [("p2p", base), ("all_gather", base), ("a2a", base),
                     ("p2p", AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, AttentionMask(window=tokens // 8),
                                      cp)),
@@ -142,13 +205,30 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
             plan = rank_plan(comm_type, case, rank)
             work = [_plan_work(s, plan.heads * case.batch, case.head_dim + case.v_head_dim) for s in plan.steps]
             rows.append((sum(work[1:], work[0]).features(), ms))
+        patterns = []
+        groups = build_dp_cp_groups(world, device.type, list(levels_of(world) or []) or None)
+        for tokens, (heads, kv_heads, dim), window, docs in PATTERN_CASES:
+            lengths = (tokens,) if docs == 1 else _documents(tokens, docs)
+            mask = AttentionMask(window=window) if window else CAUSAL
+            case = AttnCase(lengths, 1, heads, kv_heads, dim, dim, dtype.itemsize, mask, world, levels_of(world))
+            for comm_type in candidates(case):
+                ms = _barrier_timed(handler_step(comm_type, case, groups, dtype, device), reps, device)
+                patterns.append((comm_type, case, _max(ms)))
         links = {}
         for kind in ("p2p", "all_gather", "reduce_scatter", "all_to_all"):
             links[kind] = [(nbytes, _barrier_timed(_link_step(kind, nbytes, dtype, device), reps, device))
                            for nbytes in LINK_BYTES]
         gathered = [None] * world
         dist.all_gather_object(gathered, rows)
-        return {"rows": [r for part in gathered for r in part], "links": links} if rank == 0 else None
+        return {"rows": [r for part in gathered for r in part], "links": links, "patterns": patterns} \
+            if rank == 0 else None
+
+
+def _max(ms: float) -> float:
+    """The slowest rank's value (a call ends when its slowest rank does)."""
+    t = torch.tensor([ms], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def fit_compute(rows: list[tuple[tuple[float, ...], float]]) -> ComputeFit:
@@ -160,7 +240,19 @@ def fit_compute(rows: list[tuple[tuple[float, ...], float]]) -> ComputeFit:
                                        "max_rel": max(errors)}) if errors else fit
 
 
-def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps: int = 3,
+def fit_patterns(rows, group: GroupProfile, cp: int, dtype: str, device: str) -> dict[str, PatternFit]:
+    """Each pattern's :class:`~.profile.PatternFit`: its measured calls against the compute and link fits'
+    prediction, ``ms = scale * modelled + fixed`` by least squares on relative error (both >= 0)."""
+    bare = CostProfile("bare", "", device, 0.0, {cp: group})
+    out = {}
+    for comm_type in dict.fromkeys(name for name, _, _ in rows):
+        points = [(predict(name, case, bare, dtype).total_ms, ms) for name, case, ms in rows if name == comm_type]
+        scale, fixed = relative_lstsq([[modelled, 1.0] for modelled, _ in points], [ms for _, ms in points])
+        out[comm_type] = PatternFit(scale, fixed)
+    return out
+
+
+def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps: int = 5,
               name: str | None = None, progress=None) -> CostProfile:
     """Measure a :class:`~.profile.CostProfile` here: one launch of ``cp`` ranks per size (module doc).
 
@@ -172,8 +264,9 @@ def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps
         if progress:
             progress(f"calibrate cp={cp}")
         result = launch(calibrate_worker, cp, dtype, device, reps, program="cp-bench")[0]
-        groups[cp] = GroupProfile({dtype: fit_compute(result["rows"])},
-                                  {k: _fit_link(v) for k, v in result["links"].items()})
+        links = {k: _fit_link(v) for k, v in result["links"].items()}
+        group = GroupProfile({dtype: fit_compute(result["rows"])}, links)
+        groups[cp] = replace(group, patterns=fit_patterns(result["patterns"], group, cp, dtype, device))
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
     when = datetime.date.today().isoformat()
     source = (f"measured by cp-bench --calibrate on {device} ({machine}, torch {torch.__version__}), {when}; "

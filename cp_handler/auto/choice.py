@@ -3,9 +3,11 @@
 :func:`predict` prices one pattern for one call (:class:`~.pattern_work.AttnCase`) on a profile: compute is the
 profile's compute fit of the slowest rank's plan; each collective is ``latency + bytes / bandwidth`` on the
 profile's links for the group (the inner level of ``a2a+p2p`` on the links of a group of its size); the ring's
-transfers hide behind the ring's compute by the profile's ``overlap``::
+transfers hide behind the ring's compute by the profile's ``overlap``; a measured profile then applies the
+pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
-    total = compute + exposed + ring - overlap * min(ring, compute)
+    modelled = compute + exposed + ring - overlap * min(ring, compute)
+    total = scale * modelled + fixed
 
 (``exposed``: the collectives nothing overlaps, the all-gathers, reduce-scatters and all-to-alls; ``ring``: the
 ring steps' transfers). :func:`choose_comm_type` returns the fastest candidate, ties going to the earlier one in
@@ -54,7 +56,8 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
         else:
             exposed += ms
     total = compute + exposed + ring - profile.overlap * min(ring, compute)
-    return Prediction(comm_type, compute, ring + exposed, total)
+    fit = group.patterns.get(comm_type)
+    return Prediction(comm_type, compute, ring + exposed, fit.ms(total) if fit is not None else total)
 
 
 def candidates(case: AttnCase, runs: tuple[str, ...] | list[str] = tuple(PATTERNS)) -> list[str]:

@@ -10,7 +10,8 @@ group busy at once (ranks sharing cores slow each other: that is part of what is
 public specifications and which were measured.
 
 A profile is JSON (:meth:`CostProfile.save`, :func:`~.catalog.load_profile`). It must fit the run:
-:meth:`CostProfile.check` refuses, by the profile's name, a device type or dtype it has no compute fit for and a group larger than it covers.
+:meth:`CostProfile.check` refuses, by the profile's name, a device type or dtype it has no compute fit for and a
+group larger than it covers.
 """
 
 from __future__ import annotations
@@ -46,11 +47,27 @@ class LinkFit:
 
 
 @dataclass(frozen=True)
+class PatternFit:
+    """One pattern as this machine runs it, fitted to the pattern's own measured calls: ``scale * modelled +
+    fixed_ms``, ``modelled`` the compute and link fits' prediction. ``scale`` takes in what the shared fits miss for
+    this pattern (its copies and reorders grow with the work), ``fixed_ms`` what a call costs at any size (the
+    handler's Python, the collectives' setup)."""
+
+    scale: float
+    fixed_ms: float
+
+    def ms(self, modelled_ms: float) -> float:
+        return self.scale * modelled_ms + self.fixed_ms
+
+
+@dataclass(frozen=True)
 class GroupProfile:
-    """Compute fits by dtype name, and link fits by kind, for groups of one size."""
+    """Compute fits by dtype name, link fits by kind, and each pattern's fit to its own calls (measured profiles;
+    none in a modelled one: ``scale`` 1, no fixed cost), for groups of one size."""
 
     compute: dict[str, ComputeFit]
     links: dict[str, LinkFit]
+    patterns: dict[str, PatternFit] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -103,7 +120,8 @@ class CostProfile:
     def to_json(self) -> dict:
         return {"name": self.name, "source": self.source, "device": self.device, "overlap": self.overlap,
                 "groups": {str(size): {"compute": {d: asdict(c) for d, c in g.compute.items()},
-                                       "links": {k: asdict(link) for k, link in g.links.items()}}
+                                       "links": {k: asdict(link) for k, link in g.links.items()},
+                                       "patterns": {k: asdict(o) for k, o in g.patterns.items()}}
                            for size, g in sorted(self.groups.items())}}
 
     @classmethod
@@ -112,7 +130,9 @@ class CostProfile:
         try:
             groups = {int(size): GroupProfile(
                 {d: ComputeFit(tuple(c["weights"]), c.get("fit_error")) for d, c in g["compute"].items()},
-                {k: LinkFit(**link) for k, link in g["links"].items()}) for size, g in data["groups"].items()}
+                {k: LinkFit(**link) for k, link in g["links"].items()},
+                {k: PatternFit(**o) for k, o in g.get("patterns", {}).items()})
+                for size, g in data["groups"].items()}
             profile = cls(data["name"], data["source"], data["device"], float(data["overlap"]), groups)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"cost profile {data.get('name', '?') if isinstance(data, dict) else '?'!r}: malformed "

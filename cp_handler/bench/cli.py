@@ -30,7 +30,12 @@ Modes (``--modes``, default both):
   K/V tokens each rank sends;
 * ``compile`` (only when asked for): :mod:`.compiled`: the reference GPT's training step with every layer
   compiled (Inductor, fullgraph) beside eager, per comm type, with the compiled forward's graphs and breaks and the
-  eager forward's cp_handler Python calls.
+  eager forward's cp_handler Python calls;
+* ``calibrate`` (only when asked for, or ``--calibrate``): :mod:`cp_handler.auto.calibrate`: this machine's cost
+  profile (compute and links at ``--calibrate-cp-sizes``, under a minute on 2 CPU cores), written to
+  ``<out-dir>/cost_profile.json`` (``--cp-comm-profile`` of cp-train, ``cp_comm_profile`` of the config);
+* ``auto`` (only when asked for): :mod:`.auto`: every pattern measured on CPU ranks over a grid beside the cost
+  model's prediction and ``cp_comm_type="auto"``'s pick.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each. Every mode's
 defaults (:mod:`.defaults`, shown by ``--help``) depend on ``--device`` and ``--quick``; on CPU each mode finishes
@@ -52,7 +57,7 @@ import torch
 
 from ..cli.flag_names import FlagParser, HelpFormatter
 from ..config import CP_COMM_TYPES
-from . import compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
+from . import auto, compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .defaults import default_help
 from .flag_rules import check_flags
@@ -60,7 +65,8 @@ from .torch_ring import check_available
 
 RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan", plan.run),
         "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
-        "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run)}
+        "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run),
+        "calibrate": ("calibrate", auto.run_calibrate), "auto": ("auto", auto.run)}
 """mode -> (its key in results.json, its run), in the order the modes run."""
 
 
@@ -85,13 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="every mode's smaller defaults (--quick in each flag's default and in the list below; on "
                         "CPU each mode finishes in a few minutes on 2 cores, attn and e2e together in about 3)")
-    g.add_argument("--modes", nargs="+", choices=tuple(RUNS), default=["attn", "e2e"],
+    g.add_argument("--modes", nargs="+", choices=tuple(RUNS), default=None,
                    help="attn: every pattern beside PyTorch's ring; e2e: cp-train throughput and memory; plan: "
                         "per-rank compute on one device; launches: kernel launches per rank-step of CUDA kernels, "
                         "counted on meta tensors (no GPU needed; a small grid unless --device cuda); masks: sliding "
                         "window and chunked attention vs full causal per rank; generate: prefill and decode with a "
                         "sharded KV cache; hybrid: one Gated DeltaNet layer; memory: saved activations (fake tensors "
-                        "of the Llama-3-8B layer), training state and the 80 GB projection")
+                        "of the Llama-3-8B layer), training state and the 80 GB projection; calibrate: this machine's "
+                        "cost profile; auto: every pattern measured beside the cost model and auto's pick (default: "
+                        "attn e2e; only calibrate with --calibrate)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's cost profile first (the calibrate mode; alone unless --modes is "
+                        "given): <out-dir>/cost_profile.json, used by --modes auto in the same run")
     g.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                    help="cores shared by the ranks (each of cp ranks gets cores // cp threads)")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -141,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-cp-size", type=int, default=4, help="CP size")
     g.add_argument("--mask-window", type=int, default=1024, help="sliding window W (keys, the query's own included)")
     g.add_argument("--mask-chunk", type=int, default=2048, help="chunked attention: chunk length C (tokens)")
+    g = p.add_argument_group("cost model (--modes calibrate / auto: CPU ranks)")
+    g.add_argument("--calibrate-cp-sizes", type=int, nargs="+", default=[2, 4], help="group sizes measured")
+    g.add_argument("--calibrate-dtype", default="float32", help="the dtype of the compute fits")
+    g.add_argument("--cost-profile", default=None, metavar="NAME_OR_JSON",
+                   help="--modes auto: the profile to predict with (default: --calibrate's of this run, else the "
+                        "device's named one)")
+    g.add_argument("--auto-grid", choices=("full", "quick", "tiny"), default=None,
+                   help=_default("--modes auto: the grid (full: 24 cases, about 20 min on 2 CPU cores; quick: 12 of "
+                                 "at most 4k tokens; tiny: 4 of 256 tokens)", "auto_grid"))
     g = p.add_argument_group("hybrid layer (--modes hybrid: the reference Gated DeltaNet layer, float32, CPU ranks)")
     g.add_argument("--hybrid-seq-lens", type=int, nargs="+", default=None,
                    help=_default("global sequence lengths in tokens", "hybrid_seq_lens"))
@@ -186,6 +206,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """
     p = build_parser()
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = [] if args.calibrate else ["attn", "e2e"]
+    if args.calibrate and "calibrate" not in args.modes:
+        args.modes = ["calibrate", *args.modes]
     check_flags(p, args)
     return args
 

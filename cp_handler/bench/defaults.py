@@ -56,6 +56,8 @@ DEFAULTS: dict[str, dict[str, dict[str, dict]]] = {
     "hybrid": {"cpu": _reps({"hybrid_seq_lens": [2048, 8192]}, {"hybrid_seq_lens": [4096, 16384]})},
     "memory": {"cpu": _same({"mem_seq_len": 2048, "mem_layer_tokens": 64})},
     "compile": {"cpu": _reps({"compile_seq_len": 1024}, {"compile_seq_len": 4096})},
+    "calibrate": {"cpu": _reps({}, {})},
+    "auto": {"cpu": _reps({"auto_grid": "quick"}, {"auto_grid": "full"})},
 }
 """mode -> device (``"cpu"``, ``"cuda"``; a mode without ``"cuda"`` runs on CPU only) -> ``"quick"`` / ``"full"``
 -> flag dest -> value. Only flags whose default is ``None`` in the parser appear here (and in :data:`COMMON`)."""
@@ -77,7 +79,7 @@ def defaults(mode: str, device: str = "cpu", quick: bool = False) -> dict:
 
 _READS = {"attn": {"comm_types", "cp_sizes"}, "e2e": {"cp_sizes"}, "plan": {"comm_types"},
           "launches": {"comm_types"}, "masks": set(), "generate": set(), "hybrid": set(), "memory": set(),
-          "compile": set()}
+          "compile": set(), "calibrate": set(), "auto": set()}
 """The :data:`COMMON` flags each mode reads."""
 
 

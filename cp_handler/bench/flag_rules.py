@@ -6,7 +6,6 @@ import argparse
 
 import torch
 
-from ..ops.patterns import PATTERNS
 from . import launches, plan, plots, whole
 from .defaults import resolve
 
@@ -48,15 +47,10 @@ def check_shape(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def check_plan_grid(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The plan and launches modes' grid: :func:`check_shape`, zigzag lengths, heads divisible by every a2a size."""
+    """The plan and launches modes' grid: :func:`check_shape` and zigzag lengths (every head count runs: an
+    all-to-all whose size does not split the heads pads them, :func:`~cp_handler.ops.ulysses.a2a_head_plan`)."""
     check_shape(p, args)
     check_zigzag(p, "--plan-cp-sizes", args.plan_cp_sizes, "--plan-seq-lens", args.plan_seq_lens)
-    for cp in args.plan_cp_sizes:
-        patterns = {case.pattern for case in plan.cases([2 * cp], [cp], args.comm_types, ["bshd"])} - {"whole"}
-        a2a_sizes = {PATTERNS[name].a2a_size(cp, plan.hierarchical_sizes(cp)) for name in patterns} - {None}
-        for size in sorted(a2a_sizes):
-            if args.plan_heads % size:
-                p.error(f"--plan-heads {args.plan_heads} must be divisible by the a2a size {size} (cp {cp})")
 
 
 def _shape(args: argparse.Namespace, device: str = "cuda") -> plan.PlanShape:
@@ -145,14 +139,36 @@ def check_compile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.device != "cpu":
         p.error("--modes compile runs on CPU ranks (gloo): drop --device cuda")
     check_zigzag(p, "--compile-cp-size", [args.compile_cp_size], "--compile-seq-len", [args.compile_seq_len])
-    heads = 8  # the e2e model's query heads (bench/e2e.py MODEL)
-    if "a2a" in args.compile_comm_types and heads % args.compile_cp_size:
-        p.error(f"--compile-comm-types a2a: the model's {heads} heads are not divisible by --compile-cp-size "
-                f"{args.compile_cp_size}")
+
+
+def check_calibrate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Group sizes of at least 2; a dtype torch knows; CPU ranks unless a GPU per rank is there (NCCL)."""
+    if any(size < 2 for size in args.calibrate_cp_sizes):
+        p.error(f"--calibrate-cp-sizes {' '.join(map(str, args.calibrate_cp_sizes))}: a link needs groups of >= 2 "
+                "ranks")
+    if not isinstance(getattr(torch, args.calibrate_dtype, None), torch.dtype):
+        p.error(f"--calibrate-dtype {args.calibrate_dtype}: not a torch dtype (float32, bfloat16, float16)")
+    if args.device == "cuda" and torch.cuda.device_count() < max(args.calibrate_cp_sizes):
+        p.error(f"--calibrate --device cuda needs a GPU per rank: {torch.cuda.device_count()} GPUs for "
+                f"--calibrate-cp-sizes up to {max(args.calibrate_cp_sizes)}")
+
+
+def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """CPU ranks only (the grid's links are measured here); a named or existing profile."""
+    if args.device == "cuda":
+        p.error("--modes auto measures the patterns on CPU ranks (gloo): drop --device cuda (on GPUs: the GPU pass)")
+    if args.cost_profile:
+        from ..auto import load_profile
+
+        try:
+            load_profile(args.cost_profile)
+        except ValueError as err:
+            p.error(f"--cost-profile: {err}")
 
 
 RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
-         "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile}
+         "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile,
+         "calibrate": check_calibrate, "auto": check_auto}
 """Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
 
 TIMED_ON_DEVICE = ("attn", "plan", "masks")

@@ -2,12 +2,12 @@
 
 What one rank of a CP group computes, run alone: rank 0's plan of blocks for every step of the
 pattern (:func:`~cp_handler.ops.ring.ring_blocks`, :func:`~cp_handler.ops.all_gather.all_gather_blocks`,
-the a2a's whole-sequence block on ``H / cp`` heads, a2a+p2p's ring on ``H / A`` heads) through
-:func:`~cp_handler.ops.blocks.blocks_forward_` / ``blocks_backward_`` on tensors of the rank's shapes
-(remote K/V stand in with the local ones: same shapes, same work). The reference is the whole
-sequence on one device, by each of ``--whole-kernels`` (:mod:`.whole`: SDPA, FlexAttention with a
-document-causal mask, FlashAttention-4). Per-rank compute efficiency = ``T(reference) / (cp * T(rank))``
-against each: 1.0 means splitting costs nothing but communication
+the a2a's whole-sequence block on ``H / cp`` heads, a2a+p2p's ring on ``H / A`` heads, rounded up where
+the a2a pads uneven heads) through :func:`~cp_handler.ops.blocks.blocks_forward_` / ``blocks_backward_``
+on tensors of the rank's shapes (remote K/V stand in with the local ones: same shapes, same work). The
+reference is the whole sequence on one device, by each of ``--whole-kernels`` (:mod:`.whole`: SDPA,
+FlexAttention with a document-causal mask, FlashAttention-4). Per-rank compute efficiency =
+``T(reference) / (cp * T(rank))`` against each: 1.0 means splitting costs nothing but communication
 (communication is measured by ``--modes attn`` on several ranks).
 
 Forward + backward, causal, batch 1; thd packs ``seq_len`` tokens as documents with exponentially
@@ -33,6 +33,7 @@ from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles
 from ..ops.patterns import PATTERNS
 from ..ops.spec import AttnSpec
+from ..ops.ulysses import a2a_head_plan
 from .case_progress import each_case
 from .whole import resolve, whole_step
 
@@ -91,13 +92,18 @@ def hierarchical_sizes(cp_size: int) -> list[int]:
 
 def rank_plan(case: PlanCase, shape: PlanShape, packed: bool = False) -> RankPlan:
     """Rank 0's work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`), as a
-    packed kernel (``packed``) or a block kernel runs it."""
+    packed kernel (``packed``) or a block kernel runs it; an all-to-all's heads per rank are those of its head plan
+    (:func:`~cp_handler.ops.ulysses.a2a_head_plan`: ``ceil``-like, padded heads included)."""
     lengths = [case.seq_len] if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
     layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
     pattern = PATTERNS[case.pattern]
     plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1,
                               packed)
-    heads = (shape.num_heads // plan.head_divisor, max(1, shape.num_kv_heads // plan.head_divisor))
+    if plan.head_divisor > 1:  # the a2a's heads per rank, padded when the a2a size does not split them
+        split = a2a_head_plan(shape.num_heads, shape.num_kv_heads, plan.head_divisor)
+        heads = (split.heads_per_rank, split.kv_heads_per_rank)
+    else:
+        heads = (shape.num_heads, shape.num_kv_heads)
     return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd")
 
 

@@ -172,4 +172,24 @@ def plots(results: dict, out_dir: str) -> list[str]:
         written.append(generate_plot(results["generate"], out_dir))
     if "memory" in results:
         written.append(memory_plot(results["memory"], out_dir))
+    if "auto" in results:
+        written.append(auto_plot(results["auto"], out_dir))
     return written
+
+
+def auto_plot(auto: dict, out_dir: str) -> str:
+    """Predicted against measured milliseconds of every (case, pattern) pair, log-log, the 25% band shaded."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(6, 5.5))
+    for pattern in sorted({r["pattern"] for r in auto["rows"]}):
+        rows = [r for r in auto["rows"] if r["pattern"] == pattern]
+        ax.scatter([r["median_ms"] for r in rows], [r["predicted_ms"] for r in rows], label=pattern, s=18)
+    values = [v for r in auto["rows"] for v in (r["median_ms"], r["predicted_ms"])]
+    lo, hi = min(values) / 1.5, max(values) * 1.5
+    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="grey", alpha=0.2,
+                    label="within 25%")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured ms (fwd+bwd, slowest rank)",
+           ylabel=f"predicted ms ({auto['profile']})", title="cost model vs measurement, every pattern")
+    ax.legend(fontsize=7)
+    return save_figure(fig, out_dir, "auto_predicted_vs_measured.png")

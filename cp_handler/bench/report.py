@@ -124,7 +124,47 @@ def markdown(results: dict) -> str:
         parts += ["## One hybrid layer per rank (hybrid mode)\n", hybrid_table(results["hybrid"]), ""]
     if "compile" in results:
         parts += ["## Compiled vs eager (compile mode)\n", compile_table(results["compile"]), ""]
+    if "calibrate" in results:
+        parts += ["## Cost profile (calibrate mode)\n", calibrate_table(results["calibrate"]), ""]
+    if "auto" in results:
+        parts += ["## Patterns measured vs the cost model, and auto's pick (auto mode)\n",
+                  auto_table(results["auto"]), ""]
     return "\n".join(parts)
+
+
+def calibrate_table(calibrated: dict) -> str:
+    """Per group size: the compute fit's errors and every link's latency and bandwidth."""
+    profile = calibrated["profile"]
+    rows = []
+    for size, group in profile["groups"].items():
+        errors = [f"{d} median {100 * c['fit_error']['median_rel']:.0f}% max {100 * c['fit_error']['max_rel']:.0f}%"
+                  for d, c in group["compute"].items() if c.get("fit_error")]
+        links = ", ".join(f"{k} {v['latency_ms']:.3f} ms + {v['gbps']:.2f} GB/s" for k, v in group["links"].items())
+        rows.append((size, "; ".join(errors), links))
+    return table(f"{profile['name']}: {profile['source']} (written to {calibrated['path']})",
+                 ["cp", "compute fit (relative error)", "links (latency + bandwidth)"], rows)
+
+
+def auto_table(auto: dict) -> str:
+    """One row per case: each pattern measured / predicted, the fastest, auto's pick and its ratio; the summary."""
+    by_case: dict[tuple, dict] = {}
+    for r in auto["rows"]:
+        key = (r["tokens"], r["cp"], r["heads"], r["kv_heads"], r["head_dim"], r["kind"])
+        by_case.setdefault(key, {})[r["pattern"]] = r
+    rows = []
+    for c in auto["cases"]:
+        key = (c["tokens"], c["cp"], c["heads"], c["kv_heads"], c["head_dim"], c["kind"])
+        cells = " / ".join(f"{p} {r['median_ms']:.0f} ({r['predicted_ms']:.0f})" for p, r in by_case[key].items())
+        rows.append((c["tokens"], c["cp"], f"{c['heads']}/{c['kv_heads']}", c["head_dim"], c["kind"], cells,
+                     c["fastest"], c["auto"], f"{c['auto_over_fastest']:.2f}"))
+    s = auto["summary"]
+    caption = (f"fwd+bwd ms per layer, measured (predicted by {auto['profile']}); auto within 5% of the fastest in "
+               f"{100 * s['auto_within_5pct']:.0f}% of {s['cases']} cases, within 15% in "
+               f"{100 * s['auto_within_15pct']:.0f}%, worst {s['auto_worst_ratio']:.2f}x; predictions within 25% "
+               f"in {100 * s['prediction_within_25pct']:.0f}% of {s['pairs']} (case, pattern) pairs, median error "
+               f"{100 * s['prediction_median_abs_error']:.0f}%")
+    return table(caption, ["tokens", "cp", "H/Hkv", "D", "mask", "pattern measured (predicted)", "fastest", "auto",
+                           "auto / fastest"], rows)
 
 
 def table_head(caption: str, columns: list[str]) -> list[str]:

@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ..config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list, check_comm_types
-from ..ops.patterns import PATTERNS
-from ..ops.ulysses import check_a2a_heads
 from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
 from .guard import Guard, failed, next_serial, refuse
@@ -143,8 +141,9 @@ class ContextParallelHandler(metaclass=ABCMeta):
     @classmethod
     def check_config(cls, config, attn_shape=None, dtype: torch.dtype | None = None) -> None:
         """This backend's rules for a run, checked before any rank starts (``cp-train`` calls it for the
-        training and the evaluation configs). Base rule: heads divisible by every all-to-all size of the
-        config's patterns (:func:`~cp_handler.ops.ulysses.check_a2a_heads`).
+        training and the evaluation configs). The base class has none: every pattern runs every head count
+        (an all-to-all whose size does not split the heads pads them, :func:`~cp_handler.ops.ulysses.a2a_head_plan`);
+        a backend adds its own (Transformer Engine: heads divisible by the a2a size).
 
         Args:
             config: a :class:`~cp_handler.config.ContextParallelConfig`.
@@ -154,13 +153,7 @@ class ContextParallelHandler(metaclass=ABCMeta):
         Raises:
             ValueError: naming the rule.
         """
-        cp = config.context_parallel_size
-        if attn_shape is None or cp == 1:
-            return
-        for comm_type in config.comm_types:
-            size = PATTERNS[comm_type].a2a_size(cp, config.hierarchical_context_parallel_sizes)
-            if size and size > 1:
-                check_a2a_heads(attn_shape.num_heads, attn_shape.num_kv_heads, size)
+        return None  # noqa: B027 - optional hook, not abstract
 
     @classmethod
     def from_config(cls, config, cp_group=None, hierarchical_cp_groups=None, attn_shape=None, **batch):

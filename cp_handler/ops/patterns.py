@@ -2,9 +2,10 @@
 
 One :class:`CommPattern` per pattern: how its attention runs on a rank (the algorithm of its ops
 file), the block plan one rank computes (what ``cp-bench --modes plan`` times and the launch counter
-counts), and what it needs (hierarchical groups; heads divisible by an all-to-all size). The local
-handler, the config's rules, ``cp-train``'s checks and ``cp-bench`` all read this table, so a new
-pattern is its ops file plus one entry in :data:`PATTERNS`.
+counts), and what it needs (hierarchical groups; the all-to-all size its heads are split over, padded
+where that size does not divide them: :func:`~.ulysses.a2a_head_plan`). The local handler, the
+config's rules, ``cp-train``'s checks and ``cp-bench`` all read this table, so a new pattern is its
+ops file plus one entry in :data:`PATTERNS`.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class CommPattern:
         return {"group": cp_group}
 
     def a2a_size(self, cp_size: int, hierarchical_sizes: list[int] | None) -> int | None:
-        """The all-to-all size its heads are divided over (``None``: heads are not divided)."""
+        """The all-to-all size its heads are divided over (``None``: heads are not divided; any head count runs,
+        :func:`~.ulysses.a2a_head_plan` pads heads this size does not divide)."""
         if not self.splits_heads:
             return None
         return (hierarchical_sizes or [1])[0] if self.hierarchical else cp_size

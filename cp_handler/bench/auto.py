@@ -1,0 +1,208 @@
+"""``cp-bench --modes auto``: every pattern measured beside the cost model's prediction and ``"auto"``'s pick.
+
+A grid of attention layers (:data:`GRIDS`; the full one: tokens 1k-16k, cp 2 and 4 with ``a2a+p2p`` over ``[2, 2]``
+at 4, heads 8/8, 16/2 and 8/1, head dims 64 and 128, causal, a window of 512 and thd packs of 8 documents) runs on
+CP ranks of this machine (one launch per cp size, the threads per rank cp-train gives them, float32 on CPU). For
+each case every candidate pattern (:func:`~cp_handler.auto.candidates`) runs forward + backward through the local
+handler, the repetitions interleaved across the patterns (drift hits them alike), each between two barriers, the
+slowest rank's time kept; the median of ``--reps`` is the measured time. Beside it: the profile's prediction
+(:func:`~cp_handler.auto.predict`) and ``"auto"``'s pick (:func:`~cp_handler.auto.choose_comm_type`; the handler
+built with ``cp_comm_type="auto"`` runs exactly the picked pattern's code, so its measured time is that pattern's).
+
+Scores (the issue's targets): the share of cases where auto's pick is within 5% of the fastest measured pattern
+(and the worst ratio), and the share of (case, pattern) pairs whose prediction is within 25% of the measurement.
+The profile: ``--cost-profile`` (a name or JSON), the one ``--calibrate`` measured in the same run, else the
+device's default.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..auto import AttnCase, candidates, choose_comm_type, load_profile, predict
+from ..auto.calibrate import calibrate
+from ..auto.catalog import default_profile
+from ..config import ContextParallelConfig
+from ..groups import build_dp_cp_groups
+from ..handlers import build_cp_handler
+from ..launch import launch, rank_session
+from ..masks import CAUSAL, AttentionMask
+from .case_progress import case_progress
+
+WINDOW = 512
+DOCS = 8
+
+
+@dataclass(frozen=True)
+class GridCase:
+    """One attention layer of the grid: global tokens, cp, heads, head dim and the mask kind (``causal``,
+    ``window`` of :data:`WINDOW`, ``thd``: :data:`DOCS` packed documents)."""
+
+    tokens: int
+    cp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kind: str
+
+    def lengths(self) -> tuple[int, ...]:
+        if self.kind != "thd":
+            return (self.tokens,)
+        cuts = sorted(random.Random(self.tokens).sample(range(1, self.tokens), DOCS - 1))
+        return tuple(b - a for a, b in zip([0, *cuts], [*cuts, self.tokens], strict=True))
+
+    def attn_case(self) -> AttnCase:
+        mask = AttentionMask(window=WINDOW) if self.kind == "window" else CAUSAL
+        return AttnCase(self.lengths(), 1, self.heads, self.kv_heads, self.head_dim, self.head_dim, 4, mask, self.cp,
+                        (2, self.cp // 2) if self.cp >= 4 else None)
+
+    def describe(self) -> str:
+        return f"S={self.tokens} cp={self.cp} H={self.heads}/{self.kv_heads} D={self.head_dim} {self.kind}"
+
+
+_SHAPES = {"8/8/64": (8, 8, 64), "16/2/128": (16, 2, 128), "8/1/64": (8, 1, 64)}
+_FULL = [(1024, "8/8/64", "causal"), (1024, "16/2/128", "causal"), (1024, "8/1/64", "causal"),
+         (4096, "8/8/64", "causal"), (4096, "16/2/128", "causal"), (4096, "8/1/64", "causal"),
+         (4096, "8/8/64", "window"), (16384, "8/1/64", "window"), (16384, "16/2/128", "window"),
+         (4096, "8/8/64", "thd"), (16384, "8/1/64", "thd"), (8192, "16/2/128", "thd")]
+GRIDS = {
+    "full": [GridCase(t, cp, *_SHAPES[s], k) for cp in (2, 4) for t, s, k in _FULL],
+    "quick": [GridCase(t, cp, *_SHAPES[s], k) for cp in (2, 4) for t, s, k in _FULL if t <= 4096 and s != "16/2/128"],
+    "tiny": [GridCase(256, cp, *_SHAPES[s], k) for cp in (2, 4) for s, k in (("8/8/64", "causal"),
+                                                                            ("8/1/64", "thd"))],
+}
+"""The grids of ``--auto-grid``: ``full`` (24 cases, about 20 minutes on 2 CPU cores), ``quick`` (12 cases of at
+most 4k tokens), ``tiny`` (4 cases of 256 tokens: the test suite's)."""
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, window: int | None):
+        super().__init__()
+        self.layer_number = 1
+        if window:
+            self.window_size = (window - 1, 0)
+
+
+class _Run:
+    """One pattern's forward + backward of one case on this rank."""
+
+    def __init__(self, case: GridCase, comm_type: str, groups):
+        lengths = case.lengths()
+        thd = case.kind == "thd"
+        hierarchical = comm_type == "a2a+p2p"
+        config = ContextParallelConfig(context_parallel_size=case.cp, cp_comm_type=comm_type,
+                                       qkv_format="thd" if thd else "bshd",
+                                       hierarchical_context_parallel_sizes=[2, case.cp // 2] if hierarchical else None)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if thd else None
+        self.handler = build_cp_handler(config, groups.cp_group, groups.hierarchical_cp_groups if hierarchical else None,
+                                        **({"cu_seqlens": cu} if thd else {}))
+        g = torch.Generator().manual_seed(case.tokens)
+        lead, dim = ((case.tokens,), 0) if thd else ((1, case.tokens), 1)
+        heads = (case.heads, case.kv_heads, case.kv_heads, case.heads)
+        self.q, self.k, self.v, self.dout = (
+            self.handler.dispatch(torch.randn(*lead, h, case.head_dim, generator=g), dim).contiguous() for h in heads)
+        for t in (self.q, self.k, self.v):
+            t.requires_grad_(True)
+        self.layer = _Layer(WINDOW if case.kind == "window" else None)
+
+    def __call__(self) -> None:
+        self.handler.core_attn(self.layer, self.q, self.k, self.v).backward(self.dout)
+        for t in (self.q, self.k, self.v):
+            t.grad = None
+
+
+def _interleaved(runs: list[_Run], warmup: int, reps: int) -> list[list[float]]:
+    for run in runs:
+        for _ in range(warmup):
+            run()
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(reps):
+        for run, own in zip(runs, times, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            run()
+            dist.barrier()
+            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            own.append(elapsed.item() * 1e3)
+    return times
+
+
+def auto_worker(cases: list[GridCase], warmup: int, reps: int) -> list[dict] | None:
+    with rank_session("cp-bench", device_type="cpu"):
+        world, rank0 = dist.get_world_size(), dist.get_rank() == 0
+        groups = build_dp_cp_groups(world, "cpu", [2, world // 2] if world >= 4 else None)
+        bar = case_progress(len(cases), f"auto cp={world}", enabled=rank0)
+        rows = []
+        for case in cases:
+            names = candidates(case.attn_case())
+            runs = [_Run(case, name, groups) for name in names]
+            for name, times in zip(names, _interleaved(runs, warmup, reps), strict=True):
+                rows.append({**asdict(case), "pattern": name, "median_ms": statistics.median(times),
+                             "times_ms": times})
+            bar.update(case=case.describe())
+        bar.close()
+        return rows if rank0 else None
+
+
+def score(rows: list[dict], profile, dtype: str = "float32") -> dict:
+    """Predictions and picks beside the measured rows; the summary of the issue's targets."""
+    by_case: dict[tuple, list[dict]] = {}
+    for row in rows:
+        case = GridCase(*(row[k] for k in ("tokens", "cp", "heads", "kv_heads", "head_dim", "kind")))
+        pred = predict(row["pattern"], case.attn_case(), profile, dtype)
+        row.update(predicted_ms=pred.total_ms, predicted_compute_ms=pred.compute_ms, predicted_comm_ms=pred.comm_ms,
+                   prediction_error=(pred.total_ms - row["median_ms"]) / row["median_ms"])
+        by_case.setdefault(case, []).append(row)
+    cases = []
+    for case, members in by_case.items():
+        pick = choose_comm_type(case.attn_case(), profile, dtype).comm_type
+        fastest = min(members, key=lambda r: r["median_ms"])
+        picked = next(r for r in members if r["pattern"] == pick)
+        cases.append({**asdict(case), "auto": pick, "fastest": fastest["pattern"],
+                      "auto_over_fastest": picked["median_ms"] / fastest["median_ms"]})
+    ratios = [c["auto_over_fastest"] for c in cases]
+    errors = [abs(r["prediction_error"]) for r in rows]
+    return {"cases": cases, "summary": {
+        "cases": len(cases), "auto_within_5pct": sum(r <= 1.05 for r in ratios) / len(ratios),
+        "auto_within_15pct": sum(r <= 1.15 for r in ratios) / len(ratios), "auto_worst_ratio": max(ratios),
+        "pairs": len(rows), "prediction_within_25pct": sum(e <= 0.25 for e in errors) / len(errors),
+        "prediction_median_abs_error": statistics.median(errors)}}
+
+
+def run_calibrate(args) -> dict:
+    """``--modes calibrate`` / ``--calibrate``: a profile of this machine at ``--calibrate-cp-sizes``, written to
+    ``<out-dir>/cost_profile.json``."""
+    profile = calibrate(args.calibrate_cp_sizes, args.calibrate_dtype, args.device, reps=args.reps,
+                        progress=lambda text: print(f"cp-bench: {text}", flush=True))
+    path = os.path.join(args.out_dir, "cost_profile.json")
+    profile.save(path)
+    return {"path": path, "profile": profile.to_json()}
+
+
+def _profile(args):
+    if args.cost_profile:
+        return load_profile(args.cost_profile)
+    calibrated = os.path.join(args.out_dir, "cost_profile.json")
+    if "calibrate" in args.modes and os.path.isfile(calibrated):
+        return load_profile(calibrated)
+    return default_profile("cpu")
+
+
+def run(args) -> dict:
+    """``--modes auto``: the grid ``--auto-grid`` on CPU ranks, scored (module doc)."""
+    profile = _profile(args)
+    grid = GRIDS[args.auto_grid]
+    rows = []
+    for cp in sorted({c.cp for c in grid}):
+        rows += launch(auto_worker, cp, [c for c in grid if c.cp == cp], args.warmup, args.reps,
+                       program="cp-bench")[0]
+    return {"profile": profile.name, "profile_source": profile.source, "grid": args.auto_grid, "rows": rows,
+            **score(rows, profile)}
