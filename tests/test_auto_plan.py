@@ -7,10 +7,13 @@ order of the log-sum-exp merges differs from the one-process softmax).
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import HANG_GUARD_S
 from dist_utils import run_distributed
 
 from cp_handler import ContextParallelConfig, build_dp_cp_groups
@@ -26,9 +29,11 @@ from cp_handler.auto import (
     pattern_work,
     predict,
 )
-from cp_handler.auto.calibrate import fit_compute
+from cp_handler.auto.calibrate import fit_compute, fit_patterns
 from cp_handler.auto.profile import ComputeFit
 from cp_handler.auto.workload import PatternWorkload
+from cp_handler.bench.cli import main as bench_main
+from cp_handler.bench.cli import parse_args as parse_bench
 from cp_handler.dynamic import schedule_sequences
 from cp_handler.handlers import build_cp_handler
 from cp_handler.masks import CAUSAL, AttentionMask
@@ -205,6 +210,20 @@ def _auto_worker(rank, world):
         if window is None:  # the model's bytes are what the collectives sent (the halo's uneven a2a: see its test)
             modelled = sum(t.bytes_sent for t in pattern_work(choice.comm_type, case).transfers)
             assert counter.bytes_sent == modelled, (choice.comm_type, counter.bytes_sent, modelled)
+    # per layer: layer 1 "auto", layer 2 "p2p" in one handler; both equal one process
+    groups = build_dp_cp_groups(world, "cpu")
+    handler = build_cp_handler(ContextParallelConfig(context_parallel_size=world, cp_comm_type=["auto", "p2p"]),
+                               groups.cp_group, cp_comm_profile=profile)
+    g = torch.Generator().manual_seed(7)
+    q, k, v, dout = (torch.randn(1, 32, 4, 8, generator=g) for _ in range(4))
+    want = _single(q, k, v, dout, CAUSAL)[0]
+    for number in (1, 2):
+        layer = _Layer()
+        layer.layer_number = number
+        with torch.no_grad():
+            out = handler.core_attn(layer, *(handler.dispatch(t, 1) for t in (q, k, v)))
+        torch.testing.assert_close(out, handler.dispatch(want, 1), **TOL)
+    assert len(handler.auto_choices) == 1  # layer 2 named its pattern
     # a profile of another device is refused by name on every rank, before the attention communicates
     handler = build_cp_handler(ContextParallelConfig(context_parallel_size=world, cp_comm_type="auto"),
                                build_dp_cp_groups(world, "cpu").cp_group, cp_comm_profile="h100-nvlink")
@@ -247,3 +266,44 @@ def test_auto_on_ranks_equals_one_process():
 def test_modelled_bytes_equal_counted_bytes():
     run_distributed(_bytes_worker, 4)
 
+
+
+def test_fit_patterns_recovers_scale_and_fixed():
+    """A pattern's calls measured as 1.3 x the model + 4 ms give back scale 1.3 and fixed 4 (exact rows)."""
+    profile = toy_profile()
+    group = profile.group(4)
+    rows = []
+    for tokens in (128, 256, 512):
+        case = AttnCase((tokens,), heads=4, kv_heads=4, head_dim=16, v_head_dim=16, cp=4)
+        rows.append(("p2p", case, 1.3 * predict("p2p", case, profile, "float32").total_ms + 4.0))
+    (fit,) = fit_patterns(rows, group, 4, "float32", "cpu").values()
+    assert (fit.scale, fit.fixed_ms) == pytest.approx((1.3, 4.0), rel=1e-9)
+
+
+def test_cp_train_auto_passes_parity(tmp_path):
+    """cp-train --cp-comm-type auto: every step equals one process (the pick logged once for the run)."""
+    flags = ["--nproc", "2", "--cp-comm-type", "auto", "--check-parity", "--steps", "3", "--seq-len", "128",
+             "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-layers", "2", "--num-heads", "4",
+             "--num-kv-heads", "2", "--max-corpus-bytes", "2000000"]
+    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity passed" in result.stderr
+    assert result.stderr.count("cp_comm_type='auto' -> ") == 1
+
+
+def test_cp_bench_auto_and_calibrate_flags(tmp_path):
+    """--calibrate alone runs only the calibration; --modes auto on the tiny grid writes its scores and rows, one
+    per (case, pattern), each with a prediction; a profile that does not exist is refused by name."""
+    assert parse_bench(["--calibrate"]).modes == ["calibrate"]
+    assert parse_bench(["--calibrate", "--modes", "auto"]).modes == ["calibrate", "auto"]
+    with pytest.raises(SystemExit):
+        parse_bench(["--modes", "auto", "--cost-profile", "nope"])
+    out = tmp_path / "auto"
+    assert bench_main(["--modes", "auto", "--auto-grid", "tiny", "--reps", "1", "--warmup", "0", "--no-plots",
+                       "--out-dir", str(out)]) == 0
+    auto = json.loads((out / "results.json").read_text())["auto"]
+    assert auto["profile"] == "cpu-2core-gloo" and auto["summary"]["cases"] == 4
+    assert len(auto["rows"]) == 3 + 3 + 4 + 4  # cp 2: p2p, all_gather, a2a; cp 4: and a2a+p2p
+    assert all(r["predicted_ms"] > 0 and r["median_ms"] > 0 for r in auto["rows"])
+    assert {c["auto"] for c in auto["cases"]} <= {"p2p", "all_gather", "a2a", "a2a+p2p"}

@@ -181,8 +181,8 @@ def test_hierarchical_parity_and_group_log():
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
          "--hierarchical-cp-sizes 2 3 multiply to 6, but --cp-size 4"),
         (["--nproc", "4", "--hierarchical-cp-sizes", "2", "2"],
-         "--hierarchical-cp-sizes 2 2 is used only by a hierarchical --cp-comm-type (a2a+p2p); --cp-comm-type p2p "
-         "has none: drop it"),
+         "--hierarchical-cp-sizes 2 2 is used only by a hierarchical --cp-comm-type (a2a+p2p) or by 'auto' (which may "
+         "pick one); --cp-comm-type p2p has none: drop it"),
         (["--nproc", "4", "--cp-size", "2", "--moe-experts", "8", "--expert-parallel-size", "8"],
          "--expert-parallel-size 8 must divide dp * cp = 2 * 2 = 4"),
         (["--nproc", "4", "--moe-experts", "6", "--expert-parallel-size", "4"],

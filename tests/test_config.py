@@ -22,7 +22,7 @@ def test_valid_config_round_trip():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"cp_comm_type": "ring"}, r"cp_comm_type='ring'.*valid: \('p2p', 'all_gather', 'a2a', 'a2a\+p2p'\)"),
+        ({"cp_comm_type": "ring"}, r"cp_comm_type='ring'.*valid: \('p2p', 'all_gather', 'a2a', 'a2a\+p2p', 'auto'\)"),
         ({"context_parallel_size": 0}, r"context_parallel_size=0 must be an integer >= 1"),
         ({"context_parallel_size": 2.0}, r"context_parallel_size=2.0"),
         ({"context_parallel_size": 4, "cp_comm_type": "a2a+p2p"}, r"needs hierarchical_context_parallel_sizes"),
@@ -33,7 +33,8 @@ def test_valid_config_round_trip():
         ({"hierarchical_context_parallel_sizes": [1, 0]}, r"integers >= 1"),
         ({"context_parallel_size": 4, "cp_comm_type": ["p2p", "a2a"], "num_layers": 2,
           "hierarchical_context_parallel_sizes": [2, 2]},
-         r"hierarchical_context_parallel_sizes=\[2, 2\] is used only by a hierarchical cp_comm_type \(a2a\+p2p\); "
+         r"hierarchical_context_parallel_sizes=\[2, 2\] is used only by a hierarchical cp_comm_type \(a2a\+p2p\) or "
+         r"by 'auto' \(which may pick one\); "
          r"cp_comm_type=\['p2p', 'a2a'\] has none: drop it"),
         ({"cp_comm_type": ["p2p", "p2p", "p2p"], "num_layers": 2}, r"3 entries but the model has num_layers=2"),
         ({"cp_comm_type": []}, r"at least one"),

@@ -15,7 +15,8 @@ cp-bench give them) do, all at once:
   ``scale`` and ``fixed`` cost (:class:`~.profile.PatternFit`: what the shared fits miss for it, its copies,
   reorders and the handler's Python).
 
-Sizes are small (``CALIBRATION_TOKENS``), so a group size takes well under a minute on two CPU cores.
+Sizes stay small (:data:`CALIBRATION_TOKENS`, :data:`PATTERN_CASES`): a group size takes about 45 s on two CPU
+cores.
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ from .choice import candidates, predict
 from .pattern_work import AttnCase, _plan_work, rank_plan
 from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
 
-CALIBRATION_TOKENS = (512, 2048)
-"""Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8)."""
+CALIBRATION_TOKENS = (1024, 4096)
+"""Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8): the block sizes of
+layers of 1k to 16k tokens over 2 to 8 ranks."""
 CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128))
 """``(heads, kv_heads, head_dim)`` of the calibration plans: MHA at 64, GQA at 128."""
 LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
 """Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
-PATTERN_CASES = ((512, (4, 4, 64), None, 1), (2048, (4, 4, 64), None, 1), (512, (8, 2, 128), None, 1),
-                 (2048, (8, 2, 128), None, 1), (2048, (4, 4, 64), 256, 1), (2048, (4, 4, 64), None, 8))
+PATTERN_CASES = ((1024, (4, 4, 64), None, 1), (4096, (4, 4, 64), None, 1), (1024, (8, 2, 128), None, 1),
+                 (4096, (4, 4, 64), 512, 1), (4096, (4, 4, 64), None, 8))
 """``(tokens, (heads, kv_heads, head_dim), window, documents)`` of the patterns' own runs."""
 
 

@@ -21,6 +21,8 @@ from .base import ContextParallelHandler
 from .preflight import AttnCall
 
 LOG = logging.getLogger("cp_handler.auto")
+_LOGGED: set[tuple[str, int, str]] = set()
+"""``"auto"``'s picks logged in this process: ``(comm type, cp, profile name)``."""
 
 
 class LocalContextParallelHandler(ContextParallelHandler):
@@ -31,8 +33,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
     (:func:`cp_handler.auto.choose_comm_type`: its plans and transfers priced by ``cp_comm_profile``), among
     p2p, all_gather, a2a, and a2a+p2p when ``hierarchical_cp_groups`` are given; the pick depends only on what
     every rank of the group shares (shapes, documents, group sizes, the profile), is compared across the ranks with
-    the call's other properties, kept in :attr:`auto_choices` and logged once per distinct pick (logger
-    ``cp_handler.auto``, CP rank 0).
+    the call's other properties, kept in :attr:`auto_choices` and logged once per process and distinct pick
+    (logger ``cp_handler.auto``, CP rank 0).
 
     ``core_attn`` takes q ``(B, S_local, H, D)`` (bshd), ``(S_local, B, H, D)`` (sbhd) or
     ``(T_local, H, D)`` (thd; ``(1, T_local, H, D)`` too) and k, v with ``Hkv`` heads
@@ -147,8 +149,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
             dtype = str(q.dtype).removeprefix("torch.")
             profile.check(self.cp_size, q.device.type, dtype)
             choice = self.auto_choices[case] = choose_comm_type(case, profile, dtype)
-            earlier = list(self.auto_choices.values())[:-1]
-            if self.cp_rank == 0 and all(c.comm_type != choice.comm_type for c in earlier):
+            logged = (choice.comm_type, self.cp_size, profile.name)
+            if self.cp_rank == 0 and logged not in _LOGGED:  # once per process and distinct pick, not per batch
+                _LOGGED.add(logged)
                 LOG.info("%s; profile %r", choice.describe(), profile.name)
         return choice.comm_type
 
