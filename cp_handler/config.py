@@ -17,7 +17,8 @@ Megatron-LM's names), one per entry of :data:`~cp_handler.ops.patterns.PATTERNS`
 
 AUTO = "auto"
 """``cp_comm_type="auto"``: the handler picks one of ``CP_COMM_TYPES`` per call from a cost profile
-(:mod:`cp_handler.auto`); accepted wherever a comm type is, per layer too, by the handlers that list it (the local one)."""
+(:mod:`cp_handler.auto`); accepted wherever a comm type is, per layer too, by the handlers that list it (the local
+one)."""
 
 COMM_TYPE_CHOICES = (*CP_COMM_TYPES, AUTO)
 """Every value ``cp_comm_type`` may take: a pattern, or ``"auto"``."""

@@ -104,7 +104,7 @@ def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, dev
     return run
 
 
-def _documents(tokens: int, docs: int) -> tuple[int, ...]:
+def documents(tokens: int, docs: int) -> tuple[int, ...]:
     """``docs`` document lengths summing to ``tokens`` (seeded cuts)."""
     cuts = sorted(random.Random(tokens).sample(range(1, tokens), docs - 1))
     return tuple(b - a for a, b in zip([0, *cuts], [*cuts, tokens], strict=True))
@@ -117,7 +117,7 @@ def calibration_cases(cp: int) -> list[tuple[str, AttnCase]]:
     for heads, kv_heads, dim in CALIBRATION_SHAPES:
         for tokens in CALIBRATION_TOKENS:
             base = AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, CAUSAL, cp)
-            docs = _documents(tokens, 8)
+            docs = documents(tokens, 8)
             out += [("p2p", base), ("all_gather", base), ("a2a", base),
                     ("p2p", AttnCase((tokens,), 1, heads, kv_heads, dim, dim, 4, AttentionMask(window=tokens // 8),
                                      cp)),
@@ -210,7 +210,7 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
         patterns = []
         groups = build_dp_cp_groups(world, device.type, list(levels_of(world) or []) or None)
         for tokens, (heads, kv_heads, dim), window, docs in PATTERN_CASES:
-            lengths = (tokens,) if docs == 1 else _documents(tokens, docs)
+            lengths = (tokens,) if docs == 1 else documents(tokens, docs)
             mask = AttentionMask(window=window) if window else CAUSAL
             case = AttnCase(lengths, 1, heads, kv_heads, dim, dim, dtype.itemsize, mask, world, levels_of(world))
             for comm_type in candidates(case):

@@ -4,7 +4,8 @@ A grid of attention layers (:data:`GRIDS`; the full one: tokens 1k-16k, cp 2 and
 at 4, heads 8/8, 16/2 and 8/1, head dims 64 and 128, causal, a window of 512 and thd packs of 8 documents) runs on
 CP ranks of this machine (one launch per cp size, the threads per rank cp-train gives them, float32 on CPU). For
 each case every candidate pattern (:func:`~cp_handler.auto.candidates`) runs forward + backward through the local
-handler, the repetitions interleaved across the patterns (drift hits them alike), each between two barriers, the
+handler (:func:`~cp_handler.auto.calibrate.handler_step`, as the calibration times a pattern), the repetitions
+interleaved across the patterns (drift hits them alike), each between two barriers, the
 slowest rank's time kept; the median of ``--reps`` is the measured time. Beside it: the profile's prediction
 (:func:`~cp_handler.auto.predict`) and ``"auto"``'s pick (:func:`~cp_handler.auto.choose_comm_type`; the handler
 built with ``cp_comm_type="auto"`` runs exactly the picked pattern's code, so its measured time is that pattern's).
@@ -18,7 +19,6 @@ device's default.
 from __future__ import annotations
 
 import os
-import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -27,11 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ..auto import AttnCase, candidates, choose_comm_type, load_profile, predict
-from ..auto.calibrate import calibrate
+from ..auto.calibrate import calibrate, documents, handler_step, levels_of
 from ..auto.catalog import default_profile
-from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups
-from ..handlers import build_cp_handler
 from ..launch import launch, rank_session
 from ..masks import CAUSAL, AttentionMask
 from .case_progress import case_progress
@@ -53,15 +51,12 @@ class GridCase:
     kind: str
 
     def lengths(self) -> tuple[int, ...]:
-        if self.kind != "thd":
-            return (self.tokens,)
-        cuts = sorted(random.Random(self.tokens).sample(range(1, self.tokens), DOCS - 1))
-        return tuple(b - a for a, b in zip([0, *cuts], [*cuts, self.tokens], strict=True))
+        return documents(self.tokens, DOCS) if self.kind == "thd" else (self.tokens,)
 
     def attn_case(self) -> AttnCase:
         mask = AttentionMask(window=WINDOW) if self.kind == "window" else CAUSAL
         return AttnCase(self.lengths(), 1, self.heads, self.kv_heads, self.head_dim, self.head_dim, 4, mask, self.cp,
-                        (2, self.cp // 2) if self.cp >= 4 else None)
+                        levels_of(self.cp))
 
     def describe(self) -> str:
         return f"S={self.tokens} cp={self.cp} H={self.heads}/{self.kv_heads} D={self.head_dim} {self.kind}"
@@ -82,43 +77,7 @@ GRIDS = {
 most 4k tokens), ``tiny`` (4 cases of 256 tokens: the test suite's)."""
 
 
-class _Layer(torch.nn.Module):
-    def __init__(self, window: int | None):
-        super().__init__()
-        self.layer_number = 1
-        if window:
-            self.window_size = (window - 1, 0)
-
-
-class _Run:
-    """One pattern's forward + backward of one case on this rank."""
-
-    def __init__(self, case: GridCase, comm_type: str, groups):
-        lengths = case.lengths()
-        thd = case.kind == "thd"
-        hierarchical = comm_type == "a2a+p2p"
-        config = ContextParallelConfig(context_parallel_size=case.cp, cp_comm_type=comm_type,
-                                       qkv_format="thd" if thd else "bshd",
-                                       hierarchical_context_parallel_sizes=[2, case.cp // 2] if hierarchical else None)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if thd else None
-        self.handler = build_cp_handler(config, groups.cp_group, groups.hierarchical_cp_groups if hierarchical else None,
-                                        **({"cu_seqlens": cu} if thd else {}))
-        g = torch.Generator().manual_seed(case.tokens)
-        lead, dim = ((case.tokens,), 0) if thd else ((1, case.tokens), 1)
-        heads = (case.heads, case.kv_heads, case.kv_heads, case.heads)
-        self.q, self.k, self.v, self.dout = (
-            self.handler.dispatch(torch.randn(*lead, h, case.head_dim, generator=g), dim).contiguous() for h in heads)
-        for t in (self.q, self.k, self.v):
-            t.requires_grad_(True)
-        self.layer = _Layer(WINDOW if case.kind == "window" else None)
-
-    def __call__(self) -> None:
-        self.handler.core_attn(self.layer, self.q, self.k, self.v).backward(self.dout)
-        for t in (self.q, self.k, self.v):
-            t.grad = None
-
-
-def _interleaved(runs: list[_Run], warmup: int, reps: int) -> list[list[float]]:
+def _interleaved(runs: list, warmup: int, reps: int) -> list[list[float]]:
     for run in runs:
         for _ in range(warmup):
             run()
@@ -138,12 +97,14 @@ def _interleaved(runs: list[_Run], warmup: int, reps: int) -> list[list[float]]:
 def auto_worker(cases: list[GridCase], warmup: int, reps: int) -> list[dict] | None:
     with rank_session("cp-bench", device_type="cpu"):
         world, rank0 = dist.get_world_size(), dist.get_rank() == 0
-        groups = build_dp_cp_groups(world, "cpu", [2, world // 2] if world >= 4 else None)
+        groups = build_dp_cp_groups(world, "cpu", list(levels_of(world) or []) or None)
         bar = case_progress(len(cases), f"auto cp={world}", enabled=rank0)
         rows = []
         for case in cases:
-            names = candidates(case.attn_case())
-            runs = [_Run(case, name, groups) for name in names]
+            attn_case = case.attn_case()
+            names = candidates(attn_case)
+            runs = [handler_step(name, attn_case, groups, torch.float32, torch.device("cpu"), seed=case.tokens)
+                    for name in names]
             for name, times in zip(names, _interleaved(runs, warmup, reps), strict=True):
                 rows.append({**asdict(case), "pattern": name, "median_ms": statistics.median(times),
                              "times_ms": times})
