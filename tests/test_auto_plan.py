@@ -268,16 +268,18 @@ def test_modelled_bytes_equal_counted_bytes():
 
 
 
-def test_fit_patterns_recovers_scale_and_fixed():
-    """A pattern's calls measured as 1.3 x the model + 4 ms give back scale 1.3 and fixed 4 (exact rows)."""
+def test_fit_patterns_recovers_scale_fixed_and_per_element():
+    """A pattern's calls measured as 1.3 x the model + 4 ms + 2 ms per million elements of q, k, v give those back
+    (exact rows of several shapes)."""
     profile = toy_profile()
     group = profile.group(4)
     rows = []
-    for tokens in (128, 256, 512):
-        case = AttnCase((tokens,), heads=4, kv_heads=4, head_dim=16, v_head_dim=16, cp=4)
-        rows.append(("p2p", case, 1.3 * predict("p2p", case, profile, "float32").total_ms + 4.0))
+    for tokens, heads in ((128, 4), (256, 4), (512, 2), (256, 16)):
+        case = AttnCase((tokens,), heads=heads, kv_heads=heads, head_dim=16, v_head_dim=16, cp=4)
+        modelled = predict("p2p", case, profile, "float32").total_ms
+        rows.append(("p2p", case, 1.3 * modelled + 4.0 + 2.0 * case.local_elements / 1e6))
     (fit,) = fit_patterns(rows, group, 4, "float32", "cpu").values()
-    assert (fit.scale, fit.fixed_ms) == pytest.approx((1.3, 4.0), rel=1e-9)
+    assert (fit.scale, fit.fixed_ms, fit.ms_per_melement) == pytest.approx((1.3, 4.0, 2.0), rel=1e-6)
 
 
 def test_cp_train_auto_passes_parity(tmp_path):

@@ -15,7 +15,7 @@ cp-bench give them) do, all at once:
   ``scale`` and ``fixed`` cost (:class:`~.profile.PatternFit`: what the shared fits miss for it, its copies,
   reorders and the handler's Python).
 
-Sizes stay small (:data:`CALIBRATION_TOKENS`, :data:`PATTERN_CASES`): a group size takes about 45 s on two CPU
+Sizes stay small (:data:`CALIBRATION_TOKENS`, :data:`PATTERN_CASES`): a group size takes about a minute on two CPU
 cores.
 """
 
@@ -53,7 +53,8 @@ CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128))
 LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
 """Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
 PATTERN_CASES = ((1024, (4, 4, 64), None, 1), (4096, (4, 4, 64), None, 1), (1024, (8, 2, 128), None, 1),
-                 (4096, (4, 4, 64), 512, 1), (4096, (4, 4, 64), None, 8))
+                 (4096, (8, 2, 128), None, 1), (1024, (16, 16, 32), None, 1), (4096, (4, 4, 64), 512, 1),
+                 (4096, (4, 4, 64), None, 8))
 """``(tokens, (heads, kv_heads, head_dim), window, documents)`` of the patterns' own runs."""
 
 
@@ -244,13 +245,15 @@ def fit_compute(rows: list[tuple[tuple[float, ...], float]]) -> ComputeFit:
 
 def fit_patterns(rows, group: GroupProfile, cp: int, dtype: str, device: str) -> dict[str, PatternFit]:
     """Each pattern's :class:`~.profile.PatternFit`: its measured calls against the compute and link fits'
-    prediction, ``ms = scale * modelled + fixed`` by least squares on relative error (both >= 0)."""
+    prediction, ``ms = scale * modelled + fixed + per element`` by least squares on relative error (each >= 0)."""
     bare = CostProfile("bare", "", device, 0.0, {cp: group})
     out = {}
     for comm_type in dict.fromkeys(name for name, _, _ in rows):
-        points = [(predict(name, case, bare, dtype).total_ms, ms) for name, case, ms in rows if name == comm_type]
-        scale, fixed = relative_lstsq([[modelled, 1.0] for modelled, _ in points], [ms for _, ms in points])
-        out[comm_type] = PatternFit(scale, fixed)
+        mine = [(predict(name, case, bare, dtype).total_ms, case.local_elements / 1e6, ms) for name, case, ms in rows
+                if name == comm_type]
+        scale, fixed, per_element = relative_lstsq([[modelled, 1.0, elements] for modelled, elements, _ in mine],
+                                                   [ms for *_, ms in mine])
+        out[comm_type] = PatternFit(scale, fixed, per_element)
     return out
 
 

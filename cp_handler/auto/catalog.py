@@ -3,7 +3,7 @@
 Named profiles are **modelled**, and say so in their ``source``:
 
 * compute: the p2p ring plans of one H100 (FlashAttention-2 blocks, bf16, Llama-3-8B attention: 32 / 8 heads of
-  128), measured 2026-11-24 (``shared/data/h100_ring_rank_times.csv``, 34 rows with cp 2-32, 1k-128k tokens),
+  128), measured 2026-11-24 (``docs/benchmarks/results/h100_ring_rank_times.csv``, its 34 rows with cp 2-32),
   fitted to the plan features (:func:`~.calibrate.fit_compute`: median relative error 7%, max 40%); the H200 uses
   the same fit (same SMs; its faster memory is not modelled);
 * links: public specifications, not measurements: NVLink 4 inside a node of 8 GPUs, 450 GB/s per direction per
@@ -59,8 +59,15 @@ if os.path.isfile(os.path.join(_DIR, "cpu-2core-gloo.json")):
 
 def default_profile(device: str) -> CostProfile:
     """The profile "auto" uses when none is named: ``h100-nvlink`` on CUDA (modelled), ``cpu-2core-gloo`` on CPU
-    (measured on a 2-core machine: calibrate your own with ``cp-bench --calibrate`` for another CPU)."""
-    return NAMED_PROFILES["h100-nvlink" if device == "cuda" else "cpu-2core-gloo"]
+    (measured on a 2-core machine: calibrate your own with ``cp-bench --calibrate`` for another CPU).
+
+    Raises:
+        ValueError: the CPU profile's file is not installed."""
+    name = "h100-nvlink" if device == "cuda" else "cpu-2core-gloo"
+    if name not in NAMED_PROFILES:
+        raise ValueError(f"cp_comm_type='auto': the default profile {name!r} of {device} is not installed "
+                         f"({_DIR}); name one with cp_comm_profile, or calibrate: cp-bench --calibrate")
+    return NAMED_PROFILES[name]
 
 
 def load_profile(name_or_path: str | CostProfile) -> CostProfile:

@@ -7,7 +7,7 @@ transfers hide behind the ring's compute by the profile's ``overlap``; a measure
 pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
     modelled = compute + exposed + ring - overlap * min(ring, compute)
-    total = scale * modelled + fixed
+    total = scale * modelled + fixed + per_element * (q, k, v elements of the rank)
 
 (``exposed``: the collectives nothing overlaps, the all-gathers, reduce-scatters and all-to-alls; ``ring``: the
 ring steps' transfers). :func:`choose_comm_type` returns the fastest candidate, ties going to the earlier one in
@@ -57,7 +57,8 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
             exposed += ms
     total = compute + exposed + ring - profile.overlap * min(ring, compute)
     fit = group.patterns.get(comm_type)
-    return Prediction(comm_type, compute, ring + exposed, fit.ms(total) if fit is not None else total)
+    return Prediction(comm_type, compute, ring + exposed,
+                      fit.ms(total, case.local_elements) if fit is not None else total)
 
 
 def candidates(case: AttnCase, runs: tuple[str, ...] | list[str] = tuple(PATTERNS)) -> list[str]:

@@ -74,6 +74,12 @@ class AttnCase:
     def tokens(self) -> int:
         return self.batch * sum(self.lengths)
 
+    @property
+    def local_elements(self) -> int:
+        """Elements of one rank's q, k and v (its padded rows)."""
+        rows = self.batch * self.layout(self.cp).local_len
+        return rows * (self.heads * self.head_dim + self.kv_heads * (self.head_dim + self.v_head_dim))
+
     def layout(self, size: int) -> ZigzagDocs:
         """The documents over ``size`` ranks (bshd: one unpadded sequence, as the handler's layout)."""
         if len(self.lengths) == 1 and self.lengths[0] % (2 * size) == 0:

@@ -49,15 +49,18 @@ class LinkFit:
 @dataclass(frozen=True)
 class PatternFit:
     """One pattern as this machine runs it, fitted to the pattern's own measured calls: ``scale * modelled +
-    fixed_ms``, ``modelled`` the compute and link fits' prediction. ``scale`` takes in what the shared fits miss for
-    this pattern (its copies and reorders grow with the work), ``fixed_ms`` what a call costs at any size (the
-    handler's Python, the collectives' setup)."""
+    fixed_ms + ms_per_melement * elements / 1e6``, ``modelled`` the compute and link fits' prediction and
+    ``elements`` the rank's q, k and v (:attr:`~.pattern_work.AttnCase.local_elements`). ``scale`` takes in what the
+    shared fits miss for this pattern in proportion to its work, ``ms_per_melement`` its copies and reorders (they
+    grow with the tensors, not with the work), ``fixed_ms`` what a call costs at any size (the handler's Python, the
+    collectives' setup)."""
 
     scale: float
     fixed_ms: float
+    ms_per_melement: float = 0.0
 
-    def ms(self, modelled_ms: float) -> float:
-        return self.scale * modelled_ms + self.fixed_ms
+    def ms(self, modelled_ms: float, elements: int) -> float:
+        return self.scale * modelled_ms + self.fixed_ms + self.ms_per_melement * elements / 1e6
 
 
 @dataclass(frozen=True)
