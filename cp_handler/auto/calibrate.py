@@ -12,8 +12,8 @@ cp-bench give them) do, all at once:
   payloads, fitted to ``latency + bytes / bandwidth`` (:class:`~.profile.LinkFit`);
 * **each pattern as a whole**: the pattern itself through the local handler (:func:`handler_step`) on
   :data:`PATTERN_CASES`; its times against the compute and link fits' prediction give the pattern's
-  ``scale`` and ``fixed`` cost (:class:`~.profile.PatternFit`: what the shared fits miss for it, its copies,
-  reorders and the handler's Python).
+  ``scale``, ``fixed`` cost and cost per element of q, k, v (:class:`~.profile.PatternFit`: what the shared fits
+  miss for it, its copies, reorders and the handler's Python).
 
 Sizes stay small (:data:`CALIBRATION_TOKENS`, :data:`PATTERN_CASES`): a group size takes about a minute on two CPU
 cores.
