@@ -29,6 +29,7 @@ HARMLESS = {
     "shift_labels": lambda v: True,  # the loss's arguments, passed down every layer (Trainer, TRL); not attention
     "num_items_in_batch": lambda v: True,
     "output_attentions": lambda v: not v,
+    "output_hidden_states": lambda v: True,  # collected between layers (Llama 4's VLM passes it down)
     "encoder_hidden_states": lambda v: v is None,
     "past_key_values": lambda v: v is None,
     "past_key_value": lambda v: v is None,

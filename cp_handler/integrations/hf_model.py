@@ -63,6 +63,7 @@ from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
 from .hf_rotary import install_rotary_hooks, is_rotary
 from .hf_router_loss import prepare_router_loss
+from .hf_vlm import is_vision_language, prepare_vision_language, vision_modules
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention (their CP goes through the handler)."""
@@ -236,7 +237,7 @@ def _takes(module: nn.Module, name: str) -> bool:
     return any(p.kind is p.VAR_KEYWORD if name == "**" else p.name == name for p in parameters)
 
 
-def recompute_hosts(model: nn.Module) -> list[nn.Module]:
+def recompute_hosts(model: nn.Module, skip: frozenset = frozenset()) -> list[nn.Module]:
     """The modules that get :func:`_recompute_pre_hook`: for every module that reads the active handler when
     it runs (a routed mixer, a rotary module), the innermost module from it up to, not including, the decoder
     layer holding it (a ``GradientCheckpointingLayer``: transformers 5 runs a layer's own hooks outside its
@@ -249,7 +250,7 @@ def recompute_hosts(model: nn.Module) -> list[nn.Module]:
     parents = {child: parent for parent in model.modules() for child in parent.children()}
     hosts = {}
     for reader in model.modules():
-        if not (getattr(reader, "_cp_mixer", False) or is_rotary(reader)):
+        if id(reader) in skip or not (getattr(reader, "_cp_mixer", False) or is_rotary(reader)):
             continue
         path = [reader]
         while path[-1] in parents and parents[path[-1]] is not model and \
@@ -325,8 +326,11 @@ def prepare_model(model: nn.Module) -> nn.Module:
     handles = [model.register_forward_pre_hook(functools.partial(_model_pre_hook, last=last), with_kwargs=True),
                model.register_forward_hook(functools.partial(_model_hook, last=last), with_kwargs=True,
                                            always_call=True)]
-    handles += install_rotary_hooks(model)
-    for host in recompute_hosts(model):  # before a rotary module's own pre-hook, when it is its host
+    vision = frozenset(vision_modules(model)) if is_vision_language(model) else frozenset()
+    if is_vision_language(model):  # after the generic pre-hook: the forward's handler is active then
+        handles += prepare_vision_language(model)
+    handles += install_rotary_hooks(model, vision)
+    for host in recompute_hosts(model, vision):  # before a rotary module's own pre-hook, when it is its host
         handles += [host.register_forward_pre_hook(functools.partial(_recompute_pre_hook, last=last),
                                                    with_kwargs=True, prepend=True),
                     host.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]

@@ -106,11 +106,12 @@ def _rotary_hook(module, args, kwargs, output):
     return stripped if isinstance(output, tuple) else stripped[0]
 
 
-def install_rotary_hooks(model: nn.Module) -> list:
-    """The rotary hooks on every rotary module of ``model``; returns their handles."""
+def install_rotary_hooks(model: nn.Module, skip: frozenset = frozenset()) -> list:
+    """The rotary hooks on every rotary module of ``model`` but those whose ``id`` is in ``skip`` (a vision-language
+    model's vision tower: :func:`.hf_vlm.vision_modules`); returns their handles."""
     handles = []
     for name, module in model.named_modules():
-        if is_rotary(module):
+        if is_rotary(module) and id(module) not in skip:
             module._cp_name = name or type(module).__name__
             handles += [module.register_forward_pre_hook(_rotary_pre_hook, with_kwargs=True),
                         module.register_forward_hook(_rotary_hook, with_kwargs=True, always_call=True)]

@@ -48,6 +48,7 @@ from .hf_causal import check_causal
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import cp_mask
 from .hf_model import prepare_model
+from .hf_vlm import is_vision_language, set_text_attention
 
 ATTN_IMPLEMENTATION = "cp_handler"
 SUPPORTED = ((4, 57), (5, 23))
@@ -83,7 +84,9 @@ def register(model: torch.nn.Module | None = None) -> str:
     AttentionInterface.register(ATTN_IMPLEMENTATION, cp_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, cp_mask)
     if model is not None:
-        if hasattr(model, "set_attn_implementation"):
+        if is_vision_language(model):  # the vision tower keeps its own attention (:mod:`.hf_vlm`)
+            set_text_attention(model, ATTN_IMPLEMENTATION)
+        elif hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:
             model.config._attn_implementation = ATTN_IMPLEMENTATION
