@@ -16,6 +16,12 @@ shifting again), global ``position_ids`` (:func:`~.hf_inputs.cp_model_inputs`). 
 
 Keys it does not know are refused by name (a tensor with a sequence dimension passed on unsharded would be
 silently wrong).
+
+**Vision-language models** (``vision_language=True``; :mod:`.hf_vlm`): the model takes the whole batch, so
+``input_ids`` (and the per-token ``mm_token_type_ids`` / ``token_type_ids``) stay whole, padded on the right to a
+multiple of ``2 * cp``, with an all-ones ``attention_mask``; the vision inputs (:data:`VISION_KEYS`: pixels, grids,
+image sizes) are passed on as they are; only the labels are this rank's. Padded rows only (the models compute
+positions per row: packed documents and ``position_ids`` are refused by name).
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ PASSED_ON = ("use_cache", "return_loss", "output_router_logits")
 """Keys passed to the model as they are (no sequence dimension)."""
 KNOWN = frozenset(("input_ids", "attention_mask", "labels", "shift_labels", "position_ids", *PACKING_KEYS,
                    *PASSED_ON))
+VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+               "pixel_attention_mask", "image_sizes")
+"""A vision-language batch's vision inputs (TRL's vision collator, the processors): no sequence dimension, passed on
+to the model whole (its vision tower runs on every image of the batch)."""
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
+"""A vision-language batch's per-token types ``(B, S)``: passed whole, padded like ``input_ids``."""
 
 
 @dataclass
@@ -53,24 +65,33 @@ class ShardedBatch:
     token_mask: torch.Tensor
 
 
-def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hierarchical_cp_groups=None) -> ShardedBatch:
+def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hierarchical_cp_groups=None,
+                vision_language: bool = False) -> ShardedBatch:
     """The handler of ``batch`` and this rank's model inputs (module doc). Every rank of ``cp_group`` calls it
-    with the same batch.
+    with the same batch. ``vision_language``: the batch of a vision-language model (module doc).
 
     Raises:
-        ValueError: an unknown key, left padding (or another mask than right padding), packed documents with a
-            batch dimension other than 1 or positions that disagree with ``cu_seq_lens_q``, ``position_ids`` of
-            padded rows that are not ``0..S-1`` (before any collective).
+        ValueError: an unknown key (the vision keys without ``vision_language``), left padding (or another mask than
+            right padding), packed documents with a batch dimension other than 1 or positions that disagree with
+            ``cu_seq_lens_q``, ``position_ids`` of padded rows that are not ``0..S-1``; for a vision-language model
+            packed documents or ``position_ids`` (before any collective).
     """
-    unknown = sorted(set(batch) - KNOWN)
+    known = KNOWN | set(VISION_KEYS + TOKEN_TYPE_KEYS) if vision_language else KNOWN
+    unknown = sorted(set(batch) - known)
     if unknown:
+        vision = sorted(set(unknown) & set(VISION_KEYS + TOKEN_TYPE_KEYS))
+        why = f" ({vision}: vision inputs, for a vision-language model)" if vision else ""
         raise ValueError(f"batch keys {unknown} are not implemented under context parallelism (each would be passed "
-                         f"on unsharded); known keys: {sorted(KNOWN)}")
+                         f"on unsharded){why}; known keys: {sorted(known)}")
     input_ids = batch["input_ids"]
     shift_labels = batch.get("shift_labels")
     if shift_labels is None and batch.get("labels") is not None:
         shift_labels = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
     cu_seqlens = packed_cu_seqlens(batch)
+    if vision_language and (cu_seqlens is not None or "position_ids" in batch):
+        raise ValueError("a vision-language model's batch with " + ("packed documents" if cu_seqlens is not None else
+                         "position_ids") + ": not implemented under context parallelism (the model computes its "
+                         "positions from each whole row, e.g. Qwen's 3-D mRoPE); pass padded rows without position_ids")
     if cu_seqlens is None:
         input_ids, shift_labels = _padded_rows(batch, input_ids, shift_labels, config.context_parallel_size)
         meta = {"qkv_format": "bshd"}
@@ -83,8 +104,14 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
         token_mask = handler.dispatch(F.pad(real.long(), (0, input_ids.shape[1] - real.shape[1])), 1).bool()
     else:
         token_mask = handler_real_tokens(handler, local_ids)
-    inputs = {"input_ids": local_ids, **cp_model_inputs(handler, local_ids),
-              **{k: batch[k] for k in PASSED_ON if k in batch}}
+    if vision_language:  # the whole batch: the model dispatches after its vision tower (:mod:`.hf_vlm`)
+        padded = input_ids.shape[1] - batch["input_ids"].shape[1]
+        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                  **{k: F.pad(batch[k], (0, padded)) for k in TOKEN_TYPE_KEYS if batch.get(k) is not None},
+                  **{k: batch[k] for k in (*VISION_KEYS, *PASSED_ON) if k in batch}}
+    else:
+        inputs = {"input_ids": local_ids, **cp_model_inputs(handler, local_ids),
+                  **{k: batch[k] for k in PASSED_ON if k in batch}}
     if shift_labels is not None:  # thd padding rows dispatch as 0: shifted so that they come out as -100
         local_labels = handler.dispatch(shift_labels - IGNORE_INDEX, 1) + IGNORE_INDEX
         inputs.update(labels=local_labels, shift_labels=local_labels)

@@ -21,7 +21,12 @@ and ``torchrun --nproc-per-node N script.py`` trains with ``dp = N / cp`` (DDP o
   gradient are those of one process on the same global batches; ``prediction_step`` returns the logits combined
   in the original token order and the batch's loss summed over the CP group;
 * ``evaluation_loop``: results gathered over the dp ranks only (CP ranks hold the same batch), so ``evaluate()``
-  and ``predict()`` return each example once.
+  and ``predict()`` return each example once;
+* **vision-language models** (:mod:`.hf_vlm`): the batch goes in whole with its vision inputs (TRL's vision
+  collator: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...), only the labels sharded; a model
+  whose class sets ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) is accepted when a probe shows
+  its loss takes ``shift_labels`` and ``num_items_in_batch`` (:func:`.hf_vlm.check_loss_kwargs`; TRL's SFT loss
+  divides by the count itself), and Trainer then counts and passes the global token count.
 
 Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
 overridden. Tested with transformers 5.23.0, TRL 1.16.0, accelerate 1.15.0; other transformers and TRL releases are
@@ -46,6 +51,7 @@ from .hf_batch import shard_batch
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
+from .hf_vlm import check_loss_kwargs, is_vision_language
 from .transformers import cp_attention, register
 
 TESTED_TRL = (">=1.16", "<1.17")
@@ -122,6 +128,10 @@ class ContextParallelMixin:
         check_decoder_only(model)
         register(model)
         check_causal(model)
+        self.vision_language = is_vision_language(model)
+        if self.vision_language and not self.model_accepts_loss_kwargs:
+            check_loss_kwargs(model)  # its loss takes the global token count: Trainer passes it
+            self.model_accepts_loss_kwargs = True
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
@@ -153,7 +163,7 @@ class ContextParallelMixin:
         if self.compute_loss_func is not None:
             refused.append("compute_loss_func (it would receive this rank's shard of the labels, already shifted in "
                            "global order, and the shard's logits)")
-        elif not self.model_accepts_loss_kwargs:
+        elif not self.model_accepts_loss_kwargs and not is_vision_language(self.accelerator.unwrap_model(self.model)):
             refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
                            "would be each rank's own mean)")
         if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
@@ -168,7 +178,8 @@ class ContextParallelMixin:
         return self.cp_config.context_parallel_size
 
     def _shard(self, inputs: dict):
-        return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups)
+        return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
+                           vision_language=self.vision_language)
 
     @contextlib.contextmanager
     def _under(self, sharded):

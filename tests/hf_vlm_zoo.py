@@ -1,0 +1,207 @@
+"""Tiny vision-language models (VLMs) and batches with images, for tests/test_hf_vlm.py and the trainer cases.
+
+Each model is built from a small config of its transformers class (random weights, seed 0, about 0.2 M parameters,
+a few seconds on CPU); the configs follow the sizes ../shared/notes/vlm_rl.md measured to build (transformers 5.23).
+:func:`batch` gives a global batch of two rows with one image each, at different places and (Qwen) of different
+grids, so that image tokens straddle the CP shards; row 1 is right-padded. :func:`run_case` compares a model under a
+handler with the unmodified model on the whole batch: logits, the loss and every parameter's gradient (the vision
+tower's included).
+
+Tolerances (float32; CP only reorders sums): logits atol = rtol = 1e-5; loss rtol 1e-6; gradients, summed over the
+ranks, atol 1e-5 + rtol 1e-4 (an embedding row's gradient sums about 30 token contributions of size ~1e-2 in
+another order: measured differences up to 3e-6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+VOCAB = 256
+IMAGE, VIDEO, START, END = 250, 251, 252, 253
+TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+QWEN_IDS = {"image_token_id": IMAGE, "video_token_id": VIDEO, "vision_start_token_id": START,
+            "vision_end_token_id": END}
+QWEN_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+               "spatial_merge_size": 2, "temporal_patch_size": 2}
+MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+SEQ_LEN = 32
+"""Tokens per row of :func:`batch`: a multiple of 2 * cp for cp 1, 2, 4."""
+MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava", "llama4", "idefics3", "smolvlm")
+OUTCOMES = {**dict.fromkeys(MODELS, "exact"),
+            "gemma3": "refused: token_type_ids mark image tokens"}
+"""What each model gives under CP (tests/test_hf_vlm.py holds every run to it)."""
+
+
+def _config(name: str):
+    import transformers as tf
+
+    if name == "qwen2_5_vl":
+        return tf.Qwen2_5_VLConfig(vision_config={**QWEN_VISION, "patch_size": 14, "window_size": 56,
+                                                  "fullatt_block_indexes": [1]},
+                                   text_config={**TEXT, "rope_parameters": MROPE}, **QWEN_IDS)
+    if name in ("qwen3_vl", "qwen3_5"):
+        vision = {**QWEN_VISION, "patch_size": 16, "num_position_embeddings": 64}
+        rope = {**MROPE, "mrope_interleaved": True}
+        if name == "qwen3_vl":
+            return tf.Qwen3VLConfig(vision_config={**vision, "deepstack_visual_indexes": [0]},
+                                    text_config={**TEXT, "head_dim": 16, "rope_parameters": rope}, **QWEN_IDS)
+        hybrid = {"head_dim": 32, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 4, "layer_types": ["linear_attention", "full_attention"]}
+        return tf.Qwen3_5Config(vision_config=vision, text_config={**TEXT, **hybrid, "rope_parameters": {
+            **rope, "partial_rotary_factor": 0.5}}, **QWEN_IDS)
+    siglip = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "patch_size": 14}
+    if name == "gemma3":
+        return tf.Gemma3Config(vision_config={**siglip, "image_size": 28},
+                               text_config={**TEXT, "head_dim": 16, "sliding_window": 8,
+                                            "layer_types": ["sliding_attention", "full_attention"]},
+                               mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=START,
+                               eoi_token_index=END)
+    if name == "llava":
+        return tf.LlavaConfig(vision_config={**siglip, "model_type": "clip_vision_model", "num_hidden_layers": 2,
+                                             "image_size": 28, "projection_dim": 32},
+                              text_config={**TEXT, "model_type": "llama"}, image_token_index=IMAGE,
+                              image_seq_length=4, vision_feature_layer=-1)
+    if name == "llama4":
+        return tf.Llama4Config(
+            vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                           "intermediate_size": 128, "vision_output_dim": 32, "image_size": 56, "patch_size": 14,
+                           "pixel_shuffle_ratio": 0.5, "projector_input_dim": 32, "projector_output_dim": 32},
+            text_config={**TEXT, "intermediate_size": 64, "intermediate_size_mlp": 128, "head_dim": 16,
+                         "num_local_experts": 2, "attention_chunk_size": 16, "no_rope_layers": [1, 0],
+                         "attn_temperature_tuning": False},
+            image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+    config = tf.Idefics3Config if name == "idefics3" else tf.SmolVLMConfig
+    return config(vision_config={**siglip, "image_size": 56}, text_config={**TEXT, "model_type": "llama"},
+                  scale_factor=2, image_token_id=IMAGE)
+
+
+def build(name: str) -> torch.nn.Module:
+    """The unmodified model (its default attention), eval mode, seed 0, no KV cache."""
+    import transformers as tf
+
+    classes = {"qwen2_5_vl": tf.Qwen2_5_VLForConditionalGeneration, "qwen3_vl": tf.Qwen3VLForConditionalGeneration,
+               "qwen3_5": tf.Qwen3_5ForConditionalGeneration, "gemma3": tf.Gemma3ForConditionalGeneration,
+               "llava": tf.LlavaForConditionalGeneration, "llama4": tf.Llama4ForConditionalGeneration,
+               "idefics3": tf.Idefics3ForConditionalGeneration, "smolvlm": tf.SmolVLMForConditionalGeneration}
+    torch.manual_seed(0)
+    model = classes[name](_config(name)).eval()
+    model.config.use_cache = False
+    return model
+
+
+def _image_tokens(name: str, grid: tuple[int, int, int]) -> int:
+    """Placeholder tokens of one image: Qwen merges 2 x 2 patches of its grid; the others give 4 per image here."""
+    return grid[0] * grid[1] * grid[2] // 4 if name.startswith("qwen") else 4
+
+
+def _pixels(name: str, grids: list, generator: torch.Generator) -> dict:
+    count = len(grids)
+    if name.startswith("qwen"):
+        patch = 14 if name == "qwen2_5_vl" else 16
+        rows = sum(t * h * w for t, h, w in grids)
+        return {"pixel_values": torch.randn(rows, 3 * 2 * patch * patch, generator=generator),
+                "image_grid_thw": torch.tensor(grids)}
+    size = {"gemma3": 28, "llava": 28, "llama4": 56}.get(name, 56)
+    pixels = torch.randn(count, 3, size, size, generator=generator)
+    return {"pixel_values": pixels.unsqueeze(1) if name in ("idefics3", "smolvlm") else pixels}
+
+
+def batch(name: str, seed: int = 0, seq_len: int = SEQ_LEN, rows: int = 2) -> dict:
+    """A global batch: ``rows`` rows of ``seq_len`` tokens, one image each (row r: after ``3 + 5 r`` text tokens;
+    Qwen: grids 1x4x4 and 1x4x8, so 4 and 8 image tokens), text after it, row 1 right-padded by 3 tokens
+    (``attention_mask``); per-token types where the model takes them (``mm_token_type_ids`` for Qwen,
+    ``token_type_ids`` for Gemma 3); ``labels`` = ``input_ids`` with -100 on the padding."""
+    generator = torch.Generator().manual_seed(seed)
+    grids = [(1, 4, 4 * (1 + r % 2)) for r in range(rows)]
+    framed = name not in ("llava",)  # a start and an end token around the image
+    ids = torch.randint(1, IMAGE - 10, (rows, seq_len), generator=generator)
+    mask = torch.ones(rows, seq_len, dtype=torch.long)
+    for r, grid in enumerate(grids):
+        at, n = 3 + 5 * r, _image_tokens(name, grid)
+        ids[r, at:at + n + 2 * framed] = torch.tensor(([START] if framed else []) + [IMAGE] * n +
+                                                      ([END] if framed else []))
+        if r == 1:
+            mask[r, -3:] = 0
+    out = {"input_ids": ids, "attention_mask": mask, **_pixels(name, grids, generator)}
+    if name.startswith("qwen"):
+        out["mm_token_type_ids"] = (ids == IMAGE).long()
+    if name == "gemma3":
+        out["token_type_ids"] = (ids == IMAGE).long()
+    out["labels"] = ids.masked_fill(mask == 0, -100)
+    return out
+
+
+def next_token_loss_sum(logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+    """The summed cross-entropy of ``logits (B, S, V)`` against labels already shifted (-100: no loss)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(), reduction="sum", ignore_index=-100)
+
+
+def shifted(labels: torch.Tensor) -> torch.Tensor:
+    return F.pad(labels, (0, 1), value=-100)[:, 1:]
+
+
+def reference(name: str, inputs: dict):
+    """The unmodified model (train mode: its default attention) on the whole batch: ``(model, logits, loss)``, the
+    loss's gradients in ``model``'s parameters."""
+    model = build(name).train()
+    forward = {k: v for k, v in inputs.items() if k != "labels"}
+    logits = model(**forward, use_cache=False).logits
+    loss = next_token_loss_sum(logits, shifted(inputs["labels"]))
+    loss.backward()
+    return model, logits.detach(), loss.detach()
+
+
+def compare(model, ref_model, logits, ref_logits, loss, ref_loss, real, group=None) -> str:
+    """``"exact"`` or what differs beyond the module's tolerances (gradients summed over ``group`` first; logits at
+    the ``real`` tokens, bool ``(B, S)``: a padding row's logits are not defined by right padding)."""
+    logits, ref_logits = logits[real], ref_logits[real]
+    if logits.shape != ref_logits.shape or not torch.allclose(logits, ref_logits, atol=1e-5, rtol=1e-5):
+        worst = (logits - ref_logits).abs().max().item() if logits.shape == ref_logits.shape else logits.shape
+        return f"mismatch: logits differ by {worst}"
+    if not torch.allclose(loss, ref_loss, rtol=1e-6, atol=0):
+        return f"mismatch: loss {loss.item()} != {ref_loss.item()}"
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters(), strict=True):
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        want = torch.zeros_like(q) if q.grad is None else q.grad
+        if not torch.allclose(grad, want, atol=1e-5, rtol=1e-4):
+            return f"mismatch: gradient of {name} differs by {(grad - want).abs().max().item():.3g}"
+    return "exact"
+
+
+def run_case(name: str, comm_type: str, group=None, inputs: dict | None = None, ref=None, model=None,
+             positions: str = "model") -> str:
+    """``name`` under a local handler of ``comm_type`` on ``group`` (``None``: cp = 1) against the unmodified model,
+    on :func:`batch` (or ``inputs``): ``"exact"``, ``"refused: <message>"`` or ``"mismatch: <what>"``. ``ref``: a
+    :func:`reference` result to reuse; ``model``: a registered model to reuse (its gradients are reset).
+    ``positions="arange"``: the negative control, positions ``0..S-1`` passed instead of the model's own."""
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import register
+
+    inputs = batch(name) if inputs is None else inputs
+    ref_model, ref_logits, ref_loss = reference(name, inputs) if ref is None else ref
+    try:
+        if model is None:
+            model = build(name)
+            model.load_state_dict(ref_model.state_dict())
+            register(model)
+        model.train().zero_grad(set_to_none=True)
+        handler = get_cp_handler_cls("local", comm_type)(cp_group=group, cp_comm_type=comm_type)
+        forward = {k: v for k, v in inputs.items() if k not in ("labels", "attention_mask")}
+        if positions == "arange":
+            forward["position_ids"] = torch.arange(inputs["input_ids"].shape[1]).expand_as(inputs["input_ids"])
+        local = model(**forward, attention_mask=inputs["attention_mask"], use_cache=False, cp_handler=handler).logits
+        loss = next_token_loss_sum(local, handler.dispatch(shifted(inputs["labels"]), 1))
+        loss.backward()
+        total = loss.detach().clone()
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    except ValueError as err:
+        return f"refused: {err}"
+    logits = handler.combine(local.detach(), 1)
+    return compare(model, ref_model, logits, ref_logits, total, ref_loss, inputs["attention_mask"].bool(), group)

@@ -1,0 +1,161 @@
+"""Vision-language models under CP (cp_handler/integrations/hf_vlm.py) against the unmodified model in one process.
+
+Each model of tests/hf_vlm_zoo.py runs on the same global batch (two rows, an image each straddling the shards,
+Qwen's 3-D mRoPE positions with gaps, Qwen3-VL's deepstack rows, row 1 right-padded) under a local handler at cp 1,
+2 and 4 with p2p, a2a and all_gather, and must give the outcome of ``hf_vlm_zoo.OUTCOMES``: ``exact`` (logits of
+the real tokens, the loss, and every parameter's gradient summed over the ranks, the vision tower's included, within
+the zoo's tolerances) or refused by name. Negative control: Qwen given positions ``0..S-1`` instead of its mRoPE ones
+must be reported as a mismatch by the same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+
+import hf_vlm_zoo as zoo
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+
+COMM_TYPES = ("p2p", "a2a", "all_gather")
+CHECKPOINTED = ("qwen2_5_vl", "qwen3_5")
+"""Also run with gradient checkpointing (each decoder layer recomputed in the backward) at cp 2, p2p."""
+NEGATIVE = ("qwen2_5_vl", "qwen3_vl")
+
+
+def _expected(name: str, outcome: str) -> bool:
+    want = zoo.OUTCOMES[name]
+    return outcome == want if want == "exact" else outcome.startswith("refused") and want.split(": ", 1)[1] in outcome
+
+
+def _worker(rank: int, world: int, out: str) -> None:
+    group, outcomes = dist.group.WORLD, {}
+    for name in zoo.MODELS:
+        inputs = zoo.batch(name)
+        ref, model = zoo.reference(name, inputs), None
+        for comm in COMM_TYPES:
+            if model is None:
+                from cp_handler.integrations.transformers import register
+
+                model = zoo.build(name)
+                model.load_state_dict(ref[0].state_dict())
+                register(model)
+            outcomes[f"{name} {comm}"] = zoo.run_case(name, comm, group, inputs, ref, model)
+        if world == 2 and name in CHECKPOINTED:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            outcomes[f"{name} checkpointed"] = zoo.run_case(name, "p2p", group, inputs, ref, model)
+        if world == 2 and name in NEGATIVE:
+            outcomes[f"{name} arange"] = zoo.run_case(name, "p2p", group, inputs, ref, positions="arange")
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(outcomes, f)
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def outcomes(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vlm") / f"cp{request.param}.json"
+    run_distributed(_worker, request.param, str(out))
+    return json.loads(out.read_text())
+
+
+def test_vision_language_models_under_cp_equal_one_process(outcomes):
+    wrong = {case: got for case, got in outcomes.items()
+             if not case.endswith("arange") and not _expected(case.split()[0], got)}
+    assert not wrong, wrong
+
+
+def test_negative_control_positions_0_to_s_fail(outcomes):
+    controls = {case: got for case, got in outcomes.items() if case.endswith("arange")}
+    assert set(controls) <= {f"{n} arange" for n in NEGATIVE}
+    assert all(got.startswith("mismatch: logits") for got in controls.values()), controls
+
+
+@pytest.mark.parametrize("name", zoo.MODELS)
+def test_at_cp_1(name):
+    assert _expected(name, zoo.run_case(name, "p2p"))
+
+
+def test_the_vision_tower_keeps_its_attention():
+    from cp_handler.integrations.hf_rotary import is_rotary
+    from cp_handler.integrations.hf_vlm import language_model, vision_modules
+    from cp_handler.integrations.transformers import register
+
+    model = zoo.build("qwen2_5_vl")
+    before = model.config.vision_config._attn_implementation
+    register(model)
+    assert model.config.get_text_config()._attn_implementation == "cp_handler"
+    assert model.config.vision_config._attn_implementation == before != "cp_handler"
+    vision = vision_modules(model)
+    rotary = [m for m in model.modules() if is_rotary(m)]
+    assert any(id(m) in vision for m in rotary) and any(id(m) not in vision for m in rotary)
+    for m in rotary:  # the hooks of cp_handler's rotary modules: on the language model's only
+        assert bool(m._forward_pre_hooks) == (id(m) not in vision), type(m).__name__
+    assert language_model(model) is model.model.language_model
+
+
+def _refusal(name: str, change, message: str, cp_handler=None):
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import register
+
+    model = zoo.build(name)
+    register(model)
+    inputs = {k: v for k, v in zoo.batch(name).items() if k != "labels"}
+    handler = cp_handler or get_cp_handler_cls("local", "p2p")(cp_comm_type="p2p")
+    inputs = change(inputs, model) or inputs
+    with pytest.raises(ValueError, match=message):
+        model(**inputs, cp_handler=handler)
+
+
+def _drop(key):
+    return lambda inputs, model: {k: v for k, v in inputs.items() if k != key}
+
+
+def _left_padded(inputs, model):
+    inputs["attention_mask"] = inputs["attention_mask"].flip(1)
+
+
+def _odd_length(inputs, model):
+    return {**inputs, "input_ids": inputs["input_ids"][:, :-1], "attention_mask": inputs["attention_mask"][:, :-1],
+            "mm_token_type_ids": inputs["mm_token_type_ids"][:, :-1]}
+
+
+def _unknown_tensor(inputs, model):
+    from cp_handler.integrations.hf_vlm import language_model
+
+    def add(module, args, kwargs):
+        return args, {**kwargs, "extra_embeds": torch.zeros(2, zoo.SEQ_LEN)}
+
+    language_model(model).register_forward_pre_hook(add, with_kwargs=True, prepend=True)
+
+
+def _with_cache(inputs, model):
+    from transformers import DynamicCache
+
+    inputs["past_key_values"] = DynamicCache(config=model.config)
+
+
+REFUSALS = {
+    "gemma3 image blocks": ("gemma3", lambda inputs, model: None, "Gemma 3's image blocks"),
+    "mRoPE without mm_token_type_ids": ("qwen2_5_vl", _drop("mm_token_type_ids"), "without mm_token_type_ids"),
+    "left padding": ("qwen3_vl", _left_padded, "left padding"),
+    "length not a multiple of 2 cp": ("qwen2_5_vl", _odd_length, "multiple of 2 \\* cp"),
+    "inputs_embeds alone": ("llava", lambda inputs, model: {"inputs_embeds": torch.zeros(2, zoo.SEQ_LEN, 64)},
+                            "takes input_ids"),
+    "unknown tensor to the language model": ("llava", _unknown_tensor, "extra_embeds"),
+    "generation (a KV cache)": ("llava", _with_cache, "past_key_values \\(generation\\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_refused_by_name(case):
+    name, change, message = REFUSALS[case]
+    _refusal(name, change, message)
+
+
+def test_packed_documents_refused_by_name():
+    from cp_handler import ContextParallelConfig, build_cp_handler
+
+    handler = build_cp_handler(ContextParallelConfig(), qkv_format="thd",
+                               cu_seqlens=torch.tensor([0, 40, 64], dtype=torch.int32))
+    _refusal("llava", lambda inputs, model: None, "packed documents", handler)
