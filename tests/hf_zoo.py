@@ -235,7 +235,8 @@ def support_matrix(zoo: dict[str, str], not_attempted: str, generation: dict[str
             "", "| model type | under CP | generation |", "|---|---|---|"]
     for name, outcome in sorted(zoo.items()):
         shown = {"not built": "not built from the generic tiny config (untested)",
-                 "not attempted": f"not attempted: {not_attempted}"}.get(outcome, outcome)
+                 "not attempted": f"not attempted: {not_attempted}",
+                 "vision-language": "with images: see the vision-language table"}.get(outcome, outcome)
         generated = generation.get(name, "exact") if outcome == "exact" else ""
         rows.append(f"| {name} | {shown} | {generated} |")
     return "\n".join(rows)

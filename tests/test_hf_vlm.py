@@ -159,3 +159,10 @@ def test_packed_documents_refused_by_name():
     handler = build_cp_handler(ContextParallelConfig(), qkv_format="thd",
                                cu_seqlens=torch.tensor([0, 40, 64], dtype=torch.int32))
     _refusal("llava", lambda inputs, model: None, "packed documents", handler)
+
+
+def test_docs_vision_language_table_is_the_table():
+    from pathlib import Path
+
+    docs = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
+    assert zoo.support_matrix() in docs, "regenerate the table: hf_vlm_zoo.support_matrix()"

@@ -10,6 +10,7 @@ support matrix is checked against the table.
 import json
 from pathlib import Path
 
+import hf_vlm_zoo
 import hf_zoo
 import torch.distributed as dist
 from dist_utils import run_distributed
@@ -70,7 +71,7 @@ ZOO = {
     "fuyu": "not attempted",
     "gemma": "exact",
     "gemma2": "exact",
-    "gemma3": "not attempted",
+    "gemma3": "vision-language",
     "gemma3_text": "exact",
     "gemma3n": "not built",
     "gemma3n_text": "not built",
@@ -122,7 +123,7 @@ ZOO = {
     "lfm2_moe": "exact",
     "lfm3": "exact",
     "llama": "exact",
-    "llama4": "not attempted",
+    "llama4": "vision-language",
     "llama4_text": "exact",
     "longcat_flash": "exact",
     "mamba": "exact",
@@ -169,8 +170,8 @@ ZOO = {
     "qwen2": "exact",
     "qwen2_moe": "exact",
     "qwen3": "exact",
-    "qwen3_5": "not attempted",
-    "qwen3_5_moe": "not attempted",
+    "qwen3_5": "vision-language",
+    "qwen3_5_moe": "vision-language",
     "qwen3_5_moe_text": "exact",
     "qwen3_5_text": "exact",
     "qwen3_moe": "exact",
@@ -207,7 +208,8 @@ ZOO = {
 }
 """Expected outcome per model type (tests/hf_zoo.py defines them). ``not built``: the generic tiny
 config does not build or run the unmodified model (the test checks that it still does not);
-``not attempted``: see :data:`NOT_ATTEMPTED`."""
+``not attempted``: see :data:`NOT_ATTEMPTED`; ``vision-language``: run with images on a tiny vision config by
+tests/test_hf_vlm.py (tests/hf_vlm_zoo.py's table)."""
 
 HYBRIDS = ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
            "lfm2_moe", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
@@ -256,7 +258,10 @@ def test_every_architecture_is_exact_or_refused(tmp_path):
     shipped = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     unclassified = [name for name in shipped if name not in ZOO]
     assert not unclassified, f"architectures not in the zoo table (classify them): {unclassified}"
-    outcomes, generation = _outcomes(tmp_path, [n for n in shipped if ZOO[n] != "not attempted"])
+    vision = {n for n in shipped if ZOO[n] == "vision-language"}
+    assert vision <= set(hf_vlm_zoo.MODELS), f"vision-language entries without a tiny vision config: {vision}"
+    outcomes, generation = _outcomes(tmp_path, [n for n in shipped if ZOO[n] not in ("not attempted",
+                                                                                   "vision-language")])
     wrong = {n: (ZOO[n], got) for n, got in outcomes.items() if not _agrees(ZOO[n], got)}
     wrong.update({f"{n} (generation)": (GENERATION_REFUSED.get(n, "exact"), got) for n, got in generation.items()
                   if not _agrees(GENERATION_REFUSED.get(n, "exact"), got)})
