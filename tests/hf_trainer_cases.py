@@ -10,6 +10,7 @@ so the parameters' tolerance follows the gradients'; Adam would turn a 1e-7 grad
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -198,6 +199,26 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
                     "predictions": torch.as_tensor(_logits(prediction.predictions))}, Path(out) / "result.pt")
+
+
+def compare(got: dict, want: dict) -> str | None:
+    """The first difference between two runs' results (:func:`run_case`'s), or ``None`` (the tolerances:
+    tests/test_hf_trainer.py's docstring)."""
+    if len(got["losses"]) != len(want["losses"]):
+        return f"{len(got['losses'])} logged steps, expected {len(want['losses'])}"
+    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        if len(a) != len(b) or not all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b, strict=True)):
+            return f"step {step + 1}: loss, grad norm (aux loss, num_tokens) {a} vs {b}"
+    for name, param in want["params"].items():
+        if not torch.allclose(got["params"][name], param, atol=1e-6, rtol=1e-5):
+            return f"parameter {name} differs by {(got['params'][name] - param).abs().max().item():.2e}"
+    if not math.isclose(got["eval_loss"], want["eval_loss"], rel_tol=1e-5):
+        return f"eval_loss {got['eval_loss']} vs {want['eval_loss']}"
+    if got["predictions"].shape != want["predictions"].shape:
+        return f"predictions of shape {tuple(got['predictions'].shape)} vs {tuple(want['predictions'].shape)}"
+    if not torch.allclose(got["predictions"], want["predictions"], atol=1e-5, rtol=1e-5):
+        return f"predictions differ by {(got['predictions'] - want['predictions']).abs().max().item():.2e}"
+    return None
 
 
 def _logits(predictions):

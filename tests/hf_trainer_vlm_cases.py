@@ -16,6 +16,8 @@ Data, one image per example (tests/hf_vlm_zoo.py's tiny models and token ids):
 
 from __future__ import annotations
 
+import contextlib
+
 import hf_trainer_cases as text_cases
 import hf_vlm_zoo as zoo
 import numpy as np
@@ -32,7 +34,11 @@ CASES = {
     # prompts left-padded by the processor, then flushed left by TRL: right padding; completion-only labels
     "sft_qwen2_5_vl_prompt_completion": {"model": "qwen2_5_vl", "data": "prompt_completion", "trainer": "sft",
                                          "cp": {"context_parallel_size": 2}},
+    "qwen2_5_vl_text_positions": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2},
+                                  "break": "positions"},
 }
+"""Each case's reference is the same name run alone (``break``: a negative control, the language model given positions
+``0..S-1`` instead of the model's 3-D mRoPE positions, which place the image tokens on a 2-D grid)."""
 LENGTHS = (24, 30, 26, 22)
 """Tokens per :func:`hf_vlm_zoo.batch` row before its row 1 loses 3 to padding: examples of 19 to 30 tokens."""
 WORDS = 240
@@ -133,6 +139,26 @@ def trl_rows(kind: str, count: int, seed: int) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _broken(kind: str | None):
+    """The negative control (module's ``CASES``), undone after the block: the language model's pre-hook
+    (:mod:`cp_handler.integrations.hf_vlm`, registered when the trainer registers the model) called without the
+    model's ``position_ids``, so it dispatches ``0..S-1``."""
+    from cp_handler.integrations import hf_vlm
+
+    original = hf_vlm._language_model_pre_hook
+
+    def text_positions(lm, args, kwargs):
+        return original(lm, args, {k: v for k, v in kwargs.items() if k != "position_ids"})
+
+    if kind is not None:
+        hf_vlm._language_model_pre_hook = text_positions
+    try:
+        yield
+    finally:
+        hf_vlm._language_model_pre_hook = original
+
+
 def run_case(name: str, out: str, cp_run: bool) -> None:
     """Train 3 steps, evaluate and predict (:func:`hf_trainer_cases.run_case`'s settings: SGD, batch 2 per dp rank,
     eval batch 1); rank 0 writes ``out/result.pt``."""
@@ -162,13 +188,14 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
         common["cp_args"] = ContextParallelArguments(**case["cp"])
-    trainer = cls(**common)
-    trainer.train()
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in text_cases.LOGGED if key in entry)]
-              for entry in logged]
-    evaluation = trainer.evaluate()
-    prediction = trainer.predict(common["eval_dataset"])
+    with _broken(case.get("break") if cp_run else None):
+        trainer = cls(**common)
+        trainer.train()
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in text_cases.LOGGED if key in entry)]
+                  for entry in logged]
+        evaluation = trainer.evaluate()
+        prediction = trainer.predict(common["eval_dataset"])
     if not cp_run or dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],

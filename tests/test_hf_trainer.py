@@ -16,8 +16,6 @@ SGD steps (the update is linear in the gradient) atol 1e-6 + rtol 1e-5; logits a
 (tests/test_hf_integration.py's): CP only reorders the sums of attention and of the loss.
 """
 
-import math
-
 import hf_trainer_cases as cases
 import pytest
 import torch
@@ -25,25 +23,6 @@ from dist_utils import run_distributed
 
 from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations.hf_batch import shard_batch
-
-
-def compare(got: dict, want: dict) -> str | None:
-    """The first difference between two runs' results, or ``None``."""
-    if len(got["losses"]) != len(want["losses"]):
-        return f"{len(got['losses'])} logged steps, expected {len(want['losses'])}"
-    for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        if len(a) != len(b) or not all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(a, b, strict=True)):
-            return f"step {step + 1}: loss, grad norm (aux loss, num_tokens) {a} vs {b}"
-    for name, param in want["params"].items():
-        if not torch.allclose(got["params"][name], param, atol=1e-6, rtol=1e-5):
-            return f"parameter {name} differs by {(got['params'][name] - param).abs().max().item():.2e}"
-    if not math.isclose(got["eval_loss"], want["eval_loss"], rel_tol=1e-5):
-        return f"eval_loss {got['eval_loss']} vs {want['eval_loss']}"
-    if got["predictions"].shape != want["predictions"].shape:
-        return f"predictions of shape {tuple(got['predictions'].shape)} vs {tuple(want['predictions'].shape)}"
-    if not torch.allclose(got["predictions"], want["predictions"], atol=1e-5, rtol=1e-5):
-        return f"predictions differ by {(got['predictions'] - want['predictions']).abs().max().item():.2e}"
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +41,12 @@ def results(tmp_path_factory):
 def test_trainer_under_cp_equals_one_process(results, name):
     got, want = results[name]
     assert len(want["losses"]) == 3
-    assert compare(got, want) is None, compare(got, want)
+    assert cases.compare(got, want) is None, cases.compare(got, want)
 
 
 @pytest.mark.parametrize("name", [n for n in cases.CASES if cases.CASES[n].get("break")])
 def test_negative_controls_fail(results, name):
-    problem = compare(*results[name])
+    problem = cases.compare(*results[name])
     assert problem is not None and problem.startswith("step 1: loss"), problem
 
 

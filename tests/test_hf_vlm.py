@@ -115,11 +115,6 @@ def _left_padded(inputs, model):
     inputs["attention_mask"] = inputs["attention_mask"].flip(1)
 
 
-def _odd_length(inputs, model):
-    return {**inputs, "input_ids": inputs["input_ids"][:, :-1], "attention_mask": inputs["attention_mask"][:, :-1],
-            "mm_token_type_ids": inputs["mm_token_type_ids"][:, :-1]}
-
-
 def _unknown_tensor(inputs, model):
     from cp_handler.integrations.hf_vlm import language_model
 
@@ -139,7 +134,6 @@ REFUSALS = {
     "gemma3 image blocks": ("gemma3", lambda inputs, model: None, "Gemma 3's image blocks"),
     "mRoPE without mm_token_type_ids": ("qwen2_5_vl", _drop("mm_token_type_ids"), "without mm_token_type_ids"),
     "left padding": ("qwen3_vl", _left_padded, "left padding"),
-    "length not a multiple of 2 cp": ("qwen2_5_vl", _odd_length, "multiple of 2 \\* cp"),
     "inputs_embeds alone": ("llava", lambda inputs, model: {"inputs_embeds": torch.zeros(2, zoo.SEQ_LEN, 64)},
                             "takes input_ids"),
     "unknown tensor to the language model": ("llava", _unknown_tensor, "extra_embeds"),
@@ -151,6 +145,19 @@ REFUSALS = {
 def test_refused_by_name(case):
     name, change, message = REFUSALS[case]
     _refusal(name, change, message)
+
+
+def _odd_length_worker(rank, world):
+    from cp_handler import get_cp_handler_cls
+
+    handler = get_cp_handler_cls("local", "p2p")(cp_group=dist.group.WORLD, cp_comm_type="p2p")
+    _refusal("qwen2_5_vl", lambda inputs, model: {k: v[:, :-2] if k in ("input_ids", "attention_mask",
+                                                                        "mm_token_type_ids") else v
+                                                  for k, v in inputs.items()}, "multiple of 2 \\* cp = 4", handler)
+
+
+def test_a_length_not_a_multiple_of_2_cp_is_refused_by_name():
+    run_distributed(_odd_length_worker, 2)
 
 
 def test_packed_documents_refused_by_name():
@@ -166,3 +173,12 @@ def test_docs_vision_language_table_is_the_table():
 
     docs = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
     assert zoo.support_matrix() in docs, "regenerate the table: hf_vlm_zoo.support_matrix()"
+
+
+def test_the_local_token_route_refuses_a_vision_language_model():
+    from cp_handler.integrations.transformers import CPCausalLM, check_architecture
+
+    with pytest.raises(ValueError, match="vision-language model: under context parallelism it takes the whole batch"):
+        CPCausalLM(zoo.build("llava"))
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration is a vision-language model"):
+        check_architecture(zoo.build("gemma3").config)  # cp-train --hf-config, before spawning

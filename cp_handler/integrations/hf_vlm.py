@@ -94,7 +94,7 @@ def _global_batch(handler: ContextParallelHandler, name: str, tensor: torch.Tens
         raise ValueError(f"{name}: packed documents (qkv_format='thd') of a vision-language model are not implemented "
                          "under context parallelism (its positions are computed per row); use padded rows")
     multiple = 2 * handler.cp_size
-    if tensor.shape[1] % multiple:
+    if handler.cp_size > 1 and tensor.shape[1] % multiple:
         raise ValueError(f"{name} has {tensor.shape[1]} tokens per row: a vision-language model under context "
                          f"parallelism takes the whole batch, padded on the right to a multiple of 2 * cp = {multiple} "
                          "(shard_batch does it)")

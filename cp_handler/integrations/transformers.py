@@ -94,6 +94,16 @@ def register(model: torch.nn.Module | None = None) -> str:
     return ATTN_IMPLEMENTATION
 
 
+def check_text_route(model: torch.nn.Module) -> None:
+    """:class:`CPCausalLM` (cp-train, evaluation, generation) gives the model this rank's tokens; a vision-language
+    model takes the whole batch instead (:mod:`.hf_vlm`). Raises ValueError for one, naming the route it takes."""
+    if is_vision_language(model):
+        raise ValueError(f"{type(model).__name__} is a vision-language model: under context parallelism it takes the "
+                         "whole batch (its vision tower and merge run on the full sequence; docs/huggingface.md, "
+                         "'Vision-language models'): call it under a handler, or train it with CPTrainer / "
+                         "CPSFTTrainer; CPCausalLM, cp-train and generation take text models")
+
+
 FULL_CHECK_PARAMETERS = 100_000_000
 """Largest model :func:`check_architecture` instantiates on CPU to run every check (larger: static only)."""
 
@@ -113,6 +123,7 @@ def check_architecture(config) -> None:
     register()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
+    check_text_route(model)
     prepare_model(model)  # weights on meta: static checks only
     check_causal(model)
     if sum(p.numel() for p in model.parameters()) <= FULL_CHECK_PARAMETERS:
@@ -159,6 +170,7 @@ class CPCausalLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
+        check_text_route(model)
         register(model)
         check_causal(model)
         self.model = model
