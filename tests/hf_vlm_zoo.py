@@ -29,7 +29,8 @@ QWEN_VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_head
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 SEQ_LEN = 32
 """Tokens per row of :func:`batch`: a multiple of 2 * cp for cp 1, 2, 4."""
-MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "llava", "llama4", "idefics3", "smolvlm")
+MODELS = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "gemma3", "llava", "llama4", "idefics3", "smolvlm",
+          "got_ocr2")
 OUTCOMES = {**dict.fromkeys(MODELS, "exact"),
             "gemma3": "refused: token_type_ids mark image tokens, which attend bidirectionally within each image"}
 """What each model gives under CP (tests/test_hf_vlm.py holds every run to it)."""
@@ -78,6 +79,11 @@ def _config(name: str):
                          "num_local_experts": 2, "attention_chunk_size": 16, "no_rope_layers": [1, 0],
                          "attn_temperature_tuning": False},
             image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+    if name == "got_ocr2":  # a SAM-style vision tower (ViTDet windows); 128-pixel images: 4 tokens after two convs
+        return tf.GotOcr2Config(vision_config={"hidden_size": 32, "output_channels": 16, "num_hidden_layers": 2,
+                                               "num_attention_heads": 2, "image_size": 128, "patch_size": 16,
+                                               "window_size": 4, "global_attn_indexes": [1], "mlp_dim": 64},
+                                text_config={**TEXT, "model_type": "qwen2"}, image_token_index=IMAGE)
     config = tf.Idefics3Config if name == "idefics3" else tf.SmolVLMConfig
     return config(vision_config={**siglip, "image_size": 56}, text_config={**TEXT, "model_type": "llama"},
                   scale_factor=2, image_token_id=IMAGE)
@@ -91,7 +97,8 @@ def build(name: str) -> torch.nn.Module:
                "qwen3_5": tf.Qwen3_5ForConditionalGeneration,
                "qwen3_5_moe": tf.Qwen3_5MoeForConditionalGeneration, "gemma3": tf.Gemma3ForConditionalGeneration,
                "llava": tf.LlavaForConditionalGeneration, "llama4": tf.Llama4ForConditionalGeneration,
-               "idefics3": tf.Idefics3ForConditionalGeneration, "smolvlm": tf.SmolVLMForConditionalGeneration}
+               "idefics3": tf.Idefics3ForConditionalGeneration, "smolvlm": tf.SmolVLMForConditionalGeneration,
+               "got_ocr2": tf.GotOcr2ForConditionalGeneration}
     torch.manual_seed(0)
     model = classes[name](_config(name)).eval()
     model.config.use_cache = False
@@ -110,7 +117,7 @@ def _pixels(name: str, grids: list, generator: torch.Generator) -> dict:
         rows = sum(t * h * w for t, h, w in grids)
         return {"pixel_values": torch.randn(rows, 3 * 2 * patch * patch, generator=generator),
                 "image_grid_thw": torch.tensor(grids)}
-    size = {"gemma3": 28, "llava": 28, "llama4": 56}.get(name, 56)
+    size = {"gemma3": 28, "llava": 28, "llama4": 56, "got_ocr2": 128}.get(name, 56)
     pixels = torch.randn(count, 3, size, size, generator=generator)
     return {"pixel_values": pixels.unsqueeze(1) if name in ("idefics3", "smolvlm") else pixels}
 

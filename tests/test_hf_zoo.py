@@ -87,7 +87,7 @@ ZOO = {
     "glm4_moe": "exact",
     "glm4_moe_lite": "exact",
     "glm_moe_dsa": "refused: config.layer_types has",
-    "got_ocr2": "exact",
+    "got_ocr2": "vision-language",
     "gpt-sw3": "exact",
     "gpt2": "exact",
     "gpt_bigcode": "exact",
