@@ -34,11 +34,16 @@ CASES = {
     # prompts left-padded by the processor, then flushed left by TRL: right padding; completion-only labels
     "sft_qwen2_5_vl_prompt_completion": {"model": "qwen2_5_vl", "data": "prompt_completion", "trainer": "sft",
                                          "cp": {"context_parallel_size": 2}},
+    # dp 2 x cp 2: the loss is normalised by the token count of both dp ranks' batches, as one process's mean
+    "sft_qwen2_5_vl_dp2": {"model": "qwen2_5_vl", "data": "messages", "trainer": "sft",
+                           "cp": {"context_parallel_size": 2, "cp_comm_type": "p2p"}},
     "qwen2_5_vl_text_positions": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2},
                                   "break": "positions"},
 }
 """Each case's reference is the same name run alone (``break``: a negative control, the language model given positions
 ``0..S-1`` instead of the model's 3-D mRoPE positions, which place the image tokens on a 2-D grid)."""
+WORLD = {"sft_qwen2_5_vl_dp2": 4}
+"""Ranks per case (default 2: cp 2 alone); dp = world / cp."""
 LENGTHS = (24, 30, 26, 22)
 """Tokens per :func:`hf_vlm_zoo.batch` row before its row 1 loses 3 to padding: examples of 19 to 30 tokens."""
 WORDS = 240
@@ -143,31 +148,36 @@ def trl_rows(kind: str, count: int, seed: int) -> list[dict]:
 def _broken(kind: str | None):
     """The negative control (module's ``CASES``), undone after the block: the language model's pre-hook
     (:mod:`cp_handler.integrations.hf_vlm`, registered when the trainer registers the model) called without the
-    model's ``position_ids``, so it dispatches ``0..S-1``."""
+    model's ``position_ids``, so it dispatches ``0..S-1``; armed by setting the yielded dict's ``"on"`` once the
+    trainer is built (register's own probe, at cp 1, would refuse a model whose positions change nothing)."""
     from cp_handler.integrations import hf_vlm
 
-    original = hf_vlm._language_model_pre_hook
+    original, state = hf_vlm._language_model_pre_hook, {"on": False}
 
     def text_positions(lm, args, kwargs):
-        return original(lm, args, {k: v for k, v in kwargs.items() if k != "position_ids"})
+        if state["on"]:
+            kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
+        return original(lm, args, kwargs)
 
     if kind is not None:
         hf_vlm._language_model_pre_hook = text_positions
     try:
-        yield
+        yield state
     finally:
         hf_vlm._language_model_pre_hook = original
 
 
 def run_case(name: str, out: str, cp_run: bool) -> None:
     """Train 3 steps, evaluate and predict (:func:`hf_trainer_cases.run_case`'s settings: SGD, batch 2 per dp rank,
-    eval batch 1); rank 0 writes ``out/result.pt``."""
+    eval batch 1, 2 eval examples per dp rank); rank 0 writes ``out/result.pt``."""
     import transformers
     from transformers import Trainer
 
     transformers.logging.set_verbosity_error()
     case = CASES[name]
-    args = text_cases._arguments({**case, "padding_free": False}, out, batch=2, cp_run=cp_run)
+    dp = (dist.get_world_size() if cp_run else WORLD.get(name, 2)) // case["cp"]["context_parallel_size"]
+    batch = 2 if cp_run else 2 * dp  # the reference runs the dp ranks' batches as one
+    args = text_cases._arguments({**case, "padding_free": False}, out, batch=batch, cp_run=cp_run)
     common = dict(model=zoo.build(case["model"]).train(), args=args)
     if case.get("trainer") == "sft":
         from datasets import Dataset
@@ -176,20 +186,21 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         from cp_handler.integrations.hf_trainer import CPSFTTrainer as CP
 
         common.update(train_dataset=Dataset.from_list(trl_rows(case["data"], 12, 1)),
-                      eval_dataset=Dataset.from_list(trl_rows(case["data"], 2, 2)), processing_class=processor())
+                      eval_dataset=Dataset.from_list(trl_rows(case["data"], 2 * dp, 2)), processing_class=processor())
         cls = CP if cp_run else SFTTrainer
     else:
         from cp_handler.integrations.hf_trainer import CPTrainer as CP
 
-        common.update(train_dataset=zoo_examples(case["model"], 12, 1), eval_dataset=zoo_examples(case["model"], 2, 2),
+        common.update(train_dataset=zoo_examples(case["model"], 12, 1), eval_dataset=zoo_examples(case["model"], 2 * dp, 2),
                       data_collator=collate)
         cls = CP if cp_run else Trainer
     if cp_run:
         from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
         common["cp_args"] = ContextParallelArguments(**case["cp"])
-    with _broken(case.get("break") if cp_run else None):
+    with _broken(case.get("break") if cp_run else None) as broken:
         trainer = cls(**common)
+        broken["on"] = True
         trainer.train()
         logged = [entry for entry in trainer.state.log_history if "loss" in entry]
         losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in text_cases.LOGGED if key in entry)]

@@ -36,9 +36,24 @@ OUTCOMES = {**dict.fromkeys(MODELS, "exact"),
 """What each model gives under CP (tests/test_hf_vlm.py holds every run to it)."""
 
 
+VARIANTS = {"qwen2_5_vl_dynamic_rope": ("qwen2_5_vl", {"max_position_embeddings": 12, "rope_parameters": {
+    **MROPE, "rope_type": "dynamic", "factor": 2.0}})}
+"""Variants of a model's text config (name: (model, fields)): dynamic NTK RoPE reads the largest position, which
+mRoPE's gaps put below ``S - 1`` (tests/test_hf_vlm.py at cp 2)."""
+
+
+def _base(name: str) -> str:
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
 def _config(name: str):
     import transformers as tf
 
+    if name in VARIANTS:
+        config = _config(VARIANTS[name][0])
+        for field, value in VARIANTS[name][1].items():
+            setattr(config.text_config, field, value)
+        return config
     if name == "qwen2_5_vl":
         return tf.Qwen2_5_VLConfig(vision_config={**QWEN_VISION, "patch_size": 14, "window_size": 56,
                                                   "fullatt_block_indexes": [1]},
@@ -100,7 +115,7 @@ def build(name: str) -> torch.nn.Module:
                "idefics3": tf.Idefics3ForConditionalGeneration, "smolvlm": tf.SmolVLMForConditionalGeneration,
                "got_ocr2": tf.GotOcr2ForConditionalGeneration}
     torch.manual_seed(0)
-    model = classes[name](_config(name)).eval()
+    model = classes[_base(name)](_config(name)).eval()
     model.config.use_cache = False
     return model
 
@@ -111,7 +126,7 @@ def _image_tokens(name: str, grid: tuple[int, int, int]) -> int:
 
 
 def _pixels(name: str, grids: list, generator: torch.Generator) -> dict:
-    count = len(grids)
+    count, name = len(grids), _base(name)
     if name.startswith("qwen"):
         patch = 14 if name == "qwen2_5_vl" else 16
         rows = sum(t * h * w for t, h, w in grids)
@@ -127,7 +142,7 @@ def batch(name: str, seed: int = 0, seq_len: int = SEQ_LEN, rows: int = 2) -> di
     Qwen: grids 1x4x4 and 1x4x8, so 4 and 8 image tokens), text after it, row 1 right-padded by 3 tokens
     (``attention_mask``); per-token types where the model takes them (``mm_token_type_ids`` for Qwen,
     ``token_type_ids`` for Gemma 3); ``labels`` = ``input_ids`` with -100 on the padding."""
-    generator = torch.Generator().manual_seed(seed)
+    generator, name = torch.Generator().manual_seed(seed), _base(name)
     grids = [(1, 4, 4 * (1 + r % 2)) for r in range(rows)]
     framed = name not in ("llava",)  # a start and an end token around the image
     ids = torch.randint(1, IMAGE - 10, (rows, seq_len), generator=generator)

@@ -28,13 +28,14 @@ from cp_handler.integrations.hf_batch import shard_batch
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    """Every case: the reference (one spawn of one process) and the CP run (one spawn of 2 ranks)."""
+    """Every case: the reference (one spawn of one process) and the CP runs (one spawn per world size)."""
     out = tmp_path_factory.mktemp("hf_vlm_trainer")
-    names = list(vlm_cases.CASES)
-    run_distributed(vlm_cases.worker, 1, names, str(out / "reference"), False)
-    run_distributed(vlm_cases.worker, 2, names, str(out / "cp"))
+    run_distributed(vlm_cases.worker, 1, list(vlm_cases.CASES), str(out / "reference"), False)
+    for world in sorted({vlm_cases.WORLD.get(name, 2) for name in vlm_cases.CASES}):
+        names = [name for name in vlm_cases.CASES if vlm_cases.WORLD.get(name, 2) == world]
+        run_distributed(vlm_cases.worker, world, names, str(out / "cp"))
     return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
-            for name in names}
+            for name in vlm_cases.CASES}
 
 
 @pytest.mark.parametrize("name", [n for n in vlm_cases.CASES if not vlm_cases.CASES[n].get("break")])
@@ -57,7 +58,7 @@ def test_what_is_compared(results):
         got, want = results[name]
         width = 5 if case.get("trainer") == "sft" else 2
         assert all(len(row) == width for row in want["losses"] + got["losses"]), (name, want["losses"])
-        assert want["predictions"].shape[0] == 2 and want["predictions"].shape[2] == zoo.VOCAB, name
+        assert want["predictions"].shape[0] == 2 * vlm_cases.WORLD.get(name, 2) // 2 and want["predictions"].shape[2] == zoo.VOCAB, name
         assert any(key.startswith(("model.visual.", "model.vision_tower.")) for key in want["params"]), name
 
 

@@ -18,8 +18,9 @@ Keys it does not know are refused by name (a tensor with a sequence dimension pa
 silently wrong).
 
 **Vision-language models** (``vision_language=True``; :mod:`.hf_vlm`): the model takes the whole batch, so
-``input_ids`` (and the per-token ``mm_token_type_ids`` / ``token_type_ids``) stay whole, padded on the right to a
-multiple of ``2 * cp``, with an all-ones ``attention_mask``; the vision inputs (:data:`VISION_KEYS`: pixels, grids,
+``input_ids`` (and the per-token ``mm_token_type_ids`` / ``token_type_ids`` and the right-padding
+``attention_mask``, which the model's own position function reads) stay whole, padded on the right to a multiple of
+``2 * cp``; the vision inputs (:data:`VISION_KEYS`: pixels, grids,
 image sizes) are passed on as they are; only the labels are this rank's. Padded rows only (the models compute
 positions per row: packed documents and ``position_ids`` are refused by name).
 """
@@ -106,7 +107,8 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
         token_mask = handler_real_tokens(handler, local_ids)
     if vision_language:  # the whole batch: the model dispatches after its vision tower (:mod:`.hf_vlm`)
         padded = input_ids.shape[1] - batch["input_ids"].shape[1]
-        inputs = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+        real = batch.get("attention_mask", torch.ones_like(batch["input_ids"]))  # for the model's own positions
+        inputs = {"input_ids": input_ids, "attention_mask": F.pad(real, (0, padded)),
                   **{k: F.pad(batch[k], (0, padded)) for k in TOKEN_TYPE_KEYS if batch.get(k) is not None},
                   **{k: batch[k] for k in (*VISION_KEYS, *PASSED_ON) if k in batch}}
     else:

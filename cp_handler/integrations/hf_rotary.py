@@ -14,9 +14,18 @@ from ..handlers.base import ContextParallelHandler
 from ..rope import PositionTablesChanged
 from .hf_active import active_handler
 
+MAX_POSITION = "_cp_max_position"
+"""Attribute a handler may carry for the forward running now: the largest position of the whole batch where the
+model computed the positions itself (a vision-language model's mRoPE positions, a 0-d tensor: no device sync;
+:mod:`.hf_vlm`)."""
 
-def global_max_position(handler: ContextParallelHandler, local_len: int) -> int:
-    """The largest position of a real token in the global batch (thd: the longest document's last)."""
+
+def global_max_position(handler: ContextParallelHandler, local_len: int) -> int | torch.Tensor:
+    """The largest position of a real token in the global batch (thd: the longest document's last; the model's own
+    positions' largest where a vision-language model computed them, :data:`MAX_POSITION`)."""
+    given = getattr(handler, MAX_POSITION, None)
+    if given is not None:
+        return given
     longest = getattr(handler.token_layout, "max_seqlen", None)
     return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
 
@@ -56,7 +65,7 @@ def _rotary_pre_hook(module, args, kwargs):
     if cache is not None:
         appended.append(POSITION_PROBE)
         lengths = cache.lengths if cache.prefilled else handler.token_layout.thd_layout.lengths
-    extra = torch.tensor(appended, dtype=position_ids.dtype, device=position_ids.device)
+    extra = torch.stack([torch.as_tensor(p, dtype=position_ids.dtype, device=position_ids.device) for p in appended])
     module._cp_rows = (position_ids.shape[-1], cache, tuple(lengths))
     return _with_positions(args, kwargs, torch.cat([position_ids, extra.expand(*position_ids.shape[:-1], -1)], -1))
 

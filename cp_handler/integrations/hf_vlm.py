@@ -16,7 +16,8 @@ submodule holding ``embed_tokens`` under the text config, e.g. ``model.model.lan
   vision config keeps its implementation) and its rotary modules get no hooks;
 * **the LM's inputs are dispatched** by a pre-hook on the LM (:func:`_language_model_pre_hook`): the merged
   ``inputs_embeds``; the positions the model computed on the whole sequence (Qwen's 3-D mRoPE ``position_ids``,
-  ``(3, B, S)`` from ``get_rope_index``, with their gaps), or ``0..S-1`` where the model passes none; Qwen3-VL's
+  ``(3, B, S)`` from ``get_rope_index``, with their gaps; their largest is what RoPE reading the length gets), or
+  ``0..S-1`` where the model passes none; Qwen3-VL's
   deepstack inputs (``visual_pos_masks`` dispatched, the rows of ``deepstack_visual_embeds`` of this rank's visual
   tokens taken in its order); the mask becomes the handler's layout (an all-ones local mask; a dict of masks built
   outside the LM, Gemma 3's, is classified again at the global length). So the LM returns this rank's hidden
@@ -41,6 +42,7 @@ from .hf_active import active_handler
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
+from .hf_rotary import MAX_POSITION
 
 LM_SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position", "attention_mask",
                       "visual_pos_masks", "deepstack_visual_embeds")
@@ -63,7 +65,7 @@ def language_model(model: nn.Module) -> nn.Module:
         ValueError: none found (the model's layout is not one this integration knows).
     """
     text = text_config(model)
-    for name, module in model.named_modules():
+    for module in model.modules():
         if module is not model and getattr(module, "config", None) is text and hasattr(module, "embed_tokens"):
             return module
     raise ValueError(f"{type(model).__name__}: no submodule with embed_tokens under the text config (the language "
@@ -102,8 +104,9 @@ def _global_batch(handler: ContextParallelHandler, name: str, tensor: torch.Tens
 
 def _model_pre_hook(model, args, kwargs, mrope: bool):
     """On the VLM itself, after the generic hook made the forward's handler active (:mod:`.hf_model`): the rules of
-    the whole batch (module doc); a right-padding ``attention_mask`` becomes all ones (the handler's causal layout
-    keeps real tokens from padding on the right)."""
+    the whole batch (module doc). A right-padding ``attention_mask`` stays as it is for the model's own position
+    function (Qwen's ``get_rope_index`` gives padding position 1, as in one process); the LM's mask becomes the
+    handler's layout (the LM pre-hook), whose causal order keeps real tokens from padding on the right."""
     handler = active_handler()
     if handler is None:
         return None
@@ -134,7 +137,6 @@ def _model_pre_hook(model, args, kwargs, mrope: bool):
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise ValueError("attention_mask has padding before real tokens (left padding, or holes): under context "
                              "parallelism only right padding is exact; set the processor's padding_side = 'right'")
-        kwargs["attention_mask"] = torch.ones_like(mask)
     return args, kwargs
 
 
@@ -177,6 +179,7 @@ def _language_model_pre_hook(lm, args, kwargs):
         positions = torch.arange(length, device=sequence.device).expand(batch, -1)
     if positions.shape[-1] != length:
         raise ValueError(f"position_ids of shape {tuple(positions.shape)} for a sequence of {length} tokens")
+    setattr(handler, MAX_POSITION, positions.max())  # RoPE reading the length: one process's (:mod:`.hf_rotary`)
     kwargs["position_ids"] = handler.dispatch(positions, positions.dim() - 1)
     if kwargs.get("cache_position") is not None:
         kwargs["cache_position"] = handler.dispatch(kwargs["cache_position"], 0)
