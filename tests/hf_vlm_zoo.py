@@ -137,11 +137,12 @@ def _pixels(name: str, grids: list, generator: torch.Generator) -> dict:
     return {"pixel_values": pixels.unsqueeze(1) if name in ("idefics3", "smolvlm") else pixels}
 
 
-def batch(name: str, seed: int = 0, seq_len: int = SEQ_LEN, rows: int = 2) -> dict:
+def batch(name: str, seed: int = 0, seq_len: int = SEQ_LEN, rows: int = 2, video: bool = False) -> dict:
     """A global batch: ``rows`` rows of ``seq_len`` tokens, one image each (row r: after ``3 + 5 r`` text tokens;
     Qwen: grids 1x4x4 and 1x4x8, so 4 and 8 image tokens), text after it, row 1 right-padded by 3 tokens
     (``attention_mask``); per-token types where the model takes them (``mm_token_type_ids`` for Qwen,
-    ``token_type_ids`` for Gemma 3); ``labels`` = ``input_ids`` with -100 on the padding."""
+    ``token_type_ids`` for Gemma 3); ``labels`` = ``input_ids`` with -100 on the padding. ``video`` (Qwen2.5-VL):
+    row 0 also holds a video of grid 2x4x4 (8 tokens, two frames a second apart) after its image."""
     generator, name = torch.Generator().manual_seed(seed), _base(name)
     grids = [(1, 4, 4 * (1 + r % 2)) for r in range(rows)]
     framed = name not in ("llava",)  # a start and an end token around the image
@@ -154,8 +155,14 @@ def batch(name: str, seed: int = 0, seq_len: int = SEQ_LEN, rows: int = 2) -> di
         if r == 1:
             mask[r, -3:] = 0
     out = {"input_ids": ids, "attention_mask": mask, **_pixels(name, grids, generator)}
+    if video:
+        if name != "qwen2_5_vl":
+            raise ValueError(f"video batches are built for qwen2_5_vl only, not {name}")
+        ids[0, 14:24] = torch.tensor([START] + [VIDEO] * 8 + [END])
+        out.update(pixel_values_videos=torch.randn(32, 3 * 2 * 14 * 14, generator=generator),
+                   video_grid_thw=torch.tensor([[2, 4, 4]]), second_per_grid_ts=torch.tensor([1.0]))
     if name.startswith("qwen"):
-        out["mm_token_type_ids"] = (ids == IMAGE).long()
+        out["mm_token_type_ids"] = (ids == IMAGE).long() + 2 * (ids == VIDEO).long()
     if name == "gemma3":
         out["token_type_ids"] = (ids == IMAGE).long()
     out["labels"] = ids.masked_fill(mask == 0, -100)

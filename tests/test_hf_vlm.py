@@ -7,7 +7,7 @@ the real tokens, the loss, and every parameter's gradient summed over the ranks,
 the zoo's tolerances) or refused by name. Negative control: Qwen given positions ``0..S-1`` instead of its mRoPE ones
 must be reported as a mismatch by the same comparison. At cp 2, Qwen2.5-VL with dynamic NTK RoPE (its frequencies
 read the largest position, which the mRoPE gaps put below ``S - 1``): exact (without the largest position handed to
-the rotary hook, 1.1e-4 off in the logits).
+the rotary hook, 1.1e-4 off in the logits); Qwen2.5-VL with a video beside the image (a2a).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     if world == 2:
         for name, (base, _) in zoo.VARIANTS.items():
             outcomes[f"{base} {name}"] = zoo.run_case(name, "p2p", group)
+        outcomes["qwen2_5_vl video"] = zoo.run_case("qwen2_5_vl", "a2a", group, zoo.batch("qwen2_5_vl", video=True))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(outcomes, f)
