@@ -37,8 +37,10 @@ import functools
 import torch
 from torch import nn
 
+from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
-from .hf_active import active_handler
+from ..handlers.registry import build_cp_handler
+from .hf_active import active_handler, handler_context
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
@@ -216,10 +218,6 @@ def check_loss_kwargs(model: nn.Module, tokens: int = 8) -> None:
     Raises:
         ValueError: the loss is something else (each rank's own mean would be wrong under CP).
     """
-    from ..config import ContextParallelConfig
-    from ..handlers.registry import build_cp_handler
-    from .hf_active import handler_context
-
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type == "meta":
         return
