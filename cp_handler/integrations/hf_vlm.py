@@ -181,7 +181,8 @@ def _language_model_pre_hook(lm, args, kwargs):
         positions = torch.arange(length, device=sequence.device).expand(batch, -1)
     if positions.shape[-1] != length:
         raise ValueError(f"position_ids of shape {tuple(positions.shape)} for a sequence of {length} tokens")
-    setattr(handler, MAX_POSITION, positions.max())  # RoPE reading the length: one process's (:mod:`.hf_rotary`)
+    rotary = positions[1:] if positions.dim() == 3 and positions.shape[0] == 4 else positions  # row 0: text positions
+    setattr(handler, MAX_POSITION, rotary.max())  # RoPE reading the length: one process's (:mod:`.hf_rotary`)
     kwargs["position_ids"] = handler.dispatch(positions, positions.dim() - 1)
     if kwargs.get("cache_position") is not None:
         kwargs["cache_position"] = handler.dispatch(kwargs["cache_position"], 0)
