@@ -2,7 +2,7 @@
 import, ``cp_args``).
 
     torchrun --nproc-per-node 2 examples/hf_vlm_sft.py            # cp 2 on CPU (gloo), under a minute
-    torchrun --nproc-per-node 8 examples/hf_vlm_sft.py --cp 4     # dp 2 x cp 4 on 8 GPUs, unchanged
+    torchrun --nproc-per-node 4 examples/hf_vlm_sft.py --cp 2     # dp 2 x cp 2
 
 TRL's own vision path: rows with ``images`` and a prompt / completion, collated per batch by its
 ``DataCollatorForVisionLanguageModeling`` through the processor (``pixel_values``, ``image_grid_thw``,
@@ -12,7 +12,7 @@ the language model runs on this rank's shard of the merged sequence, at Qwen's 3
 
 A tiny random-weight Qwen2.5-VL and a processor built offline (word-level tokenizer, 56-pixel images: 4 image tokens
 each) keep it self-contained; use your model and ``AutoProcessor.from_pretrained(...)``. The task: name the colour of
-a noisy solid-colour image, so the loss falls only as far as the vision tower learns.
+a noisy solid-colour image.
 """
 
 import argparse
@@ -22,8 +22,12 @@ import torch
 from datasets import Dataset
 from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
-                          Qwen2_5_VLProcessor)
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from trl import SFTConfig
 

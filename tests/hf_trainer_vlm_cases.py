@@ -34,9 +34,18 @@ CASES = {
     # prompts left-padded by the processor, then flushed left by TRL: right padding; completion-only labels
     "sft_qwen2_5_vl_prompt_completion": {"model": "qwen2_5_vl", "data": "prompt_completion", "trainer": "sft",
                                          "cp": {"context_parallel_size": 2}},
-    # dp 2 x cp 2: the loss is normalised by the token count of both dp ranks' batches, as one process's mean
+    # dp 2 x cp 2: the loss is normalised by the token count of both dp ranks' batches, as one process's mean. Eval
+    # examples of one length: at dp > 1 Trainer's eval loss (with or without CP) is the token-weighted mean over the
+    # dp ranks' concurrent batches (num_items_in_batch gathered over every process), one process's the mean of
+    # per-batch means
     "sft_qwen2_5_vl_dp2": {"model": "qwen2_5_vl", "data": "messages", "trainer": "sft",
                            "cp": {"context_parallel_size": 2, "cp_comm_type": "p2p"}},
+    # gradient accumulation: Qwen2.5-VL's class sets accepts_loss_kwargs=False, so the plain Trainer averages each
+    # micro-batch's mean; under CP its loss is normalised by the global token count of the step, as for every text
+    # model: the reference is the plain Trainer told the model takes the loss arguments (docs/huggingface.md)
+    "qwen2_5_vl_accumulate": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2,
+                                                                          "cp_comm_type": "a2a"},
+                              "accumulate": 2, "reference_loss_kwargs": True},
     "qwen2_5_vl_text_positions": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2},
                                   "break": "positions"},
 }
@@ -118,10 +127,10 @@ def processor():
     return ImageProcessorOnly(image_processor=images, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
 
 
-def trl_rows(kind: str, count: int, seed: int) -> list[dict]:
+def trl_rows(kind: str, count: int, seed: int, uniform: bool = False) -> list[dict]:
     """``count`` rows for TRL's vision collator (module doc): one random image each (56 x 56 or 56 x 112 pixels),
-    text of random words of varying lengths; ``"messages"``: a system turn before the user's (so the image lands
-    after it), an assistant answer."""
+    text of random words of varying lengths (``uniform``: every row as row 0); ``"messages"``: a system turn before
+    the user's (so the image lands after it), an assistant answer."""
     from PIL import Image
 
     generator = np.random.default_rng(seed)
@@ -130,7 +139,8 @@ def trl_rows(kind: str, count: int, seed: int) -> list[dict]:
         return " ".join(f"w{i}" for i in generator.integers(2, WORDS, n))
 
     rows = []
-    for i in range(count):
+    for row_index in range(count):
+        i = 0 if uniform else row_index
         pixels = generator.integers(0, 256, (56, 56 * (1 + i % 2), 3), dtype=np.uint8)
         row = {"images": [Image.fromarray(pixels)]}
         if kind == "messages":
@@ -186,13 +196,14 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         from cp_handler.integrations.hf_trainer import CPSFTTrainer as CP
 
         common.update(train_dataset=Dataset.from_list(trl_rows(case["data"], 12, 1)),
-                      eval_dataset=Dataset.from_list(trl_rows(case["data"], 2 * dp, 2)), processing_class=processor())
+                      eval_dataset=Dataset.from_list(trl_rows(case["data"], 2 * dp, 2, uniform=dp > 1)),
+                      processing_class=processor())
         cls = CP if cp_run else SFTTrainer
     else:
         from cp_handler.integrations.hf_trainer import CPTrainer as CP
 
-        common.update(train_dataset=zoo_examples(case["model"], 12, 1), eval_dataset=zoo_examples(case["model"], 2 * dp, 2),
-                      data_collator=collate)
+        common.update(train_dataset=zoo_examples(case["model"], 12, 1),
+                      eval_dataset=zoo_examples(case["model"], 2 * dp, 2), data_collator=collate)
         cls = CP if cp_run else Trainer
     if cp_run:
         from cp_handler.integrations.hf_trainer import ContextParallelArguments
@@ -200,6 +211,8 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         common["cp_args"] = ContextParallelArguments(**case["cp"])
     with _broken(case.get("break") if cp_run else None) as broken:
         trainer = cls(**common)
+        if case.get("reference_loss_kwargs") and not cp_run:
+            trainer.model_accepts_loss_kwargs = True  # Trainer counts and passes num_items_in_batch, as CPTrainer
         broken["on"] = True
         trainer.train()
         logged = [entry for entry in trainer.state.log_history if "loss" in entry]

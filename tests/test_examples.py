@@ -34,6 +34,18 @@ def test_hf_trainer_sft_example_under_torchrun():
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
 
 
+def test_hf_vlm_sft_example_under_torchrun():
+    """examples/hf_vlm_sft.py (a tiny Qwen2.5-VL under TRL's SFTTrainer, its vision collator, cp 2 with a2a): it trains
+    (the loss falls over its 20 steps; its exactness is tests/test_hf_vlm_trainer.py's)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "examples/hf_vlm_sft.py")],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [float(x) for x in result.stdout.split("losses")[1].split()]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
+
+
 def test_hf_quickstart_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

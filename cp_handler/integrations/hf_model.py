@@ -186,6 +186,8 @@ def _takes_no_positions(model: nn.Module, ids: torch.Tensor) -> bool:
     """Whether ``model`` (in eval mode, at cp=1) uses no positions at all (Mamba, Jamba: no RoPE): a second document
     packed after a first (thd, its positions restarting) gives the logits it gives alone. A model taking
     positions from its input's length sees the packed document's rows at their index and fails this."""
+    if is_vision_language(model):  # it takes no packed documents (:mod:`.hf_vlm`): a model with RoPE is assumed
+        return False
     first = ids.shape[1] // 2
     packed = _two_documents(ids.shape[1], first)
     alone, rest = build_cp_handler(ContextParallelConfig()), ids[:, first:]
