@@ -188,17 +188,34 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
 
         common["cp_args"] = ContextParallelArguments(**case["cp"])
     with _broken(case.get("break") if cp_run else None):
-        trainer = cls(**common)
-        trainer.train()
-        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-        losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in LOGGED if key in entry)]
-                  for entry in logged]
-        evaluation = trainer.evaluate()
-        prediction = trainer.predict(common["eval_dataset"])
+        record(cls(**common), common["eval_dataset"], out, cp_run)
+
+
+def record(trainer, eval_dataset, out: str, cp_run: bool) -> None:
+    """Train, evaluate and predict with ``trainer``; rank 0 (or the one process) writes ``out/result.pt``: the loss,
+    gradient norm and :data:`LOGGED` figures of every logged step, the final parameters, the eval loss, the logits."""
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in LOGGED if key in entry)] for entry in logged]
+    evaluation = trainer.evaluate()
+    prediction = trainer.predict(eval_dataset)
     if not cp_run or dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
                     "predictions": torch.as_tensor(_logits(prediction.predictions))}, Path(out) / "result.pt")
+
+
+def run_all(module, out: Path) -> dict:
+    """Every case of ``module`` (this one, or tests/hf_trainer_vlm_cases.py: its ``CASES``, ``WORLD``, ``worker``): the
+    reference (one spawn of one process) and the CP runs (one spawn per world size); ``{name: (cp, reference)}``."""
+    from dist_utils import run_distributed
+
+    run_distributed(module.worker, 1, list(module.CASES), str(out / "reference"), False)
+    for world in sorted({module.WORLD.get(name, 2) for name in module.CASES}):
+        names = [name for name in module.CASES if module.WORLD.get(name, 2) == world]
+        run_distributed(module.worker, world, names, str(out / "cp"))
+    return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
+            for name in module.CASES}
 
 
 def compare(got: dict, want: dict) -> str | None:

@@ -214,16 +214,7 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         if case.get("reference_loss_kwargs") and not cp_run:
             trainer.model_accepts_loss_kwargs = True  # Trainer counts and passes num_items_in_batch, as CPTrainer
         broken["on"] = True
-        trainer.train()
-        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-        losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in text_cases.LOGGED if key in entry)]
-                  for entry in logged]
-        evaluation = trainer.evaluate()
-        prediction = trainer.predict(common["eval_dataset"])
-    if not cp_run or dist.get_rank() == 0:
-        params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
-                    "predictions": torch.as_tensor(text_cases._logits(prediction.predictions))}, f"{out}/result.pt")
+        text_cases.record(trainer, common["eval_dataset"], out, cp_run)
 
 
 def worker(rank: int, world: int, names: list[str], out: str, cp_run: bool = True) -> None:

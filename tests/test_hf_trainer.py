@@ -19,7 +19,6 @@ SGD steps (the update is linear in the gradient) atol 1e-6 + rtol 1e-5; logits a
 import hf_trainer_cases as cases
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations.hf_batch import shard_batch
@@ -28,13 +27,7 @@ from cp_handler.integrations.hf_batch import shard_batch
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case: the reference (one spawn of one process) and the CP runs (one spawn per world size)."""
-    out = tmp_path_factory.mktemp("hf_trainer")
-    run_distributed(cases.worker, 1, list(cases.CASES), str(out / "reference"), False)
-    for world in sorted({cases.WORLD.get(name, 2) for name in cases.CASES}):
-        names = [name for name in cases.CASES if cases.WORLD.get(name, 2) == world]
-        run_distributed(cases.worker, world, names, str(out / "cp"))
-    return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
-            for name in cases.CASES}
+    return cases.run_all(cases, tmp_path_factory.mktemp("hf_trainer"))
 
 
 @pytest.mark.parametrize("name", [n for n in cases.CASES if not cases.CASES[n].get("break")])

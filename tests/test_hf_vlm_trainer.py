@@ -21,7 +21,6 @@ import hf_trainer_vlm_cases as vlm_cases
 import hf_vlm_zoo as zoo
 import pytest
 import torch
-from dist_utils import run_distributed
 
 from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations.hf_batch import shard_batch
@@ -30,13 +29,7 @@ from cp_handler.integrations.hf_batch import shard_batch
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every case: the reference (one spawn of one process) and the CP runs (one spawn per world size)."""
-    out = tmp_path_factory.mktemp("hf_vlm_trainer")
-    run_distributed(vlm_cases.worker, 1, list(vlm_cases.CASES), str(out / "reference"), False)
-    for world in sorted({vlm_cases.WORLD.get(name, 2) for name in vlm_cases.CASES}):
-        names = [name for name in vlm_cases.CASES if vlm_cases.WORLD.get(name, 2) == world]
-        run_distributed(vlm_cases.worker, world, names, str(out / "cp"))
-    return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
-            for name in vlm_cases.CASES}
+    return cases.run_all(vlm_cases, tmp_path_factory.mktemp("hf_vlm_trainer"))
 
 
 @pytest.mark.parametrize("name", [n for n in vlm_cases.CASES if not vlm_cases.CASES[n].get("break")])
