@@ -328,8 +328,9 @@ def prepare_model(model: nn.Module) -> nn.Module:
     handles = [model.register_forward_pre_hook(functools.partial(_model_pre_hook, last=last), with_kwargs=True),
                model.register_forward_hook(functools.partial(_model_hook, last=last), with_kwargs=True,
                                            always_call=True)]
-    vision = frozenset(vision_modules(model)) if is_vision_language(model) else frozenset()
+    vision = frozenset()
     if is_vision_language(model):  # after the generic pre-hook: the forward's handler is active then
+        vision = frozenset(vision_modules(model))
         handles += prepare_vision_language(model)
     handles += install_rotary_hooks(model, vision)
     for host in recompute_hosts(model, vision):  # before a rotary module's own pre-hook, when it is its host

@@ -78,9 +78,11 @@ def language_model(model: nn.Module) -> nn.Module:
 def vision_modules(model: nn.Module) -> set[int]:
     """``id`` of every module of ``model`` outside its language model and not an ancestor of it (the vision tower,
     the projector): modules whose rotary tables and attention are their own."""
-    inside = {id(m) for m in language_model(model).modules()}
-    ancestors = {id(m) for m in model.modules() if any(id(c) in inside for c in m.modules())}
-    return {id(m) for m in model.modules() if id(m) not in inside and id(m) not in ancestors}
+    lm = language_model(model)
+    path = next(name for name, m in model.named_modules() if m is lm)
+    inside = {id(m) for m in lm.modules()}
+    return {id(m) for name, m in model.named_modules()
+            if id(m) not in inside and not (name == "" or path.startswith(name + "."))}
 
 
 def set_text_attention(model: nn.Module, implementation: str) -> None:
@@ -151,7 +153,8 @@ def _visual_rows(handler: ContextParallelHandler, visual: torch.Tensor) -> tuple
 
 
 def _language_model_pre_hook(lm, args, kwargs):
-    """Dispatch the merged sequence and what goes with it (module doc); a no-op without an active handler."""
+    """Dispatch the merged sequence and what goes with it (module doc); a no-op without an active handler. The rules
+    of the whole batch (layout, length, no KV cache) were checked by :func:`_model_pre_hook` on the same call."""
     handler = active_handler()
     if handler is None:
         return None
@@ -164,13 +167,9 @@ def _language_model_pre_hook(lm, args, kwargs):
     if unknown:
         raise ValueError(f"{type(lm).__name__} was given {unknown}: tensors cp_handler's vision-language route does "
                          f"not shard (it dispatches {list(LM_SEQUENCE_INPUTS)}); refused instead of passed on whole")
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError(f"{type(lm).__name__}: past_key_values (generation) of a vision-language model is not "
-                         "implemented under context parallelism")
     sequence = next((kwargs[k] for k in ("inputs_embeds", "input_ids") if kwargs.get(k) is not None), None)
     if sequence is None:
         raise ValueError(f"{type(lm).__name__} was called without inputs_embeds or input_ids")
-    _global_batch(handler, "the language model's inputs", sequence)
     batch, length = sequence.shape[:2]
     for key in ("input_ids", "inputs_embeds"):
         if kwargs.get(key) is not None:
