@@ -1,23 +1,107 @@
 """The data of a Trainer under context parallelism goes over the dp ranks only: every rank of a CP group loads the
-same batch, and evaluation keeps one rank's results per CP group (:class:`~.hf_trainer.ContextParallelMixin`)."""
+same batch, evaluation keeps one rank's results per CP group (:class:`~.hf_trainer.ContextParallelMixin`), and an RL
+trainer's bookkeeping sees the dp ranks as its processes (:func:`over_dp`)."""
 
 from __future__ import annotations
 
+import contextlib
 
-def gather_over_dp(accelerator, cp: int, tensors):
-    """``gather_for_metrics`` over the dp ranks: every rank's tensors gathered, those of one rank per CP group
-    kept (CP ranks are adjacent), then the last batch's duplicates dropped as ``gather_for_metrics`` does."""
+
+def gather_dp(accelerator, cp: int, tensors):
+    """``accelerator.gather`` over the dp ranks: every rank's tensors gathered, those of one rank per CP group kept
+    (CP ranks are adjacent and hold the same values)."""
     from accelerate.utils import recursively_apply
 
-    state, world = accelerator.gradient_state, accelerator.num_processes
+    world = accelerator.num_processes
+    return recursively_apply(lambda t: t.reshape(world, -1, *t.shape[1:])[::cp].flatten(0, 1),
+                             accelerator.gather(tensors))
 
-    def one_per_group(t):
-        return t.reshape(world, -1, *t.shape[1:])[::cp].flatten(0, 1)
 
-    data = recursively_apply(one_per_group, accelerator.gather(tensors))
+def gather_over_dp(accelerator, cp: int, tensors):
+    """``gather_for_metrics`` over the dp ranks: :func:`gather_dp`, then the last batch's duplicates dropped as
+    ``gather_for_metrics`` does."""
+    from accelerate.utils import recursively_apply
+
+    state = accelerator.gradient_state
+    data = gather_dp(accelerator, cp, tensors)
     if state.end_of_dataloader and state.remainder > 0:
         data = recursively_apply(lambda t: t[:state.remainder], data)
     return data
+
+
+def gather_object_dp(cp: int, objects: list) -> list:
+    """accelerate's ``gather_object`` (every process's list, concatenated) over the dp ranks: one list per CP group."""
+    from accelerate.utils import gather_object
+
+    return [item for per_rank in gather_object([list(objects)])[::cp] for item in per_rank]
+
+
+class DPAccelerator:
+    """An ``Accelerator`` as the dp ranks see it: ``num_processes`` and ``process_index`` count CP groups,
+    ``gather`` / ``gather_for_metrics`` / ``reduce`` keep one rank per group (:func:`gather_dp`); every other
+    attribute is the accelerator's own (read and written through)."""
+
+    def __init__(self, accelerator, cp: int):
+        object.__setattr__(self, "_accelerator", accelerator)
+        object.__setattr__(self, "_cp", cp)
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._accelerator, name, value)
+
+    @property
+    def num_processes(self) -> int:
+        return self._accelerator.num_processes // self._cp
+
+    @property
+    def process_index(self) -> int:
+        return self._accelerator.process_index // self._cp
+
+    def gather(self, tensor):
+        return gather_dp(self._accelerator, self._cp, tensor)
+
+    def gather_for_metrics(self, input_data, use_gather_object: bool = False):
+        if use_gather_object:
+            return gather_object_dp(self._cp, input_data)
+        return gather_over_dp(self._accelerator, self._cp, input_data)
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        from accelerate.utils import recursively_apply
+
+        if reduction not in ("sum", "mean", "none"):
+            raise ValueError(f"reduce(reduction={reduction!r}): one of 'sum', 'mean', 'none'")
+
+        def reduced(t):
+            stacked = self.gather(t[None])
+            out = stacked.sum(0) if reduction == "sum" else stacked.mean(0) if reduction == "mean" else t
+            return out * scale
+
+        return recursively_apply(reduced, tensor)
+
+
+@contextlib.contextmanager
+def over_dp(trainer, cp: int, modules=()):
+    """Inside the block, ``trainer.accelerator`` is a :class:`DPAccelerator` and the module-level ``gather`` /
+    ``gather_object`` that ``modules`` imported from ``accelerate.utils`` (TRL's trainer modules) keep one rank per
+    CP group; restored when the block ends. Nothing changes at ``cp = 1`` or inside another such block."""
+    if cp == 1 or isinstance(trainer.accelerator, DPAccelerator):
+        yield
+        return
+    accelerator = trainer.accelerator
+    replacements = {"gather": lambda tensor: gather_dp(accelerator, cp, tensor),
+                    "gather_object": lambda objects: gather_object_dp(cp, objects)}
+    saved = [(m, name, getattr(m, name)) for m in modules for name in replacements if hasattr(m, name)]
+    trainer.accelerator = DPAccelerator(accelerator, cp)
+    for module, name, _ in saved:
+        setattr(module, name, replacements[name])
+    try:
+        yield
+    finally:
+        trainer.accelerator = accelerator
+        for module, name, original in saved:
+            setattr(module, name, original)
 
 
 def prepare_data_loader_over_dp(accelerator, dp_size: int, dp_rank: int, data_loader, device_placement=None,

@@ -50,6 +50,7 @@ from ..tiling import tile_mlps
 from .hf_batch import shard_batch
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
+from .hf_inputs import text_config
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .hf_vlm import check_loss_kwargs, is_vision_language
 from .transformers import cp_attention, register
@@ -101,40 +102,41 @@ class _Groups:
     dp_rank: int
 
 
-class ContextParallelMixin:
-    """Context parallelism for a ``transformers.Trainer`` subclass (module doc): ``class MyTrainer(
-    ContextParallelMixin, Trainer)``, built with ``cp_args=ContextParallelArguments(...)``.
+class ContextParallelTrainerBase:
+    """What every Trainer under context parallelism shares: the dp x cp groups, ``register(model)``, the settings
+    refused by name (:meth:`_refused_settings`), data loaders over the dp ranks, evaluation gathered over dp.
+    :class:`ContextParallelMixin` (Trainer, SFT) and :mod:`.hf_rl_trainer` (GRPO, RLOO, DPO) build on it.
 
     Raises:
-        ValueError: a setting refused by name (module doc), a world size not a multiple of the CP size, the model's
-            guard (``register``), a model that is not a causal language model; before any training step.
+        ValueError: a setting refused by name, a world size not a multiple of the CP size, the model's guard
+            (``register``), a model that is not a causal language model; before any training step.
     """
-
-    router_loss_convention = "share"
-    """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`): Trainer takes the model's
-    own loss, a sum of shares."""
 
     def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
         from transformers.utils.versions import require_version
 
-        require_version("transformers" + ",".join(TESTED_TRANSFORMERS), "ContextParallelMixin: the Trainer releases "
-                        "it was tested with")
+        require_version("transformers" + ",".join(TESTED_TRANSFORMERS), f"{type(self).__name__}: the Trainer "
+                        "releases it was tested with")
         self.cp_config = cp_args.config()
         get_cp_handler_cls(self.cp_config.backend, self.cp_config.cp_comm_type).check_available()
         super().__init__(*args, **kwargs)
-        self._check_settings()
+        refused = self._refused_settings()
+        if refused:
+            raise ValueError(f"{type(self).__name__}: refused under context parallelism: " + "; ".join(refused))
         self.cp_groups = self._build_groups()
         model = self.accelerator.unwrap_model(self.model)
         check_decoder_only(model)
+        self.own_attn_implementation = text_config(model)._attn_implementation
+        """The model's attention implementation before ``register`` (what generation outside CP runs)."""
         register(model)
         check_causal(model)
-        self.vision_language = is_vision_language(model)
-        if self.vision_language and not self.model_accepts_loss_kwargs:
-            check_loss_kwargs(model)  # its loss takes the global token count: Trainer passes it
-            self.model_accepts_loss_kwargs = True
+        self._prepare_registered(model)
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+
+    def _prepare_registered(self, model) -> None:
+        """What a subclass adds once the model is registered (default: nothing)."""
 
     def _build_groups(self) -> _Groups:
         """The dp x cp groups (one process: cp must be 1)."""
@@ -148,13 +150,60 @@ class ContextParallelMixin:
                              "starts it)")
         return _Groups(None, [], 1, 0)
 
-    def _check_settings(self) -> None:
-        args, refused = self.args, []
+    def _refused_settings(self) -> list[str]:
+        """The settings that would make the result wrong, each ``"name=value (why)"`` (empty: none)."""
+        refused = []
         parallelism = getattr(self.accelerator, "parallelism_config", None)
         for name in ("cp_size", "sp_size"):
             if getattr(parallelism, name, 1) > 1:
                 refused.append(f"parallelism_config.{name}={getattr(parallelism, name)} (accelerate's own context / "
                                "sequence parallelism: two CP layers at once)")
+        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
+            refused.append("train_sampling_strategy='batch_rebalance' (it splits batches over every rank)")
+        if self.accelerator.dispatch_batches:
+            refused.append("accelerator_config dispatch_batches=True (rank 0 would split each batch over every rank)")
+        return refused
+
+    def get_cp_size(self) -> int:
+        """The CP size (Trainer divides its global token count and its dp world size by it)."""
+        return self.cp_config.context_parallel_size
+
+    def evaluation_loop(self, *args, **kwargs):
+        """Trainer's loop with its gather over the dp ranks only (:func:`.hf_dp.gather_over_dp`)."""
+        if self.args.eval_use_gather_object:
+            raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
+        self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _gather_over_dp(self, tensors):
+        return gather_over_dp(self.accelerator, self.get_cp_size(), tensors)
+
+    def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        return prepare_data_loader_over_dp(self.accelerator, self.cp_groups.dp_size, self.cp_groups.dp_rank,
+                                           data_loader, device_placement, slice_fn_for_dispatch)
+
+
+class ContextParallelMixin(ContextParallelTrainerBase):
+    """Context parallelism for a ``transformers.Trainer`` subclass (module doc): ``class MyTrainer(
+    ContextParallelMixin, Trainer)``, built with ``cp_args=ContextParallelArguments(...)``.
+
+    Raises:
+        ValueError: a setting refused by name (module doc), a world size not a multiple of the CP size, the model's
+            guard (``register``), a model that is not a causal language model; before any training step.
+    """
+
+    router_loss_convention = "share"
+    """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`): Trainer takes the model's
+    own loss, a sum of shares."""
+
+    def _prepare_registered(self, model) -> None:
+        self.vision_language = is_vision_language(model)
+        if self.vision_language and not self.model_accepts_loss_kwargs:
+            check_loss_kwargs(model)  # its loss takes the global token count: Trainer passes it
+            self.model_accepts_loss_kwargs = True
+
+    def _refused_settings(self) -> list[str]:
+        args, refused = self.args, super()._refused_settings()
         if args.label_smoothing_factor:
             refused.append(f"label_smoothing_factor={args.label_smoothing_factor} (its smoother shifts the labels "
                            "of each rank's shard)")
@@ -166,16 +215,7 @@ class ContextParallelMixin:
         elif not self.model_accepts_loss_kwargs and not is_vision_language(self.accelerator.unwrap_model(self.model)):
             refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
                            "would be each rank's own mean)")
-        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-            refused.append("train_sampling_strategy='batch_rebalance' (it splits batches over every rank)")
-        if self.accelerator.dispatch_batches:
-            refused.append("accelerator_config dispatch_batches=True (rank 0 would split each batch over every rank)")
-        if refused:
-            raise ValueError("ContextParallelMixin: refused under context parallelism: " + "; ".join(refused))
-
-    def get_cp_size(self) -> int:
-        """The CP size (Trainer divides its global token count and its dp world size by it)."""
-        return self.cp_config.context_parallel_size
+        return refused
 
     def _shard(self, inputs: dict):
         return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
@@ -235,20 +275,6 @@ class ContextParallelMixin:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1 if has_labels else 0]
         logits = sharded.handler.combine(logits.detach(), 1)[:, :sharded.seq_len]
         return loss, logits, labels
-
-    def evaluation_loop(self, *args, **kwargs):
-        """Trainer's loop with its gather over the dp ranks only (:func:`.hf_dp.gather_over_dp`)."""
-        if self.args.eval_use_gather_object:
-            raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
-        self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
-        return super().evaluation_loop(*args, **kwargs)
-
-    def _gather_over_dp(self, tensors):
-        return gather_over_dp(self.accelerator, self.get_cp_size(), tensors)
-
-    def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        return prepare_data_loader_over_dp(self.accelerator, self.cp_groups.dp_size, self.cp_groups.dp_rank,
-                                           data_loader, device_placement, slice_fn_for_dispatch)
 
 
 def _trainer_class():

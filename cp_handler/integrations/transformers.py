@@ -157,6 +157,19 @@ def cp_attention(handler: ContextParallelHandler):
         yield handler
 
 
+@contextlib.contextmanager
+def own_attention(model: torch.nn.Module, implementation: str):
+    """Inside the block, ``model`` (registered) runs its own attention ``implementation`` (``"sdpa"``, ``"eager"``...)
+    instead of cp_handler's: generation of an RL trainer's completions, outside CP. Switched back to
+    ``"cp_handler"`` when the block ends, also on an error."""
+    check_text_route(model)
+    model.set_attn_implementation(implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
 class CPCausalLM(torch.nn.Module):
     """A Hugging Face causal LM driven by a CP handler: ``forward(input_ids (B, S_local), cp_handler,
     moe_handler=None) -> logits (B, S_local, V)`` (the interface of :class:`cp_handler.models.GPTModel`, so

@@ -1,0 +1,161 @@
+"""Context parallelism in TRL's RL and preference trainers: ``CPGRPOTrainer``, ``CPRLOOTrainer``, ``CPDPOTrainer``.
+
+A script changes two lines::
+
+    from cp_handler.integrations.hf_rl_trainer import CPGRPOTrainer
+    trainer = CPGRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=ds,
+                            cp_args=ContextParallelArguments(context_parallel_size=2))
+
+and ``torchrun --nproc-per-node N`` trains with ``dp = N / cp``: the result is TRL's with ``dp`` processes, each
+sequence's forward and backward split over its CP group. What :class:`ContextParallelRLMixin` does:
+
+* **data over dp** (:class:`~.hf_trainer.ContextParallelTrainerBase`): the ranks of a CP group read the same prompts
+  (GRPO, RLOO) or preference pairs (DPO); GRPO's and RLOO's generation batch, which TRL sizes with the world size,
+  is sized with the dp size (``per_device_train_batch_size x dp x steps_per_generation``); the random state is
+  seeded per dp rank (TRL seeds per process), so a group shuffles its completions alike;
+* **generation outside CP, once per group**: the group's first rank generates (HF ``generate`` with the model's own
+  attention, :func:`~.transformers.own_attention`) and broadcasts the completions to the group;
+* **scoring on shards**: every fused-head call of the trainer (policy, reference and old-policy log-probabilities and
+  entropies; DPO's chosen and rejected rows) runs on this rank's shard with labels shifted in global order and
+  returns TRL's whole-row outputs (:mod:`.hf_fused_head`): TRL's loss code then runs unchanged, with its
+  temperature, its loss types and its per-sequence terms, on every rank of the group;
+* **TRL's bookkeeping over dp**: inside the trainer's generation-and-scoring, loss and reference-precompute methods,
+  TRL's collectives see the dp ranks (:func:`.hf_dp.over_dp`): rewards grouped by ``num_generations`` over the
+  distinct completions, each rank's slice by its dp index, the loss denominators (``num_items_in_batch``, the
+  process count) and every logged metric as with ``dp`` processes.
+
+Refused by name before the first step: vLLM (its server and colocate modes gather over every process), continuous
+batching, tools and environments (a tool run on every rank of a group could return different results), a PEFT
+model, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one rank would wait for the others), a
+vision-language model, a model whose left-padded forward is not its real tokens' alone
+(:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16.0 (:data:`~.hf_trainer.TESTED_TRL`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+
+from .hf_dp import over_dp
+from .hf_fused_head import install_cp_fused_head, left_padding_positions
+from .hf_trainer import TESTED_TRL, ContextParallelTrainerBase
+from .hf_vlm import is_vision_language
+from .transformers import ATTN_IMPLEMENTATION, own_attention, register
+
+
+class ContextParallelRLMixin(ContextParallelTrainerBase):
+    """Context parallelism for TRL's GRPO, RLOO and DPO trainers (module doc): ``class MyTrainer(
+    ContextParallelRLMixin, GRPOTrainer)``, built with ``cp_args=ContextParallelArguments(...)``.
+
+    Raises:
+        ValueError: a setting refused by name (module doc), a generation batch that does not hold whole groups of
+            ``num_generations`` at the dp size, the model's guard; before any training step.
+    """
+
+    def _refused_settings(self) -> list[str]:
+        refused = super()._refused_settings()
+        args = self.args
+        if getattr(self, "use_vllm", False):
+            refused.append("use_vllm=True (vLLM's generation gathers prompts over every process, not per CP group)")
+        if getattr(self, "use_transformers_continuous_batching", False):
+            refused.append("use_transformers_continuous_batching=True (not tested under context parallelism)")
+        if getattr(self, "tools", None) or getattr(self, "environment_factories", None):
+            refused.append("tools / environment_factory (each rank of a CP group would run the tools: their results "
+                           "could differ)")
+        if getattr(args, "use_liger_kernel", False):
+            refused.append("use_liger_kernel=True (Liger replaces modules cp_handler routes)")
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
+            refused.append("FSDP / DeepSpeed (sharded weights: one rank of a CP group generates alone)")
+        model = self.accelerator.unwrap_model(self.model)
+        if hasattr(model, "peft_config"):
+            refused.append(f"a PEFT model ({type(model).__name__}: not tested under context parallelism)")
+        if is_vision_language(model):
+            refused.append(f"a vision-language model ({type(model).__name__}: its RL inputs are not sharded)")
+        return refused
+
+    def _prepare_registered(self, model) -> None:
+        self._check_generation_batch()
+        implementation = self.own_attn_implementation
+        if implementation in (None, ATTN_IMPLEMENTATION):
+            raise ValueError(f"{type(self).__name__}: the model runs attn_implementation={implementation!r} already; "
+                             "pass it with its own attention (e.g. 'sdpa'): generation runs outside context "
+                             "parallelism with it")
+        plan = (self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
+                left_padding_positions(model, implementation))
+        install_cp_fused_head(model, *plan)
+        ref_model = getattr(self, "ref_model", None)
+        if ref_model is not None:
+            ref_model = self.accelerator.unwrap_model(ref_model)
+            register(ref_model)
+            install_cp_fused_head(ref_model, *plan)
+        from accelerate.utils import set_seed
+
+        set_seed(self.args.seed + self.cp_groups.dp_rank)  # TRL seeds per process: a CP group shares one state
+
+    def _check_generation_batch(self) -> None:
+        """GRPO / RLOO: the generation batch sized with the dp size (TRL sized it with the world size)."""
+        args, dp = self.args, self.cp_groups.dp_size
+        if getattr(args, "generation_batch_size", None) is None:
+            return
+        args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
+        if args.generation_batch_size % self.num_generations:
+            raise ValueError(f"{type(self).__name__}: generation_batch_size = per_device_train_batch_size "
+                             f"({args.per_device_train_batch_size}) x dp ({dp}) x steps_per_generation "
+                             f"({args.steps_per_generation}) = {args.generation_batch_size} is not a multiple of "
+                             f"num_generations ({self.num_generations}): the groups would be split")
+
+    def _over_dp(self):
+        modules = {sys.modules[c.__module__] for c in type(self).__mro__ if c.__module__.startswith("trl.")}
+        return over_dp(self, self.get_cp_size(), modules)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """TRL's generation on the CP group's first rank, with the model's own attention; the completions broadcast
+        to the group."""
+        group = self.cp_groups.cp_group
+        model = self.accelerator.unwrap_model(self.model)
+        if group is None or dist.get_world_size(group) == 1:
+            with own_attention(model, self.own_attn_implementation):
+                return super()._generate_single_turn(*args, **kwargs)
+        result = [None]
+        if dist.get_rank(group) == 0:
+            with own_attention(model, self.own_attn_implementation):
+                result = [super()._generate_single_turn(*args, **kwargs)]
+        dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
+        return result[0]
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        with self._over_dp():
+            return super()._generate_and_score_completions(*args, **kwargs)
+
+    def _compute_loss(self, *args, **kwargs):
+        with self._over_dp():
+            return super()._compute_loss(*args, **kwargs)
+
+    def _precompute_ref_logps(self, *args, **kwargs):
+        with self._over_dp():
+            return super()._precompute_ref_logps(*args, **kwargs)
+
+
+def _trl_class(name: str):
+    from transformers.utils.versions import require_version
+
+    require_version("trl" + ",".join(TESTED_TRL), f"CP{name}: pip install 'cp_handler[trl]'")
+    import trl
+
+    base = getattr(trl, name)
+    return type(f"CP{name}", (ContextParallelRLMixin, base),
+                {"__doc__": f"TRL's ``{name}`` with context parallelism (:class:`ContextParallelRLMixin`).",
+                 "__module__": __name__})
+
+
+_LAZY = {"CPGRPOTrainer": "GRPOTrainer", "CPRLOOTrainer": "RLOOTrainer", "CPDPOTrainer": "DPOTrainer"}
+
+
+def __getattr__(name: str):
+    """``CPGRPOTrainer``, ``CPRLOOTrainer`` and ``CPDPOTrainer``, built on first use (TRL imported then)."""
+    if name in _LAZY:
+        cls = _trl_class(_LAZY[name])
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
