@@ -1,12 +1,13 @@
-"""Runs of TRL's GRPO, RLOO and DPO trainers for tests/test_hf_rl_trainer.py: one process with TRL's trainer (the
-reference), or spawned gloo ranks with cp_handler's (``CPGRPOTrainer``, ``CPRLOOTrainer``, ``CPDPOTrainer``), on the
-same prompts and the same completions. Each run writes every logged figure of every step and the final parameters.
+"""Runs of TRL's GRPO, RLOO and DPO trainers for tests/test_hf_rl_trainer.py: TRL's trainer on ``dp`` processes (the
+reference: one process for cp 2 alone, two for dp 2 x cp 2), or ``dp x cp`` spawned gloo ranks with cp_handler's
+(``CPGRPOTrainer``, ``CPRLOOTrainer``, ``CPDPOTrainer``), on the same prompts and the same completions, the same
+per-device batch. Each run writes every logged figure of every step and the final parameters.
 
 The completions are fixed: the model class's ``generate`` is replaced by :func:`scripted_generate`, a function of
 the prompt and of its occurrence in the call (so a group of ``num_generations`` copies gets distinct completions of
 varying lengths, some ended by EOS, some cut at ``max_completion_length``), which refuses to run on a rank other
-than its CP group's first. The reward is a rule on the decoded completion. Tiny random-weight models, a word-level
-tokenizer built offline, SGD (its update is linear in the gradient).
+than its CP group's first and advances the random state as sampling does. The reward is a rule on the decoded
+completion. Tiny random-weight models, a word-level tokenizer built offline, SGD (its update is linear in the gradient).
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ CASES = {
     "grpo_labels_per_shard": {"trainer": "grpo", "model": "llama", "args": {"beta": 0.1},
                               "cp": {"context_parallel_size": 2}, "break": "labels_per_shard"},
 }
-"""Each case's reference is the same name run alone with TRL's trainer (``break``: a negative control, the labels
-shifted inside each rank's shard as TRL's head would without the global ``shift_labels``)."""
+"""Each case's reference is the same name run with TRL's trainer on dp processes (``break``: a negative control, the
+labels shifted inside each rank's shard as TRL's head would without the global ``shift_labels``)."""
 WORLD = {"grpo_dp2_bnpo": 4, "dpo_dp2_a2a": 4}
-"""Ranks per case (default 2: cp 2 alone); dp = world / cp."""
+"""Ranks per case (default 2: cp 2 alone); dp = world / cp. TRL's losses at dp > 1 are its own (bnpo divides by each
+process's token count, DDP averages): the reference runs the same dp."""
 UNCOMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second",
               "total_flos", "epoch")
 """Logged keys that are times or counters of the run, not results."""
@@ -90,6 +92,7 @@ def scripted_generate(cp: int):
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
         if dist.is_initialized() and dist.get_rank() % cp:
             raise AssertionError(f"rank {dist.get_rank()} generated: only the first rank of a CP group generates")
+        torch.rand(3)  # sampling advances the random state (of the generating rank only)
         seen, rows = Counter(), []
         for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
             prompt = tuple(t for t, m in zip(ids, mask, strict=True) if m)
@@ -142,24 +145,22 @@ def _broken(kind: str | None):
 
 
 def run_case(name: str, out: str, cp_run: bool) -> None:
-    """Train 3 steps; rank 0 (or the one process) writes ``out/result.pt``."""
+    """Train 3 steps; rank 0 writes ``out/result.pt``."""
     import hf_trainer_cases
     import transformers
 
     transformers.logging.set_verbosity_error()
     case = CASES[name]
-    world = dist.get_world_size() if cp_run else 1
     cp = case["cp"]["context_parallel_size"]
-    dp = world // cp if cp_run else WORLD.get(name, 2) // cp
-    batch = 2 if cp_run else 2 * dp  # the reference runs the dp ranks' batches as one
+    dp = WORLD.get(name, 2) // cp
     model = hf_trainer_cases.model(case["model"], case.get("config"))
     type(model).generate = scripted_generate(cp if cp_run else 1)
     path = Path(out) / "model"  # TRL loads its reference model from a path
-    if not cp_run or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         model.save_pretrained(path)
-    if cp_run:
-        dist.barrier()
-    common = dict(model=str(path), args=_arguments(case, out, batch, cp_run), processing_class=tokenizer())
+    dist.barrier()
+    common = dict(model=str(path), args=_arguments(case, out, 2, dist.get_world_size() > 1),
+                  processing_class=tokenizer())
     from datasets import Dataset
 
     if case["trainer"] == "dpo":
@@ -182,7 +183,7 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
     trainer.train()
     logged = [{k: v for k, v in entry.items() if k not in UNCOMPARED} for entry in trainer.state.log_history
               if "loss" in entry]
-    if not cp_run or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"logged": logged, "params": params}, Path(out) / "result.pt")
 
@@ -204,22 +205,23 @@ def compare(got: dict, want: dict) -> str | None:
 
 
 def run_all(out: Path) -> dict:
-    """Every case: the reference (one spawn of one process) and the CP runs (one spawn per world size);
-    ``{name: (cp, reference)}``."""
+    """Every case: the references and the CP runs, one spawn per world size; ``{name: (cp, reference)}``."""
     from dist_utils import run_distributed
 
-    run_distributed(worker, 1, list(CASES), str(out / "reference"), False)
-    for world in sorted({WORLD.get(name, 2) for name in CASES}):
-        names = sorted((n for n in CASES if WORLD.get(n, 2) == world), key=lambda n: "break" in CASES[n])
-        run_distributed(worker, world, names, str(out / "cp"))
+    for cp_run in (False, True):
+        worlds = {name: WORLD.get(name, 2) // (1 if cp_run else CASES[name]["cp"]["context_parallel_size"])
+                  for name in CASES}
+        for world in sorted(set(worlds.values())):
+            names = sorted((n for n in CASES if worlds[n] == world), key=lambda n: "break" in CASES[n])
+            run_distributed(worker, world, names, str(out / ("cp" if cp_run else "reference")), cp_run)
     return {name: (torch.load(out / "cp" / name / "result.pt"), torch.load(out / "reference" / name / "result.pt"))
             for name in CASES}
 
 
 def worker(rank: int, world: int, names: list[str], out: str, cp_run: bool = True) -> None:
-    """A spawned rank (tests/dist_utils.py): the torchrun environment accelerate reads (for CP runs), then
+    """A spawned rank (tests/dist_utils.py): the torchrun environment accelerate reads (more than one rank), then
     :func:`run_case` of every case of ``names`` into ``out/<name>``."""
-    if cp_run:
+    if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     for name in names:
         (Path(out) / name).mkdir(parents=True, exist_ok=True)

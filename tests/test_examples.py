@@ -46,6 +46,18 @@ def test_hf_vlm_sft_example_under_torchrun():
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
 
 
+def test_grpo_cp_example_under_torchrun():
+    """examples/grpo_cp.py (a tiny Llama under TRL's GRPOTrainer, real sampling on each CP group's first rank, cp 2): it
+    trains (the mean reward rises over its 24 steps; its exactness is tests/test_hf_rl_trainer.py's)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(ROOT / "examples/grpo_cp.py")],
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [float(x) for x in result.stdout.split("rewards")[1].split()]
+    assert len(rewards) == 4 and rewards[-1] > rewards[0] + 0.3, rewards
+
+
 def test_hf_quickstart_under_torchrun():
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

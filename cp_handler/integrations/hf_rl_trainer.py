@@ -14,7 +14,8 @@ sequence's forward and backward split over its CP group. What :class:`ContextPar
   is sized with the dp size (``per_device_train_batch_size x dp x steps_per_generation``); the random state is
   seeded per dp rank (TRL seeds per process), so a group shuffles its completions alike;
 * **generation outside CP, once per group**: the group's first rank generates (HF ``generate`` with the model's own
-  attention, :func:`~.transformers.own_attention`) and broadcasts the completions to the group;
+  attention, :func:`~.transformers.own_attention`) and broadcasts the completions to the group, with the random state
+  sampling left (the group shuffles its completions alike);
 * **scoring on shards**: every fused-head call of the trainer (policy, reference and old-policy log-probabilities and
   entropies; DPO's chosen and rejected rows) runs on this rank's shard with labels shifted in global order and
   returns TRL's whole-row outputs (:mod:`.hf_fused_head`): TRL's loss code then runs unchanged, with its
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import torch.distributed as dist
 
 from .hf_dp import over_dp
@@ -75,7 +77,7 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         return refused
 
     def _prepare_registered(self, model) -> None:
-        self._check_generation_batch()
+        self._prepare_generation()
         implementation = self.own_attn_implementation
         if implementation in (None, ATTN_IMPLEMENTATION):
             raise ValueError(f"{type(self).__name__}: the model runs attn_implementation={implementation!r} already; "
@@ -89,15 +91,17 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
             ref_model = self.accelerator.unwrap_model(ref_model)
             register(ref_model)
             install_cp_fused_head(ref_model, *plan)
+
+    def _prepare_generation(self) -> None:
+        """GRPO / RLOO: the generation batch sized with the dp size (TRL sized it with the world size), and the
+        random state seeded per dp rank (TRL seeds ``seed + process_index``: the ranks of a CP group would shuffle
+        their shared completions differently)."""
         from accelerate.utils import set_seed
 
-        set_seed(self.args.seed + self.cp_groups.dp_rank)  # TRL seeds per process: a CP group shares one state
-
-    def _check_generation_batch(self) -> None:
-        """GRPO / RLOO: the generation batch sized with the dp size (TRL sized it with the world size)."""
         args, dp = self.args, self.cp_groups.dp_size
         if getattr(args, "generation_batch_size", None) is None:
             return
+        set_seed(args.seed + self.cp_groups.dp_rank)
         args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
         if args.generation_batch_size % self.num_generations:
             raise ValueError(f"{type(self).__name__}: generation_batch_size = per_device_train_batch_size "
@@ -110,19 +114,22 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         return over_dp(self, self.get_cp_size(), modules)
 
     def _generate_single_turn(self, *args, **kwargs):
-        """TRL's generation on the CP group's first rank, with the model's own attention; the completions broadcast
-        to the group."""
+        """TRL's generation on the CP group's first rank, with the model's own attention; the completions, and the
+        random state sampling left on that rank, broadcast to the group (the group then shuffles its completions
+        alike)."""
         group = self.cp_groups.cp_group
         model = self.accelerator.unwrap_model(self.model)
         if group is None or dist.get_world_size(group) == 1:
             with own_attention(model, self.own_attn_implementation):
                 return super()._generate_single_turn(*args, **kwargs)
-        result = [None]
+        shared = [None]
         if dist.get_rank(group) == 0:
             with own_attention(model, self.own_attn_implementation):
-                result = [super()._generate_single_turn(*args, **kwargs)]
-        dist.broadcast_object_list(result, src=dist.get_global_rank(group, 0), group=group)
-        return result[0]
+                shared = [(super()._generate_single_turn(*args, **kwargs), _rng_state())]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        result, state = shared[0]
+        _set_rng_state(state)
+        return result
 
     def _generate_and_score_completions(self, *args, **kwargs):
         with self._over_dp():
@@ -135,6 +142,20 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
     def _precompute_ref_logps(self, *args, **kwargs):
         with self._over_dp():
             return super()._precompute_ref_logps(*args, **kwargs)
+
+
+def _rng_state() -> dict:
+    """torch's random state (CPU, and the current CUDA device's when there is one)."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _trl_class(name: str):

@@ -1,0 +1,79 @@
+"""Context parallelism inside TRL's RL and preference trainers (cp_handler.integrations.hf_rl_trainer): every figure
+TRL logs at every step (loss, gradient norm, rewards and their spread, kl, entropy, clip ratios, completion lengths,
+num_tokens; DPO's rewards, margins, accuracies, log-probs) and the final parameters of ``CPGRPOTrainer`` /
+``CPRLOOTrainer`` / ``CPDPOTrainer`` on spawned gloo ranks equal TRL's trainer on the dp processes alone, on the same
+prompts and completions (tests/hf_rl_cases.py: scripted completions, a rule reward, temperature 0.7, a reference model
+(beta > 0), one generation reused for two steps so the old policy's log-probs and the clipping run): GRPO with the
+grpo, dapo (sequence-level importance sampling, a2a), bnpo (dp 2 x cp 2) and dr_grpo (a hybrid: Qwen3-Next, its MoE
+load-balancing loss on) losses and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a). Generation runs
+on the first rank of each CP group only (the scripted ``generate`` raises elsewhere). The negative control (labels
+shifted inside each rank's shard) must fail the comparison. Settings the mixin does not implement are refused by name
+before the first step.
+
+Tolerances (float32): every logged figure rel 1e-5, abs 1e-6 (a loss of a first on-policy step is ~1e-7: its value is
+a sum that cancels); parameters after 3 SGD steps atol 1e-6 + rtol 1e-5 (tests/test_hf_trainer.py's).
+"""
+
+from __future__ import annotations
+
+import hf_rl_cases as cases
+import pytest
+from dist_utils import run_distributed
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return cases.run_all(tmp_path_factory.mktemp("hf_rl"))
+
+
+@pytest.mark.parametrize("name", [n for n in cases.CASES if not cases.CASES[n].get("break")])
+def test_rl_trainer_under_cp_equals_trl(results, name):
+    got, want = results[name]
+    assert len(want["logged"]) == 3 and len(want["logged"][0]) > 10  # the loss, the gradient norm and TRL's figures
+    assert cases.compare(got, want) is None, cases.compare(got, want)
+
+
+def test_negative_control_fails(results):
+    problem = cases.compare(*results["grpo_labels_per_shard"])
+    assert problem is not None and "logged keys" not in problem, problem
+
+
+def _refusals_worker(rank, world, out):
+    import os
+
+    from datasets import Dataset
+    from trl import GRPOConfig
+
+    from cp_handler.integrations.hf_rl_trainer import CPGRPOTrainer
+    from cp_handler.integrations.hf_trainer import ContextParallelArguments
+    from cp_handler.integrations.transformers import register
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    import hf_trainer_cases
+
+    def trainer(args=None, **changes):
+        config = {**dict(output_dir=out, use_cpu=True, per_device_train_batch_size=2, num_generations=2,
+                         max_completion_length=4, report_to=[], ddp_backend="gloo", bf16=False), **(args or {})}
+        kwargs = dict(model=hf_trainer_cases.model("llama"), args=GRPOConfig(**config), reward_funcs=cases.reward,
+                      train_dataset=Dataset.from_list(cases.prompts(4)), processing_class=cases.tokenizer(),
+                      cp_args=ContextParallelArguments(context_parallel_size=2))
+        return CPGRPOTrainer(**{**kwargs, **changes})
+
+    registered = hf_trainer_cases.model("llama")
+    register(registered)
+    for changes, message in (
+        ({"args": {"per_device_train_batch_size": 1}}, r"generation_batch_size = per_device_train_batch_size \(1\) x "
+                                                       r"dp \(1\) x steps_per_generation \(1\) = 1 is not a multiple"),
+        ({"model": registered}, "the model runs attn_implementation='cp_handler' already"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            trainer(**changes)
+    built = trainer()  # the rules TRL's own checks stand in front of (a chat template with tools, vLLM installed)
+    built.tools, built.use_vllm = ["a tool"], True
+    refused = built._refused_settings()
+    assert any(r.startswith("tools / environment_factory (each rank of a CP group would run") for r in refused)
+    assert any(r.startswith("use_vllm=True (vLLM's generation gathers prompts over every process") for r in refused)
+
+
+def test_refused_settings(tmp_path):
+    run_distributed(_refusals_worker, 2, str(tmp_path))
