@@ -54,7 +54,7 @@ def test_grpo_cp_example_under_torchrun():
         capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rewards = [float(x) for x in result.stdout.split("rewards")[1].split()]
+    rewards = [float(x) for x in result.stdout.split("\nrewards ")[1].split()]
     assert len(rewards) == 4 and rewards[-1] > rewards[0] + 0.3, rewards
 
 
