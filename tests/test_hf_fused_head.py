@@ -176,3 +176,22 @@ def _different_batches_worker(rank, world):
 
 def test_different_batches_on_a_group_refused():
     run_distributed(_different_batches_worker, 2)
+
+
+def _memory_worker(rank, world, out):
+    from cp_handler.bench.rl_logprobs import SHAPE, measure
+
+    rows = measure(256, {**SHAPE, "vocab_size": 4096, "hidden_size": 32, "intermediate_size": 64})
+    if rank == 0:
+        torch.save(rows, out)
+
+
+def test_fused_head_saves_no_logits(tmp_path):
+    """cp-bench's measurement of the log-prob path (cp_handler.bench.rl_logprobs) at a small shape: TRL's head on the
+    shard saves no tensor near this rank's (S / cp) x V logits; the plain path (the negative control) saves them."""
+    run_distributed(_memory_worker, 2, str(tmp_path / "rows.pt"))
+    fused, plain = torch.load(tmp_path / "rows.pt")
+    logits = fused["logits_bytes_per_rank"]
+    assert logits == 128 * 4096 * 4
+    assert plain["largest"] >= logits and plain["total"] > logits, plain
+    assert fused["largest"] * 16 <= logits and fused["total"] < logits / 2, fused
