@@ -108,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     mib = 2 ** 20
     print(f"{'path':22} {'cp':>3} {'tokens/rank':>12} {'logits MiB':>11} {'saved MiB':>10} {'largest MiB':>12}  shape")
     for row in rows:
-        print(f"{row['path']:22} {row['cp']:3d} {row['tokens_per_rank']:12d} {row['logits_bytes_per_rank'] / mib:11.1f} "
-              f"{row['total'] / mib:10.1f} {row['largest'] / mib:12.1f}  {tuple(row['largest_shape'])}")
+        print(f"{row['path']:22} {row['cp']:3d} {row['tokens_per_rank']:12d} "
+              f"{row['logits_bytes_per_rank'] / mib:11.1f} {row['total'] / mib:10.1f} {row['largest'] / mib:12.1f}  "
+              f"{tuple(row['largest_shape'])}")
     args.out.write_text(json.dumps({"shape": SHAPE, "rows": rows}, indent=1) + "\n")
     return 0
 
