@@ -28,6 +28,9 @@ and ``torchrun --nproc-per-node N script.py`` trains with ``dp = N / cp`` (DDP o
   its loss takes ``shift_labels`` and ``num_items_in_batch`` (:func:`.hf_vlm.check_loss_kwargs`; TRL's SFT loss
   divides by the count itself), and Trainer then counts and passes the global token count.
 
+TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:class:`ContextParallelTrainerBase`):
+:mod:`.hf_rl_trainer`.
+
 Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
 overridden. Tested with transformers 5.23.0, TRL 1.16.0, accelerate 1.15.0; other transformers and TRL releases are
 refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
