@@ -37,6 +37,8 @@ CASES = {
                             "args": {"loss_type": "dr_grpo", "beta": 0.1}, "cp": {"context_parallel_size": 2}},
     "grpo_mla": {"trainer": "grpo", "model": "deepseek_v3", "args": {"beta": 0.1},
                  "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
+    "grpo_accumulate": {"trainer": "grpo", "model": "llama", "args": {"beta": 0.1, "gradient_accumulation_steps": 2},
+                        "cp": {"context_parallel_size": 2, "cp_comm_type": "all_gather"}},
     "rloo_cp2": {"trainer": "rloo", "model": "llama", "args": {"beta": 0.1}, "cp": {"context_parallel_size": 2}},
     "dpo_cp2": {"trainer": "dpo", "model": "llama", "args": {}, "cp": {"context_parallel_size": 2}},
     "dpo_dp2_a2a": {"trainer": "dpo", "model": "llama", "args": {"loss_type": ["sigmoid"]},

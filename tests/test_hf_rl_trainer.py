@@ -5,7 +5,8 @@ num_tokens; DPO's rewards, margins, accuracies, log-probs) and the final paramet
 prompts and completions (tests/hf_rl_cases.py: scripted completions, a rule reward, temperature 0.7, a reference model
 (beta > 0), one generation reused for two steps so the old policy's log-probs and the clipping run): GRPO with the
 grpo, dapo (sequence-level importance sampling, a2a), bnpo (dp 2 x cp 2) and dr_grpo (a hybrid: Qwen3-Next, its MoE
-load-balancing loss on) losses and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a). Generation runs
+load-balancing loss on) losses, two accumulation steps (the generation batch split into micro-batches, all_gather)
+and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a). Generation runs
 on the first rank of each CP group only (the scripted ``generate`` raises elsewhere). The negative control (labels
 shifted inside each rank's shard) must fail the comparison. Settings the mixin does not implement are refused by name
 before the first step.
