@@ -128,11 +128,9 @@ def _arguments(case: dict, out: str, batch: int, cp_run: bool):
     return (GRPOConfig if case["trainer"] == "grpo" else RLOOConfig)(**common, **rl)
 
 
-def _broken(kind: str | None):
-    """A negative control (the spawn runs it last): ``"labels_per_shard"``, the fused head given this rank's labels
-    to shift inside the shard."""
-    if kind is None:
-        return
+def break_labels_per_shard() -> None:
+    """The negative control, for the rest of this process (a spawn runs it last): the fused head given this rank's
+    labels shifted inside its shard (as TRL's head shifts without the global ``shift_labels``)."""
     from cp_handler.integrations import hf_fused_head
 
     original = hf_fused_head.shard_batch
@@ -178,7 +176,8 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
         from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
         cls, common["cp_args"] = getattr(hf_rl_trainer, f"CP{base}"), ContextParallelArguments(**case["cp"])
-        _broken(case.get("break"))
+        if case.get("break"):
+            break_labels_per_shard()
     else:
         cls = getattr(trl, base)
     trainer = cls(**common)

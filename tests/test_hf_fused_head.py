@@ -16,6 +16,7 @@ move by lr 0.05 times such gradients, keep atol 1e-6.
 
 from __future__ import annotations
 
+import hf_rl_cases
 import hf_trainer_cases
 import pytest
 import torch
@@ -88,15 +89,7 @@ def _worker(rank, world, out, runs, broken):
             grad /= cp
         results[(name, comm, cp)] = got
     if broken:
-        original = hf_fused_head.shard_batch
-
-        def local_labels(flushed, *args, **kwargs):
-            sharded = original(flushed, *args, **kwargs)
-            ids = sharded.inputs["input_ids"]
-            sharded.inputs["shift_labels"] = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], 1)
-            return sharded
-
-        hf_fused_head.shard_batch = local_labels
+        hf_rl_cases.break_labels_per_shard()
         model = build("llama")
         register(model)
         install_cp_fused_head(model, ContextParallelConfig(context_parallel_size=world), dist.group.WORLD)
