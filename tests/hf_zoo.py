@@ -57,6 +57,19 @@ OVERRIDES: dict[str, dict] = {
                "attention_head_dim": 16, "chunk_size": 8},
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "longcat_flash",
                      "youtu", "axk1", "axk2", "minicpm3"), _MLA),
+    # token mixers at the tiny width (the defaults: Kimi delta attention 32 heads x 128, Falcon-H1's Mamba2 128 heads,
+    # state 256, one chunk of 256: 10-25x the zoo's other models' time, and a single partial chunk per rank)
+    "kimi_linear": {"linear_num_heads": 4, "linear_head_dim": 8},
+    "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_chunk_size": 8},
+    # encoder towers at the tiny width (their convolutions, which the guard refuses, kept; full size: 870M and 307M
+    # parameters, 21 s and 4 s to build)
+    "phi4_multimodal": {"vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                          "num_attention_heads": 4},
+                        "audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_blocks": 1,
+                                         "num_attention_heads": 4, "ext_pw_out_channel": 32,
+                                         "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32}},
+    "moss_transcribe_diarize": {"audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                 "num_attention_heads": 4}},
 }
 """Extra fields per model type, where the defaults would not show the architecture's mixers."""
 
