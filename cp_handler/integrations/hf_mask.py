@@ -146,7 +146,11 @@ def cp_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offse
     return mask
 
 
-@torch.compiler.disable
+# torch.compiler.disable, applied at the first call: the public decorator imports torch._dynamo where it decorates
+# (1.4 s of every process's `import cp_handler`, launchers and ranks that never compile included); torch's own
+# lazy form is the same disable (torch/_compile.py), and a compiled caller still runs this outside its graphs
+# (tests/test_compile.py).
+@torch._disable_dynamo
 def classify_at_creation(mask: CPMask, q_length: int) -> None:
     """Classify ``mask`` where it is built, for its forward's handler and ``q_length`` local queries: the
     attention function finds the spec memoised (eager), or reads it from ``mask.created`` (under torch.compile,
