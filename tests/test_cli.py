@@ -357,7 +357,7 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
     from cp_handler.training.parity import parity_result
 
     result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS)
-    assert result.returncode != 0 and "step 0: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
+    assert result.returncode != 0 and "step 1: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
     good = {"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0, "reference_grad_norm": 1.0}
     assert parity_result([good], "float32")["passed"]
     nan = dict.fromkeys(good, float("nan"))

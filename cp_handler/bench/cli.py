@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs/bench", help="where results.json, results.md and the plots go")
     g.add_argument("--no-plots", action="store_true",
-                   help="write no PNG plots (plots need matplotlib: pip install 'cp_handler[bench]')")
+                   help="write no PNG plots (plots need matplotlib: cp_handler's bench extra)")
     g.add_argument("--quick", action="store_true",
                    help="every mode's smaller defaults (--quick in each flag's default and in the list below; on "
                         "CPU each mode finishes in a few minutes on 2 cores, attn and e2e together in about 3)")

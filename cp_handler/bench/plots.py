@@ -1,6 +1,6 @@
 """Plots of ``cp-bench`` results (matplotlib PNGs, one style per implementation).
 
-matplotlib is an optional dependency (``pip install 'cp_handler[bench]'``; the ``dev`` extra has it):
+matplotlib is an optional dependency (the ``bench`` extra; the ``test`` extra has it too):
 :func:`require_matplotlib` checks for it before a benchmark runs, so ``cp-bench`` without it stops at once
 with an ``ImportError`` naming the extra (or runs with ``--no-plots``), never after the measurements.
 """
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 
+from ..install_hint import extra_hint
+
 IMPLEMENTATIONS = ("local p2p", "local all_gather", "local a2a", "local a2a+p2p", "torch_ring allgather",
                    "torch_ring alltoall", "single none")
 """Every implementation a plot can show, in the order of their fixed styles."""
 _COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:gray")
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
-EXTRA_HINT = "pip install 'cp_handler[bench]'"
 
 
 def require_matplotlib():
@@ -26,7 +27,7 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError(f"cp-bench plots need matplotlib, an optional dependency: {EXTRA_HINT} (or run cp-bench "
+        raise ImportError(f"cp-bench plots need matplotlib, an optional dependency: {extra_hint('bench')} (or run cp-bench "
                           "--no-plots)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

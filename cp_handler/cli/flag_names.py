@@ -111,7 +111,8 @@ class FlagParser(argparse.ArgumentParser):
     """The parser of every command: a flag is taken only as spelled in full (``allow_abbrev=False``: with prefix
     matching ``--prompt`` silently became ``--prompt-file`` and ``--step`` was taken as ``--steps``), and an
     unknown flag is named with the closest known one: ``unrecognized arguments: --step (did you mean --steps?)``,
-    before any other error (a mistyped required flag is named as mistyped, not as missing).
+    before any other error (a mistyped required flag is named as mistyped, not as missing); an error prints its
+    reason, not the whole usage (:meth:`error`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -127,6 +128,11 @@ class FlagParser(argparse.ArgumentParser):
         if unknown:
             self.error(self.unrecognized(unknown))
         return parsed
+
+    def error(self, message: str):
+        """The reason first, in one line, and where the flags are listed (argparse's default prints the whole usage,
+        up to 45 lines, above the reason). Exits with status 2, as argparse does."""
+        self.exit(2, f"{self.prog}: error: {message}\n({self.prog} --help lists every flag)\n")
 
     def unrecognized(self, unknown: list[str]) -> str:
         """The error for the ``unknown`` arguments, with a suggestion for each unknown flag that has one."""

@@ -85,7 +85,7 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
             dist.all_reduce(reported, group=count_group)
         if not math.isfinite(reported.item()):
             bar.close()
-            raise NonFiniteLoss(f"step {step}: the loss is {reported.item()}; the run stops before the optimizer step "
+            raise NonFiniteLoss(f"step {step + 1}: the loss is {reported.item()}; the run stops before the optimizer step "
                                 "(lower --lr, check the data or the model)")
         grad_norm = (grad_norm_fn or local_grad_norm)(model)
         checked = reference(step, model) if reference else {}

@@ -108,15 +108,16 @@ def parity_result(records: list[dict], dtype: str) -> dict:
     norm = [_relative(r["grad_norm"], r["reference_grad_norm"]) for r in records]
     rtol = PARITY_RTOL[dtype]
     worst = max(range(len(records)), key=lambda i: max(rel[i], grad[i], norm[i]))
+    worst_step = records[worst]["step"] + 1  # counted from 1, as the progress lines count
     finite = all(math.isfinite(x) for r in records for x in (r["loss"], r["reference_loss"], r["grad_rel_diff"],
                                                              r["grad_norm"], r["reference_grad_norm"]))
     result = {"rtol": rtol, "max_rel_diff": max(rel), "max_grad_rel_diff": max(grad),
-              "max_grad_norm_rel_diff": max(norm), "worst_step": worst,
+              "max_grad_norm_rel_diff": max(norm), "worst_step": worst_step,
               "reference_loss": [r["reference_loss"] for r in records],
               "reference_grad_norm": [r["reference_grad_norm"] for r in records],
               "passed": finite and max(rel) <= rtol and max(grad) <= rtol and max(norm) <= rtol}
     verdict = "passed" if result["passed"] else "FAILED"
     print(f"cp-train: parity {verdict}: each of {len(records)} steps vs one process from the same parameters: max "
           f"relative difference loss {max(rel):.2e}, gradient {max(grad):.2e}, gradient norm {max(norm):.2e} "
-          f"(tolerance {rtol:.0e}; worst at step {worst})", file=sys.stderr)
+          f"(tolerance {rtol:.0e}; worst at step {worst_step})", file=sys.stderr)
     return result

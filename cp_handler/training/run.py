@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..dynamic import GroupPool
 from ..groups import data_context_parallel_groups
 from ..handlers.registry import load_plugins
-from ..launch import is_first_rank, launch, rank_session
+from ..launch import is_first_rank, launch, rank_session, under_torchrun
 from ..models import GPTModel
 from ..parallel_layout import ParallelLayout
 from ..tiling import tile_mlps
@@ -142,8 +142,15 @@ def generate_command(config: TrainConfig) -> str | None:
         source = ["--hf-model", config.export_hf]
     else:
         return None
-    return shlex.join([*command_of("cp-generate", "cp_handler.cli.generate"), *source, "--prompt", GENERATE_PROMPT,
-                       "--max-new-tokens", "64"])
+    return shlex.join([*command_of("cp-generate", "cp_handler.cli.generate"), *source, "--nproc",
+                       str(config.world_size), "--prompt", GENERATE_PROMPT, "--max-new-tokens", "64", *GENERATE_SAMPLING])
+
+
+GENERATE_SAMPLING = ("--temperature", "0.7", "--top-k", "20", "--seed", "0")
+"""Sampling in the printed command: greedy decoding of a briefly trained byte-level model repeats its most likely
+byte, a space (indentation, the most frequent byte of Python sources), and printed a blank continuation."""
+GENERATE_NOTE = ("a model trained briefly continues mostly with spaces and fragments (the most frequent bytes of "
+                 "Python sources); more --steps teach it more")
 
 
 def save_lock(config: TrainConfig) -> SaveLock | None:
@@ -241,7 +248,15 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
     _log_to_stderr()
     with rank_session("cp-train", config.timeout) as device:
         run = _dynamic if config.dynamic else _static
-        return run(config, device, optimizer or default_optimizer(config.lr))
+        metrics = run(config, device, optimizer or default_optimizer(config.lr))
+        say("the ranks stop")  # releasing the process groups and the launcher's exit take a few seconds
+        return metrics
+
+
+def _say_compiling(config: TrainConfig) -> None:
+    if config.compile:
+        say("the first step compiles every layer (torch.compile: up to a minute or two on CPU); later steps run "
+            "compiled")
 
 
 def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | None:
@@ -255,6 +270,7 @@ def _dynamic(config: TrainConfig, device: torch.device, optimizer) -> dict | Non
     optim = optimizer(model.parameters())
     scheduler = config.lr_schedule.scheduler(optim)
     start, checkpoint = checkpointing(config, model, optim, scheduler)
+    _say_compiling(config)
     records = train_steps(model, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
                           config.log_every, reference=reference, start=start, checkpoint=checkpoint,
                           scheduler=scheduler, clip_grad=config.clip_grad)
@@ -305,6 +321,7 @@ def _static(config: TrainConfig, device: torch.device, optimizer) -> dict | None
     optim = optimizer(trained.parameters())
     scheduler = config.lr_schedule.scheduler(optim)
     start, checkpoint = checkpointing(config, trained, optim, scheduler)
+    _say_compiling(config)
     records = train_steps(trained, config.steps, run, optim, dist.group.WORLD, dist.get_rank() == 0,
                           config.log_every, after_step=periodic_eval(config, at_eval, trained, heldout, eval_inputs,
                                                                       eval_chunks),
@@ -348,12 +365,18 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
         SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
     """
     lock = save_lock(config)
+    if is_first_rank() and not under_torchrun():
+        print(f"cp-train: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr, flush=True)
+    preload = ("transformers", "cp_handler.integrations.transformers") if config.hf_source else ()
     try:
-        metrics = launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout).get(0)
+        metrics = launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout,
+                         preload=preload).get(0)
     finally:
         if lock is not None:
             lock.release()
     command = generate_command(config) if metrics is not None else None
     if command:
         print(f"cp-train: continue a prompt from the final checkpoint: {command}", file=sys.stderr)
+        if config.model is not None:
+            print(f"cp-train: ({GENERATE_NOTE})", file=sys.stderr)
     return metrics

@@ -46,6 +46,7 @@ import os
 
 import torch
 
+from ...install_hint import extra_hint
 from ...masks import BlockMask
 from .base import H200_RUN_B, AttnKernel
 from .flash_window import band, whole_grads, whole_rows
@@ -53,7 +54,7 @@ from .flash_window import band, whole_grads, whole_rows
 FA4_RELEASE = "4.0.0b36"
 """The only release whose private entry points this module is written against (``pip install
 'cp_handler[fa4]'``)."""
-FA4_HINT = "pip install 'cp_handler[fa4]' (flash-attn-4==4.0.0b36 and nvidia-cutlass-dsl 4.8.1), on sm90 / sm100"
+FA4_HINT = extra_hint("fa4") + ", on sm90 / sm100"
 CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 MIN_CAPABILITY = (9, 0)
 HEAD_DIMS = {"max_head_dim": 256, "head_dim_multiple": ((torch.float16, 8), (torch.bfloat16, 8))}
