@@ -32,6 +32,15 @@ class Progress:
                         file=self.stream)
         self.done = initial
 
+    def begin(self, **shown) -> None:
+        """The next item starts (``shown``: what it is): on a terminal the bar shows it, in a log one line
+        ``<label> k/N started key value`` (with ``every=1`` only: per-item progress of long items)."""
+        if self.terminal:
+            self.bar.set_postfix(**shown, refresh=True)
+        elif self.enabled and self.every == 1:
+            fields = "".join(f" {k} {v}" for k, v in shown.items())
+            print(f"{self.label} {self.done + 1}/{self.total} started{fields}", file=self.stream, flush=True)
+
     def update(self, **shown) -> None:
         """One more item done; ``shown`` (name -> text) goes after the bar or on the line."""
         self.done += 1

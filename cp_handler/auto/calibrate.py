@@ -41,6 +41,7 @@ from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumul
 from ..ops.collectives import all_gather_single, all_to_all_single, reduce_scatter_single
 from ..ops.kernels import select_kernel
 from ..ops.spec import AttnSpec
+from ..progress import Progress
 from .choice import candidates, predict
 from .pattern_work import AttnCase, _plan_work, rank_plan
 from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
@@ -202,8 +203,12 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
     with rank_session("cp-bench", device_type=device_type) as device:
         rank, world = dist.get_rank(), dist.get_world_size()
         dtype = getattr(torch, dtype_name)
-        rows = []
-        for comm_type, case in calibration_cases(world):
+        rows, plan_cases = [], calibration_cases(world)
+        # about 3 minutes per group size on 2 CPU cores: a line every tenth of the measurements (a bar on a terminal)
+        progress = Progress(len(plan_cases) + len(PATTERN_CASES) + 4, f"cp-bench: calibrate cp={world}: measured",
+                            enabled=rank == 0)
+        for comm_type, case in plan_cases:
+            progress.update(stage="compute")
             ms = _barrier_timed(plan_step(comm_type, case, rank, dtype, device), reps, device)
             plan = rank_plan(comm_type, case, rank)
             work = [_plan_work(s, plan.heads * case.batch, case.head_dim + case.v_head_dim) for s in plan.steps]
@@ -211,6 +216,7 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
         patterns = []
         groups = build_dp_cp_groups(world, device.type, list(levels_of(world) or []) or None)
         for tokens, (heads, kv_heads, dim), window, docs in PATTERN_CASES:
+            progress.update(stage="patterns")
             lengths = (tokens,) if docs == 1 else documents(tokens, docs)
             mask = AttentionMask(window=window) if window else CAUSAL
             case = AttnCase(lengths, 1, heads, kv_heads, dim, dim, dtype.itemsize, mask, world, levels_of(world))
@@ -219,8 +225,10 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
                 patterns.append((comm_type, case, _max(ms)))
         links = {}
         for kind in ("p2p", "all_gather", "reduce_scatter", "all_to_all"):
+            progress.update(stage=f"links {kind}")
             links[kind] = [(nbytes, _barrier_timed(_link_step(kind, nbytes, dtype, device), reps, device))
                            for nbytes in LINK_BYTES]
+        progress.close()
         gathered = [None] * world
         dist.all_gather_object(gathered, rows)
         return {"rows": [r for part in gathered for r in part], "links": links, "patterns": patterns} \

@@ -209,9 +209,10 @@ def measure(run: CaseRunner, group, times: list[float]) -> dict:
     }
 
 
-def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress) -> list[dict]:
+def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress, started=lambda batch: None) -> list[dict]:
     """Run ``cases`` (all of this launch's cp size) on the default group; rows on every rank.
-    Cases that differ only in implementation / comm type are timed interleaved."""
+    Cases that differ only in implementation / comm type are timed interleaved (``started(batch)`` before each such
+    batch, ``progress(case)`` after each case)."""
     size = dist.get_world_size()
     levels = hierarchical_sizes(size) if size > 1 else None
     groups = build_dp_cp_groups(size, hierarchical_context_parallel_sizes=levels, device_type=_device().type)
@@ -221,6 +222,7 @@ def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress)
         batches.setdefault((case.seq_len, case.qkv_format, case.pass_name), []).append(case)
     rows = []
     for batch in batches.values():
+        started(batch)
         runs = [CaseRunner(case, shape, group, sub_groups) for case in batch]
         for run, times in zip(runs, time_interleaved(runs, group, warmup, reps), strict=True):
             rows.append(measure(run, group, times))
@@ -260,7 +262,9 @@ def attn_worker(cases: list[Case], shape: Shape, warmup: int, reps: int) -> list
         rank0 = dist.get_rank() == 0
         bar = case_progress(len(cases), f"attn cp={dist.get_world_size()}", enabled=rank0)
         rows = run_cases(cases, shape, warmup, reps, lambda case: bar.update(
-            case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"))
+            case=f"{case.impl} {case.comm_type} S={case.seq_len} {case.qkv_format} {case.pass_name}"),
+            lambda batch: bar.begin(case=f"{len(batch)} implementations at S={batch[0].seq_len} {batch[0].qkv_format} "
+                                         f"{batch[0].pass_name}, timed interleaved"))
         bar.close()
         return rows if rank0 else None
 

@@ -101,6 +101,7 @@ def auto_worker(cases: list[GridCase], warmup: int, reps: int) -> list[dict] | N
         bar = case_progress(len(cases), f"auto cp={world}", enabled=rank0)
         rows = []
         for case in cases:
+            bar.begin(case=case.describe())
             attn_case = case.attn_case()
             names = candidates(attn_case)
             runs = [handler_step(name, attn_case, groups, torch.float32, torch.device("cpu"), seed=case.tokens)

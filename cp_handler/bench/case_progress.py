@@ -1,5 +1,6 @@
 """Progress of every cp-bench mode, one helper for all: a tqdm bar when stderr is a terminal, else one line per case
-(:class:`~cp_handler.progress.Progress` with ``every=1``): ``cp-bench: launches 3/36 case p2p thd S=16384 cp=4``.
+(:class:`~cp_handler.progress.Progress` with ``every=1``) when it starts and when it ends: ``cp-bench: launches 3/36
+started case p2p thd S=16384 cp=4``, then ``cp-bench: launches 3/36 case p2p thd S=16384 cp=4``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def each_case(items: Iterable[T], what: str, describe: Callable[[T], str] = str)
     bar = case_progress(len(items), what)
     try:
         for item in items:
+            bar.begin(case=describe(item))
             yield item
             bar.update(case=describe(item))
     finally:

@@ -92,6 +92,7 @@ def compile_worker(args, threads: int) -> list[dict] | None:
         rows = []
         bar = case_progress(len(args.compile_comm_types), f"compile cp={cp}", enabled=rank == 0)
         for comm_type in args.compile_comm_types:
+            bar.begin(comm=comm_type)
             row = _case(comm_type, args.compile_seq_len, args.reps, group)
             slowest = torch.tensor([row["eager_s"], row["compiled_s"], row["compile_s"]], dtype=torch.float64)
             if group is not None:

@@ -40,6 +40,7 @@ def gen_worker(args, threads: int) -> list[dict] | None:
         rows, rank0 = [], dist.get_rank() == 0
         bar = case_progress(len(args.gen_prompt_lens), f"generate cp={cp}", enabled=rank0)
         for length in args.gen_prompt_lens:
+            bar.begin(prompt=length)
             warm = [torch.randint(0, 256, (64,))]
             generate(model, warm, 2, cp_group=group, num_layers=args.gen_layers)
             prompt = [torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length))]

@@ -87,6 +87,7 @@ def hybrid_worker(args, threads: int) -> list[dict] | None:
         layer, rows = _layer(args), []
         bar = case_progress(len(args.hybrid_seq_lens), f"hybrid cp={cp}", enabled=rank == 0)
         for length in args.hybrid_seq_lens:
+            bar.begin(S=length)
             x = torch.randn(1, length, args.hybrid_hidden_size, generator=torch.Generator().manual_seed(length))
             row = _measure(layer, x, group, args.reps)
             slowest = torch.tensor([row["cp_s"], row["gather_s"]])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -161,7 +162,7 @@ def _where(err: Exception) -> str:
 
 def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(torch.float32,),
                   variants=tuple(cases.VARIANTS), world_sizes=(2, 4), checks=CHECKS,
-                  timeout_s: float = 120.0) -> ConformanceReport:
+                  timeout_s: float = 120.0, progress: bool = True) -> ConformanceReport:
     """Run the handler contract on spawned CPU ranks (gloo) and report every case.
 
     Args:
@@ -174,6 +175,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(
         variants: names in :data:`~.cases.VARIANTS` for the attention check.
         world_sizes: CP sizes, one spawn each; checks: names in :data:`CHECKS`.
         timeout_s: the process group's timeout (a hang becomes a failure after it).
+        progress: one line on stderr as each CP size starts (a spawn and its cases take 15-45 s on 2 CPU cores).
 
     Returns:
         A :class:`ConformanceReport`: per case PASS, FAIL (a wrong answer, an error, or a call that should have
@@ -198,6 +200,9 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(
         plan = [(ct, fmt, str(dt).removeprefix("torch."), check, variant)
                 for ct in comm_types if ct != "a2a+p2p" or world >= 4 for fmt in formats for dt in dtypes
                 for check in checks for variant in (variants if check == "attention" else [None])]
+        if progress:  # a spawn and its cases take 15-45 s on 2 CPU cores
+            print(f"cp_handler.testing: {report.handler} at cp={world}: {len(plan)} cases on {world} spawned ranks",
+                  file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out_file = os.path.join(tmp, "results.json")
             try:
