@@ -209,7 +209,8 @@ def measure(run: CaseRunner, group, times: list[float]) -> dict:
     }
 
 
-def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress, started=lambda batch: None) -> list[dict]:
+def run_cases(cases: list[Case], shape: Shape, warmup: int, reps: int, progress,
+              started=lambda batch: None) -> list[dict]:
     """Run ``cases`` (all of this launch's cp size) on the default group; rows on every rank.
     Cases that differ only in implementation / comm type are timed interleaved (``started(batch)`` before each such
     batch, ``progress(case)`` after each case)."""

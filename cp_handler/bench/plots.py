@@ -27,8 +27,8 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ImportError(f"cp-bench plots need matplotlib, an optional dependency: {extra_hint('bench')} (or run cp-bench "
-                          "--no-plots)") from None
+        raise ImportError(f"cp-bench plots need matplotlib, an optional dependency: {extra_hint('bench')} (or run "
+                          "cp-bench --no-plots)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

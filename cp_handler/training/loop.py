@@ -85,8 +85,8 @@ def train_steps(model, steps: int, run_step, optim: torch.optim.Optimizer, count
             dist.all_reduce(reported, group=count_group)
         if not math.isfinite(reported.item()):
             bar.close()
-            raise NonFiniteLoss(f"step {step + 1}: the loss is {reported.item()}; the run stops before the optimizer step "
-                                "(lower --lr, check the data or the model)")
+            raise NonFiniteLoss(f"step {step + 1}: the loss is {reported.item()}; the run stops before the optimizer "
+                                "step (lower --lr, check the data or the model)")
         grad_norm = (grad_norm_fn or local_grad_norm)(model)
         checked = reference(step, model) if reference else {}
         if clip_grad:

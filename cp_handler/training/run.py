@@ -143,7 +143,8 @@ def generate_command(config: TrainConfig) -> str | None:
     else:
         return None
     return shlex.join([*command_of("cp-generate", "cp_handler.cli.generate"), *source, "--nproc",
-                       str(config.world_size), "--prompt", GENERATE_PROMPT, "--max-new-tokens", "64", *GENERATE_SAMPLING])
+                       str(config.world_size), "--prompt", GENERATE_PROMPT, "--max-new-tokens", "64",
+                       *GENERATE_SAMPLING])
 
 
 GENERATE_SAMPLING = ("--temperature", "0.7", "--top-k", "20", "--seed", "0")
@@ -366,7 +367,8 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     """
     lock = save_lock(config)
     if is_first_rank() and not under_torchrun():
-        print(f"cp-train: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr, flush=True)
+        print(f"cp-train: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,
+              flush=True)
     preload = ("transformers", "cp_handler.integrations.transformers") if config.hf_source else ()
     try:
         metrics = launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout,
