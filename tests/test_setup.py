@@ -67,7 +67,7 @@ def test_setup_installs_nothing_when_everything_is_there_and_names_what_is_missi
     """scripts/setup.sh's check: the package editable from this checkout and pyproject.toml's requirements
     installed is "there" (make train / make test then install nothing); another checkout's install, a missing or
     too old package, another extra's packages, other commands are each named."""
-    main = {"torch": "2.13.0", "einops": "0.8.1", "tqdm": "4.67.1"}
+    main = {"torch": "2.13.0", "einops": "0.8.1", "tqdm": "4.67.1", "numpy": "2.4.6"}
     done = _check(tmp_path / "a", _fake_site(tmp_path / "a", main, str(ROOT)), "main")
     assert done.returncode == 0 and "main is installed" in done.stderr and "nothing to do" in done.stderr, done.stderr
     done = _check(tmp_path / "b", _fake_site(tmp_path / "b", main, str(ROOT)), "test")
@@ -77,7 +77,7 @@ def test_setup_installs_nothing_when_everything_is_there_and_names_what_is_missi
     assert done.returncode == 1, done.stderr
     assert "cp_handler is installed from /elsewhere/main, not editable from this checkout" in done.stderr
     assert "torch 2.9.1 is installed, torch>=2.10 is needed" in done.stderr
-    done = _check(tmp_path / "d", _fake_site(tmp_path / "d", {"torch": "2.13.0", "tqdm": "4.67.1"}, str(ROOT),
+    done = _check(tmp_path / "d", _fake_site(tmp_path / "d", {"torch": "2.13.0", "tqdm": "4.67.1", "numpy": "2.4.6"}, str(ROOT),
                                              {"cp-train": "cp_handler.cli.train:main"}), "main")
     assert done.returncode == 1 and "einops is not installed" in done.stderr, done.stderr
     assert "the installed commands ['cp-train'] are not pyproject.toml's" in done.stderr
