@@ -27,6 +27,7 @@ dims). :func:`ParallelLayout.build` needs an initialised default process group (
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,8 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .config import check_hierarchical_sizes
+from .config import AUTO, check_hierarchical_sizes
+from .ops.patterns import PATTERNS
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
 
@@ -134,6 +136,31 @@ class ParallelLayout:
         levels = [groups.pop(f"cp_level_{i}") for i in range(len(sizes))]
         return ParallelGroups(self, {"attention": mesh}, groups, levels)
 
+    def node_levels(self, ranks_per_node: int) -> tuple[int, int]:
+        """The hierarchical CP levels that follow the node boundary, ``(CP ranks on one node, nodes one CP group
+        spans)``: a2a inside a node (NVLink), p2p across nodes; global ranks numbered node by node, ``ranks_per_node``
+        on each (torchrun's ``LOCAL_WORLD_SIZE``). ``(cp, 1)``: every CP group inside one node.
+
+        Raises:
+            ValueError: ``ranks_per_node`` below 1, or a CP group whose ranks do not fall into equal runs per node
+                (give the levels explicitly).
+        """
+        if not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={ranks_per_node!r} must be an integer >= 1 (LOCAL_WORLD_SIZE)")
+        tp, cp, pp = self.tensor_model_parallel_size, self.context_parallel_size, self.pipeline_model_parallel_size
+        grid = torch.arange(self.world_size).view(pp, self.data_parallel_size, cp, tp)
+        runs = set()
+        for ranks in rearrange(grid, "pp dp cp tp -> (pp dp tp) cp").tolist():
+            nodes = [rank // ranks_per_node for rank in ranks]
+            runs.update(len(list(run)) for _, run in itertools.groupby(nodes))
+        inner = runs.pop()
+        if runs or cp % inner:
+            raise ValueError(f"context_parallel_size={cp} with {ranks_per_node} ranks per node (LOCAL_WORLD_SIZE) and "
+                             f"tp={tp}: a CP group's ranks do not fall into equal runs per node, so the node boundary "
+                             "gives no hierarchical levels; set hierarchical_context_parallel_sizes (cp-train: "
+                             "--hierarchical-cp-sizes)")
+        return inner, cp // inner
+
     def describe(self, groups: ParallelGroups | None = None) -> str:
         """Sizes and the rank grid of each view (``pp`` blocks of ``dp x cp x tp`` and
         ``edp x ep x tp``), for logs; pure (no processes needed)."""
@@ -177,3 +204,25 @@ class ParallelGroups:
         if kind.startswith("cp_level_"):
             return dist.get_process_group_ranks(self.hierarchical_cp_groups[int(kind.rsplit("_", 1)[1])])
         return dist.get_process_group_ranks(self.groups[kind])
+
+
+def default_hierarchical_sizes(cp_comm_type: str | list[str], layout: ParallelLayout,
+                               ranks_per_node: int) -> list[int] | None:
+    """``hierarchical_context_parallel_sizes`` when none are given: the node boundary's levels
+    (:meth:`ParallelLayout.node_levels`) for a hierarchical ``cp_comm_type`` (``"a2a+p2p"``: a2a inside a node,
+    p2p across), and for ``"auto"`` when a CP group spans nodes (so auto may pick the hierarchy); else ``None``.
+
+    Raises:
+        ValueError: a hierarchical comm type whose CP groups do not split evenly over the nodes (named).
+    """
+    types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
+    if any(t != AUTO and PATTERNS[t].hierarchical for t in types if t in PATTERNS):
+        return list(layout.node_levels(ranks_per_node))
+    if AUTO in types and layout.context_parallel_size > ranks_per_node:
+        try:
+            inner, outer = layout.node_levels(ranks_per_node)
+        except ValueError:
+            return None  # auto without the hierarchy: it picks among the flat patterns
+        return [inner, outer] if outer > 1 else None
+    return None
+

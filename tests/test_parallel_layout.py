@@ -114,3 +114,22 @@ def test_megatron_rank_order_example():
 def test_bad_layouts_raise_before_any_group(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelLayout(**kwargs)
+
+
+def test_node_levels_follow_the_node_boundary():
+    """The default hierarchical levels (a2a inside a node, p2p across): the CP ranks on one node, then the nodes a CP
+    group spans; with tp the CP ranks are tp apart; groups that split unevenly over nodes are refused by name."""
+    from cp_handler.parallel_layout import default_hierarchical_sizes
+
+    assert ParallelLayout(8, context_parallel_size=4).node_levels(2) == (2, 2)
+    assert ParallelLayout(8, context_parallel_size=4).node_levels(8) == (4, 1)
+    assert ParallelLayout(16, context_parallel_size=8).node_levels(4) == (4, 2)
+    assert ParallelLayout(16, tensor_model_parallel_size=2, context_parallel_size=4).node_levels(4) == (2, 2)
+    with pytest.raises(ValueError, match="do not fall into equal runs per node"):
+        ParallelLayout(6, context_parallel_size=6).node_levels(4)
+    layout = ParallelLayout(8, context_parallel_size=8)
+    assert default_hierarchical_sizes("a2a+p2p", layout, 4) == [4, 2]
+    assert default_hierarchical_sizes("a2a+p2p", layout, 8) == [8, 1]
+    assert default_hierarchical_sizes("auto", layout, 4) == [4, 2]
+    assert default_hierarchical_sizes("auto", layout, 8) is None  # one node: auto picks among the flat patterns
+    assert default_hierarchical_sizes(["p2p", "a2a"], layout, 4) is None

@@ -14,9 +14,9 @@ from ..eval_cp import check_eval_layout, eval_config
 from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..launch import is_first_rank, under_torchrun
+from ..launch import is_first_rank, rank_env, under_torchrun
 from ..ops.patterns import PATTERNS
-from ..parallel_layout import ParallelLayout
+from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..training import DynamicCP, TrainConfig
 from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints, check_resume_folder
 from .common import check_numbers, check_writable, world_size_from
@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
                         "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")
     g.add_argument("--hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
-                   help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first, e.g. 2 2; "
-                        "required by a2a+p2p")
+                   help="hierarchical_context_parallel_sizes, inner (a2a, adjacent ranks) first, e.g. 2 2; default "
+                        "for a2a+p2p (and auto across nodes): the node boundary, a2a over a CP group's ranks on one "
+                        "node (torchrun's LOCAL_WORLD_SIZE), p2p across nodes")
     g.add_argument("--dynamic-cp", action="store_true",
                    help="each micro-batch gives every document the smallest CP group that fits it "
                         "(documents = files, cut at --seq-len tokens; docs/dynamic_cp.md)")
@@ -164,6 +165,23 @@ def check_positive(args: argparse.Namespace) -> None:
     check_numbers(args, POSITIVE, NON_NEGATIVE, POSITIVE_FLOATS, NON_NEGATIVE_FLOATS)
 
 
+def hierarchical_sizes(args: argparse.Namespace, world: int, cp_size: int) -> list[int] | None:
+    """``--hierarchical-cp-sizes``, or by default the levels of the node boundary (a2a inside a node, p2p across:
+    :func:`~cp_handler.parallel_layout.default_hierarchical_sizes`), the ranks per node from torchrun's
+    ``LOCAL_WORLD_SIZE`` (spawned by cp-train: one node), named on stderr."""
+    if args.hierarchical_cp_sizes is not None or args.dynamic_cp or world % cp_size:
+        return args.hierarchical_cp_sizes
+    env = rank_env()
+    per_node = env.local_world_size if env is not None else world
+    with flags_in_errors({"hierarchical_context_parallel_sizes": "--hierarchical-cp-sizes"}):
+        sizes = default_hierarchical_sizes(comm_type_arg(args.cp_comm_type),
+                                           ParallelLayout(world, context_parallel_size=cp_size), per_node)
+    if sizes is not None and is_first_rank():
+        print(f"cp-train: --hierarchical-cp-sizes {sizes[0]} {sizes[1]} from the node boundary ({per_node} ranks per "
+              "node, LOCAL_WORLD_SIZE): a2a inside a node, p2p across", file=sys.stderr)
+    return sizes
+
+
 def comm_type_arg(text: str) -> str | list[str]:
     parts = [t.strip() for t in text.split(",")]
     return parts[0] if len(parts) == 1 else parts
@@ -185,6 +203,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     cp_size = args.cp_size if args.cp_size is not None else world
     check_rank_count(args, world, cp_size)
     packing = "thd" if dynamic else args.packing
+    args.hierarchical_cp_sizes = hierarchical_sizes(args, world, cp_size)
     model, attn_shape, heads_source = model_shape(args)
     config = ContextParallelConfig(
         context_parallel_size=cp_size,

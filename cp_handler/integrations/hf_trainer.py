@@ -49,6 +49,8 @@ import torch.distributed as dist
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
+from ..launch import rank_env
+from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..tiling import tile_mlps
 from .hf_batch import shard_batch
 from .hf_causal import check_causal, check_decoder_only
@@ -81,12 +83,19 @@ class ContextParallelArguments:
     cp_comm_profile: str | None = None
 
     def config(self) -> ContextParallelConfig:
-        """The validated config. Raises ValueError / TypeError naming the field."""
+        """The validated config; under torchrun, ``hierarchical_context_parallel_sizes`` default to the node boundary
+        (:func:`~cp_handler.parallel_layout.default_hierarchical_sizes`). Raises ValueError / TypeError naming the
+        field."""
         types = self.cp_comm_type.split(",") if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-        return ContextParallelConfig(context_parallel_size=self.context_parallel_size,
-                                     cp_comm_type=types[0] if len(types) == 1 else types,
-                                     hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
-                                     backend=self.backend, cp_comm_profile=self.cp_comm_profile)
+        comm_type = types[0] if len(types) == 1 else types
+        sizes, env = self.hierarchical_context_parallel_sizes, rank_env()
+        if sizes is None and env is not None and self.context_parallel_size >= 1 and \
+                env.world_size % self.context_parallel_size == 0:
+            layout = ParallelLayout(env.world_size, context_parallel_size=self.context_parallel_size)
+            sizes = default_hierarchical_sizes(comm_type, layout, env.local_world_size)
+        return ContextParallelConfig(context_parallel_size=self.context_parallel_size, cp_comm_type=comm_type,
+                                     hierarchical_context_parallel_sizes=sizes, backend=self.backend,
+                                     cp_comm_profile=self.cp_comm_profile)
 
 
 @functools.cache
