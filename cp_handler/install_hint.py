@@ -2,8 +2,8 @@
 
 cp_handler is not on a public index, so ``pip install 'cp_handler[bench]'`` fails anywhere but beside a local
 wheel. :func:`extra_hint` names what works everywhere, the extra's own requirements (``pip install
-'matplotlib>=3.7'``), read from the installed distribution's metadata (or, run from a checkout without an install,
-from its ``pyproject.toml``), and, when cp_handler is installed from a checkout or a local wheel, the install of
+'matplotlib>=3.7'``), read from the checkout's ``pyproject.toml`` when the package is imported from a checkout (the metadata of an
+editable install can be older than the file), else from the installed distribution's metadata, and, when cp_handler is installed from a checkout or a local wheel, the install of
 the extra from that source (``pip install -e '/path/to/checkout[bench]'``).
 """
 
@@ -29,16 +29,7 @@ def _checkout() -> str | None:
 def extra_requirements(extra: str) -> list[str]:
     """The requirements the extra ``extra`` adds (``["matplotlib>=3.7"]`` for ``"bench"``), other extras of
     cp_handler it names expanded; ``[]`` for an extra that is not declared."""
-    try:
-        lines = md.distribution(DISTRIBUTION).requires or []
-        declared: dict[str, list[str]] = {}
-        for line in lines:
-            requirement, _, marker = line.partition(";")
-            found = _EXTRA_MARKER.search(marker)
-            if found:
-                declared.setdefault(found.group(1), []).append(requirement.strip())
-    except md.PackageNotFoundError:
-        declared = _pyproject_extras()
+    declared = _pyproject_extras() if _checkout() else _metadata_extras()
     wanted, seen, todo = [], set(), [extra]
     while todo:
         name = todo.pop()
@@ -52,6 +43,21 @@ def extra_requirements(extra: str) -> list[str]:
             elif requirement not in wanted:
                 wanted.append(requirement)
     return wanted
+
+
+def _metadata_extras() -> dict[str, list[str]]:
+    """The installed distribution's extras (``Requires-Dist: ...; extra == "name"``)."""
+    try:
+        lines = md.distribution(DISTRIBUTION).requires or []
+    except md.PackageNotFoundError:
+        return {}
+    declared: dict[str, list[str]] = {}
+    for line in lines:
+        requirement, _, marker = line.partition(";")
+        found = _EXTRA_MARKER.search(marker)
+        if found:
+            declared.setdefault(found.group(1), []).append(requirement.strip())
+    return declared
 
 
 def _pyproject_extras() -> dict[str, list[str]]:

@@ -5,7 +5,7 @@
 #   scripts/compat.sh 2.15.0 DIR        # venv in DIR (reused when present)
 #
 # Installs torch==VERSION (releases other than the local CPU build bring their CUDA libraries: a few
-# GB) and this package with its dev extra, then runs the smoke subset: ParallelLayout at 1..64 ranks
+# GB) and this package with its test extra, then runs the smoke subset: ParallelLayout at 1..64 ranks
 # (fake group) and at 4 and 8 gloo ranks with hierarchical CP levels, the MoE expert groups, every
 # attention pattern against the single-process result, the kernels' calls against this torch's op
 # schemas, teardown, and two cp-train steps per layout (p2p, a2a+p2p [2 2], MoE ep=4, thd) with
@@ -18,7 +18,7 @@ venv=${2:-${TMPDIR:-/tmp}/cp_handler-compat/torch-$version}
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv" || exit 1
 "$venv/bin/pip" install --quiet "torch==$version" || exit 1
-"$venv/bin/pip" install --quiet -e ".[dev]" || exit 1
+"$venv/bin/pip" install --quiet -e ".[test]" || exit 1
 installed=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
 echo "compat: torch $installed in $venv"
 

@@ -106,11 +106,16 @@ def test_arguments_are_checked_as_the_config_is():
         ContextParallelArguments(4, "a2a+p2p").config()
 
 
-def test_an_untested_transformers_release_is_refused(tmp_path, monkeypatch):
-    from cp_handler.integrations import hf_trainer
+def test_a_trainer_that_counts_tokens_otherwise_is_refused(tmp_path, monkeypatch):
+    """The release is judged by behaviour: a Trainer counting unshifted labels (as transformers 4.57 did) would
+    scale the loss wrong under CP; the probe of its count refuses it, naming both counts."""
+    import transformers
 
-    monkeypatch.setattr(hf_trainer, "TESTED_TRANSFORMERS", (">=9.0", "<9.1"))
-    with pytest.raises(ImportError, match="transformers>=9.0,<9.1 is required"):
+    def unshifted(self, batches, device):
+        return sum((batch["labels"] != -100).sum() for batch in batches)
+
+    monkeypatch.setattr(transformers.Trainer, "_get_num_items_in_batch", unshifted)
+    with pytest.raises(ValueError, match="Trainer counts 5.0 tokens for a probe batch whose next-token labels number 4"):
         _cp_trainer(tmp_path, cases.model("llama"))
 
 

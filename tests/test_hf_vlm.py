@@ -130,10 +130,13 @@ def _unknown_tensor(inputs, model):
     language_model(model).register_forward_pre_hook(add, with_kwargs=True, prepend=True)
 
 
-def _with_cache(inputs, model):
-    from transformers import DynamicCache
+def _with_cache(name):
+    def add(inputs, model):
+        from transformers import DynamicCache
 
-    inputs["past_key_values"] = DynamicCache(config=model.config)
+        inputs[name] = DynamicCache(config=model.config)
+
+    return add
 
 
 REFUSALS = {
@@ -143,7 +146,10 @@ REFUSALS = {
     "inputs_embeds alone": ("llava", lambda inputs, model: {"inputs_embeds": torch.zeros(2, zoo.SEQ_LEN, 64)},
                             "takes input_ids"),
     "unknown tensor to the language model": ("llava", _unknown_tensor, "extra_embeds"),
-    "generation (a KV cache)": ("llava", _with_cache, "past_key_values \\(generation\\)"),
+    "generation (a KV cache)": ("llava", _with_cache("past_key_values"), "past_key_values is a cache \\(DynamicCache"),
+    # by type, whatever the argument's name: transformers 5.24 renamed it cache (it once slipped past a check by name)
+    "a KV cache under another name": ("llava", _with_cache("cache"), "cache is a cache \\(DynamicCache"),
+    "use_cache=True": ("qwen2_5_vl", lambda inputs, model: {**inputs, "use_cache": True}, "use_cache=True"),
 }
 
 

@@ -10,7 +10,7 @@ import os
 import torch
 
 from ..config import AttentionShape
-from ..integrations.transformers import check_architecture, check_transformers_version
+from ..integrations.transformers import check_architecture, check_transformers
 from ..models import GPTConfig
 from ..tiling import tile_mlps
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
@@ -55,7 +55,7 @@ def hf_config(args: argparse.Namespace):
         raise ValueError(f"{flag} {source}: config.json is not a JSON object ({err})") from None
     if not model_type:  # transformers 4.x would guess the architecture from the folder's name
         raise ValueError(f"{flag} {source}: no loadable Hugging Face config (config.json has no model_type)")
-    check_transformers_version()
+    check_transformers()
     from transformers import AutoConfig
 
     try:

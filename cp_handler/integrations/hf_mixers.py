@@ -13,25 +13,24 @@ becomes the route of the plain convolution).
 
 Under a handler a route calls the handler's method with the model's own kernel; the fused kernels
 (``mamba2_split_conv1d_scan_combined``, ``mamba_inner_fn``) return ``None``, which sends the mixer down its unfused
-path, and the decode-only kernels (a KV cache's single-token step) are refused. Without a handler every route is
-the kernel itself. A mixer class whose forward calls a kernel name is routed only when its forward's source is the
-one reviewed (:data:`REVIEWED`, a digest per class: a later transformers release that changes a mixer is refused
-by name until someone checks it); :func:`check_split` then runs each routed mixer whole and as two halves whose
-state passes between them, alone, before any training, so a mixer mixing tokens outside the routed kernels (an
-inline shift, a convolution module) is refused by name.
+path, and the decode-only kernels (a KV cache's single-token step) are refused, as is a cache handed to a route
+(by type, whatever the argument's name: ``cache_params`` before transformers 5.24, ``cache`` since). Without a
+handler every route is the kernel itself. Which mixers run is decided by behaviour, not by their source or the
+transformers release: every routed mixer must give, alone at cp = 1, on two documents packed in one sequence what
+it gives on each alone (:func:`~.hf_model.check_mixer_documents`): a mixer that mixes tokens outside the routed
+kernels (an inline shift, a convolution called as a module, a kernel this module does not know) is refused by
+name before any training.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import textwrap
 import types
 
 from torch import nn
 
 from ..handlers.base import ContextParallelHandler
 from .hf_active import active_handler, record_attention_call
+from .hf_cache import refuse_cache
 
 HARMLESS = ("position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
             "shift_labels", "num_items_in_batch", "cp_handler")
@@ -44,6 +43,18 @@ handler itself, which the model's hook leaves in the forward's keyword arguments
 
 def _split_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in HARMLESS}
+
+
+def _conv_forward(handler: ContextParallelHandler, kernel, conv1d, hidden_states, cache=None, layer_idx=None,
+                  activation=None, state_idx=0, **kwargs):
+    """transformers 5.25's ``causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, activation, ...)``: the
+    convolution of ``conv1d``'s weights through the handler, with the model's own ``causal_conv1d_fn`` (the function
+    ``causal_conv1d_forward`` calls) as the kernel. A cache never gets here: the route refuses it first."""
+    conv_fn = _unwrap(kernel)[0].__globals__.get("causal_conv1d_fn")
+    if conv_fn is None:
+        from ..ops.mixers.conv import depthwise_causal_conv1d as conv_fn
+    return handler.causal_conv1d(hidden_states, conv1d.weight.squeeze(1), conv1d.bias, activation, conv_fn=conv_fn,
+                                 **_split_kwargs(kwargs))
 
 
 def _conv(handler: ContextParallelHandler, kernel, *args, **kwargs):
@@ -68,7 +79,8 @@ def _selective(handler: ContextParallelHandler, kernel, hidden_states, dt, A, B,
     return handler.selective_scan(hidden_states, dt, A, B, C, kernel=kernel, **_split_kwargs(kwargs))
 
 
-ROUTES = {"causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _delta_rule,
+ROUTES = {"causal_conv1d_fn": _conv, "causal_conv1d_forward": _conv_forward,
+          "torch_chunk_gated_delta_rule": _delta_rule,
           "chunk_gated_delta_rule": _delta_rule, "chunk_kimi_delta_attention": _delta_rule,
           "mamba2_chunk_scan": _ssd, "mamba_selective_scan": _selective}
 """Kernel name -> how its call reaches the handler (the kernel's own signature)."""
@@ -79,31 +91,6 @@ DECODE = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent
 """Single-token decode kernels (a cache): refused under a handler."""
 KERNELS = frozenset(ROUTES) | frozenset(FUSED) | frozenset(DECODE)
 
-REVIEWED = {
-    "BailingHybridDeltaAttention": "9259f51077b42ace",
-    "BambaMixer": "5d05f582f3ab2c20",
-    "FalconH1Mixer": "250b28b68b29c41b",
-    "FalconMambaMixer": "b2b1a7f45e275722",
-    "GraniteMoeHybridMambaLayer": "5d05f582f3ab2c20",
-    "JambaMambaMixer": "9af852bfac6210a5",
-    "KimiLinearDeltaAttention": "f30418641527c668",
-    "Lfm2MoeShortConv": "dd7ac368ef34f5ab",
-    "Lfm2ShortConv": "dd7ac368ef34f5ab",
-    "Lfm3ShortConv": "dd7ac368ef34f5ab",
-    "Mamba2Mixer": "5d05f582f3ab2c20",
-    "MambaMixer": "586e7c7f3e9f31be",
-    "NemotronHMamba2Mixer": "5d05f582f3ab2c20",
-    "OlmoHybridGatedDeltaNet": "1c77261ce5e9e957",
-    "Qwen3NextGatedDeltaNet": "a5c1b27444531b31",
-    "Qwen3_5GatedDeltaNet": "e9febb8c7d8be936",
-    "Qwen3_5MoeGatedDeltaNet": "e9febb8c7d8be936",
-    "Qwen4ExpTextGatedDeltaNet": "e9febb8c7d8be936",
-    "Zamba2MambaMixer": "5d05f582f3ab2c20",
-    "ZambaMambaMixer": "8ca1f4de849653c7",
-}
-"""Mixer class -> the sha256 (first 16 hex digits) of its forward's source as reviewed (transformers 5.23.0)."""
-
-
 def _unwrap(function):
     """The innermost function under ``functools.wraps`` decorators, and the decorators' wrappers outermost first."""
     chain = []
@@ -111,12 +98,6 @@ def _unwrap(function):
         chain.append(function)
         function = function.__wrapped__
     return function, chain
-
-
-def forward_digest(cls: type) -> str:
-    """The digest :data:`REVIEWED` keeps: sha256 of the (unwrapped) forward's dedented source, 16 hex digits."""
-    source = textwrap.dedent(inspect.getsource(_unwrap(cls.forward)[0]))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def kernel_names(module: nn.Module) -> set[str]:
@@ -137,6 +118,7 @@ def _route(module: nn.Module, name: str, kernel):
         record_attention_call(module, "causal", core_attn=False)  # a recurrence or a causal convolution
         if name in FUSED:
             return None
+        refuse_cache(f"{type(module).__name__}: {name}", {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
         if name in DECODE:
             raise ValueError(f"{type(module).__name__}: {name} is a single-token decode step with a cache; a cache is "
                              "not supported under context parallelism (generation of hybrid models is not "
@@ -156,21 +138,12 @@ def _rebuilt(function, globals_: dict):
 
 
 def instrument(module: nn.Module) -> bool:
-    """Route ``module``'s kernel calls (module doc); ``False`` when its forward calls none.
-
-    Raises:
-        ValueError: a mixer class not in :data:`REVIEWED`, or whose forward's source changed since.
-    """
+    """Route ``module``'s kernel calls (module doc); ``False`` when its forward calls none. Whether the routed mixer
+    is exact is the probe's to decide (:func:`~.hf_model.check_mixer_documents`)."""
     names = kernel_names(module)
     if not names:
         return False
     cls = type(module)
-    digest = forward_digest(cls)
-    if REVIEWED.get(cls.__name__) != digest:
-        reason = "is not one cp_handler reviewed" if cls.__name__ not in REVIEWED else \
-            f"has another forward than the one reviewed (source digest {digest})"
-        raise ValueError(f"{cls.__module__}.{cls.__name__} ({sorted(names)}) {reason}: its token mixing under "
-                         "context parallelism is unchecked; refused (docs/hybrid.md lists the mixers that run)")
     inner, chain = _unwrap(cls.forward)
     bound = {n: _route(module, n, inner.__globals__[n]) for n in names if n in inner.__code__.co_names}
     if bound:

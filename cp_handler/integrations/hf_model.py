@@ -58,6 +58,7 @@ from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
 from .hf_attention import call_handler
+from .hf_cache import refuse_cache
 from .hf_inputs import cp_model_inputs, text_config
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
@@ -267,11 +268,19 @@ def _model_pre_hook(model, args, kwargs, last: dict):
     """The forward's handler (module doc): the ``cp_handler`` keyword, else the active one; made active for the
     forward (the mask function, rotary hooks, mixer routes and router loss read it) and, when the model's
     forward takes extra keyword arguments, left in them: transformers passes them on through the decoder
-    layers to the attention function (a recomputed layer gets them again)."""
+    layers to the attention function (a recomputed layer gets them again). Under a handler a cache is refused by
+    its type, whatever the argument's name (:mod:`.hf_cache`), as is ``use_cache=True``; without ``use_cache`` the
+    forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard)."""
     handler = kwargs.pop("cp_handler", None) or active_handler()
     last["running"] = last.get("running", 0) + 1
     if handler is None:
         return args, kwargs
+    refuse_cache(type(model).__name__, {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
+    if kwargs.get("use_cache"):
+        raise ValueError(f"{type(model).__name__}: use_cache=True under context parallelism: the model's own cache "
+                         "would keep only this rank's shard; pass use_cache=False (generation: cp_handler.inference)")
+    if "use_cache" not in kwargs and model.__dict__.get("_cp_takes_use_cache"):
+        kwargs["use_cache"] = False  # the config's default (use_cache=True) would build a cache of this rank's shard
     if model.__dict__.get("_cp_takes_kwargs"):
         kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():
@@ -338,6 +347,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
                                                    with_kwargs=True, prepend=True),
                     host.register_forward_hook(_recompute_hook, with_kwargs=True, always_call=True)]
     model._cp_takes_kwargs = _takes(model, "**")
+    model._cp_takes_use_cache = _takes(model, "use_cache") or model._cp_takes_kwargs
     for module in model.modules():
         module._cp_handler_prepared = True  # the attention function refuses modules of unchecked models
     try:

@@ -29,7 +29,7 @@ Refused by name before the first step: vLLM (its server and colocate modes gathe
 batching, tools and environments (a tool run on every rank of a group could return different results), a PEFT
 model, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one rank would wait for the others), a
 vision-language model, a model whose left-padded forward is not its real tokens' alone
-(:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16.0 (:data:`~.hf_trainer.TESTED_TRL`).
+(:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16 (:data:`~.hf_trainer.OLDEST_TRL` and newer).
 """
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..install_hint import extra_hint
 from .hf_dp import over_dp
 from .hf_fused_head import install_cp_fused_head, left_padding_positions
-from .hf_trainer import TESTED_TRL, ContextParallelTrainerBase
+from .hf_trainer import OLDEST_TRL, ContextParallelTrainerBase
 from .hf_vlm import is_vision_language
 from .transformers import ATTN_IMPLEMENTATION, own_attention, register
 
@@ -161,7 +162,7 @@ def _set_rng_state(state: dict) -> None:
 def _trl_class(name: str):
     from transformers.utils.versions import require_version
 
-    require_version("trl" + ",".join(TESTED_TRL), f"CP{name}: pip install 'cp_handler[trl]'")
+    require_version("trl" + OLDEST_TRL, f"CP{name}: {extra_hint('hf')}")
     import trl
 
     base = getattr(trl, name)

@@ -32,8 +32,8 @@ TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:clas
 :mod:`.hf_rl_trainer`.
 
 Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
-overridden. Tested with transformers 5.23.0, TRL 1.16.0, accelerate 1.15.0; other transformers and TRL releases are
-refused by name (:data:`TESTED_TRANSFORMERS`, :data:`TESTED_TRL`).
+overridden. Releases: transformers 4.57 and newer, TRL 1.16 and newer (:data:`OLDEST_TRL`); not refused by number:
+the behaviour the mixin relies on is probed when a trainer is built (:func:`check_token_count`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import torch.distributed as dist
 from ..config import ContextParallelConfig
 from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
+from ..install_hint import extra_hint
 from ..launch import rank_env
 from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..tiling import tile_mlps
@@ -60,12 +61,36 @@ from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .hf_vlm import check_loss_kwargs, is_vision_language
 from .transformers import cp_attention, register
 
-TESTED_TRL = (">=1.16", "<1.17")
-"""The TRL releases ``CPSFTTrainer`` was tested with (pyproject's ``trl`` extra)."""
-TESTED_TRANSFORMERS = (">=5.23", "<5.24")
-"""The transformers releases the mixin was tested with: how Trainer counts ``num_items_in_batch`` (shifted labels,
-divided by ``get_cp_size()``) and scales the loss changed across releases (4.57 counts unshifted labels and has no
-``get_cp_size``), so others are refused (ImportError) until tested."""
+OLDEST_TRL = ">=1.16"
+"""The oldest TRL release the trainers support and test (pyproject's ``hf`` extra); newer ones are not refused by
+their number (what the trainers rely on is probed: :func:`check_token_count`)."""
+PROBE_LABELS = (5, 1, 2, -100, 3, 4)
+"""A probe row of labels: 5 labels, 4 after the next-token shift (the count cp_handler's loss normalises by)."""
+
+
+def check_token_count(trainer) -> None:
+    """The behaviour the mixin's loss rests on, probed on ``trainer`` (a collective over its ranks, which all build
+    it): Trainer's ``num_items_in_batch`` of a global batch is the number of next-token labels (shifted) summed over
+    the data-parallel ranks, divided by the CP size (``get_cp_size``): the count of one process's loss. How Trainer
+    counts changed across releases (4.57 counted unshifted labels and had no ``get_cp_size``).
+
+    Raises:
+        ValueError: Trainer counts otherwise (the loss would be scaled wrong under CP), naming both counts.
+    """
+    labels = torch.tensor([PROBE_LABELS], device=trainer.args.device)
+    try:
+        count = trainer._get_num_items_in_batch([{"labels": labels}], trainer.args.device)
+    except AttributeError as err:
+        raise ValueError(f"{type(trainer).__name__}: this Trainer has no _get_num_items_in_batch ({err}): how it "
+                         "counts the tokens its loss is normalised by cannot be checked; refused") from None
+    shifted = sum(label != -100 for label in PROBE_LABELS[1:])
+    want = shifted * trainer.args.world_size / trainer.get_cp_size()
+    got = None if count is None else float(count)
+    if got is None or abs(got - want) > 1e-6 * want:
+        raise ValueError(f"{type(trainer).__name__}: Trainer counts {got} tokens for a probe batch whose next-token "
+                         f"labels number {shifted} per rank ({want:g} over the world of {trainer.args.world_size} "
+                         f"divided by cp={trainer.get_cp_size()} is what the loss under context parallelism needs); "
+                         "this transformers release normalises the loss otherwise: refused")
 
 
 @dataclass
@@ -125,10 +150,6 @@ class ContextParallelTrainerBase:
     """
 
     def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
-        from transformers.utils.versions import require_version
-
-        require_version("transformers" + ",".join(TESTED_TRANSFORMERS), f"{type(self).__name__}: the Trainer "
-                        "releases it was tested with")
         self.cp_config = cp_args.config()
         get_cp_handler_cls(self.cp_config.backend, self.cp_config.cp_comm_type).check_available()
         super().__init__(*args, **kwargs)
@@ -146,6 +167,11 @@ class ContextParallelTrainerBase:
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
         self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+        self._check_releases()
+
+    def _check_releases(self) -> None:
+        """The behaviour of the installed transformers (and TRL) the trainer relies on, probed once it is built
+        (default: nothing)."""
 
     def _prepare_registered(self, model) -> None:
         """What a subclass adds once the model is registered (default: nothing)."""
@@ -213,6 +239,9 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         if self.vision_language and not self.model_accepts_loss_kwargs:
             check_loss_kwargs(model)  # its loss takes the global token count: Trainer passes it
             self.model_accepts_loss_kwargs = True
+
+    def _check_releases(self) -> None:
+        check_token_count(self)
 
     def _refused_settings(self) -> list[str]:
         args, refused = self.args, super()._refused_settings()
@@ -301,7 +330,7 @@ def _trainer_class():
 def _sft_trainer_class():
     from transformers.utils.versions import require_version
 
-    require_version("trl" + ",".join(TESTED_TRL), "CPSFTTrainer: pip install 'cp_handler[trl]'")
+    require_version("trl" + OLDEST_TRL, f"CPSFTTrainer: {extra_hint('hf')}")
     from trl import SFTTrainer
 
     class CPSFTTrainer(ContextParallelMixin, SFTTrainer):

@@ -24,10 +24,11 @@ submodule holding ``embed_tokens`` under the text config, e.g. ``model.model.lan
   states and the model returns this rank's logits ``(B, S / cp, V)``, in the handler's order.
 
 Refused by name, before any collective: an LM call with a tensor argument this hook does not know (it would be
-passed on unsharded), packed documents (thd: the models compute positions per row), a KV cache (generation), left
-padding or holes in ``attention_mask``, Qwen-style mRoPE models given images without ``mm_token_type_ids`` (without
-it transformers silently falls back to positions ``0..S-1``), and Gemma 3's image blocks (``token_type_ids`` marking
-images: bidirectional attention within each image, a mask the handler does not compute).
+passed on unsharded), packed documents (thd: the models compute positions per row), a cache (by its type, whatever
+the argument's name: :mod:`.hf_cache`, in the generic hook), left padding or holes in ``attention_mask``, Qwen-style
+mRoPE models given images without ``mm_token_type_ids`` (without it transformers silently falls back to positions
+``0..S-1``), and Gemma 3's image blocks (``token_type_ids`` marking images: bidirectional attention within each
+image, a mask the handler does not compute).
 """
 
 from __future__ import annotations
@@ -119,9 +120,6 @@ def _model_pre_hook(model, args, kwargs, mrope: bool):
         raise ValueError(f"{type(model).__name__} under context parallelism takes input_ids (the whole batch), "
                          "not inputs_embeds alone")
     _global_batch(handler, "input_ids", ids)
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError(f"{type(model).__name__}: past_key_values (generation) of a vision-language model is not "
-                         "implemented under context parallelism")
     visual = any(kwargs.get(k) is not None for k in (*IMAGE_INPUTS, *VIDEO_INPUTS))
     if visual and mrope and kwargs.get("mm_token_type_ids") is None and \
             kwargs.get("position_ids") is None:
@@ -154,7 +152,8 @@ def _visual_rows(handler: ContextParallelHandler, visual: torch.Tensor) -> tuple
 
 def _language_model_pre_hook(lm, args, kwargs):
     """Dispatch the merged sequence and what goes with it (module doc); a no-op without an active handler. The rules
-    of the whole batch (layout, length, no KV cache) were checked by :func:`_model_pre_hook` on the same call."""
+    of the whole batch (layout, length) were checked by :func:`_model_pre_hook` on the same call, and a cache was
+    refused by the generic hook (:mod:`.hf_cache`)."""
     handler = active_handler()
     if handler is None:
         return None

@@ -28,7 +28,8 @@ from the model's own mask function, classified at global positions (:mod:`.hf_ma
 bidirectional, sliding windows and chunked attention run; padding, image-token blocks and anything
 unrecognised are refused. The model
 checks (:mod:`.hf_model`) refuse sequence convolutions and non-attention layers, and a forward in
-which a decoder layer did not run cp_handler's attention. Tested transformers releases: :data:`SUPPORTED`.
+which a decoder layer did not run cp_handler's attention. Releases: :data:`OLDEST` and newer, decided per model by
+these probes rather than by a version number.
 """
 
 from __future__ import annotations
@@ -51,22 +52,36 @@ from .hf_model import prepare_model
 from .hf_vlm import is_vision_language, set_text_attention
 
 ATTN_IMPLEMENTATION = "cp_handler"
-SUPPORTED = ((4, 57), (5, 23))
-"""First and last transformers releases (major, minor) the integration was tested with (inclusive)."""
+OLDEST = (4, 57)
+"""The oldest transformers release (major, minor) the integration supports and tests (docs/testing.md). Newer
+releases are not refused by their number: per model, the probes decide (the model ran cp_handler's attention in
+every layer, its masks classify as planned at global positions, each routed mixer equals itself on documents apart,
+the route's inputs change nothing at cp = 1); what a release breaks is refused by name there."""
+REQUIRED_API = (("transformers", "AttentionInterface"), ("transformers.masking_utils", "AttentionMaskInterface"),
+                ("transformers.modeling_layers", "GradientCheckpointingLayer"))
+"""The public extension points the integration registers with or reads (module, name)."""
 
-def check_transformers_version(version: str | None = None) -> None:
-    """Raises ImportError when transformers is missing or outside :data:`SUPPORTED`."""
+
+def check_transformers(version: str | None = None) -> None:
+    """Raises ImportError when transformers is missing, older than :data:`OLDEST`, or lacks one of
+    :data:`REQUIRED_API` (named, with the install hint)."""
+    from ..install_hint import extra_hint
+
     if version is None:
         try:
             import transformers
         except ImportError as err:
-            raise ImportError("cp_handler.integrations.transformers needs transformers: pip install "
-                              f"'transformers>={SUPPORTED[0][0]}.{SUPPORTED[0][1]}'") from err
+            raise ImportError(f"cp_handler.integrations.transformers needs transformers: {extra_hint('hf')}") from err
         version = transformers.__version__
-    low, high = SUPPORTED
-    if not low <= release(version)[:2] <= high:
-        raise ImportError(f"transformers {version} is installed; cp_handler's integration was tested with "
-                          f"{low[0]}.{low[1]} to {high[0]}.{high[1]} (docs/huggingface.md)")
+    if release(version)[:2] < OLDEST:
+        raise ImportError(f"transformers {version} is installed; cp_handler's integration needs "
+                          f"{OLDEST[0]}.{OLDEST[1]} or newer: {extra_hint('hf')}")
+    import importlib
+
+    for module, name in REQUIRED_API:
+        if not hasattr(importlib.import_module(module), name):
+            raise ImportError(f"transformers {version} has no {module}.{name}, which cp_handler's integration "
+                              "registers with; this release is not supported (docs/huggingface.md)")
 
 
 def register(model: torch.nn.Module | None = None) -> str:
@@ -77,7 +92,7 @@ def register(model: torch.nn.Module | None = None) -> str:
         ImportError: transformers missing or outside the tested releases.
         ValueError: ``model`` has a token mixer that cannot run context-parallel (see :mod:`.hf_model`).
     """
-    check_transformers_version()
+    check_transformers()
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
