@@ -2,9 +2,10 @@
 
 cp_handler is not on a public index, so ``pip install 'cp_handler[bench]'`` fails anywhere but beside a local
 wheel. :func:`extra_hint` names what works everywhere, the extra's own requirements (``pip install
-'matplotlib>=3.7'``), read from the checkout's ``pyproject.toml`` when the package is imported from a checkout (the metadata of an
-editable install can be older than the file), else from the installed distribution's metadata, and, when cp_handler is installed from a checkout or a local wheel, the install of
-the extra from that source (``pip install -e '/path/to/checkout[bench]'``).
+'matplotlib>=3.7'``): from the checkout's ``pyproject.toml`` when the package is imported from a checkout (an
+editable install's metadata can be older than the file), else from the installed distribution's metadata; and,
+when cp_handler comes from a checkout or a local wheel, the install of the extra from it (``pip install -e
+'/path/to/checkout[bench]'``).
 """
 
 from __future__ import annotations

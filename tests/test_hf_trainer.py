@@ -115,7 +115,8 @@ def test_a_trainer_that_counts_tokens_otherwise_is_refused(tmp_path, monkeypatch
         return sum((batch["labels"] != -100).sum() for batch in batches)
 
     monkeypatch.setattr(transformers.Trainer, "_get_num_items_in_batch", unshifted)
-    with pytest.raises(ValueError, match="Trainer counts 5.0 tokens for a probe batch whose next-token labels number 4"):
+    with pytest.raises(ValueError, match="Trainer counts 5.0 tokens for a probe batch whose next-token labels "
+                                         "number 4"):
         _cp_trainer(tmp_path, cases.model("llama"))
 
 
