@@ -198,7 +198,10 @@ def record(trainer, eval_dataset, out: str, cp_run: bool) -> None:
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     losses = [[entry["loss"], entry["grad_norm"], *(entry[key] for key in LOGGED if key in entry)] for entry in logged]
     evaluation = trainer.evaluate()
-    prediction = trainer.predict(eval_dataset)
+    # transformers 5.24+ returns a VLM's image_outputs beside the logits, and Trainer.predict of the unmodified LLaVA
+    # then fails upstream in accelerate's pad_across_processes (None entries among them): predictions are the logits
+    # (a given ignore_keys replaces Trainer's default, which drops the model's cache)
+    prediction = trainer.predict(eval_dataset, ignore_keys=["image_outputs", "cache", "past_key_values"])
     if not cp_run or dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],

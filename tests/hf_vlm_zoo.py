@@ -7,9 +7,11 @@ grids, so that image tokens straddle the CP shards; row 1 is right-padded. :func
 handler with the unmodified model on the whole batch: logits, the loss and every parameter's gradient (the vision
 tower's included).
 
-Tolerances (float32; CP only reorders sums): logits atol = rtol = 1e-5; loss rtol 1e-6; gradients, summed over the
-ranks, atol 1e-5 + rtol 1e-4 (an embedding row's gradient sums about 30 token contributions of size ~1e-2 in
-another order: measured differences up to 3e-6).
+Tolerances (float32; CP only reorders sums): logits atol = rtol = 1e-5; loss rtol 1e-6; each gradient, summed over
+the ranks, within 1e-5 of its norm + 1e-6 (Frobenius norms, as PyTorch's CP tests compare): an element's gradient
+can be a small sum of large terms (GOT-OCR2's projector bias: -0.44 from terms up to 330 at cp 4, all_gather, off by
+5.5e-5 = 1.2e-4 of itself, 1.7e-7 of the tensor's norm), which an elementwise rtol wrongly fails, while a lost or
+misplaced token moves a gradient by a visible share of its norm.
 """
 
 from __future__ import annotations
@@ -203,8 +205,10 @@ def compare(model, ref_model, logits, ref_logits, loss, ref_loss, real, group=No
         if group is not None:
             dist.all_reduce(grad, group=group)
         want = torch.zeros_like(q) if q.grad is None else q.grad
-        if not torch.allclose(grad, want, atol=1e-5, rtol=1e-4):
-            return f"mismatch: gradient of {name} differs by {(grad - want).abs().max().item():.3g}"
+        error = (grad - want).norm().item() / max(want.norm().item(), 1e-6)
+        if (grad - want).norm().item() > 1e-5 * want.norm().item() + 1e-6:
+            return f"mismatch: gradient of {name} differs by {(grad - want).abs().max().item():.3g} ({error:.2g} " \
+                   "relative to its norm)"
     return "exact"
 
 
@@ -241,11 +245,14 @@ def run_case(name: str, comm_type: str, group=None, inputs: dict | None = None, 
     return compare(model, ref_model, logits, ref_logits, total, ref_loss, inputs["attention_mask"].bool(), group)
 
 
-def support_matrix() -> str:
-    """docs/huggingface.md's vision-language table: one row per model of :data:`MODELS` with its outcome."""
-    from transformers import __version__
+RELEASES = "5.23.0 and 5.25.0"
+"""The transformers releases the table was recorded on (the oldest supported and CI's)."""
 
-    rows = [f"Generated from tests/hf_vlm_zoo.py's table (transformers {__version__}): exact = with images, the "
+
+def support_matrix() -> str:
+    """docs/huggingface.md's vision-language table: one row per model of :data:`MODELS` with its outcome (the same on
+    every release of :data:`RELEASES`: tests/test_hf_vlm.py asserts :data:`OUTCOMES` on whichever runs)."""
+    rows = [f"Generated from tests/hf_vlm_zoo.py's table (transformers {RELEASES}): exact = with images, the "
             "logits of the real tokens, the loss and every gradient (the vision tower's included) equal the unmodified "
             "model in one process at cp 1, 2 and 4 with p2p, a2a and all_gather; refused = the error names the reason.",
             "", "| model type | class | under CP |", "|---|---|---|"]

@@ -236,20 +236,42 @@ def run_generation_case(config, group) -> str:
     return "exact" if worst <= 1e-5 else f"mismatch: logits differ by {worst:.2e}"
 
 
-def support_matrix(zoo: dict[str, str], not_attempted: str, generation: dict[str, str]) -> str:
-    """docs/huggingface.md's support matrix: one row per model type of ``zoo`` (tests/test_hf_zoo.py), with
-    its generation outcome where training is exact (``generation``: the refused ones; the rest exact)."""
-    from transformers import __version__
+REASONS = {
+    "did not run cp_handler's attention": "some layer did not run cp_handler's attention (its attention is outside "
+                                          "transformers' registry, or a token mixer it does not route)",
+    "do not change when position_ids jump": "its positions come from the input's length, not position_ids (a shard "
+                                            "would use local positions)",
+    "differ from its own defaults": "it derives positions or masks from its inputs another way (RoBERTa's positions "
+                                    "start after padding_idx)",
+    "config.layer_types has": "a layer type other than attention without a routed mixer (a mixer written inline)",
+    "config.layer_types has ['hybrid_sliding']": "hybrid_sliding layers: short convolutions inside attention, not "
+                                                 "routed",
+    "convolution over the sequence": "a convolution over the sequence outside a routed mixer",
+    "attention mask as a tensor": "it builds its attention mask as a tensor itself (the handler's layout is the mask)",
+    "not a causal language model": "not a causal language model",
+    "generation of hybrid models is not implemented": "generation of hybrid models is not implemented",
+}
+"""A reader's sentence for each refusal of the zoo table (its key: the text the guard's error contains)."""
 
-    rows = [f"Generated from tests/test_hf_zoo.py's table (transformers {__version__}): exact = logits and every "
+
+def support_matrix(zoo: dict[str, str], not_attempted: str, generation: dict[str, str], release: str) -> str:
+    """docs/huggingface.md's support matrix: one row per model type of ``zoo`` (tests/test_hf_zoo.py, recorded on
+    transformers ``release``), with its generation outcome where training is exact (``generation``: the refused ones;
+    the rest exact); each refusal written out (:data:`REASONS`)."""
+    rows = [f"Generated from tests/test_hf_zoo.py's table (transformers {release}): exact = logits and every "
             "gradient equal the unmodified model at cp 2 (p2p, a2a); refused = the guard's error names the reason. "
             "Generation (cp_handler.inference, cp 2): exact = the same tokens and logits within 1e-5 as the "
             "unmodified model on each whole sequence.",
             "", "| model type | under CP | generation |", "|---|---|---|"]
+
+    def shown(outcome: str) -> str:
+        if outcome.startswith("refused: "):
+            return "refused: " + REASONS[outcome.removeprefix("refused: ")]
+        return {"not built": "not built from the generic tiny config (untested)",
+                "not attempted": f"not attempted: {not_attempted}",
+                "vision-language": "with images: see the vision-language table"}.get(outcome, outcome)
+
     for name, outcome in sorted(zoo.items()):
-        shown = {"not built": "not built from the generic tiny config (untested)",
-                 "not attempted": f"not attempted: {not_attempted}",
-                 "vision-language": "with images: see the vision-language table"}.get(outcome, outcome)
-        generated = generation.get(name, "exact") if outcome == "exact" else ""
-        rows.append(f"| {name} | {shown} | {generated} |")
+        generated = shown(generation.get(name, "exact")) if outcome == "exact" else ""
+        rows.append(f"| {name} | {shown(outcome)} | {generated} |")
     return "\n".join(rows)

@@ -382,8 +382,8 @@ def test_length_dependent_rope_exact_and_temperature_tuning_refused(tmp_path):
 def test_releases_are_refused_below_the_oldest_only():
     """Older than the oldest supported release: refused with the install that works here; newer ones are not refused
     by their number (the per-model probes decide)."""
-    with pytest.raises(ImportError, match=r"transformers 4.40.0 is installed; cp_handler's integration needs 4.57 or "
-                                          r"newer: pip install 'transformers>=4.57'"):
-        check_transformers("4.40.0")
-    for version in ("4.57.6", "5.23.0", "5.25.0", "9.0.0"):
+    with pytest.raises(ImportError, match=r"transformers 4.57.6 is installed; cp_handler's integration needs 5.23 or "
+                                          r"newer: pip install 'transformers>=5.23'"):
+        check_transformers("4.57.6")
+    for version in ("5.23.0", "5.25.0", "9.0.0"):
         check_transformers(version)

@@ -86,6 +86,8 @@ def test_a_bidirectional_model_and_an_encoder_decoder_are_not_trained(tmp_path):
 
 
 def test_a_forward_keeping_a_cache_names_the_remedy():
+    """A config with use_cache=True (the usual default) keeps no cache under a handler (the forward gets
+    use_cache=False: a cache would hold this rank's shard); asking for one explicitly is refused with the remedy."""
     from transformers import AutoModelForCausalLM
 
     config = hf_zoo.tiny_config("qwen3_next", {"layer_types": ["linear_attention", "full_attention"],
@@ -93,8 +95,8 @@ def test_a_forward_keeping_a_cache_names_the_remedy():
     model = AutoModelForCausalLM.from_config(config)
     register(model)
     handler, ids = LocalContextParallelHandler(), torch.randint(1, 100, (1, 8))
-    with pytest.raises(ValueError, match=r"output_final_state=True .* pass use_cache=False to the model's forward"):
+    with pytest.raises(ValueError, match=r"use_cache=True under context parallelism.*pass use_cache=False"):
         with cp_attention(handler):
-            model(ids, **cp_model_inputs(handler, ids))
+            model(ids, **cp_model_inputs(handler, ids), use_cache=True)
     with cp_attention(handler):
-        model(ids, **cp_model_inputs(handler, ids), use_cache=False)  # the remedy runs
+        assert model(ids, **cp_model_inputs(handler, ids)).past_key_values is None

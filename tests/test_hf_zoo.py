@@ -18,6 +18,7 @@ from dist_utils import run_distributed
 ZOO = {
     "afmoe": "exact",
     "apertus": "exact",
+    "apertus1p5_text": "exact",
     "arcee": "exact",
     "aria_text": "exact",
     "axk1": "exact",
@@ -37,7 +38,7 @@ ZOO = {
     "bloom": "refused: did not run cp_handler's attention",
     "blt": "not attempted",
     "camembert": "refused: differ from its own defaults",
-    "codegen": "refused: did not run cp_handler's attention",
+    "codegen": "exact",
     "cohere": "exact",
     "cohere2": "exact",
     "cohere2_moe": "exact",
@@ -53,17 +54,20 @@ ZOO = {
     "deepseek_v4": "refused: config.layer_types has",
     "diffllama": "exact",
     "doge": "refused: attention mask as a tensor",
+    "dory": "exact",
     "dots1": "not built",
     "dots3_note": "not attempted",
     "dots3_note_text": "not built",
     "electra": "exact",
     "emu3": "not attempted",
+    "ergo": "exact",
     "ernie": "exact",
     "ernie4_5": "exact",
     "ernie4_5_moe": "exact",
+    "exaone": "exact",
     "exaone4": "exact",
     "exaone_moe": "exact",
-    "falcon": "refused: did not run cp_handler's attention",
+    "falcon": "exact",
     "falcon_h1": "exact",
     "falcon_mamba": "exact",
     "flex_olmo": "exact",
@@ -95,7 +99,7 @@ ZOO = {
     "gpt_neox": "exact",
     "gpt_neox_japanese": "refused: did not run cp_handler's attention",
     "gpt_oss": "exact",
-    "gptj": "refused: did not run cp_handler's attention",
+    "gptj": "exact",
     "granite": "exact",
     "granite_swa": "exact",
     "granitemoe": "exact",
@@ -109,8 +113,9 @@ ZOO = {
     "hy_v3": "exact",
     "hy_v4": "refused: config.layer_types has",
     "hyperclovax": "exact",
-    "inkling2_text": "refused: is not one cp_handler reviewed",
-    "inkling_text": "refused: is not one cp_handler reviewed",
+    "inkling2_loop_text": "refused: config.layer_types has ['hybrid_sliding']",
+    "inkling2_text": "refused: config.layer_types has ['hybrid_sliding']",
+    "inkling_text": "refused: config.layer_types has ['hybrid_sliding']",
     "internlm3": "exact",
     "iquestcoder": "exact",
     "jais2": "exact",
@@ -118,7 +123,9 @@ ZOO = {
     "jetmoe": "exact",
     "kimi_linear": "exact",
     "kolibri1": "exact",
+    "kolibri1_1": "not built",
     "laguna": "exact",
+    "lara_mini": "exact",
     "lfm2": "exact",
     "lfm2_moe": "exact",
     "lfm3": "exact",
@@ -134,6 +141,7 @@ ZOO = {
     "mellum": "exact",
     "mimo_v2_flash": "exact",
     "minicpm3": "exact",
+    "minicpm5_moe": "exact",
     "minimax": "refused: config.layer_types has",
     "minimax_m2": "exact",
     "minimax_m3_vl_text": "exact",
@@ -159,6 +167,7 @@ ZOO = {
     "olmoe": "exact",
     "openai-gpt": "refused: did not run cp_handler's attention",
     "opt": "exact",
+    "param2moe": "exact",
     "pegasus": "refused: do not change when position_ids jump",
     "persimmon": "exact",
     "phi": "exact",
@@ -186,6 +195,8 @@ ZOO = {
     "roc_bert": "exact",
     "roformer": "refused: did not run cp_handler's attention",
     "rwkv": "refused: did not run cp_handler's attention",
+    "sarvam_mla": "not built",
+    "sarvam_moe": "exact",
     "seed_oss": "exact",
     "smollm3": "exact",
     "solar_open": "exact",
@@ -210,10 +221,12 @@ ZOO = {
 config does not build or run the unmodified model (the test checks that it still does not);
 ``not attempted``: see :data:`NOT_ATTEMPTED`; ``vision-language``: run with images on a tiny vision config by
 tests/test_hf_vlm.py (tests/hf_vlm_zoo.py's table)."""
+ZOO_RELEASE = "5.25.0"
+"""The transformers release :data:`ZOO` records (the newest on the index when it was classified: CI's)."""
 
-HYBRIDS = ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2",
-           "lfm2_moe", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text", "qwen3_5_text",
-           "qwen3_next", "qwen4_exp_text", "zamba", "zamba2")
+HYBRIDS = ("bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
+           "lara_mini", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text",
+           "qwen3_5_text", "qwen3_next", "qwen4_exp_text", "zamba", "zamba2")
 """Hybrid architectures (token mixers other than attention, routed through the handler's mixer methods)."""
 GENERATION_REFUSED = {**dict.fromkeys(("bert", "bert-generation", "electra", "ernie", "roc_bert"),
                                      "refused: not a causal language model"),
@@ -252,22 +265,36 @@ def _agrees(expected: str, got: str) -> bool:
     return got == expected or (expected == "not built" and got.startswith("not built: "))
 
 
+def _on_table_release() -> bool:
+    import transformers
+
+    return transformers.__version__ == ZOO_RELEASE
+
+
 def test_every_architecture_is_exact_or_refused(tmp_path):
+    """On :data:`ZOO_RELEASE` every shipped architecture has its recorded outcome (a new one fails until classified);
+    on another release (the oldest supported, a newer one) every architecture still ends exact, refused by name or not
+    built, never a mismatch or an unclear error: the guard's probes, not the table, make that hold."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     shipped = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    on_release = _on_table_release()
     unclassified = [name for name in shipped if name not in ZOO]
-    assert not unclassified, f"architectures not in the zoo table (classify them): {unclassified}"
-    vision = {n for n in shipped if ZOO[n] == "vision-language"}
+    assert not (on_release and unclassified), f"architectures not in the zoo table (classify them): {unclassified}"
+    vision = {n for n in shipped if ZOO.get(n) == "vision-language"}
     assert vision <= set(hf_vlm_zoo.MODELS), f"vision-language entries without a tiny vision config: {vision}"
-    outcomes, generation = _outcomes(tmp_path, [n for n in shipped if ZOO[n] not in ("not attempted",
-                                                                                   "vision-language")])
-    wrong = {n: (ZOO[n], got) for n, got in outcomes.items() if not _agrees(ZOO[n], got)}
-    wrong.update({f"{n} (generation)": (GENERATION_REFUSED.get(n, "exact"), got) for n, got in generation.items()
-                  if not _agrees(GENERATION_REFUSED.get(n, "exact"), got)})
-    assert not wrong, "\n".join(f"{n}: expected {e!r}, got {g[:300]!r}" for n, (e, g) in wrong.items())
-    assert not [g for g in [*outcomes.values(), *generation.values()] if g.startswith(("mismatch", "error"))]
-    assert set(GENERATION_REFUSED) <= set(generation), "GENERATION_REFUSED lists a model not exact in training"
+    outcomes, generation = _outcomes(tmp_path, [n for n in shipped if ZOO.get(n) not in ("not attempted",
+                                                                                       "vision-language")])
+    if on_release:
+        wrong = {n: (ZOO[n], got) for n, got in outcomes.items() if not _agrees(ZOO[n], got)}
+        wrong.update({f"{n} (generation)": (GENERATION_REFUSED.get(n, "exact"), got) for n, got in generation.items()
+                      if not _agrees(GENERATION_REFUSED.get(n, "exact"), got)})
+        assert not wrong, "\n".join(f"{n}: expected {e!r}, got {g[:300]!r}" for n, (e, g) in wrong.items())
+        assert set(GENERATION_REFUSED) <= set(generation), "GENERATION_REFUSED lists a model not exact in training"
+    unclear = {n: g for n, g in [*outcomes.items(), *generation.items()]
+               if not g.startswith(("exact", "refused: ", "not built"))}
+    assert not unclear, "\n".join(f"{n}: {g[:300]}" for n, g in unclear.items())
+    assert sum(g == "exact" for g in outcomes.values()) >= 100, "the route stopped running most architectures"
 
 
 def _negative_control_worker(rank, world, out):
@@ -292,5 +319,5 @@ def test_negative_control_the_harness_sees_a_wrong_answer(tmp_path):
 
 def test_docs_support_matrix_is_the_table():
     docs = (Path(__file__).parents[1] / "docs" / "huggingface.md").read_text()
-    matrix = hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED, GENERATION_REFUSED)
+    matrix = hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED, GENERATION_REFUSED, ZOO_RELEASE)
     assert matrix in docs, "regenerate the matrix: hf_zoo.support_matrix(ZOO, NOT_ATTEMPTED, GENERATION_REFUSED)"

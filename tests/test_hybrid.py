@@ -43,7 +43,7 @@ def transformers_kernels():
         return torch_chunk_gated_delta_rule(q.repeat_interleave(repeats, 2), k.repeat_interleave(repeats, 2), v, g,
                                             beta, **options)
 
-    gdn.__name__ = torch_chunk_gated_delta_rule.__name__
+    gdn.__name__ = "torch_chunk_gated_delta_rule"  # transformers 5.25's kernels are hub modules without a __name__
     return {"conv": causal_conv1d_fn, "gdn": gdn, "kda": chunk_kimi_delta_attention,
             "ssd": mamba2_chunk_scan, "selective": mamba_selective_scan}
 

@@ -4,12 +4,11 @@ goes to the active handler's mixer methods (:mod:`cp_handler.handlers.mixers`); 
 The hybrid mixers of transformers reach their sequence mixing through a few kernel functions (:data:`ROUTES`):
 ``causal_conv1d_fn`` (Qwen3-Next, Qwen3.5, Kimi Linear, LFM2, every Mamba), ``torch_chunk_gated_delta_rule``
 / ``chunk_kimi_delta_attention`` (gated delta rule), ``mamba2_chunk_scan`` (Mamba2 family),
-``mamba_selective_scan`` (Mamba family). transformers 5 binds them as module globals: the instance gets a
-``forward`` built from its class's own code with those names bound to routes (same bytecode and decorators, only
-name resolution differs; other instances and other models are untouched). Earlier releases hold them as
-instance attributes (``self.chunk_gated_delta_rule = ...``): those attributes are replaced on the instance (a
-``causal_conv1d_fn`` attribute of ``None``, which makes such a forward call its ``nn.Conv1d`` module instead,
-becomes the route of the plain convolution).
+``mamba_selective_scan`` (Mamba family), which transformers binds as module globals, called from the mixer's
+forward or (5.25) from helpers it calls (``causal_conv1d_forward``, ``mamba2_scan_forward``, ``mamba_scan_forward``).
+The instance gets a ``forward`` built from its class's own code with those names bound to routes, and each helper
+on the way a copy of its own code with its kernels bound to routes (same bytecode and decorators, only name
+resolution differs; other instances, other models and transformers' modules are untouched).
 
 Under a handler a route calls the handler's method with the model's own kernel; the fused kernels
 (``mamba2_split_conv1d_scan_combined``, ``mamba_inner_fn``) return ``None``, which sends the mixer down its unfused
@@ -45,18 +44,6 @@ def _split_kwargs(kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k not in HARMLESS}
 
 
-def _conv_forward(handler: ContextParallelHandler, kernel, conv1d, hidden_states, cache=None, layer_idx=None,
-                  activation=None, state_idx=0, **kwargs):
-    """transformers 5.25's ``causal_conv1d_forward(conv1d, hidden_states, cache, layer_idx, activation, ...)``: the
-    convolution of ``conv1d``'s weights through the handler, with the model's own ``causal_conv1d_fn`` (the function
-    ``causal_conv1d_forward`` calls) as the kernel. A cache never gets here: the route refuses it first."""
-    conv_fn = _unwrap(kernel)[0].__globals__.get("causal_conv1d_fn")
-    if conv_fn is None:
-        from ..ops.mixers.conv import depthwise_causal_conv1d as conv_fn
-    return handler.causal_conv1d(hidden_states, conv1d.weight.squeeze(1), conv1d.bias, activation, conv_fn=conv_fn,
-                                 **_split_kwargs(kwargs))
-
-
 def _conv(handler: ContextParallelHandler, kernel, *args, **kwargs):
     names = ("hidden_states", "weight", "bias", "activation")
     bound = dict(zip(names, args, strict=False))
@@ -79,8 +66,7 @@ def _selective(handler: ContextParallelHandler, kernel, hidden_states, dt, A, B,
     return handler.selective_scan(hidden_states, dt, A, B, C, kernel=kernel, **_split_kwargs(kwargs))
 
 
-ROUTES = {"causal_conv1d_fn": _conv, "causal_conv1d_forward": _conv_forward,
-          "torch_chunk_gated_delta_rule": _delta_rule,
+ROUTES = {"causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _delta_rule,
           "chunk_gated_delta_rule": _delta_rule, "chunk_kimi_delta_attention": _delta_rule,
           "mamba2_chunk_scan": _ssd, "mamba_selective_scan": _selective}
 """Kernel name -> how its call reaches the handler (the kernel's own signature)."""
@@ -90,6 +76,8 @@ DECODE = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent
           "mamba2_selective_state_update", "mamba_selective_state_update", "fused_recurrent_gated_delta_rule")
 """Single-token decode kernels (a cache): refused under a handler."""
 KERNELS = frozenset(ROUTES) | frozenset(FUSED) | frozenset(DECODE)
+HELPER_DEPTH = 2
+"""How deep the routing follows transformers' helper functions from a mixer's forward to its kernels."""
 
 def _unwrap(function):
     """The innermost function under ``functools.wraps`` decorators, and the decorators' wrappers outermost first."""
@@ -100,13 +88,65 @@ def _unwrap(function):
     return function, chain
 
 
+def _python_function(value) -> types.FunctionType | None:
+    """The Python function behind a module-level callable of transformers: a function (under its ``functools.wraps``
+    decorators), or the function a hub-kernel wrapper module calls (transformers 5.25 wraps its kernel helpers in
+    ``kernels``' ``Func`` modules, whose ``forward`` closes over ``func``); ``None`` for anything else."""
+    if isinstance(value, types.FunctionType):
+        function = _unwrap(value)[0]
+    else:
+        forward = getattr(type(value), "forward", None)
+        cells = dict(zip(getattr(getattr(forward, "__code__", None), "co_freevars", ()),
+                         getattr(forward, "__closure__", None) or (), strict=False))
+        inner = cells.get("func")
+        function = _unwrap(inner.cell_contents)[0] if inner is not None else None
+    if not isinstance(function, types.FunctionType) or not function.__module__.startswith("transformers."):
+        return None
+    return function
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names a code object and the code nested in it (comprehensions, lambdas) load."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _routes_of(module: nn.Module, function: types.FunctionType, depth: int = HELPER_DEPTH) -> dict:
+    """Name -> route for every kernel ``function`` calls through a module global, and for every transformers helper
+    it calls that reaches one within ``depth`` calls (transformers 5.25's ``causal_conv1d_forward``,
+    ``mamba2_scan_forward``, ``mamba_scan_forward``: the kernels sit in the helper, not in the mixer's forward)."""
+    routes = {}
+    for name in _global_names(function.__code__) & set(function.__globals__):
+        value = function.__globals__[name]
+        if name in KERNELS:
+            routes[name] = _route(module, name, value)
+        elif depth and (helper := _python_function(value)) is not None:
+            inner = _routes_of(module, helper, depth - 1)
+            if inner:
+                routes[name] = _helper_route(module, name, value, _rebuilt(helper, {**helper.__globals__, **inner}))
+    return routes
+
+
 def kernel_names(module: nn.Module) -> set[str]:
-    """The kernel names a module's forward calls, as module globals or instance attributes."""
+    """The kernel and helper names a module's forward reaches kernels through (empty: not a mixer)."""
     forward = getattr(type(module), "forward", None)
-    if forward is None:
-        return set()
-    names = set(_unwrap(forward)[0].__code__.co_names) & KERNELS
-    return names | (set(vars(module)) & KERNELS)
+    return set() if forward is None else set(_routes_of(module, _unwrap(forward)[0]))
+
+
+def _helper_route(module: nn.Module, name: str, helper, routed_helper):
+    """What the mixer calls under the helper's name: the helper itself without a handler (a hub kernel that
+    ``kernelize`` swapped in included), its copy with the kernels routed with one."""
+    def routed(*args, **kwargs):
+        if active_handler() is None:
+            return helper(*args, **kwargs)
+        refuse_cache(f"{type(module).__name__}: {name}", {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs})
+        return routed_helper(*args, **kwargs)
+
+    routed.__name__ = f"cp_handler_{name}"
+    return routed
 
 
 def _route(module: nn.Module, name: str, kernel):
@@ -138,28 +178,20 @@ def _rebuilt(function, globals_: dict):
 
 
 def instrument(module: nn.Module) -> bool:
-    """Route ``module``'s kernel calls (module doc); ``False`` when its forward calls none. Whether the routed mixer
+    """Route ``module``'s kernel calls (module doc); ``False`` when its forward reaches none. Whether the routed mixer
     is exact is the probe's to decide (:func:`~.hf_model.check_mixer_documents`)."""
-    names = kernel_names(module)
-    if not names:
+    inner, chain = _unwrap(type(module).forward) if hasattr(type(module), "forward") else (None, [])
+    routes = _routes_of(module, inner) if isinstance(inner, types.FunctionType) else {}
+    if not routes:
         return False
-    cls = type(module)
-    inner, chain = _unwrap(cls.forward)
-    bound = {n: _route(module, n, inner.__globals__[n]) for n in names if n in inner.__code__.co_names}
-    if bound:
-        forward = _rebuilt(inner, {**inner.__globals__, **bound})
-        for wrapper in reversed(chain):  # the decorators' closures around the rebuilt function
-            cells = tuple(types.CellType(forward) if c.cell_contents is wrapper.__wrapped__ else c
-                          for c in wrapper.__closure__ or ())
-            inner_forward, forward = forward, types.FunctionType(wrapper.__code__, wrapper.__globals__,
-                                                                 wrapper.__name__, wrapper.__defaults__, cells)
-            forward.__wrapped__ = inner_forward  # as functools.wraps: the signature (attention_mask) stays visible
-        module.forward = types.MethodType(forward, module)
-    for name in set(vars(module)) & KERNELS:  # earlier releases: kernels as instance attributes
-        kernel = vars(module)[name]
-        if kernel is None and name == "causal_conv1d_fn":
-            from ..ops.mixers.conv import depthwise_causal_conv1d as kernel
-        setattr(module, name, _route(module, name, kernel) if kernel is not None else None)
+    forward = _rebuilt(inner, {**inner.__globals__, **routes})
+    for wrapper in reversed(chain):  # the decorators' closures around the rebuilt function
+        cells = tuple(types.CellType(forward) if c.cell_contents is wrapper.__wrapped__ else c
+                      for c in wrapper.__closure__ or ())
+        inner_forward, forward = forward, types.FunctionType(wrapper.__code__, wrapper.__globals__,
+                                                             wrapper.__name__, wrapper.__defaults__, cells)
+        forward.__wrapped__ = inner_forward  # as functools.wraps: the signature (attention_mask) stays visible
+    module.forward = types.MethodType(forward, module)
     module._cp_mixer = True
     return True
 

@@ -32,7 +32,7 @@ TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:clas
 :mod:`.hf_rl_trainer`.
 
 Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
-overridden. Releases: transformers 4.57 and newer, TRL 1.16 and newer (:data:`OLDEST_TRL`); not refused by number:
+overridden. Releases: transformers 5.23 and newer, TRL 1.16 and newer (:data:`OLDEST_TRL`); not refused by number:
 the behaviour the mixin relies on is probed when a trainer is built (:func:`check_token_count`).
 """
 

@@ -52,8 +52,9 @@ from .hf_model import prepare_model
 from .hf_vlm import is_vision_language, set_text_attention
 
 ATTN_IMPLEMENTATION = "cp_handler"
-OLDEST = (4, 57)
-"""The oldest transformers release (major, minor) the integration supports and tests (docs/testing.md). Newer
+OLDEST = (5, 23)
+"""The oldest transformers release (major, minor) the integration supports and tests (docs/testing.md: the HF, VLM,
+RL, compile and inference tests pass on it with torch 2.10). Newer
 releases are not refused by their number: per model, the probes decide (the model ran cp_handler's attention in
 every layer, its masks classify as planned at global positions, each routed mixer equals itself on documents apart,
 the route's inputs change nothing at cp = 1); what a release breaks is refused by name there."""
