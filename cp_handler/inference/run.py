@@ -11,6 +11,7 @@ comparison with one process re-running the whole sequence per token without cp_h
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from ..groups import build_dp_cp_groups
 from ..handlers.registry import load_plugins
-from ..launch import heartbeat, launch, rank_session
+from ..launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
 from ..models import GPTConfig, GPTModel
 from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
@@ -132,4 +133,9 @@ def run_generation(config: GenerateConfig) -> dict | None:
     Raises:
         SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
     """
-    return launch(generate_rank, config.world_size, config, program="cp-generate", timeout=config.timeout).get(0)
+    if is_first_rank() and not under_torchrun():
+        print(f"cp-generate: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,
+              flush=True)
+    preload = ("transformers", "cp_handler.integrations.transformers") if config.hf_model else ()
+    return launch(generate_rank, config.world_size, config, program="cp-generate", timeout=config.timeout,
+                  preload=preload).get(0)
