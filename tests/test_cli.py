@@ -172,7 +172,8 @@ def test_hierarchical_parity_and_group_log():
          "--seq-len 100 is not divisible by 2 * --eval-cp-size = 8"),
         (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2", "--eval-cp-size", "2"],
          "--cp-comm-type a2a+p2p needs --eval-hierarchical-cp-sizes"),
-        (["--nproc", "4", "--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p needs --hierarchical-cp-sizes"),
+        (["--nproc", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "3"],
+         "--hierarchical-cp-sizes 2 3 multiply to 6, but --cp-size 4"),
         (["--nproc", "4", "--dynamic-cp"], "--dynamic-cp needs --max-seqlen-per-rank N"),
         (["--nproc", "2", "--dynamic-cp", "--max-seqlen-per-rank", "100", "--seq-len", "1024"],
          "a sequence of 1024 tokens does not fit: --max-seqlen-per-rank 100 on at most 2 ranks"),
@@ -358,7 +359,8 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
 
     result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS)
     assert result.returncode != 0 and "step 1: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
-    good = {"loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0, "reference_grad_norm": 1.0}
+    good = {"step": 0, "loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0,
+            "reference_grad_norm": 1.0}
     assert parity_result([good], "float32")["passed"]
     nan = dict.fromkeys(good, float("nan"))
     assert not parity_result([good, nan], "float32")["passed"]

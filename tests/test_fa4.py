@@ -224,7 +224,8 @@ def test_a_missing_or_other_release_is_named(monkeypatch):
     """Without the package (this machine) the reason names the extra; another release is refused by version."""
     fa4.interface.cache_clear()
     monkeypatch.setattr(fa4.importlib.util, "find_spec", lambda name: None)
-    assert "flash-attn-4 is not installed (pip install 'cp_handler[fa4]'" in fa4.missing_package()
+    assert "flash-attn-4 is not installed (pip install flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 " \
+        "(cp_handler's fa4 extra" in fa4.missing_package()
     with pytest.raises(ImportError, match=r"flash-attn-4 is not installed"):
         fa4.interface()
     monkeypatch.setattr(fa4.importlib.util, "find_spec", lambda name: object())
