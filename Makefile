@@ -22,9 +22,13 @@ train:
 	$(PY) -m cp_handler.cli.train --nproc $(NPROC) --cp-size $(NPROC) --cp-comm-type p2p --seq-len 512 \
 		--batch-size 4 --steps 120 --metrics-out runs/train_metrics.json --save $(TRAIN_CKPT)
 
+# Test files run on TEST_WORKERS workers (pytest-xdist, one file per worker at a time): the suite waits on rank
+# start-up and rendezvous as much as it computes (docs/testing.md).
+TEST_WORKERS ?= 2
+
 test:
 	$(SETUP) test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint:
 	$(SETUP) test

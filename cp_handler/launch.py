@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -257,6 +258,18 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "forkserver"
 
 
+def _preload(entrypoint_module: str, preload: tuple[str, ...]) -> list[str]:
+    return ["torch", "torch.distributed", __name__, entrypoint_module, *preload]
+
+
+def prestart(entrypoint_module: str, preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server now (on a machine without CUDA, outside torchrun), so that its imports run while the
+    command still checks its flags and reads its data; :func:`launch` then forks the ranks from it at once."""
+    if start_method() == "forkserver" and not under_torchrun():
+        multiprocessing.set_forkserver_preload(_preload(entrypoint_module, preload))
+        forkserver.ensure_running()
+
+
 def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: float | None = None,
            preload: tuple[str, ...] = ()) -> dict:
     """Run ``entrypoint(*args)`` on ``nproc`` ranks; returns ``{rank: return value}``. ``program``
@@ -275,8 +288,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures below
     method = start_method()
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__, entrypoint.__module__,
-                                                *preload])
+        multiprocessing.set_forkserver_preload(_preload(entrypoint.__module__, preload))  # read at the server's start
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method=method,

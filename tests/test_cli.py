@@ -16,6 +16,9 @@ from conftest import HANG_GUARD_S
 
 from cp_handler.cli.args import build_parser, parse
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+"""torchrun on a free port (--standalone): test files run side by side (make test's workers)."""
+
 SMALL = ["--steps", "6", "--seq-len", "128", "--hidden-size", "64", "--ffn-hidden-size", "128",
          "--max-corpus-bytes", "2000000"]
 
@@ -320,7 +323,7 @@ def test_metrics_write_keeps_the_old_file_when_writing_fails(tmp_path):
 
 def test_one_backend_line_per_job_under_torchrun():
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cp_handler.cli.train",
+        [*TORCHRUN, "-m", "cp_handler.cli.train",
          "--steps", "2", "--seq-len", "64", "--hidden-size", "32", "--ffn-hidden-size", "64"],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -22,6 +22,7 @@ from ..handlers.registry import load_plugins
 from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
 from ..inference.sampling import Sampling
 from ..integrations.transformers import check_generation
+from ..launch import prestart
 from ..training.checkpoint import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
@@ -230,6 +231,8 @@ def until_end(ids: list[int], end: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hf = any(a.startswith("--hf-model") for a in (sys.argv[1:] if argv is None else argv))
+    prestart("cp_handler.inference.run", ("transformers", "cp_handler.integrations.transformers") if hf else ())
     config, report_out, ignore_eos = parse(argv)
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun
