@@ -11,7 +11,7 @@ layout (same document, the variant's causal / window / chunk rule, real tokens o
 than ``all_gather``, soft-capping and sinks (SDPA takes neither). Memory: the whole sequence's K/V and a
 ``(S_local, S)`` mask per rank; a sketch of the contract, not a fast path.
 
-Run it (CPU, about 20-60 s on 2 cores): ``python examples/custom_backend.py``: it registers the backend, builds a
+Run it (CPU, about 10-30 s on 2 cores): ``python examples/custom_backend.py``: it registers the backend, builds a
 handler from a config and runs the conformance kit (cp_handler.testing) at cp 2 and 4; exit status 1 if a case fails.
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 
 from ..config import CP_COMM_TYPES, QKV_FORMATS
 from ..handlers.base import ContextParallelHandler
+from ..launch import start_method
 from . import cases
 
 CHECKS = ("layout", "roll", "rope", "attention", "disagreement", "bad_input")
@@ -71,9 +73,11 @@ class ConformanceReport:
         return "\n".join(lines)
 
 
-def _rank_main(rank, world, init_file, handler_cls, plan, out_file, timeout_s) -> None:
+def _rank_main(rank, environ, world, init_file, handler_cls, plan, out_file, timeout_s) -> None:
     from ..groups import build_dp_cp_groups, destroy_process_groups
 
+    os.environ.clear()  # the caller's environment (a rank forked from the server would keep the server's)
+    os.environ.update(environ)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
@@ -163,7 +167,8 @@ def _where(err: Exception) -> str:
 def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(torch.float32,),
                   variants=tuple(cases.VARIANTS), world_sizes=(2, 4), checks=CHECKS,
                   timeout_s: float = 120.0, progress: bool = True) -> ConformanceReport:
-    """Run the handler contract on spawned CPU ranks (gloo) and report every case.
+    """Run the handler contract on CPU ranks (gloo; forked from a server that imported torch once, as
+    :func:`~cp_handler.launch.launch` starts them) and report every case.
 
     Args:
         handler_cls: a :class:`~cp_handler.ContextParallelHandler` subclass (importable by the spawned ranks: at
@@ -175,7 +180,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(
         variants: names in :data:`~.cases.VARIANTS` for the attention check.
         world_sizes: CP sizes, one spawn each; checks: names in :data:`CHECKS`.
         timeout_s: the process group's timeout (a hang becomes a failure after it).
-        progress: one line on stderr as each CP size starts (a spawn and its cases take 15-45 s on 2 CPU cores).
+        progress: one line on stderr as each CP size starts (its ranks and cases take 5-30 s on 2 CPU cores).
 
     Returns:
         A :class:`ConformanceReport`: per case PASS, FAIL (a wrong answer, an error, or a call that should have
@@ -196,18 +201,21 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=(
     if bad := [w for w in world_sizes if not isinstance(w, int) or w < 2]:
         raise ValueError(f"check_handler: world_sizes {bad}: a CP group has at least 2 ranks")
     report = ConformanceReport(f"{handler_cls.__module__}.{handler_cls.__qualname__}")
+    method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.launch)
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__, handler_cls.__module__])
     for world in world_sizes:
         plan = [(ct, fmt, str(dt).removeprefix("torch."), check, variant)
                 for ct in comm_types if ct != "a2a+p2p" or world >= 4 for fmt in formats for dt in dtypes
                 for check in checks for variant in (variants if check == "attention" else [None])]
-        if progress:  # a spawn and its cases take 15-45 s on 2 CPU cores
+        if progress:  # its ranks and cases take 5-30 s on 2 CPU cores
             print(f"cp_handler.testing: {report.handler} at cp={world}: {len(plan)} cases on {world} spawned ranks",
                   file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out_file = os.path.join(tmp, "results.json")
             try:
-                mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), handler_cls, plan, out_file, timeout_s),
-                         nprocs=world, join=True)
+                args = (dict(os.environ), world, os.path.join(tmp, "init"), handler_cls, plan, out_file, timeout_s)
+                mp.start_processes(_rank_main, args=args, nprocs=world, join=True, start_method=method)
                 failure = None
             except Exception as err:  # noqa: BLE001 - a rank that died: its cases are reported, not raised
                 failure = f"a rank died: {str(err).strip().splitlines()[-1][:300]}"
