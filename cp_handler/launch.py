@@ -244,12 +244,17 @@ ELASTIC_ENV = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LO
 def _rank_entry(environ: dict[str, str], heartbeat_dir: str, entrypoint, *args):
     """A rank's first call: the launching process's environment ``environ`` (a forked rank would otherwise keep the
     server's, from the server's start) with what torch elastic set for this rank on top, and the heartbeat folder;
-    then ``entrypoint(*args)``."""
+    its stdout joined to stderr (ranks report through the launcher, which alone writes stdout); then
+    ``entrypoint(*args)``."""
     own = {k: v for k, v in os.environ.items() if k in ELASTIC_ENV or k.startswith("TORCHELASTIC_")}
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(own)
     os.environ[HEARTBEAT_ENV] = heartbeat_dir
+    # stdout is the launcher's (cp-generate's text): a rank's own output and native chatter (torch 2.10's gloo prints
+    # "[Gloo] Rank 0 is connected to 1 peer ranks") go to stderr
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     return entrypoint(*args)
 
 
