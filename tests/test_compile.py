@@ -267,6 +267,9 @@ def test_cp_train_compile_refuses_hf_mixers():
 
     with pytest.raises(ValueError, match=r"--compile: Qwen3NextGatedDeltaNet reach the handler through a context"):
         check_compile_mixers(hf_zoo.tiny_config("qwen3_next", hf_zoo.HYBRIDS["qwen3_next"]))
+    # LFM2's short convolution reaches its kernel only through a helper since transformers 5.25
+    with pytest.raises(ValueError, match=r"--compile: Lfm2ShortConv reach the handler through a context"):
+        check_compile_mixers(hf_zoo.tiny_config("lfm2"))
 
 
 def test_compiled_hf_forward_is_refused_unless_one_attention_call_per_layer():

@@ -79,6 +79,7 @@ KERNELS = frozenset(ROUTES) | frozenset(FUSED) | frozenset(DECODE)
 HELPER_DEPTH = 2
 """How deep the routing follows transformers' helper functions from a mixer's forward to its kernels."""
 
+
 def _unwrap(function):
     """The innermost function under ``functools.wraps`` decorators, and the decorators' wrappers outermost first."""
     chain = []
