@@ -43,12 +43,17 @@ CASES = {
     "dpo_cp2": {"trainer": "dpo", "model": "llama", "args": {}, "cp": {"context_parallel_size": 2}},
     "dpo_dp2_a2a": {"trainer": "dpo", "model": "llama", "args": {"loss_type": ["sigmoid"]},
                     "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
+    # the reference log-probs precomputed inside TRL's __init__ (before the loaders go over dp: deferred by the mixin)
+    "dpo_precompute_cp2": {"trainer": "dpo", "model": "llama", "args": {"precompute_ref_log_probs": True},
+                           "cp": {"context_parallel_size": 2}},
+    "dpo_precompute_dp2": {"trainer": "dpo", "model": "llama", "args": {"precompute_ref_log_probs": True},
+                           "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "grpo_labels_per_shard": {"trainer": "grpo", "model": "llama", "args": {"beta": 0.1},
                               "cp": {"context_parallel_size": 2}, "break": "labels_per_shard"},
 }
 """Each case's reference is the same name run with TRL's trainer on dp processes (``break``: a negative control, the
 labels shifted inside each rank's shard as TRL's head would without the global ``shift_labels``)."""
-WORLD = {"grpo_dp2_bnpo": 4, "dpo_dp2_a2a": 4}
+WORLD = {"grpo_dp2_bnpo": 4, "dpo_dp2_a2a": 4, "dpo_precompute_dp2": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp. TRL's losses at dp > 1 are its own (bnpo divides by each
 process's token count, DDP averages): the reference runs the same dp."""
 UNCOMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second",
@@ -165,6 +170,14 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
 
     if case["trainer"] == "dpo":
         common["train_dataset"] = Dataset.from_list(preference_pairs(12 * dp))
+        if case["args"].get("precompute_ref_log_probs"):  # TRL's cache of the log-probs: written by the main process
+            data = Path(out) / "pairs"  # beside a dataset on disk (an in-memory one's is in a per-process temp dir)
+            if dist.get_rank() == 0:
+                common["train_dataset"].save_to_disk(str(data))
+            dist.barrier()
+            from datasets import load_from_disk
+
+            common["train_dataset"] = load_from_disk(str(data))
     else:
         common.update(train_dataset=Dataset.from_list(prompts(8 * dp)), reward_funcs=reward)
     import trl

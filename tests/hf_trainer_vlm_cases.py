@@ -34,18 +34,31 @@ CASES = {
     # prompts left-padded by the processor, then flushed left by TRL: right padding; completion-only labels
     "sft_qwen2_5_vl_prompt_completion": {"model": "qwen2_5_vl", "data": "prompt_completion", "trainer": "sft",
                                          "cp": {"context_parallel_size": 2}},
-    # dp 2 x cp 2: the loss is normalised by the token count of both dp ranks' batches, as one process's mean. Eval
+    # dp 2 x cp 2: the loss normalised by the token count of both dp ranks' batches (loss_normalization, the plain
+    # trainer at dp 2 averages each rank's mean: this harness's reference is one process), as one process's mean. Eval
     # examples of one length: at dp > 1 Trainer's eval loss (with or without CP) is the token-weighted mean over the
     # dp ranks' concurrent batches (num_items_in_batch gathered over every process), one process's the mean of
     # per-batch means
     "sft_qwen2_5_vl_dp2": {"model": "qwen2_5_vl", "data": "messages", "trainer": "sft",
-                           "cp": {"context_parallel_size": 2, "cp_comm_type": "p2p"}},
-    # gradient accumulation: Qwen2.5-VL's class sets accepts_loss_kwargs=False, so the plain Trainer averages each
-    # micro-batch's mean; under CP its loss is normalised by the global token count of the step, as for every text
-    # model: the reference is the plain Trainer told the model takes the loss arguments (docs/huggingface.md)
+                           "cp": {"context_parallel_size": 2, "cp_comm_type": "p2p",
+                                  "loss_normalization": "global_token_count"}},
+    # gradient accumulation: Qwen2.5-VL's class sets accepts_loss_kwargs=False, so the plain trainers average each
+    # micro-batch's mean: so does the CP run by default (loss_normalization=None); with
+    # loss_normalization="global_token_count" it normalises by the step's global token count, as for every text model,
+    # and equals the plain Trainer told the model takes the loss arguments (docs/huggingface.md)
     "qwen2_5_vl_accumulate": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2,
-                                                                          "cp_comm_type": "a2a"},
-                              "accumulate": 2, "reference_loss_kwargs": True},
+                                                                          "cp_comm_type": "a2a"}, "accumulate": 2},
+    "qwen2_5_vl_accumulate_global": {"model": "qwen2_5_vl", "data": "zoo", "accumulate": 2,
+                                     "cp": {"context_parallel_size": 2, "loss_normalization": "global_token_count"},
+                                     "reference_loss_kwargs": True},
+    "sft_qwen2_5_vl_accumulate": {"model": "qwen2_5_vl", "data": "messages", "trainer": "sft", "accumulate": 2,
+                                  "cp": {"context_parallel_size": 2}},
+    # a MoE vision-language model with its load-balancing loss on (hf_vlm_zoo's variant: coefficient 0.5), right
+    # padding (excluded from the router statistics as one process excludes it), gradient accumulation
+    "qwen3_5_moe_router_loss": {"model": "qwen3_5_moe_router_loss", "data": "zoo", "accumulate": 2,
+                                "cp": {"context_parallel_size": 2}},
+    "sft_qwen3_5_moe_router_loss": {"model": "qwen3_5_moe_router_loss", "data": "messages", "trainer": "sft",
+                                    "accumulate": 2, "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "qwen2_5_vl_text_positions": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2},
                                   "break": "positions"},
 }
@@ -103,9 +116,10 @@ def collate(features: list[dict]) -> dict:
     return out
 
 
-def processor():
+def processor(patch: int = 14):
     """A Qwen2.5-VL processor built offline (module doc): images of 56 x 56 pixels give a 1 x 4 x 4 grid (4 image
-    tokens), 56 x 112 a 1 x 4 x 8 one (8). It holds no video processor (transformers' needs torchvision)."""
+    tokens), 56 x 112 a 1 x 4 x 8 one (8); ``patch=16`` for Qwen3.5's vision tower (the images resized to 64 x 64
+    and 64 x 128: the same grids). It holds no video processor (transformers' needs torchvision)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -117,8 +131,9 @@ def processor():
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="<eos>",
                                         additional_special_tokens=list(vision))
-    images = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 56 * 112}, patch_size=14,
-                                      temporal_patch_size=2, merge_size=2)
+    side = 4 * patch
+    images = Qwen2VLImageProcessorPil(size={"shortest_edge": side * side, "longest_edge": side * 2 * side},
+                                      patch_size=patch, temporal_patch_size=2, merge_size=2)
 
     class ImageProcessorOnly(Qwen2_5_VLProcessor):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -197,7 +212,7 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
 
         common.update(train_dataset=Dataset.from_list(trl_rows(case["data"], 12, 1)),
                       eval_dataset=Dataset.from_list(trl_rows(case["data"], 2 * dp, 2, uniform=dp > 1)),
-                      processing_class=processor())
+                      processing_class=processor(16 if case["model"].startswith("qwen3") else 14))
         cls = CP if cp_run else SFTTrainer
     else:
         from cp_handler.integrations.hf_trainer import CPTrainer as CP

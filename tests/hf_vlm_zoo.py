@@ -16,6 +16,8 @@ misplaced token moves a gradient by a visible share of its norm.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -52,9 +54,11 @@ def broken_upstream(name: str) -> str | None:
 
 
 VARIANTS = {"qwen2_5_vl_dynamic_rope": ("qwen2_5_vl", {"max_position_embeddings": 12, "rope_parameters": {
-    **MROPE, "rope_type": "dynamic", "factor": 2.0}})}
+    **MROPE, "rope_type": "dynamic", "factor": 2.0}}),
+    "qwen3_5_moe_router_loss": ("qwen3_5_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.5})}
 """Variants of a model's text config (name: (model, fields)): dynamic NTK RoPE reads the largest position, which
-mRoPE's gaps put below ``S - 1`` (tests/test_hf_vlm.py at cp 2)."""
+mRoPE's gaps put below ``S - 1``; a MoE model's load-balancing loss on (weighted to move the router gates visibly),
+its padding rows excluded from the router statistics as one process excludes them (tests/test_hf_vlm.py at cp 2)."""
 
 
 def _base(name: str) -> str:
@@ -198,10 +202,25 @@ def reference(name: str, inputs: dict):
     loss's gradients in ``model``'s parameters."""
     model = build(name).train()
     forward = {k: v for k, v in inputs.items() if k != "labels"}
-    logits = model(**forward, use_cache=False).logits
-    loss = next_token_loss_sum(logits, shifted(inputs["labels"]))
+    out = model(**forward, use_cache=False, **router_loss_on(model))
+    loss = next_token_loss_sum(out.logits, shifted(inputs["labels"])) + weighted_router_loss(model, out)
     loss.backward()
-    return model, logits.detach(), loss.detach()
+    return model, out.logits.detach(), loss.detach()
+
+
+def router_loss_on(model) -> dict:
+    """The forward argument that turns a MoE model's load-balancing loss on where its config does (the
+    vision-language classes read it from the forward's arguments)."""
+    return {"output_router_logits": True} if getattr(model.config.get_text_config(), "output_router_logits",
+                                                      False) else {}
+
+
+def weighted_router_loss(model, out):
+    """``router_aux_loss_coef x aux_loss`` of a forward with the router loss on, else 0 (what a hand-written loop adds
+    to its token loss; under a handler each rank's ``aux_loss`` is its share: the shares sum to the batch's)."""
+    if not router_loss_on(model):
+        return 0
+    return model.config.get_text_config().router_aux_loss_coef * out.aux_loss
 
 
 def compare(model, ref_model, logits, ref_logits, loss, ref_loss, real, group=None) -> str:
@@ -238,11 +257,13 @@ def upstream_outcome(name: str, inputs: dict) -> str:
 
 
 def run_case(name: str, comm_type: str, group=None, inputs: dict | None = None, ref=None, model=None,
-             positions: str = "model") -> str:
+             positions: str = "model", router_tokens: str = "real") -> str:
     """``name`` under a local handler of ``comm_type`` on ``group`` (``None``: cp = 1) against the unmodified model,
     on :func:`batch` (or ``inputs``): ``"exact"``, ``"refused: <message>"`` or ``"mismatch: <what>"``. ``ref``: a
     :func:`reference` result to reuse; ``model``: a registered model to reuse (its gradients are reset).
-    ``positions="arange"``: the negative control, positions ``0..S-1`` passed instead of the model's own."""
+    ``positions="arange"``: the negative control, positions ``0..S-1`` passed instead of the model's own;
+    ``router_tokens="all"``: the negative control of the router loss, every slot of the shard counted as a real token
+    (the padding rows too: how the load-balancing loss was computed before its mask came from the forward)."""
     from cp_handler import get_cp_handler_cls
     from cp_handler.integrations.transformers import register
 
@@ -260,8 +281,18 @@ def run_case(name: str, comm_type: str, group=None, inputs: dict | None = None, 
         forward = {k: v for k, v in inputs.items() if k not in ("labels", "attention_mask")}
         if positions == "arange":
             forward["position_ids"] = torch.arange(inputs["input_ids"].shape[1]).expand_as(inputs["input_ids"])
-        local = model(**forward, attention_mask=inputs["attention_mask"], use_cache=False, cp_handler=handler).logits
-        loss = next_token_loss_sum(local, handler.dispatch(shifted(inputs["labels"]), 1))
+        with contextlib.ExitStack() as stack:
+            if router_tokens == "all":
+                from cp_handler.integrations.hf_router_loss import RouterLossScope, router_loss_scope
+
+                every = torch.ones(inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] // handler.cp_size,
+                                   dtype=torch.bool)
+                stack.enter_context(router_loss_scope(RouterLossScope(token_mask=every)))
+            out = model(**forward, attention_mask=inputs["attention_mask"], use_cache=False, cp_handler=handler,
+                        **router_loss_on(model))
+        local = out.logits
+        loss = next_token_loss_sum(local, handler.dispatch(shifted(inputs["labels"]), 1)) + \
+            weighted_router_loss(model, out)
         loss.backward()
         total = loss.detach().clone()
         if group is not None:

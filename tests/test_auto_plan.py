@@ -197,9 +197,10 @@ def _auto_worker(rank, world):
         attn_mod = _Layer(window)
         with torch.no_grad():  # the first call also agrees across the ranks (a small collective, not attention's)
             handler.core_attn(attn_mod, lq, lk, lv)
+        ldout = handler.dispatch(dout, 1)  # dispatch agrees across the ranks at every call (not attention's bytes)
         with count_comms() as counter:
             out = handler.core_attn(attn_mod, lq, lk, lv)
-            out.backward(handler.dispatch(dout, 1))
+            out.backward(ldout)
         for got, want in zip((out, lq.grad, lk.grad, lv.grad), ref, strict=True):
             torch.testing.assert_close(got, handler.dispatch(want, 1), **TOL)
         (choice,) = handler.auto_choices.values()

@@ -6,10 +6,11 @@ prompts and completions (tests/hf_rl_cases.py: scripted completions, a rule rewa
 (beta > 0), one generation reused for two steps so the old policy's log-probs and the clipping run): GRPO with the
 grpo, dapo (sequence-level importance sampling, a2a), bnpo (dp 2 x cp 2) and dr_grpo (a hybrid: Qwen3-Next, its MoE
 load-balancing loss on) losses, two accumulation steps (the generation batch split into micro-batches, all_gather)
-and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a). Generation runs
+and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a), each also with its reference log-probs
+precomputed (``precompute_ref_log_probs=True``: TRL computes them inside its ``__init__``). Generation runs
 on the first rank of each CP group only (the scripted ``generate`` raises elsewhere). The negative control (labels
 shifted inside each rank's shard) must fail the comparison. Settings the mixin does not implement are refused by name
-before the first step.
+from the constructor's arguments, before TRL's ``__init__`` acts on them (vLLM, tools, a custom rollout).
 
 Tolerances (float32): every logged figure rel 1e-5, abs 1e-6 (a loss of a first on-policy step is ~1e-7: its value is
 a sum that cancels); parameters after 3 SGD steps atol 1e-6 + rtol 1e-5 (tests/test_hf_trainer.py's).
@@ -69,11 +70,26 @@ def _refusals_worker(rank, world, out):
     ):
         with pytest.raises(ValueError, match=message):
             trainer(**changes)
-    built = trainer()  # the rules TRL's own checks stand in front of (a chat template with tools, vLLM installed)
-    built.tools, built.use_vllm = ["a tool"], True
-    refused = built._refused_settings()
-    assert any(r.startswith("tools / environment_factory (each rank of a CP group would run") for r in refused)
-    assert any(r.startswith("use_vllm=True (vLLM's generation gathers prompts over every process") for r in refused)
+
+    def a_tool(x: int) -> int:
+        """Adds one.
+
+        Args:
+            x: a number.
+        """
+        return x + 1
+
+    # refused from the constructor's arguments, before TRL's __init__ acts on them (it would import and set up vLLM:
+    # ImportError here; demand a chat template for the tools: the tokenizer has none)
+    for changes, message in (
+        ({"args": {"use_vllm": True}}, r"use_vllm=True \(vLLM's generation gathers prompts over every process"),
+        ({"tools": [a_tool]}, r"tools / environment_factory \(each rank of a CP group would run the tools"),
+        ({"rollout_func": lambda prompts, trainer: {}}, r"rollout_func \(a custom generation on every rank"),
+        ({"cp_args": ContextParallelArguments(context_parallel_size=2, loss_normalization="micro_batch_mean")},
+         r"ContextParallelArguments\.loss_normalization='micro_batch_mean' \(the RL trainers keep TRL's own"),
+    ):
+        with pytest.raises(ValueError, match="CPGRPOTrainer: refused under context parallelism: " + message):
+            trainer(**changes)
 
 
 def test_refused_settings(tmp_path):

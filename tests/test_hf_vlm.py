@@ -5,7 +5,9 @@ Qwen's 3-D mRoPE positions with gaps, Qwen3-VL's deepstack rows, row 1 right-pad
 2 and 4 with p2p, a2a and all_gather, and must give the outcome of ``hf_vlm_zoo.OUTCOMES``: ``exact`` (logits of
 the real tokens, the loss, and every parameter's gradient summed over the ranks, the vision tower's included, within
 the zoo's tolerances) or refused by name. Negative control: Qwen given positions ``0..S-1`` instead of its mRoPE ones
-must be reported as a mismatch by the same comparison. At cp 2, Qwen2.5-VL with dynamic NTK RoPE (its frequencies
+must be reported as a mismatch by the same comparison. At cp 2, Qwen3.5-MoE with its load-balancing loss on in the
+docs' hand-written loop (row 1 right-padded): exact, the router gates' gradients included; counting the shard's padding
+rows as tokens (the control) must fail. At cp 2, Qwen2.5-VL with dynamic NTK RoPE (its frequencies
 read the largest position, which the mRoPE gaps put below ``S - 1``): exact (without the largest position handed to
 the rotary hook, 1.1e-4 off in the logits); Qwen2.5-VL with a video beside the image (a2a).
 """
@@ -58,6 +60,9 @@ def _worker(rank: int, world: int, out: str) -> None:
         for name, (base, _) in zoo.VARIANTS.items():
             outcomes[f"{base} {name}"] = zoo.run_case(name, "p2p", group)
         outcomes["qwen2_5_vl video"] = zoo.run_case("qwen2_5_vl", "a2a", group, zoo.batch("qwen2_5_vl", video=True))
+        # the router loss's control: the shard's padding rows counted (as before the forward's real-token mask)
+        outcomes["qwen3_5_moe_router_loss padding counted"] = zoo.run_case("qwen3_5_moe_router_loss", "p2p", group,
+                                                                           router_tokens="all")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(outcomes, f)
@@ -72,7 +77,7 @@ def outcomes(request, tmp_path_factory):
 
 def test_vision_language_models_under_cp_equal_one_process(outcomes):
     wrong = {case: got for case, got in outcomes.items()
-             if not case.endswith("arange") and not _expected(case.split()[0], got)}
+             if not case.endswith(("arange", "counted")) and not _expected(case.split()[0], got)}
     assert not wrong, wrong
 
 
@@ -80,6 +85,18 @@ def test_negative_control_positions_0_to_s_fail(outcomes):
     controls = {case: got for case, got in outcomes.items() if case.endswith("arange")}
     assert set(controls) <= {f"{n} arange" for n in NEGATIVE}
     assert all(got.startswith("mismatch: logits") for got in controls.values()), controls
+
+
+def test_negative_control_router_loss_counting_padding_fails(outcomes):
+    """A hand-written loop's MoE router loss (Qwen3.5-MoE, right-padded row, the docs' loop): exact with the forward's
+    real-token mask (the VARIANTS case above); the same run counting the shard's padding rows, as the router loss did
+    when it dropped a mask whose shape was not the shard's, must fail the comparison (the loss moves by about 1e-6 of
+    itself, the token loss dominating it; the gradients, the vision tower's included, by 1e-4 of their norm)."""
+    if "qwen2_5_vl video" not in outcomes:
+        pytest.skip("the controls run at cp 2 (this is the cp 4 run)")
+    assert outcomes["qwen3_5_moe qwen3_5_moe_router_loss"] == "exact"
+    got = outcomes["qwen3_5_moe_router_loss padding counted"]
+    assert got.startswith(("mismatch: loss", "mismatch: gradient")), got
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
@@ -199,3 +216,47 @@ def test_the_local_token_route_refuses_a_vision_language_model():
         CPCausalLM(zoo.build("llava"))
     with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration is a vision-language model"):
         check_architecture(zoo.build("gemma3").config)  # cp-train --hf-config, before spawning
+
+
+def test_a_config_with_use_cache_runs_its_training_forwards_without_a_cache(caplog):
+    """Qwen3.5 (a hybrid VLM) with its config's default ``use_cache=True``, in the docs' loop without ``use_cache``:
+    the forward under a handler runs with ``use_cache=False`` (said once in the log), no cache comes back, and its
+    logits are the unmodified model's (run with ``use_cache=False``) at cp 1 (atol = rtol = 1e-5, the zoo's)."""
+    import logging
+
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import register
+
+    inputs = zoo.batch("qwen3_5")
+    forward = {k: v for k, v in inputs.items() if k != "labels"}
+    want = zoo.build("qwen3_5")(**forward, use_cache=False).logits
+    model = zoo.build("qwen3_5")
+    model.config.use_cache = model.config.get_text_config().use_cache = True
+    register(model)
+    handler = get_cp_handler_cls("local", "p2p")(cp_comm_type="p2p")
+    with caplog.at_level(logging.INFO, logger="cp_handler"):
+        outputs = [model(**forward, cp_handler=handler) for _ in range(2)]
+    said = [r for r in caplog.records if "use_cache=False" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert all(getattr(out, "past_key_values", None) is None for out in outputs)
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(outputs[0].logits[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+def _labels_worker(rank, world):
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import register
+
+    model = zoo.build("llava")
+    register(model)
+    inputs = zoo.batch("llava")
+    handler = get_cp_handler_cls("local", "p2p")(cp_group=dist.group.WORLD, cp_comm_type="p2p")
+    with pytest.raises(ValueError, match="labels without shift_labels under context parallelism: the model would "
+                                         "shift this rank's shard"):
+        model(**inputs, cp_handler=handler)
+
+
+def test_labels_without_shift_labels_are_refused_at_cp_2():
+    """The model's own loss from ``labels`` would shift this rank's shard of them (its next tokens sit on other ranks):
+    refused by name in the hand-written loop (the trainers pass ``shift_labels``, shifted in global order)."""
+    run_distributed(_labels_worker, 2)

@@ -45,12 +45,23 @@ def test_negative_control_fails(results, name):
     assert problem is not None and problem.startswith("step 1: loss"), problem
 
 
+def test_the_two_normalisations_differ_with_accumulation(results):
+    """The control of the accumulation cases: the same CP training under the default (each micro-batch's mean, the
+    plain trainer's for Qwen2.5-VL) and under ``loss_normalization="global_token_count"`` logs other losses (the
+    comparison with the plain trainer, at rtol 1e-5, can tell which one a run used: up to 8.7e-4 apart here, held to
+    more than ten times that tolerance)."""
+    mean, count = (results[name][0]["losses"] for name in ("qwen2_5_vl_accumulate", "qwen2_5_vl_accumulate_global"))
+    assert max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(mean, count, strict=True)) > 1e-4, (mean, count)
+
+
 def test_what_is_compared(results):
     """TRL's runs log the loss, the gradient norm, num_tokens, entropy and token accuracy at every step; the
     predictions hold every eval example's logits (``(2 dp, S, V)``) and the vision tower's parameters are compared."""
     for name, case in vlm_cases.CASES.items():
         got, want = results[name]
-        width, dp = 5 if case.get("trainer") == "sft" else 2, vlm_cases.WORLD.get(name, 2) // 2
+        sft = case.get("trainer") == "sft"
+        width = (5 if sft else 2) + (sft and "router_loss" in case["model"])  # + TRL's logged aux_loss
+        dp = vlm_cases.WORLD.get(name, 2) // 2
         assert all(len(row) == width for row in want["losses"] + got["losses"]), (name, want["losses"])
         assert want["predictions"].shape[0] == 2 * dp and want["predictions"].shape[2] == zoo.VOCAB, name
         assert any(key.startswith(("model.visual.", "model.vision_tower.")) for key in want["params"]), name
@@ -155,3 +166,14 @@ def test_a_vlm_loss_that_ignores_the_token_count_is_refused_before_the_first_ste
                                          "loss given shift_labels and num_items_in_batch is"):
         CPTrainer(model=model, args=args, train_dataset=[], data_collator=vlm_cases.collate,
                   cp_args=ContextParallelArguments())
+
+
+def test_a_config_with_use_cache_trains(tmp_path):
+    """Qwen3.5 with its config's default ``use_cache=True`` under ``CPTrainer`` (cp 1): its training forwards run
+    without a cache (it was refused at step 1); the parameters move."""
+    trainer = _cp1_trainer(tmp_path, "qwen3_5", vlm_cases.zoo_examples("qwen3_5", 2, 0))
+    model = trainer.model
+    model.config.use_cache = model.config.get_text_config().use_cache = True
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.train()
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

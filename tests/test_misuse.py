@@ -2,7 +2,8 @@
 unclear error now ends as a clear error on every rank, or an exact result.
 
 Cases: a tensor dispatched twice, a combine of a tensor never dispatched, a sequence of 0 tokens, a
-reused handler given another length by one rank, hierarchical levels passed in the wrong order,
+reused handler given another length by one rank (every rank raises: dispatch agrees at every call), hierarchical
+levels passed in the wrong order,
 ``softmax_scale = 0.0`` (it ran at ``D ** -0.5``: now refused, as PyTorch's causal kernels give NaN at 0;
 another explicit scale is exact against the single process), ``window_size = 8``,
 one rank failing its input check while the caller catches the error and goes on (every rank raises the
@@ -48,9 +49,13 @@ def _dispatch_combine_worker(rank, world):
         LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").core_attn(Attn(), empty, empty, empty)
     reused = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p")
     reused.dispatch(x, 1)
-    if rank == 1:  # this rank's second batch is longer: refused on it before any collective
-        with pytest.raises(ValueError, match=r"this handler dispatched sequences of 16 tokens"):
-            reused.dispatch(torch.randn(1, 24, 4), 1)
+    # rank 1's second batch is longer: every rank raises the named error (dispatch agrees at every call), so rank 0
+    # does not go on into its next collective alone (it got gloo's "Connection closed by peer" when only the first
+    # dispatch of a handler agreed)
+    with pytest.raises(RanksRefused, match=r"dispatch: the inputs of some ranks of the CP group were refused \(rank 1: "
+                                           r"ValueError: dispatch: a tensor of 24 tokens along dim 1, but this handler "
+                                           r"dispatched sequences of 16 tokens"):
+        reused.dispatch(torch.randn(1, 24 if rank == 1 else 16, 4), 1)
 
 
 def test_dispatch_and_combine_refuse_what_cannot_be_a_batch_or_a_shard():
@@ -111,10 +116,14 @@ def _one_rank_fails_worker(rank, world):
                                            r"ValueError: seq_len=7 is not divisible"):
         broken.dispatch(torch.zeros(1, 7 if rank == 1 else 8, 4), 1)  # one rank's length: every rank raises
     shard = broken.dispatch(q, 1)  # nothing was sharded: the handler goes on
-    with pytest.raises(ValueError, match=r"this handler dispatched sequences of"):
-        broken.dispatch(shard, 1)  # a local failure after the first dispatch: this rank's handler is done
-    with pytest.raises(RuntimeError, match=r"an earlier call of this handler failed on this rank \(dispatch: "):
-        broken.dispatch(q, 1)
+    with pytest.raises(RanksRefused, match=r"this handler dispatched sequences of"):
+        broken.dispatch(shard, 1)  # agreed at every dispatch: every rank raises, the ranks stay in step
+    local = [broken.dispatch(t, 1) for t in (q, k, v)]
+    broken.core_attn(Attn(), *local)
+    with pytest.raises(TypeError, match=r"core_attn q, k, v must share one dtype"):
+        broken.core_attn(Attn(), local[0].double(), *local[1:])  # a layer's later call: a local failure
+    with pytest.raises(RuntimeError, match=r"an earlier call of this handler failed on this rank \(core_attn"):
+        broken.dispatch(q, 1)  # this rank's handler is done
 
 
 def test_one_rank_failing_is_every_ranks_error_and_the_next_batch_is_exact():

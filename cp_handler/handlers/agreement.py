@@ -148,25 +148,30 @@ class RankAgreement:
         self.done: set[str] = set()
         """The kinds of call already agreed (each is agreed once per handler)."""
 
-    def agree(self, what: str, values: dict[str, int | str], device, error: Exception | None = None) -> None:
-        """Once per ``what``: every rank passed its local checks (``error`` is this rank's failure) with the same
-        ``values`` and handler serial, else the same :class:`RanksRefused` on every rank; skipped at cp=1, when
-        disabled, or after the first call of this kind (then a local ``error`` is raised on this rank alone)."""
-        if self.group is None or not self.enabled or what in self.done:
+    def agree(self, what: str, values: dict[str, int | str], device, error: Exception | None = None,
+              every_call: bool = False) -> None:
+        """Once per ``what`` (``every_call``: at every call): every rank passed its local checks (``error`` is this
+        rank's failure) with the same ``values`` and handler serial, else the same :class:`RanksRefused` on every
+        rank; skipped at cp=1, when disabled, or after the first call of this kind (then a local ``error`` is raised
+        on this rank alone: the calls whose inputs can differ by rank at a later call, a handler reused for another
+        batch, agree at every call)."""
+        if self.group is None or not self.enabled or (what in self.done and not every_call):
             if error is not None:
                 raise error
             return
         check_ranks_agree(self.group, what, {"handler serial": self.serial, **values}, device, error)
         self.done.add(what)
 
-    def checked(self, what: str, device, fields: tuple[str, ...], local_checks) -> dict[str, int | str]:
+    def checked(self, what: str, device, fields: tuple[str, ...], local_checks,
+                every_call: bool = False) -> dict[str, int | str]:
         """Run ``local_checks() -> {field: int or str}`` (this rank's checks, no collective) and fold its pass/fail
-        into :meth:`agree`: a rank whose checks fail still joins the agreement, so every rank raises the same error
-        instead of the others entering a collective alone. Returns the values (missing fields 0)."""
+        into :meth:`agree` (``every_call``: agreed at every call): a rank whose checks fail still joins the
+        agreement, so every rank raises the same error instead of the others entering a collective alone. Returns
+        the values (missing fields 0)."""
         try:
             values, error = local_checks(), None
         except (ValueError, TypeError) as err:
             values, error = dict.fromkeys(fields, 0), err
         values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
-        self.agree(what, values, device, error)
+        self.agree(what, values, device, error, every_call)
         return values

@@ -60,3 +60,16 @@ class TokenLayout(ABC):
     @abstractmethod
     def apply_rotary_pos_emb(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE at the global positions of the local tokens (``freqs`` from :meth:`get_emb_on_this_cp_rank`)."""
+
+    def real_token_mask(self) -> torch.Tensor | None:
+        """bool ``(S_local,)``: which of this rank's local slots hold tokens of the batch (``False``: padding the
+        layout adds, e.g. thd documents padded to multiples of ``2 * cp``); ``None``: every slot does (the layout
+        adds none). A loss that counts tokens (a MoE model's load-balancing loss, a token count) takes its real
+        tokens from here, never from a tensor's shape.
+
+        Raises:
+            NotImplementedError: a layout that does not say (the base class): a loss counting its padding would be
+                silently wrong, so it is refused instead.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not say which of its local slots hold real tokens "
+                                  "(TokenLayout.real_token_mask): a loss that counts tokens cannot run on it")

@@ -50,6 +50,11 @@ class ZigzagLayout(TokenLayout):
         """thd: length of the longest real document."""
         return None if self.thd_layout is None else max(self.thd_layout.lengths)
 
+    def real_token_mask(self) -> torch.Tensor | None:
+        """thd: this rank's slots that hold tokens of the documents (not their padding to ``2 * cp``); bshd/sbhd:
+        ``None``, every slot (:meth:`TokenLayout.real_token_mask`)."""
+        return None if self.thd_layout is None else self.thd_layout.real_mask(self.cp_rank)
+
     @property
     def layout_description(self) -> str:
         """This batch's layout in words (thd: its documents' lengths, from cu_seqlens), compared across ranks."""
@@ -96,9 +101,10 @@ class ZigzagLayout(TokenLayout):
         return layout
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Global tensor -> this rank's shard (thd: padding inserted as zeros). The first dispatch of a handler
-        checks that every rank of the CP group passed its checks with the same length (one small all-gather: a
-        rank refused alone would leave the others in a collective); the rest communicate nothing.
+        """Global tensor -> this rank's shard (thd: padding inserted as zeros). Every dispatch checks that every rank
+        of the CP group passed its checks with the same length (one all-gather of a few int64 per call: a rank
+        refused alone, e.g. a handler reused for a batch whose length differs by rank, would leave the others in
+        their next collective); the shard itself communicates nothing.
 
         Raises:
             ValueError: bshd/sbhd ``S`` not divisible by ``2 * cp``; thd length not ``cu_seqlens[-1]``; a length
@@ -121,7 +127,7 @@ class ZigzagLayout(TokenLayout):
                 check_seq_len(length, self.cp_size, self.qkv_format)
             return {"global_len": length}
 
-        self.checked("dispatch", tensor.device, ("global_len",), local_checks)
+        self.checked("dispatch", tensor.device, ("global_len",), local_checks, every_call=True)
         seq_dim = seq_dim % tensor.dim()
         if self.cp_size == 1:  # the identity: a handler alone may take any length
             return tensor
@@ -153,7 +159,7 @@ class ZigzagLayout(TokenLayout):
             self.layout(tensor.shape[check_dim("seq_dim", seq_dim, tensor.dim())])
             return {"local_len": tensor.shape[seq_dim], "layout": self.layout_description}
 
-        self.checked("combine", tensor.device, ("local_len", "layout"), local_checks)
+        self.checked("combine", tensor.device, ("local_len", "layout"), local_checks, every_call=True)
         seq_dim = seq_dim % tensor.dim()
         layout = self.layout(tensor.shape[seq_dim])
         index = layout.gathered_index(real_only=True).to(tensor.device)
@@ -172,7 +178,7 @@ class ZigzagLayout(TokenLayout):
             self.layout(tensor.shape[check_dim("roll_tensor dims", dims, tensor.dim())])
             return {"local_len": tensor.shape[dims], "layout": self.layout_description, "shifts": check_shift(shifts)}
 
-        self.checked("roll_tensor", tensor.device, ("local_len", "layout", "shifts"), local_checks)
+        self.checked("roll_tensor", tensor.device, ("local_len", "layout", "shifts"), local_checks, every_call=True)
         dims = dims % tensor.dim()
         rolled = zigzag_roll(tensor, shifts, dims, self.cp_group, self.layout(tensor.shape[dims]))
         return rolled, rolled.sum()

@@ -52,6 +52,10 @@ class DecodeLayout(TokenLayout):
     def roll_tensor(self, tensor: torch.Tensor, shifts: int = -1, dims: int = -1):
         raise ValueError("roll_tensor: a decode step has no labels to shift (it is for training batches)")
 
+    def real_token_mask(self) -> None:
+        """Every slot holds a new token (:meth:`TokenLayout.real_token_mask`)."""
+        return None
+
     def get_rotary_seq_len(self, local_seq_len: int) -> int:
         """One past the largest new position."""
         self.check_tokens(local_seq_len, "get_rotary_seq_len")

@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ..handlers.base import ContextParallelHandler
@@ -56,6 +57,9 @@ class ForwardRecord:
     layers: set = field(default_factory=set)
     mask_types: dict = field(default_factory=dict)
     router_loss: bool = False
+    token_mask: torch.Tensor | None = None
+    """bool ``(B, S_local)``: this rank's real tokens, when the forward's batch says more than the handler's layout
+    (a vision-language model's right-padding mask, dispatched: :mod:`.hf_vlm`); ``None``: the layout's."""
     core_attn_calls: int = 0
     """Calls of the attention function recorded (each one ``core_attn``; a layer called twice counts twice; a
     compiled layer's call is not recorded; a mixer's is recorded in ``layers`` but not here)."""
@@ -87,6 +91,22 @@ def record_attention_call(module: nn.Module, mask_type: str, core_attn: bool = T
         record.layers.add(key)
         record.mask_types[key] = mask_type
         record.core_attn_calls += core_attn
+
+
+def set_forward_token_mask(mask: torch.Tensor) -> None:
+    """This rank's real tokens of the forward running now (:attr:`ForwardRecord.token_mask`); outside a prepared
+    model's forward: ValueError (a mask that nothing would read)."""
+    record = _record.get()
+    if record is None:
+        raise ValueError("set_forward_token_mask outside a prepared model's forward")
+    record.token_mask = mask
+
+
+def forward_token_mask() -> torch.Tensor | None:
+    """The forward's real-token mask (:attr:`ForwardRecord.token_mask`), ``None`` when it has none or no forward of
+    a prepared model runs."""
+    record = _record.get()
+    return None if record is None else record.token_mask
 
 
 def record_router_loss() -> None:

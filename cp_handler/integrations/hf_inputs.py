@@ -16,12 +16,13 @@ def text_config(model: nn.Module):
 
 
 def handler_real_tokens(handler: ContextParallelHandler, local_ids: torch.Tensor) -> torch.Tensor:
-    """bool ``(B, S_local)``: the local slots holding tokens of the batch (thd: not the padding the handler adds;
-    bshd: every slot, the handler adds none of its own)."""
-    layout = getattr(handler.token_layout, "thd_layout", None)
-    if layout is None:
+    """bool ``(B, S_local)``: the local slots holding tokens of the batch, from the handler's layout
+    (:meth:`~cp_handler.handlers.token_layout.TokenLayout.real_token_mask`: thd, not the padding the handler adds;
+    bshd, every slot)."""
+    real = handler.token_layout.real_token_mask()
+    if real is None:
         return torch.ones(local_ids.shape, dtype=torch.bool, device=local_ids.device)
-    return layout.real_mask(handler.cp_rank).to(local_ids.device).view(1, -1).expand(local_ids.shape[0], -1)
+    return real.to(local_ids.device).view(1, -1).expand(local_ids.shape[0], -1)
 
 
 def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 MIXER_LAYER_TYPES = frozenset({"linear_attention", "mamba", "hybrid", "conv"})
 """``config.layer_types`` entries whose token mixers run through routed kernels (when the model has routed
 mixers; the per-forward check holds every such layer to having run one)."""
+LOG = logging.getLogger("cp_handler")
 TOKENLESS_LAYER_TYPES = frozenset({"mlp", "moe"})
 """``config.layer_types`` entries without a token mixer (Nemotron-H's feed-forward blocks): nothing to route."""
 
@@ -270,7 +272,8 @@ def _model_pre_hook(model, args, kwargs, last: dict):
     forward takes extra keyword arguments, left in them: transformers passes them on through the decoder
     layers to the attention function (a recomputed layer gets them again). Under a handler a cache is refused by
     its type, whatever the argument's name (:mod:`.hf_cache`), as is ``use_cache=True``; without ``use_cache`` the
-    forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard)."""
+    forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard). At cp > 1,
+    ``labels`` without ``shift_labels`` are refused (the model would shift its shard's labels)."""
     handler = kwargs.pop("cp_handler", None) or active_handler()
     last["running"] = last.get("running", 0) + 1
     if handler is None:
@@ -279,8 +282,17 @@ def _model_pre_hook(model, args, kwargs, last: dict):
     if kwargs.get("use_cache"):
         raise ValueError(f"{type(model).__name__}: use_cache=True under context parallelism: the model's own cache "
                          "would keep only this rank's shard; pass use_cache=False (generation: cp_handler.inference)")
+    if handler.cp_size > 1 and kwargs.get("labels") is not None and kwargs.get("shift_labels") is None:
+        raise ValueError(f"{type(model).__name__}: labels without shift_labels under context parallelism: the model "
+                         "would shift this rank's shard of the labels (its next tokens sit on other ranks); pass "
+                         "shift_labels, shifted in global order before dispatch (and num_items_in_batch, the global "
+                         "token count), or compute the loss from the logits (docs/huggingface.md)")
     if "use_cache" not in kwargs and model.__dict__.get("_cp_takes_use_cache"):
         kwargs["use_cache"] = False  # the config's default (use_cache=True) would build a cache of this rank's shard
+        if getattr(text_config(model), "use_cache", False) and not model.__dict__.get("_cp_said_use_cache"):
+            model._cp_said_use_cache = True
+            LOG.info("%s: its config says use_cache=True; its forwards under a handler run with use_cache=False "
+                     "(a cache would hold this rank's shard; training needs none)", type(model).__name__)
     if model.__dict__.get("_cp_takes_kwargs"):
         kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():

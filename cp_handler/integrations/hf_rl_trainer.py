@@ -9,10 +9,10 @@ A script changes two lines::
 and ``torchrun --nproc-per-node N`` trains with ``dp = N / cp``: the result is TRL's with ``dp`` processes, each
 sequence's forward and backward split over its CP group. What :class:`ContextParallelRLMixin` does:
 
-* **data over dp** (:class:`~.hf_trainer.ContextParallelTrainerBase`): the ranks of a CP group read the same prompts
-  (GRPO, RLOO) or preference pairs (DPO); GRPO's and RLOO's generation batch, which TRL sizes with the world size,
-  is sized with the dp size (``per_device_train_batch_size x dp x steps_per_generation``); the random state is
-  seeded per dp rank (TRL seeds per process), so a group shuffles its completions alike;
+* **data over dp** (:class:`~.hf_trainer_base.ContextParallelTrainerBase`): the ranks of a CP group read the same
+  prompts (GRPO, RLOO) or preference pairs (DPO); GRPO's and RLOO's generation batch, which TRL sizes with the
+  world size, is sized with the dp size (``per_device_train_batch_size x dp x steps_per_generation``); the random
+  state is seeded per dp rank (TRL seeds per process), so a group shuffles its completions alike;
 * **generation outside CP, once per group**: the group's first rank generates (HF ``generate`` with the model's own
   attention, :func:`~.transformers.own_attention`) and broadcasts the completions to the group, with the random state
   sampling left (the group shuffles its completions alike);
@@ -25,10 +25,12 @@ sequence's forward and backward split over its CP group. What :class:`ContextPar
   distinct completions, each rank's slice by its dp index, the loss denominators (``num_items_in_batch``, the
   process count) and every logged metric as with ``dp`` processes.
 
-Refused by name before the first step: vLLM (its server and colocate modes gather over every process), continuous
-batching, tools and environments (a tool run on every rank of a group could return different results), a PEFT
-model, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one rank would wait for the others), a
-vision-language model, a model whose left-padded forward is not its real tokens' alone
+Refused by name before TRL's ``__init__`` runs (from the constructor's arguments: TRL would act on some, set up vLLM,
+demand a chat template for tools): vLLM (its server and colocate modes gather over every process), continuous
+batching, tools and environments (a tool run on every rank of a group could return different results), a custom
+``rollout_func``, a PEFT model or ``peft_config``, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one
+rank would wait for the others), a vision-language model; after it, what only the built trainer shows (FSDP set by the
+launcher, a model loaded from its name) and a model whose left-padded forward is not its real tokens' alone
 (:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16 (:data:`~.hf_trainer.OLDEST_TRL` and newer).
 """
 
@@ -42,7 +44,8 @@ import torch.distributed as dist
 from ..install_hint import extra_hint
 from .hf_dp import over_dp
 from .hf_fused_head import install_cp_fused_head, left_padding_positions
-from .hf_trainer import OLDEST_TRL, ContextParallelTrainerBase
+from .hf_trainer import OLDEST_TRL
+from .hf_trainer_base import ContextParallelTrainerBase
 from .hf_vlm import is_vision_language
 from .transformers import ATTN_IMPLEMENTATION, own_attention, register
 
@@ -56,26 +59,32 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
             ``num_generations`` at the dp size, the model's guard; before any training step.
     """
 
-    def _refused_settings(self) -> list[str]:
-        refused = super()._refused_settings()
-        args = self.args
-        if getattr(self, "use_vllm", False):
+    def _refused_arguments(self, args, arguments: dict) -> list[str]:
+        refused = super()._refused_arguments(args, arguments)
+        if getattr(args, "use_vllm", False):
             refused.append("use_vllm=True (vLLM's generation gathers prompts over every process, not per CP group)")
-        if getattr(self, "use_transformers_continuous_batching", False):
+        if getattr(args, "use_transformers_continuous_batching", False):
             refused.append("use_transformers_continuous_batching=True (not tested under context parallelism)")
-        if getattr(self, "tools", None) or getattr(self, "environment_factories", None):
+        if arguments.get("tools") or arguments.get("environment_factory"):
             refused.append("tools / environment_factory (each rank of a CP group would run the tools: their results "
                            "could differ)")
+        if arguments.get("rollout_func") is not None:
+            refused.append("rollout_func (a custom generation on every rank of a CP group: not implemented)")
         if getattr(args, "use_liger_kernel", False):
             refused.append("use_liger_kernel=True (Liger replaces modules cp_handler routes)")
-        if self.is_fsdp_enabled or self.is_deepspeed_enabled:
-            refused.append("FSDP / DeepSpeed (sharded weights: one rank of a CP group generates alone)")
-        model = self.accelerator.unwrap_model(self.model)
-        if hasattr(model, "peft_config"):
-            refused.append(f"a PEFT model ({type(model).__name__}: not tested under context parallelism)")
-        if is_vision_language(model):
-            refused.append(f"a vision-language model ({type(model).__name__}: its RL inputs are not sharded)")
+        model = arguments.get("model")
+        refused += _model_refusals(bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)), model,
+                                   arguments.get("peft_config") is not None)
+        if self.cp_args.loss_normalization is not None:
+            refused.append(f"ContextParallelArguments.loss_normalization={self.cp_args.loss_normalization!r} (the RL "
+                           "trainers keep TRL's own loss normalisation)")
         return refused
+
+    def _refused_settings(self) -> list[str]:
+        """What only the built trainer shows: FSDP / DeepSpeed set by the launcher's environment, a model TRL loaded
+        from its name or wrapped (:meth:`_refused_arguments` refused what the arguments say)."""
+        return super()._refused_settings() + _model_refusals(
+            self.is_fsdp_enabled or self.is_deepspeed_enabled, self.accelerator.unwrap_model(self.model))
 
     def _prepare_registered(self, model) -> None:
         self._prepare_generation()
@@ -140,9 +149,40 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         with self._over_dp():
             return super()._compute_loss(*args, **kwargs)
 
-    def _precompute_ref_logps(self, *args, **kwargs):
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """DPO's reference log-probs of ``dataset`` under CP, TRL's bookkeeping over dp. TRL precomputes inside its
+        ``__init__`` (``precompute_ref_log_probs=True``), before this mixin has split the data loaders over the dp
+        ranks and put the model under CP: such a call returns the dataset as it is and is run again, as TRL would
+        have, once the trainer is ready (:meth:`_when_ready`)."""
+        if not self.cp_ready:
+            self.__dict__.setdefault("_deferred_precompute", []).append((name, batch_size))
+            return dataset
         with self._over_dp():
-            return super()._precompute_ref_logps(*args, **kwargs)
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+
+    def _when_ready(self) -> None:
+        """TRL's deferred precomputation (:meth:`_precompute_ref_logps`) in TRL's order: the train dataset's first,
+        then the eval dataset's (or each of a dict's, by its name), assigned where TRL assigns them."""
+        for index, (name, batch_size) in enumerate(self.__dict__.pop("_deferred_precompute", [])):
+            if index == 0:
+                self.train_dataset = self._precompute_ref_logps(self.train_dataset, name, batch_size)
+            elif isinstance(self.eval_dataset, dict):
+                self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
+            else:
+                self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
+
+
+def _model_refusals(sharded: bool, model, peft_config: bool = False) -> list[str]:
+    """FSDP / DeepSpeed, a PEFT model (or ``peft_config``) and a vision-language model, refused (``model``: a module,
+    or the name TRL would load it from: checked once loaded)."""
+    refused = []
+    if sharded:
+        refused.append("FSDP / DeepSpeed (sharded weights: one rank of a CP group generates alone)")
+    if peft_config or hasattr(model, "peft_config"):
+        refused.append(f"a PEFT model ({type(model).__name__}: not tested under context parallelism)")
+    if isinstance(model, torch.nn.Module) and is_vision_language(model):
+        refused.append(f"a vision-language model ({type(model).__name__}: its RL inputs are not sharded)")
+    return refused
 
 
 def _rng_state() -> dict:

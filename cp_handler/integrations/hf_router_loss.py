@@ -17,7 +17,9 @@ The function returns what its consumer adds (:class:`RouterLossScope`): ``"share
 the model's own loss sums shares, like the token loss; the default) or ``"replicated"`` (value the batch's loss on
 every rank, gradient ``cp`` times the share: TRL adds ``outputs.aux_loss`` after its ``num_processes`` scaling, DDP
 averages it over the ranks, and it logs its mean). Rows count only for real tokens: the batch's own padding and the
-slots the handler pads are masked out, as one process masks its padding.
+slots the handler pads are masked out, as one process masks its padding. Which rows are real comes from a source that
+knows it (the trainer's batch, the forward's padding mask dispatched by the handler, the handler's layout), never from
+a tensor whose shape happens to match (:func:`_token_mask`).
 
 :func:`prepare_router_loss` routes a model's module-level function through :func:`cp_load_balancing_loss` when
 its code is transformers' shared one (identified against Mixtral's, whose formula this implements), and refuses a
@@ -34,8 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .hf_active import active_handler, record_router_loss, value_in
-from .hf_inputs import handler_real_tokens, text_config
+from .hf_active import active_handler, forward_token_mask, record_router_loss, value_in
+from .hf_inputs import text_config
 
 FUNCTION = "load_balancing_loss_func"
 """The module-level name transformers' MoE modeling files give the load-balancing loss."""
@@ -48,7 +50,8 @@ class RouterLossScope:
 
     Args:
         group: the ranks whose router statistics make the batch (``None``: the active handler's CP group).
-        token_mask: ``(B, S_local)`` bool, this rank's real tokens (``None``: the handler's, every row for bshd).
+        token_mask: ``(B, S_local)`` bool, this rank's real tokens (``None``: the forward's, else the handler's
+            layout: :func:`_token_mask`).
         convention: ``"share"`` or ``"replicated"`` (module doc).
     """
 
@@ -129,7 +132,8 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
     Args:
         gate_logits: one ``(B * S_local, E)`` tensor per MoE layer (transformers' ``router_logits``).
         num_experts: ``E``. top_k: experts per token.
-        attention_mask: ``(B, S_local)`` (cp_handler passes all ones; zeros mask rows out too).
+        attention_mask: not read: the model passes the whole batch's mask or a shard's depending on the model; the
+            real tokens come from the scope, the forward or the handler's layout (:func:`_token_mask`).
 
     Returns:
         A float32 scalar (the scope's convention), or ``0`` without router logits (transformers' convention).
@@ -143,7 +147,7 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
     handler, scope = active_handler(), _scope.get() or RouterLossScope()
     group = scope.group if scope.group is not None else handler.cp_group
     rows_per_layer = gate_logits[0].reshape(-1, num_experts).shape[0]
-    mask = _token_mask(handler, scope, attention_mask, rows_per_layer, gate_logits[0].device)
+    mask = _token_mask(handler, scope, rows_per_layer, gate_logits[0].device)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=mask.device)
     probs, rows = torch.zeros_like(counts), mask.new_zeros(())
     for layer in gate_logits:
@@ -167,15 +171,25 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
     return size * share + (value - size * share).detach()
 
 
-def _token_mask(handler, scope: RouterLossScope, attention_mask, rows: int, device) -> torch.Tensor:
-    """This rank's real tokens, float32 ``(B * S_local,)``: the scope's, else the handler's (one row per routed
-    token), and ``attention_mask``'s where it has this rank's shape."""
-    mask = scope.token_mask
+def _token_mask(handler, scope: RouterLossScope, rows: int, device) -> torch.Tensor:
+    """This rank's real tokens, float32 ``(rows,)`` (one per routed row, batch-major), from a source that knows them:
+    the scope's (a trainer's batch), else the forward's (a vision-language model's padding mask, dispatched by the
+    handler: :func:`~.hf_active.forward_token_mask`), else the handler's layout
+    (:meth:`~cp_handler.handlers.token_layout.TokenLayout.real_token_mask`, repeated over the rows of the batch).
+    Never from the ``attention_mask`` the model passes (its shape is the whole batch's or a shard's, by model).
+
+    Raises:
+        ValueError: the rows are not whole rows of the layout's local sequence.
+    """
+    mask = scope.token_mask if scope.token_mask is not None else forward_token_mask()
     if mask is None:
-        batch = attention_mask.shape[0] if attention_mask is not None else 1
-        mask = handler_real_tokens(handler, torch.empty(batch, rows // batch, device=device))
-    if attention_mask is not None and attention_mask.shape == mask.shape:
-        mask = mask & attention_mask.to(mask.device).bool()
+        real = handler.token_layout.real_token_mask()
+        if real is None:
+            return torch.ones(rows, dtype=torch.float32, device=device)
+        if rows % real.numel():
+            raise ValueError(f"router logits of {rows} rows, but this rank holds {real.numel()} tokens per row: "
+                             "cannot tell which rows are real tokens")
+        mask = real.repeat(rows // real.numel())
     return mask.reshape(-1).to(device=device, dtype=torch.float32)
 
 

@@ -8,25 +8,29 @@ A script changes two lines::
 
 and ``torchrun --nproc-per-node N script.py`` trains with ``dp = N / cp`` (DDP over every rank, as Trainer's own).
 :class:`ContextParallelMixin` goes before any ``transformers.Trainer`` subclass; :class:`CPTrainer` and
-``CPSFTTrainer`` (TRL, the ``trl`` extra) are ready-made. What it does, by Trainer's public hooks:
+``CPSFTTrainer`` (TRL, the ``trl`` extra) are ready-made; what every CP trainer shares (the settings, the groups, the
+refusals, the loaders over dp) is :mod:`.hf_trainer_base`. What it does, by Trainer's public hooks:
 
-* ``__init__``: the dp x cp groups (CP ranks adjacent), ``register(model)`` (the guard runs before step 1), the
-  settings that would make the result wrong refused by name (accelerate's own CP / SP, label smoothing,
-  ``compute_loss_func``, a loss without ``num_items_in_batch``, ``average_tokens_across_devices=False``,
-  ``batch_rebalance``); the data loaders are split over the dp ranks only, so every rank of a CP group reads the
-  same batch (the accelerator's ``prepare_data_loader``, replaced on this trainer's accelerator instance);
+* ``__init__``: the settings that would make the result wrong refused by name from the constructor's arguments,
+  before the wrapped trainer's ``__init__`` acts on them (accelerate's own CP / SP, label smoothing,
+  ``compute_loss_func``, ``average_tokens_across_devices=False``, ``batch_rebalance``; after it, what only the built
+  trainer shows: a loss without ``num_items_in_batch``); the dp x cp groups (CP ranks adjacent), ``register(model)``
+  (the guard runs before step 1); the data loaders are split over the dp ranks only, so every rank of a CP group
+  reads the same batch (the accelerator's ``prepare_data_loader``, replaced on this trainer's accelerator instance);
 * ``training_step`` / ``prediction_step``: each batch sharded by :func:`~.hf_batch.shard_batch` (a handler per
-  batch; packed documents as thd) and run under it; the loss is Trainer's own (``num_items_in_batch``, the global
-  token count: :meth:`get_cp_size` makes Trainer divide its count over CP duplicates), so the loss and every
-  gradient are those of one process on the same global batches; ``prediction_step`` returns the logits combined
-  in the original token order and the batch's loss summed over the CP group;
+  batch; packed documents as thd) and run under it; the loss is normalised as the plain trainer would for the model
+  (:data:`LOSS_NORMALIZATIONS`): Trainer's own global token count (``num_items_in_batch``: :meth:`get_cp_size` makes
+  Trainer divide its count over CP duplicates), or each micro-batch's mean for a model that takes no loss arguments
+  (the micro-batch's count passed by the mixin), so the loss and every gradient are those of the plain trainer on the
+  same global batches; ``prediction_step`` returns the logits combined in the original token order and the batch's
+  loss summed over the CP group;
 * ``evaluation_loop``: results gathered over the dp ranks only (CP ranks hold the same batch), so ``evaluate()``
   and ``predict()`` return each example once;
 * **vision-language models** (:mod:`.hf_vlm`): the batch goes in whole with its vision inputs (TRL's vision
   collator: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...), only the labels sharded; a model
   whose class sets ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) is accepted when a probe shows
   its loss takes ``shift_labels`` and ``num_items_in_batch`` (:func:`.hf_vlm.check_loss_kwargs`; TRL's SFT loss
-  divides by the count itself), and Trainer then counts and passes the global token count.
+  divides by the count itself), and the mixin then passes each micro-batch's count (the plain trainers' mean).
 
 TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:class:`ContextParallelTrainerBase`):
 :mod:`.hf_rl_trainer`.
@@ -38,28 +42,20 @@ the behaviour the mixin relies on is probed when a trainer is built (:func:`chec
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..config import ContextParallelConfig
-from ..groups import build_dp_cp_groups, destroy_process_groups
-from ..handlers.registry import get_cp_handler_cls
 from ..install_hint import extra_hint
-from ..launch import rank_env
-from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
-from ..tiling import tile_mlps
 from .hf_batch import shard_batch
-from .hf_causal import check_causal, check_decoder_only
-from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
-from .hf_inputs import text_config
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
+from .hf_trainer_base import LOSS_NORMALIZATIONS, ContextParallelArguments, ContextParallelTrainerBase
 from .hf_vlm import check_loss_kwargs, is_vision_language
-from .transformers import cp_attention, register
+from .transformers import cp_attention
+
+__all__ = ["LOSS_NORMALIZATIONS", "OLDEST_TRL", "ContextParallelArguments", "ContextParallelMixin",
+           "ContextParallelTrainerBase", "check_token_count"]
 
 OLDEST_TRL = ">=1.16"
 """The oldest TRL release the trainers support and test (pyproject's ``hf`` extra); newer ones are not refused by
@@ -93,134 +89,6 @@ def check_token_count(trainer) -> None:
                          "this transformers release normalises the loss otherwise: refused")
 
 
-@dataclass
-class ContextParallelArguments:
-    """CP settings of a Trainer run (:class:`~cp_handler.config.ContextParallelConfig`'s field names; usable with
-    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated; ``"auto"`` picks the
-    pattern per batch from ``cp_comm_profile`` (docs/auto_plan.md). ``mlp_chunk_tokens``: the model's MLPs tiled
-    over chunks of that many tokens (:func:`~cp_handler.tiling.tile_mlps`; ``None``: whole)."""
-
-    context_parallel_size: int = 1
-    cp_comm_type: str = "p2p"
-    hierarchical_context_parallel_sizes: list[int] | None = None
-    backend: str = "local"
-    mlp_chunk_tokens: int | None = None
-    cp_comm_profile: str | None = None
-
-    def config(self) -> ContextParallelConfig:
-        """The validated config; under torchrun, ``hierarchical_context_parallel_sizes`` default to the node boundary
-        (:func:`~cp_handler.parallel_layout.default_hierarchical_sizes`). Raises ValueError / TypeError naming the
-        field."""
-        types = self.cp_comm_type.split(",") if isinstance(self.cp_comm_type, str) else self.cp_comm_type
-        comm_type = types[0] if len(types) == 1 else types
-        sizes, env = self.hierarchical_context_parallel_sizes, rank_env()
-        if sizes is None and env is not None and self.context_parallel_size >= 1 and \
-                env.world_size % self.context_parallel_size == 0:
-            layout = ParallelLayout(env.world_size, context_parallel_size=self.context_parallel_size)
-            sizes = default_hierarchical_sizes(comm_type, layout, env.local_world_size)
-        return ContextParallelConfig(context_parallel_size=self.context_parallel_size, cp_comm_type=comm_type,
-                                     hierarchical_context_parallel_sizes=sizes, backend=self.backend,
-                                     cp_comm_profile=self.cp_comm_profile)
-
-
-@functools.cache
-def _release_groups_at_exit() -> None:
-    """Once per process: :func:`~cp_handler.groups.destroy_process_groups` when the script ends (the DeviceMesh
-    groups of the dp x cp layout are freed while the interpreter is alive; left to its shutdown, a gloo worker
-    thread can abort the process: "terminate called without an active exception", docs/testing.md)."""
-    atexit.register(lambda: dist.is_initialized() and destroy_process_groups())
-
-
-@dataclass
-class _Groups:
-    cp_group: dist.ProcessGroup | None
-    hierarchical_cp_groups: list
-    dp_size: int
-    dp_rank: int
-
-
-class ContextParallelTrainerBase:
-    """What every Trainer under context parallelism shares: the dp x cp groups, ``register(model)``, the settings
-    refused by name (:meth:`_refused_settings`), data loaders over the dp ranks, evaluation gathered over dp.
-    :class:`ContextParallelMixin` (Trainer, SFT) and :mod:`.hf_rl_trainer` (GRPO, RLOO, DPO) build on it.
-
-    Raises:
-        ValueError: a setting refused by name, a world size not a multiple of the CP size, the model's guard
-            (``register``), a model that is not a causal language model; before any training step.
-    """
-
-    def __init__(self, *args, cp_args: ContextParallelArguments, **kwargs):
-        self.cp_config = cp_args.config()
-        get_cp_handler_cls(self.cp_config.backend, self.cp_config.cp_comm_type).check_available()
-        super().__init__(*args, **kwargs)
-        refused = self._refused_settings()
-        if refused:
-            raise ValueError(f"{type(self).__name__}: refused under context parallelism: " + "; ".join(refused))
-        self.cp_groups = self._build_groups()
-        model = self.accelerator.unwrap_model(self.model)
-        check_decoder_only(model)
-        self.own_attn_implementation = text_config(model)._attn_implementation
-        """The model's attention implementation before ``register`` (what generation outside CP runs)."""
-        register(model)
-        check_causal(model)
-        self._prepare_registered(model)
-        if cp_args.mlp_chunk_tokens is not None:
-            tile_mlps(model, cp_args.mlp_chunk_tokens)
-        self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
-        self._check_releases()
-
-    def _check_releases(self) -> None:
-        """The behaviour of the installed transformers (and TRL) the trainer relies on, probed once it is built
-        (default: nothing)."""
-
-    def _prepare_registered(self, model) -> None:
-        """What a subclass adds once the model is registered (default: nothing)."""
-
-    def _build_groups(self) -> _Groups:
-        """The dp x cp groups (one process: cp must be 1)."""
-        cp = self.cp_config.context_parallel_size
-        if dist.is_initialized():
-            built = build_dp_cp_groups(cp, self.args.device.type, self.cp_config.hierarchical_context_parallel_sizes)
-            _release_groups_at_exit()
-            return _Groups(built.cp_group, built.hierarchical_cp_groups, built.dp_size, built.dp_rank)
-        if cp > 1:
-            raise ValueError(f"context_parallel_size={cp}: no process group; run under torchrun (TrainingArguments "
-                             "starts it)")
-        return _Groups(None, [], 1, 0)
-
-    def _refused_settings(self) -> list[str]:
-        """The settings that would make the result wrong, each ``"name=value (why)"`` (empty: none)."""
-        refused = []
-        parallelism = getattr(self.accelerator, "parallelism_config", None)
-        for name in ("cp_size", "sp_size"):
-            if getattr(parallelism, name, 1) > 1:
-                refused.append(f"parallelism_config.{name}={getattr(parallelism, name)} (accelerate's own context / "
-                               "sequence parallelism: two CP layers at once)")
-        if getattr(self.args, "train_sampling_strategy", None) == "batch_rebalance":
-            refused.append("train_sampling_strategy='batch_rebalance' (it splits batches over every rank)")
-        if self.accelerator.dispatch_batches:
-            refused.append("accelerator_config dispatch_batches=True (rank 0 would split each batch over every rank)")
-        return refused
-
-    def get_cp_size(self) -> int:
-        """The CP size (Trainer divides its global token count and its dp world size by it)."""
-        return self.cp_config.context_parallel_size
-
-    def evaluation_loop(self, *args, **kwargs):
-        """Trainer's loop with its gather over the dp ranks only (:func:`.hf_dp.gather_over_dp`)."""
-        if self.args.eval_use_gather_object:
-            raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
-        self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
-        return super().evaluation_loop(*args, **kwargs)
-
-    def _gather_over_dp(self, tensors):
-        return gather_over_dp(self.accelerator, self.get_cp_size(), tensors)
-
-    def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        return prepare_data_loader_over_dp(self.accelerator, self.cp_groups.dp_size, self.cp_groups.dp_rank,
-                                           data_loader, device_placement, slice_fn_for_dispatch)
-
-
 class ContextParallelMixin(ContextParallelTrainerBase):
     """Context parallelism for a ``transformers.Trainer`` subclass (module doc): ``class MyTrainer(
     ContextParallelMixin, Trainer)``, built with ``cp_args=ContextParallelArguments(...)``.
@@ -230,30 +98,64 @@ class ContextParallelMixin(ContextParallelTrainerBase):
             guard (``register``), a model that is not a causal language model; before any training step.
     """
 
-    router_loss_convention = "share"
-    """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`): Trainer takes the model's
-    own loss, a sum of shares."""
+    loss_normalization = "global_token_count"
+    """This trainer's :data:`LOSS_NORMALIZATIONS` entry (``ContextParallelArguments.loss_normalization``, by default
+    the plain trainer's: ``"micro_batch_mean"`` when the model takes no loss arguments, as Qwen-VL's classes)."""
+
+    @property
+    def router_loss_convention(self) -> str:
+        """How a MoE model's load-balancing loss reaches the loss (:mod:`.hf_router_loss`). Trainer takes the model's
+        own loss: with the global token count it scales it by the process count (DDP's mean then sums the ranks:
+        ``"share"``); a micro-batch mean is averaged by DDP over every rank, so each rank holds the batch's value with
+        ``cp`` times its share as gradient (``"replicated"``)."""
+        return "share" if self.loss_normalization == "global_token_count" else "replicated"
 
     def _prepare_registered(self, model) -> None:
         self.vision_language = is_vision_language(model)
-        if self.vision_language and not self.model_accepts_loss_kwargs:
-            check_loss_kwargs(model)  # its loss takes the global token count: Trainer passes it
-            self.model_accepts_loss_kwargs = True
+        plain = "global_token_count" if self.model_accepts_loss_kwargs else "micro_batch_mean"
+        if not self.model_accepts_loss_kwargs:
+            check_loss_kwargs(model)  # its loss takes shift_labels and a token count: the mixin passes one
+        self.loss_normalization = self.cp_args.loss_normalization or plain
+        self.model_accepts_loss_kwargs = self.loss_normalization == "global_token_count"  # Trainer counts then
 
     def _check_releases(self) -> None:
-        check_token_count(self)
+        if self.loss_normalization == "global_token_count":
+            check_token_count(self)
 
-    def _refused_settings(self) -> list[str]:
-        args, refused = self.args, super()._refused_settings()
-        if args.label_smoothing_factor:
+    def _micro_batch_count(self, inputs: dict, count: torch.Tensor, training: bool):
+        """``(inputs, num_items_in_batch)`` of a step whose loss is its micro-batch's mean (``count``: the
+        micro-batch's next-token labels, on every rank of the CP group). Trainer: the model is given ``count / cp``
+        (each rank's token sum over it is ``cp`` times its share of the mean; DDP averages over the dp x cp ranks,
+        Trainer divides by the accumulation steps, as without CP)."""
+        return {**inputs, "num_items_in_batch": count / self.get_cp_size()}, None
+
+    def _counted(self, sharded, num_items_in_batch, training: bool):
+        """The inputs and ``num_items_in_batch`` of Trainer's step under :attr:`loss_normalization`."""
+        if self.loss_normalization == "global_token_count" or sharded.shift_labels is None:
+            return sharded.inputs, num_items_in_batch
+        count = (sharded.shift_labels != -100).sum().to(self.args.device)
+        return self._micro_batch_count(sharded.inputs, count, training)
+
+    def _refused_arguments(self, args, arguments: dict) -> list[str]:
+        refused = super()._refused_arguments(args, arguments)
+        if getattr(args, "label_smoothing_factor", 0):
             refused.append(f"label_smoothing_factor={args.label_smoothing_factor} (its smoother shifts the labels "
                            "of each rank's shard)")
-        if not args.average_tokens_across_devices:
+        if args is not None and not args.average_tokens_across_devices:
             refused.append("average_tokens_across_devices=False (the loss is normalised by the global token count)")
-        if self.compute_loss_func is not None:
+        if arguments.get("compute_loss_func") is not None:
             refused.append("compute_loss_func (it would receive this rank's shard of the labels, already shifted in "
                            "global order, and the shard's logits)")
-        elif not self.model_accepts_loss_kwargs and not is_vision_language(self.accelerator.unwrap_model(self.model)):
+        normalization = self.cp_args.loss_normalization
+        if normalization is not None and normalization not in LOSS_NORMALIZATIONS:
+            refused.append(f"ContextParallelArguments.loss_normalization={normalization!r} (one of "
+                           f"{LOSS_NORMALIZATIONS}, or None: the plain trainer's)")
+        return refused
+
+    def _refused_settings(self) -> list[str]:
+        refused = super()._refused_settings()
+        if self.compute_loss_func is None and not self.model_accepts_loss_kwargs and \
+                not is_vision_language(self.accelerator.unwrap_model(self.model)):
             refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
                            "would be each rank's own mean)")
         return refused
@@ -273,8 +175,9 @@ class ContextParallelMixin(ContextParallelTrainerBase):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on this rank's shard of the batch, under its handler."""
         sharded = self._shard(self._prepare_inputs(inputs))
+        inputs, num_items_in_batch = self._counted(sharded, num_items_in_batch, training=True)
         with self._under(sharded):
-            return super().training_step(model, sharded.inputs, num_items_in_batch)
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The trainer's ``compute_loss``; TRL's token count (``num_tokens``, which counts the sharded inputs'
@@ -301,10 +204,10 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         has_labels = labels is not None or inputs.get("shift_labels") is not None
         count = self._get_num_items_in_batch([inputs], self.args.device) if has_labels else None
         sharded = self._shard(inputs)
+        local, count = self._counted(sharded, count, training=False)
         with torch.no_grad(), self._under(sharded), self.compute_loss_context_manager():
             if has_labels:
-                loss, outputs = self.compute_loss(model, dict(sharded.inputs), return_outputs=True,
-                                                  num_items_in_batch=count)
+                loss, outputs = self.compute_loss(model, dict(local), return_outputs=True, num_items_in_batch=count)
                 loss = loss.detach().mean()
                 if self.cp_groups.cp_group is not None:
                     dist.all_reduce(loss, group=self.cp_groups.cp_group)
@@ -339,6 +242,30 @@ def _sft_trainer_class():
         router_loss_convention = "replicated"
         """TRL adds ``router_aux_loss_coef * outputs.aux_loss`` after scaling the token loss by the process count
         and logs its mean over every process: each rank holds the batch's value, its gradient cp times its share."""
+
+        def _prepare_registered(self, model) -> None:
+            super()._prepare_registered(model)
+            if self.loss_normalization == "micro_batch_mean":
+                self.loss_is_scaled_for_ga = True  # the count passed folds the accumulation steps in
+
+        def _micro_batch_count(self, inputs: dict, count: torch.Tensor, training: bool):
+            """TRL's loss is its token sum over the ``num_items_in_batch`` it is given, times the process count
+            (``dp x cp``), plus the router loss over the accumulation steps: given ``count x dp x steps`` (steps: the
+            accumulation steps in training, 1 in evaluation, where TRL without a count adds the router loss once),
+            each rank's loss is ``cp`` times its share of the micro-batch's mean over the steps, as TRL's own
+            without CP averaged by DDP (:attr:`loss_is_scaled_for_ga`: Trainer divides no further)."""
+            steps = self.current_gradient_accumulation_steps if training else 1
+            return inputs, count * self.cp_groups.dp_size * steps
+
+        def prediction_step(self, *args, **kwargs):
+            if self.loss_normalization != "micro_batch_mean":
+                return super().prediction_step(*args, **kwargs)
+            steps = getattr(self, "current_gradient_accumulation_steps", 1)
+            self.current_gradient_accumulation_steps = 1
+            try:  # TRL divides the router loss by these steps whenever it is given a count
+                return super().prediction_step(*args, **kwargs)
+            finally:
+                self.current_gradient_accumulation_steps = steps
 
     return CPSFTTrainer
 

@@ -41,11 +41,12 @@ from torch import nn
 from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
-from .hf_active import active_handler, handler_context
+from .hf_active import active_handler, handler_context, set_forward_token_mask
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
 from .hf_rotary import MAX_POSITION
+from .hf_router_loss import router_loss_enabled
 
 LM_SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position", "attention_mask",
                       "visual_pos_masks", "deepstack_visual_embeds")
@@ -111,7 +112,9 @@ def _model_pre_hook(model, args, kwargs, mrope: bool):
     """On the VLM itself, after the generic hook made the forward's handler active (:mod:`.hf_model`): the rules of
     the whole batch (module doc). A right-padding ``attention_mask`` stays as it is for the model's own position
     function (Qwen's ``get_rope_index`` gives padding position 1, as in one process); the LM's mask becomes the
-    handler's layout (the LM pre-hook), whose causal order keeps real tokens from padding on the right."""
+    handler's layout (the LM pre-hook), whose causal order keeps real tokens from padding on the right; the mask,
+    dispatched, is the forward's real-token mask (:func:`~.hf_active.set_forward_token_mask`: what counts tokens, the
+    router loss, counts these)."""
     handler = active_handler()
     if handler is None:
         return None
@@ -139,6 +142,8 @@ def _model_pre_hook(model, args, kwargs, mrope: bool):
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             raise ValueError("attention_mask has padding before real tokens (left padding, or holes): under context "
                              "parallelism only right padding is exact; set the processor's padding_side = 'right'")
+        if not bool(mask.all()):  # this rank's real tokens, for what counts tokens (the router loss)
+            set_forward_token_mask(handler.dispatch(mask.long(), 1).bool())
     return args, kwargs
 
 
@@ -211,8 +216,9 @@ def check_loss_kwargs(model: nn.Module, tokens: int = 8) -> None:
     """Whether the model's own loss takes transformers' loss arguments although its class says
     ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5 set it; their forwards pass ``**kwargs`` on to the
     loss): at cp = 1, in eval mode, its loss given ``shift_labels`` and ``num_items_in_batch`` must be the token sum
-    of the cross-entropy of its logits against ``shift_labels`` divided by ``num_items_in_batch``. The trainers then
-    pass the global token count (:mod:`.hf_trainer`). Skipped for weights on the ``meta`` device.
+    of the cross-entropy of its logits against ``shift_labels`` divided by ``num_items_in_batch``, with
+    ``output_router_logits=False`` (a MoE model's router loss is checked on its own: :mod:`.hf_router_loss`). The
+    trainers then pass their token count (:mod:`.hf_trainer`). Skipped for weights on the ``meta`` device.
 
     Raises:
         ValueError: the loss is something else (each rank's own mean would be wrong under CP).
@@ -226,11 +232,13 @@ def check_loss_kwargs(model: nn.Module, tokens: int = 8) -> None:
     shift = torch.randint(0, vocab, (1, tokens), generator=generator).to(weight.device)
     shift[0, -1] = -100
     count = tokens + 5  # not the number of labels: a mean would not pass
+    router_off = {"output_router_logits": False} if router_loss_enabled(model) else {}  # the token loss alone
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad(), handler_context(build_cp_handler(ContextParallelConfig())):
-            out = model(input_ids=ids, labels=ids, shift_labels=shift, num_items_in_batch=count, use_cache=False)
+            out = model(input_ids=ids, labels=ids, shift_labels=shift, num_items_in_batch=count, use_cache=False,
+                        **router_off)
     finally:
         model.train(was_training)
     want = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), shift.flatten(), reduction="sum") / count
