@@ -119,7 +119,7 @@ def check_ranks_agree(group: dist.ProcessGroup, what: str, values: dict[str, int
         failed = "; ".join(f"rank {i}: {m}" for i, m in enumerate(messages) if m is not None)
         kind = RanksRefusedType if all(m.startswith("TypeError") for m in messages if m) else RanksRefused
         raise kind(f"{what}: the inputs of some ranks of the CP group were refused ({failed}); every rank "
-                   "stops here, before any collective of this call")
+                   "stops here, before any collective of this call") from error  # this rank's own (None: another's)
     differing = [i for i in range(len(fields)) if any(row[i + 1] != rows[0][i + 1] for row in rows)]
     if differing:  # every rank found the same fields in the same rows: all enter the gather below together
         texts = [None] * size
@@ -170,7 +170,7 @@ class RankAgreement:
         the values (missing fields 0)."""
         try:
             values, error = local_checks(), None
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, NotImplementedError) as err:
             values, error = dict.fromkeys(fields, 0), err
         values = {field: values.get(field, 0) for field in fields}  # the same fields on every rank
         self.agree(what, values, device, error, every_call)

@@ -4,17 +4,21 @@
     report = check_handler(MyHandler, comm_types=["p2p"], formats=["bshd", "thd"])
     print(report.table()); assert report.ok
 
-or from a shell: ``python -m cp_handler.testing my_package.module:MyHandler`` (exit status 1 on a failed case).
-It spawns CPU ranks (gloo) per CP size and checks, against a float64 single-process reference on the same inputs:
-dispatch / combine inverse and dispatch's gradient for every format; ``roll_tensor`` values and gradient; RoPE at
-global positions; ``core_attn``'s output and the q / k / v (and sinks) gradients for each variant (causal, full,
-MHA / GQA / MQA, sliding window, chunks, soft-cap, sinks, MLA value widths) on bshd, sbhd and packed documents
-(thd, an empty document included); and that ranks passing different windows, and k / v heads that do not divide
-q's, are refused by name on every rank. Each case is PASS, FAIL, NOT-SUPPORTED (the handler refused it by name on
-every rank: what it declares it does not run) or NOT RUN. docs/backends.md, "Writing a backend".
+or from a shell: ``python -m cp_handler.testing my_package.module:MyHandler`` (or ``path/to/file.py:MyHandler``;
+exit status 1 when it did not pass; ``--quick`` for a first look, ``--help`` for every option). It starts CPU ranks
+(gloo) per CP size and checks every public method of the contract, forward and backward, against a float64
+single-process reference on the same inputs (:mod:`.checks`): ``dispatch`` and ``combine``, ``roll_tensor``, the
+rotary methods each alone, ``core_attn`` for each attention variant (:data:`VARIANTS`) called twice on one handler;
+on bshd, sbhd and packed documents (thd), short and long sequences (:data:`~.cases.LENGTHS`), in float32, bfloat16
+and float16 (the output in the input's dtype); and that calls the contract refuses are refused by name on every
+rank. Each case is PASS, FAIL, NOT-SUPPORTED (refused at a refusal point, by name, on every rank) or NOT RUN; the
+report names the method, rank, tokens and heads of every wrong tensor, and says what it did not check.
+docs/backends.md, "Is it right? The conformance kit".
 """
 
-from .cases import VARIANTS, Variant
-from .kit import CHECKS, CaseResult, ConformanceReport, assert_conforms, check_handler
+from .cases import LENGTHS, VARIANTS, Variant
+from .kit import CHECKS, assert_conforms, check_handler
+from .report import CaseResult, ConformanceReport, report_json
 
-__all__ = ["CHECKS", "VARIANTS", "CaseResult", "ConformanceReport", "Variant", "assert_conforms", "check_handler"]
+__all__ = ["CHECKS", "LENGTHS", "VARIANTS", "CaseResult", "ConformanceReport", "Variant", "assert_conforms",
+           "check_handler", "report_json"]

@@ -1,9 +1,8 @@
-"""The conformance cases, run inside each spawned rank: every check compares the handler on this rank with the
-single-process reference (:mod:`.reference`) on the same global inputs (every rank draws them from one seed).
+"""What the conformance kit runs: the attention variants, the lengths, one case's handler (built as the library
+builds one) and its global inputs in the handler's format.
 
-A case ends in ``("PASS", "")``, ``("FAIL", why)`` or ``("NOT-SUPPORTED", the handler's refusal)``: a handler
-declares what it does not run by refusing it by name (``ValueError`` / ``TypeError`` / ``NotImplementedError`` at
-construction or in the call) on every rank; the kit then records the refusal instead of a result.
+A case is one handler: a comm type, a format, a dtype and a length profile on ``world`` ranks. Every rank draws
+the same global inputs from one seed; :mod:`.checks` compares the handler with :mod:`.reference` on them.
 """
 
 from __future__ import annotations
@@ -11,17 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..config import AttentionShape, ContextParallelConfig
 from ..masks import AttentionMask
-from ..rope import rotary_freqs
-from . import reference
 
-REFUSALS = (ValueError, TypeError, NotImplementedError)
-THD_LENGTHS = (13, 0, 6, 21)
-"""Packed documents of the thd cases: uneven, one empty (a batch's padding slot), one shorter than 2 * cp."""
+REFUSALS = (ValueError, NotImplementedError)
+"""The errors a refusal may be (module doc of :mod:`.kit`): raised at a refusal point, on every rank."""
 SCALE = 0.3
+"""The softmax scale of every attention case (not ``1 / sqrt(D)``: a backend that ignores the module's fails)."""
 
 
 @dataclass(frozen=True)
@@ -45,22 +41,38 @@ VARIANTS = {v.name: v for v in (
     Variant("mha", AttentionMask(), heads=(4, 4)),
     Variant("mqa", AttentionMask(), heads=(4, 1)),
     Variant("window", AttentionMask(window=5), window_size=(4, 0)),
+    Variant("window_two_sided", AttentionMask(causal=False, window=4, window_right=3), attn_mask_type="no_mask",
+            window_size=(3, 3)),
     Variant("chunk", AttentionMask(chunk=6), chunk=6),
     Variant("softcap", AttentionMask(softcap=2.0), softcap=2.0),
     Variant("sinks", AttentionMask(), sinks=True),
     Variant("mla", AttentionMask(), head_dims=(8, 12)),
 )}
-"""The attention variants the kit runs by default (``check_handler(variants=...)`` picks among them)."""
+"""The attention variants the kit runs by default (``check_handler(variants=...)`` picks among them): causal with
+GQA 2:1 (as the others unless named), full, MHA, MQA, a causal window of 5, a two-sided window (3 left, 3 right),
+chunks of 6, soft-cap 2, sinks (gpt-oss), MLA (value head dim 12, q / k 8)."""
+
+
+LENGTHS = ("short", "long")
+"""The length profiles (:meth:`Case.lengths`). ``short``: two rows of ``8 * cp`` tokens (bshd / sbhd; zigzag chunks
+of 4) or documents of 13, 0, 6 and 21 tokens (thd: uneven, one empty, one shorter than ``2 * cp``). ``long``: two
+rows of ``2 * cp * 101`` tokens (202 per rank and row: past every query / key tile the planners use, 64 and 128,
+with odd zigzag chunks of 101), or documents of ``200 * cp + 7``, 0, ``6 * cp + 5`` and ``100 * cp + 1`` tokens
+(several hundred per rank, every zigzag chunk of 3 or more: ``roll_tensor`` runs shifts up to 3 there)."""
+LONG_CHUNK = 101
+ROLL_SHIFTS = {"short": (-1, 1), "long": (-1, 1, -2, 2, -3, 3)}
+"""``roll_tensor``'s shifts per length profile (short: a zigzag chunk of a thd document may hold one token)."""
 
 
 @dataclass(frozen=True)
 class Case:
-    """What one handler is built for: its comm type, format and dtype, on ``world`` ranks."""
+    """What one handler is built for: its comm type, format, dtype and length profile, on ``world`` ranks."""
 
     comm_type: str
     qkv_format: str
     dtype: torch.dtype
     world: int
+    length: str = "short"
 
     @property
     def levels(self) -> tuple[int, ...] | None:
@@ -69,16 +81,20 @@ class Case:
 
     @property
     def lengths(self) -> list[int]:
-        """The documents: one per batch row (bshd / sbhd, two rows of ``8 * world`` tokens) or packed (thd)."""
-        return list(THD_LENGTHS) if self.qkv_format == "thd" else [8 * self.world] * 2
+        """The documents: one per batch row (bshd / sbhd, two rows) or packed (thd); :data:`LENGTHS`."""
+        w = self.world
+        if self.qkv_format == "thd":
+            return [13, 0, 6, 21] if self.length == "short" else [200 * w + 7, 0, 6 * w + 5, 100 * w + 1]
+        return [8 * w] * 2 if self.length == "short" else [2 * w * LONG_CHUNK] * 2
 
     @property
     def seq_dim(self) -> int:
         return 1 if self.qkv_format == "bshd" else 0
 
-    def tolerance(self) -> float:
-        """float64 1e-10; float32 2e-5 (merge order); half types 2e-2 of the largest reference value."""
-        return {torch.float64: 1e-10, torch.float32: 2e-5}.get(self.dtype, 2e-2)
+    @property
+    def row_word(self) -> str:
+        """What a document is called in failures: a batch row (bshd / sbhd) or a packed document (thd)."""
+        return "document" if self.qkv_format == "thd" else "row"
 
     def to_format(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed ``(T, ...)`` rows -> the handler's global layout (bshd / sbhd: documents are batch rows)."""
@@ -113,99 +129,12 @@ def build(handler_cls, case: Case, groups, variant: Variant) -> object:
                                    **batch)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> str | None:
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
-    if got.shape != want.shape:
-        return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
-    scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
-    err = (got - want).abs().max().item() if want.numel() else 0.0
-    return None if err <= tol * scale else f"{what}: max error {err:.3g} > {tol * scale:.3g}"
-
-
-def _sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
-    t = t.clone()
-    dist.all_reduce(t, group=group)
-    return t
-
-
-def check_layout(h, case: Case, group) -> str | None:
-    """dispatch / combine inverse and dispatch's gradient (the global layout, summed over the group)."""
-    torch.manual_seed(1)
-    x = torch.randn(sum(case.lengths), 3, 5, dtype=torch.float64)
-    g = case.to_format(x).to(case.dtype).requires_grad_()
-    local = h.dispatch(g, case.seq_dim)
-    if err := _close(h.combine(local.detach(), case.seq_dim), g, 0.0, "combine(dispatch(x))"):
-        return err
-    w = case.to_format(torch.randn_like(x)).to(case.dtype)
-    (local * h.dispatch(w, case.seq_dim)).sum().backward()
-    return _close(_sum_over_group(g.grad, group), w, case.tolerance(), "dispatch gradient")
-
-
-def check_roll(h, case: Case, group) -> str | None:
-    """``roll_tensor`` by -1 and +1: values in global order (zero where a document is left) and the gradient."""
-    torch.manual_seed(2)
-    for shift in (-1, 1):
-        x = torch.randn(sum(case.lengths), 3, dtype=torch.float64, requires_grad=True)
-        w = torch.randn_like(x)
-        (reference.roll(x, shift, case.lengths) * w).sum().backward()
-        g = case.to_format(x.detach()).to(case.dtype).requires_grad_()
-        rolled, _ = h.roll_tensor(h.dispatch(g, case.seq_dim), shifts=shift, dims=case.seq_dim)
-        want = case.to_format(reference.roll(x.detach(), shift, case.lengths))
-        if err := _close(h.combine(rolled.detach(), case.seq_dim), want, case.tolerance(), f"roll_tensor({shift})"):
-            return err
-        (rolled * h.dispatch(case.to_format(w).to(case.dtype), case.seq_dim)).sum().backward()
-        got = case.from_format(_sum_over_group(g.grad, group))
-        if err := _close(got, x.grad, case.tolerance(), f"roll_tensor({shift}) gradient"):
-            return err
-    return None
-
-
-def check_rope(h, case: Case) -> str | None:
-    """RoPE through ``get_rotary_seq_len`` / ``get_emb_on_this_cp_rank`` / ``apply_rotary_pos_emb`` at each
-    token's global position (thd: inside its document)."""
-    torch.manual_seed(3)
-    x = torch.randn(sum(case.lengths), 2, 8, dtype=torch.float64)
-    local = h.dispatch(case.to_format(x).to(case.dtype), case.seq_dim)
-    freqs = rotary_freqs(h.get_rotary_seq_len(local.shape[case.seq_dim]), 8)
-    got = h.apply_rotary_pos_emb(local, h.get_emb_on_this_cp_rank(freqs))
-    want = case.to_format(reference.rope(x, rotary_freqs(max(case.lengths), 8).double(), case.lengths))
-    return _close(h.combine(got.detach(), case.seq_dim), want, case.tolerance(), "apply_rotary_pos_emb")
-
-
-def attn_module(variant: Variant, sinks) -> torch.nn.Module:
+def attn_module(variant: Variant, sinks, layer_number: int | None = None) -> torch.nn.Module:
     """A model's attention module for ``variant``: an ``nn.Module`` (a backend may register children on it, as
     Transformer Engine's does) carrying what ``core_attn`` reads."""
     module = torch.nn.Module()
     for name, value in (("window_size", variant.window_size), ("attention_chunk_size", variant.chunk),
-                        ("softcap", variant.softcap), ("sinks", sinks), ("softmax_scale", SCALE)):
+                        ("softcap", variant.softcap), ("sinks", sinks), ("softmax_scale", SCALE),
+                        ("layer_number", layer_number)):
         object.__setattr__(module, name, value)  # plain attributes (sinks: the caller's leaf, not a parameter)
     return module
-
-
-def check_attention(h, case: Case, variant: Variant, group) -> str | None:
-    """``core_attn``: the output and the gradients of q, k, v (and the sinks) against the float64 reference."""
-    torch.manual_seed(4)
-    (heads, kv_heads), (d, dv) = variant.heads, variant.head_dims
-    total = sum(case.lengths)
-    q = torch.randn(total, heads, d, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(total, kv_heads, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(total, kv_heads, dv, dtype=torch.float64, requires_grad=True)
-    sinks = torch.randn(heads, dtype=torch.float64, requires_grad=True) if variant.sinks else None
-    dout = torch.randn(total, heads, dv, dtype=torch.float64)
-    rounded = [t.detach().to(case.dtype).double().requires_grad_() for t in (q, k, v)]
-    ref_sinks = sinks.detach().to(case.dtype).double().requires_grad_() if sinks is not None else None
-    want = reference.attention(*rounded, variant.mask, SCALE, ref_sinks, case.lengths)
-    want.backward(dout.to(case.dtype).double())
-    local = [h.dispatch(case.to_format(t.detach()).to(case.dtype), case.seq_dim).requires_grad_() for t in (q, k, v)]
-    local_sinks = sinks.detach().to(case.dtype).requires_grad_() if sinks is not None else None
-    out = h.core_attn(attn_module(variant, local_sinks), *local, attn_mask_type=variant.attn_mask_type)
-    out.backward(h.dispatch(case.to_format(dout).to(case.dtype), case.seq_dim))
-    tol = case.tolerance()
-    if err := _close(h.combine(out.detach(), case.seq_dim), case.to_format(want), tol, "out"):
-        return err
-    for name, t, ref in zip(("dq", "dk", "dv"), local, rounded, strict=True):
-        if err := _close(h.combine(t.grad, case.seq_dim), case.to_format(ref.grad), tol, name):
-            return err
-    if sinks is not None:
-        return _close(_sum_over_group(local_sinks.grad, group), ref_sinks.grad, tol, "dsinks")
-    return None

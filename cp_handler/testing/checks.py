@@ -1,0 +1,299 @@
+"""The conformance checks, run inside each rank: every public method of the handler contract, forward and backward,
+against the single-process reference (:mod:`.reference`) on the same global inputs (every rank draws them from one
+seed). Each check returns the list of what is wrong on this rank (empty: it passed), every wrong tensor named by
+the method that produced it (:mod:`.compare`), or raises :class:`Refused` when the handler refused the call at a
+refusal point.
+
+The methods and what is checked:
+
+* ``dispatch``: the tokens of every rank together are each global token once; the values in each slot are the
+  token's; dtype and device kept; backward: the gradient in the global layout (summed over the group).
+* ``combine``: ``combine(dispatch(x)) == x``; backward: each rank keeps its own tokens' slice of the gradient (the
+  combined tensor feeds the same computation on every rank: no sum over the group).
+* ``roll_tensor``: values in global order within each document, zero where the source leaves it, for shifts of
+  1 (and 2 and 3 at long lengths) both ways; the returned sum is the local ``rolled.sum()``; backward.
+* ``get_rotary_seq_len``: enough rows for every position; ``get_emb_on_this_cp_rank``: the table's rows at each
+  local token's position (thd: inside its document), and the table's gradient; ``apply_rotary_pos_emb``: RoPE with
+  the reference's rows at the local positions, and its gradient (each method alone: a failure names the culprit).
+* ``core_attn``: output (dtype, shape, device, values) and the gradients of q, k, v (and the sinks), twice on the
+  same handler with other inputs (a handler caching what it should recompute fails the second call).
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ..handlers.agreement import RanksRefused
+from ..rope import rotary_freqs
+from . import reference
+from .cases import REFUSALS, ROLL_SHIFTS, SCALE, VARIANTS, Case, Variant, attn_module
+from .compare import TokenMap, mismatch, tensor_rule
+
+
+class Refused(Exception):  # noqa: N818 - what happened, not an error of the kit
+    """The handler refused the case at a refusal point (before its ``attend`` ran): ``reason`` is its error (this
+    rank's own, not the agreement's :class:`~cp_handler.handlers.agreement.RanksRefused` that carries it)."""
+
+    def __init__(self, reason: Exception):
+        super().__init__(f"{type(reason).__name__}: {reason}")
+
+
+def _own_error(err: Exception) -> Exception:
+    """The error this rank raised itself: the agreement re-raises every rank's refusal on every rank as
+    ``RanksRefused`` from the rank's own error (``None`` on a rank that passed: another rank refused)."""
+    return err.__cause__ if isinstance(err, RanksRefused) and err.__cause__ is not None else err
+
+
+def token_map(h, case: Case) -> TokenMap:
+    """Where this rank's handler put each global token (its own ``dispatch`` of the token indices, float64)."""
+    total = sum(case.lengths)
+    ids = h.dispatch(case.to_format(torch.arange(1, total + 1, dtype=torch.float64)), case.seq_dim)
+    return TokenMap(ids.round().long() - 1, case.lengths, case.row_word)
+
+
+def at_slots(tokens: TokenMap, packed: torch.Tensor) -> torch.Tensor:
+    """The reference ``packed (T, ...)`` at this rank's slots (zero at padding), shaped like a local tensor."""
+    index = tokens.ids.clamp(min=0)
+    out = packed[index.reshape(-1)].reshape(*index.shape, *packed.shape[1:])
+    return out * tokens.real.reshape(*index.shape, *[1] * (packed.dim() - 1)).to(out.dtype)
+
+
+def _group_sum(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.clone()
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def check_layout(h, case: Case, group) -> list[str]:
+    """``dispatch`` and ``combine``, forward and backward (module doc)."""
+    torch.manual_seed(1)
+    total, failures = sum(case.lengths), []
+    x, w = torch.randn(total, 3, 5, dtype=torch.float64), torch.randn(total, 3, 5, dtype=torch.float64)
+    g = case.to_format(x).to(case.dtype).requires_grad_()
+    local = h.dispatch(g, case.seq_dim)
+    if err := tensor_rule("dispatch", local, g):
+        return [err]
+    tokens = token_map(h, case)
+    held = [None] * dist.get_world_size(group)
+    dist.all_gather_object(held, tokens.ids[tokens.real].tolist(), group=group)
+    count = torch.bincount(torch.tensor(sum(held, []), dtype=torch.int64), minlength=total)[:total]
+    if (count != 1).any():
+        lost, twice = (count == 0).nonzero().flatten(), (count > 1).nonzero().flatten()
+        return ["dispatch: the ranks' tokens are not the sequence once: " +
+                (f"on no rank: {tokens.describe(lost)}" if lost.numel() else "") +
+                ("; " if lost.numel() and twice.numel() else "") +
+                (f"on several: {tokens.describe(twice)}" if twice.numel() else "")]
+    rounded = case.from_format(g.detach()).double()
+    if err := mismatch("dispatch", local, at_slots(tokens, rounded), tokens, case.dtype):
+        failures.append(err)
+    combined = h.combine(local.detach(), case.seq_dim)
+    everything = TokenMap(case.to_format(torch.arange(total)), case.lengths, case.row_word)
+    if err := tensor_rule("combine", combined, g) or mismatch("combine(dispatch(x))", combined, g, everything,
+                                                              torch.float64):
+        failures.append(err)
+    leaf = local.detach().requires_grad_()
+    wf = case.to_format(w).to(case.dtype)
+    (h.combine(leaf, case.seq_dim) * wf).sum().backward()
+    if err := mismatch("combine backward (each rank keeps its own tokens' gradient, no sum over the group)",
+                       leaf.grad, at_slots(tokens, case.from_format(wf).double()), tokens, case.dtype):
+        failures.append(err)
+    (local * h.dispatch(wf, case.seq_dim)).sum().backward()
+    if err := mismatch("dispatch backward (summed over the group)", _group_sum(g.grad, group), wf.double(),
+                       everything, case.dtype):
+        failures.append(err)
+    return failures
+
+
+def check_roll(h, case: Case, group) -> list[str]:
+    """``roll_tensor`` by each shift of :data:`~.cases.ROLL_SHIFTS`: values, the returned sum, the gradient."""
+    torch.manual_seed(2)
+    tokens, failures = None, []
+    for shift in ROLL_SHIFTS[case.length]:
+        x = torch.randn(sum(case.lengths), 3, dtype=torch.float64, requires_grad=True)
+        w = torch.randn_like(x)
+        xr = x.detach().to(case.dtype).double().requires_grad_()
+        want = reference.roll(xr, shift, case.lengths)
+        (want * w.to(case.dtype).double()).sum().backward()
+        local = h.dispatch(case.to_format(xr.detach()).to(case.dtype), case.seq_dim).detach().requires_grad_()
+        tokens = tokens or token_map(h, case)
+        rolled, total = h.roll_tensor(local, shifts=shift, dims=case.seq_dim)
+        what = f"roll_tensor(shifts={shift})"
+        if err := tensor_rule(what, rolled, local, tuple(local.shape)):
+            failures.append(err)
+            continue
+        if err := mismatch(what, rolled, at_slots(tokens, want.detach()), tokens, case.dtype):
+            failures.append(err)
+        if err := mismatch(f"{what}'s returned sum (the local rolled.sum())", torch.as_tensor(total).reshape(1, 1),
+                           rolled.detach().double().sum().reshape(1, 1), TokenMap(torch.zeros(1, dtype=torch.long),
+                                                                                  [1], "sum"), case.dtype):
+            failures.append(err)
+        (rolled * h.dispatch(case.to_format(w).to(case.dtype), case.seq_dim)).sum().backward()
+        if err := mismatch(f"{what} backward", local.grad, at_slots(tokens, xr.grad), tokens, case.dtype):
+            failures.append(err)
+    return failures
+
+
+def _along_seq(case: Case, t: torch.Tensor) -> torch.Tensor:
+    """A token-dims tensor reduced to the sequence dim (bshd / sbhd: the first batch row; rows share positions)."""
+    return t if t.dim() == 1 else t.select(1 - case.seq_dim, 0)
+
+
+def check_rope(h, case: Case, group) -> list[str]:
+    """``get_rotary_seq_len``, ``get_emb_on_this_cp_rank`` and ``apply_rotary_pos_emb``, each alone (module doc)."""
+    torch.manual_seed(3)
+    failures, total = [], sum(case.lengths)
+    positions = reference.positions(case.lengths)
+    x = torch.randn(total, 2, 8, dtype=torch.float64)
+    local_x = h.dispatch(case.to_format(x).to(case.dtype), case.seq_dim).detach().requires_grad_()
+    tokens = token_map(h, case)
+    local_pos = at_slots(tokens, positions)
+    need = int(positions.max()) + 1 if total else 1
+    rows = h.get_rotary_seq_len(local_x.shape[case.seq_dim])
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < need:
+        return failures + [f"get_rotary_seq_len({local_x.shape[case.seq_dim]}) = {rows!r}: the batch has positions "
+                           f"up to {need - 1}, so the table needs at least {need} rows"]
+    seq_pos, seq_real = _along_seq(case, local_pos), _along_seq(case, tokens.real)
+    if tokens.ids.dim() == 2 and not torch.equal(local_pos * tokens.real, seq_pos.unsqueeze(1 - case.seq_dim)
+                                                 .expand_as(local_pos) * tokens.real):
+        return [f"dispatch: the batch rows' tokens of one local slot sit at different positions ({case.qkv_format})"]
+    seq_tokens = TokenMap(torch.where(seq_real, seq_pos, -1), [rows], "table row")
+    table = torch.randn(rows, 4, dtype=torch.float64, requires_grad=True)
+    emb = h.get_emb_on_this_cp_rank(table)
+    if err := tensor_rule("get_emb_on_this_cp_rank", emb, table, (seq_pos.numel(), 4)):
+        return [err]
+    if err := mismatch("get_emb_on_this_cp_rank (rows at the local tokens' positions)", emb,
+                       table.detach()[seq_pos], seq_tokens, torch.float64, unit="local rows"):
+        failures.append(err)
+    grad = torch.randn(seq_pos.numel(), 4, dtype=torch.float64) * seq_real[:, None]
+    (emb * grad).sum().backward()
+    want = torch.zeros(rows, 4, dtype=torch.float64).index_add_(0, seq_pos, grad)
+    if err := mismatch("get_emb_on_this_cp_rank backward (the table's gradient)", table.grad, want,
+                       TokenMap(torch.arange(rows), [rows], "table row"), torch.float64, unit="table rows"):
+        failures.append(err)
+    freqs = rotary_freqs(rows, 8)
+    xr = x.to(case.dtype).double().requires_grad_()
+    want = reference.rope(xr, freqs.double(), case.lengths)
+    w = torch.randn_like(x).to(case.dtype)
+    (want * w.double()).sum().backward()
+    got = h.apply_rotary_pos_emb(local_x, freqs[seq_pos])
+    if err := tensor_rule("apply_rotary_pos_emb", got, local_x, tuple(local_x.shape)):
+        return failures + [err]
+    if err := mismatch("apply_rotary_pos_emb (given the reference's rows)", got, at_slots(tokens, want.detach()),
+                       tokens, case.dtype, heads=True):
+        failures.append(err)
+    (got * h.dispatch(case.to_format(w), case.seq_dim)).sum().backward()
+    if err := mismatch("apply_rotary_pos_emb backward", local_x.grad, at_slots(tokens, xr.grad), tokens, case.dtype,
+                       heads=True):
+        failures.append(err)
+    return failures
+
+
+class Crashed(Exception):  # noqa: N818 - what happened
+    """``core_attn`` raised something other than a refusal (the message says what, where and why it counts as a
+    failure)."""
+
+
+CONTRACT = ("dispatch", "combine", "roll_tensor", "get_rotary_seq_len", "get_emb_on_this_cp_rank",
+            "apply_rotary_pos_emb", "core_attn")
+
+
+def error_text(err: BaseException) -> str:
+    """``Type: first line of the message (in METHOD, file:line)``: the contract method the kit called (the outermost
+    frame of that name) and the innermost frame."""
+    tb = traceback.extract_tb(err.__traceback__)
+    method = next((f.name for f in tb if f.name in CONTRACT), None)
+    where = ", ".join(([f"in {method}"] if method else []) +
+                      ([f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno}"] if tb else []))
+    message = (str(err).splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {message}" + (f" ({where})" if where else "")
+
+
+def _attend_once(h, module, local, attn_mask_type: str, first: bool):
+    """``core_attn``, telling a refusal (a ValueError / NotImplementedError raised before the backend's ``attend``
+    ran, at the first call: :class:`Refused`) from a crash (anything else: :class:`Crashed`)."""
+    entered = []
+    attend = h.attend
+    h.attend = lambda call: (entered.append(True), attend(call))[1]
+    try:
+        return h.core_attn(module, *local, attn_mask_type=attn_mask_type)
+    except Exception as err:
+        own = _own_error(err)
+        if isinstance(own, REFUSALS) and not entered:
+            if first:
+                raise Refused(own) from err
+            raise Crashed(f"core_attn refused a second call on the same handler after running the first: "
+                          f"{error_text(own)}") from err
+        where = "inside the backend's attend" if entered else "in the pre-flight, before attend"
+        why = "" if isinstance(own, REFUSALS) else " (a refusal is a ValueError or NotImplementedError)"
+        raise Crashed(f"core_attn raised {error_text(own)} {where}: a crash, not a refusal{why}") from err
+    finally:
+        del h.attend
+
+
+def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
+    """``core_attn``'s output and the gradients of q, k, v (and the sinks) against the float64 reference, for two
+    calls on the same handler with different inputs."""
+    failures, tokens = [], None
+    (heads, kv_heads), (d, dv) = variant.heads, variant.head_dims
+    total = sum(case.lengths)
+    for call in (1, 2):
+        torch.manual_seed(3 + call)
+        q = torch.randn(total, heads, d, dtype=torch.float64)
+        k = torch.randn(total, kv_heads, d, dtype=torch.float64)
+        v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
+        dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
+        rounded = [t.to(case.dtype).double().requires_grad_() for t in (q, k, v)]
+        sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
+        ref_sinks = sinks.double().requires_grad_() if sinks is not None else None
+        want = reference.attention(*rounded, variant.mask, SCALE, ref_sinks, case.lengths)
+        want.backward(dout.double())
+        local = [h.dispatch(case.to_format(t.detach()).to(case.dtype), case.seq_dim).detach().requires_grad_()
+                 for t in rounded]
+        tokens = tokens or token_map(h, case)
+        local_sinks = sinks.clone().requires_grad_() if sinks is not None else None
+        out = _attend_once(h, attn_module(variant, local_sinks), local, variant.attn_mask_type, first=call == 1)
+        named = "core_attn" + (" (a second call on the same handler, other inputs)" if call == 2 else "")
+        if err := tensor_rule(f"{named} output", out, local[0], (*local[0].shape[:-1], dv)):
+            return failures + [err]
+        out.backward(h.dispatch(case.to_format(dout), case.seq_dim))
+        for name, got, ref in (("output", out, want), *zip(("dq", "dk", "dv"), (t.grad for t in local),
+                                                              (t.grad for t in rounded), strict=True)):
+            if got is None:
+                failures.append(f"{named} {name}: no gradient reached the input")
+            elif err := mismatch(f"{named} {name}", got, at_slots(tokens, ref.detach()), tokens, case.dtype,
+                                 heads=True):
+                failures.append(err)
+        if sinks is not None:
+            got = _group_sum(local_sinks.grad, group) if local_sinks.grad is not None else None
+            if got is None:
+                failures.append(f"{named} dsinks: no gradient reached the sinks")
+            elif err := mismatch(f"{named} dsinks (summed over the group)", got.reshape(1, -1),
+                                 ref_sinks.grad.reshape(1, -1), TokenMap(torch.zeros(1, dtype=torch.long), [1],
+                                                                         "sinks"), case.dtype):
+                failures.append(err)
+        if failures:
+            break
+    return failures
+
+
+def expect_refusal(h, case: Case, disagree: bool) -> list[str]:
+    """A call the contract refuses, by name, before the backend's ``attend`` runs, on every rank
+    (:func:`~.kit._agree` checks every rank did): ``disagree``: rank 0 passes a window of 4 and the others 5;
+    else q has 4 heads and k / v 3."""
+    variant = VARIANTS["window" if disagree else "causal"]
+    if disagree and dist.get_rank() == 0:
+        variant = Variant("window", variant.mask, window_size=(3, 0))
+    heads = variant.heads if disagree else (4, 3)
+    shape = {"bshd": (2, 8 * case.world), "sbhd": (8 * case.world, 2), "thd": (sum(case.lengths),)}[case.qkv_format]
+    q, k, v = (torch.randn(*shape, n, 8, dtype=case.dtype) for n in (heads[0], heads[1], heads[1]))
+    local = [h.dispatch(t, case.seq_dim) for t in (q, k, v)]
+    try:
+        _attend_once(h, attn_module(variant, None), local, "causal", first=True)
+    except Refused:
+        return []
+    return ["ranks passing different windows ran without a refusal" if disagree else
+            "q with 4 heads and k / v with 3 ran without a refusal"]
