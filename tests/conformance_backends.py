@@ -81,7 +81,9 @@ class ContiguousLayout(TokenLayout):
         return tensor if self.handler.cp_size == 1 else all_gather_seq(tensor, seq_dim, self.handler.cp_group)
 
     def roll_tensor(self, tensor, shifts, dims):
-        full = torch.roll(self.combine(tensor, dims), shifts, dims)
+        # every rank's gradient reaches the rank whose tokens moved: a gather whose backward sums (not combine's)
+        full = all_gather_summed(tensor.movedim(dims, 0), self.handler.cp_group).flatten(0, 1).movedim(0, dims)
+        full = torch.roll(full, shifts, dims)
         n = full.shape[dims]
         full = full.index_fill(dims % full.dim(), torch.arange(n + shifts, n) if shifts < 0 else torch.arange(shifts),
                                0.0)
@@ -274,7 +276,7 @@ class LocalRollWithoutHalo(LocalContextParallelHandler):
 PLANTED = {  # class: (what the kit must name in a failure, the kit's arguments that reach the bug quickly)
     GQATrueDivide: ("TypeError", dict(variants=["causal"], checks=["attention"])),
     RefusesInsideAttend: ("inside the backend's attend", dict(variants=["causal"], checks=["attention"])),
-    RefusesEverything: ("no attention case passed", dict(checks=["attention"], variants=["causal", "mha"])),
+    RefusesEverything: ("no causal attention case passed", dict(checks=["attention"], variants=["causal", "mha"])),
     UpcastOutput: ("dtype torch.float32, expected torch.bfloat16",
                    dict(dtypes=[torch.bfloat16], variants=["causal"], checks=["attention"])),
     TileOffByOne: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),

@@ -240,31 +240,31 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
     failures, tokens = [], None
     (heads, kv_heads), (d, dv) = variant.heads, variant.head_dims
     total = sum(case.lengths)
+    inputs = []  # both calls' inputs and references first: the shared reference's collective before any handler call
     for call in (1, 2):
         torch.manual_seed(3 + call)
         q = torch.randn(total, heads, d, dtype=torch.float64)
         k = torch.randn(total, kv_heads, d, dtype=torch.float64)
         v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
         dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
-        rounded = [t.to(case.dtype).double().requires_grad_() for t in (q, k, v)]
+        rounded = [t.to(case.dtype).double() for t in (q, k, v)]
         sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
-        ref_sinks = sinks.double().requires_grad_() if sinks is not None else None
-        want = reference.attention(*rounded, variant.mask, SCALE, ref_sinks, case.lengths)
-        want.backward(dout.double())
-        local = [h.dispatch(case.to_format(t.detach()).to(case.dtype), case.seq_dim).detach().requires_grad_()
-                 for t in rounded]
+        inputs.append((rounded, dout, sinks, _shared_reference(rounded, dout, sinks, variant, case.lengths, group)))
+    for call, (rounded, dout, sinks, (want, ref_grads, ref_dsinks)) in enumerate(inputs, start=1):
+        local = [t.requires_grad_() for t in _dispatch_together(h, case, [*rounded, dout])]
+        local_dout = local.pop().detach()
         tokens = tokens or token_map(h, case)
         local_sinks = sinks.clone().requires_grad_() if sinks is not None else None
         out = _attend_once(h, attn_module(variant, local_sinks), local, variant.attn_mask_type, first=call == 1)
         named = "core_attn" + (" (a second call on the same handler, other inputs)" if call == 2 else "")
         if err := tensor_rule(f"{named} output", out, local[0], (*local[0].shape[:-1], dv)):
             return failures + [err]
-        out.backward(h.dispatch(case.to_format(dout), case.seq_dim))
+        out.backward(local_dout)
         for name, got, ref in (("output", out, want), *zip(("dq", "dk", "dv"), (t.grad for t in local),
-                                                              (t.grad for t in rounded), strict=True)):
+                                                              ref_grads, strict=True)):
             if got is None:
                 failures.append(f"{named} {name}: no gradient reached the input")
-            elif err := mismatch(f"{named} {name}", got, at_slots(tokens, ref.detach()), tokens, case.dtype,
+            elif err := mismatch(f"{named} {name}", got, at_slots(tokens, ref), tokens, case.dtype,
                                  heads=True):
                 failures.append(err)
         if sinks is not None:
@@ -272,12 +272,62 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
             if got is None:
                 failures.append(f"{named} dsinks: no gradient reached the sinks")
             elif err := mismatch(f"{named} dsinks (summed over the group)", got.reshape(1, -1),
-                                 ref_sinks.grad.reshape(1, -1), TokenMap(torch.zeros(1, dtype=torch.long), [1],
+                                 ref_dsinks.reshape(1, -1), TokenMap(torch.zeros(1, dtype=torch.long), [1],
                                                                          "sinks"), case.dtype):
                 failures.append(err)
         if failures:
             break
     return failures
+
+
+def _shared_reference(rounded, dout, sinks, variant: Variant, lengths: list[int], group):
+    """The float64 reference output and gradients ``(out, (dq, dk, dv), dsinks)`` of one call, the work shared over
+    the group: the units (a document and one query head) are independent; each goes to the least loaded rank
+    (longest first, cost ~ length squared, the same plan on every rank) and a sum over the group assembles them.
+    Every rank ends with the whole reference."""
+    q, k, v = rounded
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group_size = heads // kv_heads
+    out = q.new_zeros(q.shape[0], heads, v.shape[-1])
+    grads = [torch.zeros_like(t) for t in rounded]
+    dsinks = torch.zeros(heads, dtype=torch.float64)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    units = sorted(((start, n, head) for start, n in zip(starts, lengths, strict=True) if n for head in range(heads)),
+                   key=lambda u: -u[1])
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    load = [0] * world
+    for start, n, head in units:
+        owner = load.index(min(load))
+        load[owner] += n * n
+        if owner != rank:
+            continue
+        rows, kv = slice(start, start + n), head // group_size
+        cols = (slice(head, head + 1), slice(kv, kv + 1), slice(kv, kv + 1))
+        leaves = [t[rows, c].clone().requires_grad_() for t, c in zip(rounded, cols, strict=True)]
+        unit_sinks = sinks[head:head + 1].double().requires_grad_() if sinks is not None else None
+        got = reference.attention(*leaves, variant.mask, SCALE, unit_sinks, [n])
+        got.backward(dout[rows, head:head + 1].double())
+        out[rows, head:head + 1] = got.detach()
+        for grad, leaf, c in zip(grads, leaves, cols, strict=True):
+            grad[rows, c] += leaf.grad
+        if unit_sinks is not None:
+            dsinks[head:head + 1] += unit_sinks.grad
+    parts = (out, *grads, dsinks)
+    summed = torch.cat([t.reshape(-1) for t in parts])
+    dist.all_reduce(summed, group=group)
+    out, dq, dk, dv, dsinks = (piece.view_as(t) for piece, t in zip(summed.split([t.numel() for t in parts]), parts,
+                                                                    strict=True))
+    return out, (dq, dk, dv), dsinks
+
+
+def _dispatch_together(h, case: Case, packed: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``packed (T, heads, dim)`` tensors dispatched in one call (as ``(T, 1, sum of heads x dim)``, in the case's
+    dtype) and split again: one dispatch (and one rank agreement) where there would be one per tensor."""
+    widths = [t.shape[1] * t.shape[2] for t in packed]
+    joined = torch.cat([t.reshape(t.shape[0], 1, -1) for t in packed], dim=-1)
+    local = h.dispatch(case.to_format(joined).to(case.dtype), case.seq_dim).detach()
+    return [piece.reshape(*piece.shape[:-2], t.shape[1], t.shape[2]).contiguous()
+            for piece, t in zip(local.split(widths, dim=-1), packed, strict=True)]
 
 
 def expect_refusal(h, case: Case, disagree: bool) -> list[str]:
