@@ -38,6 +38,11 @@ class BlockwiseRing(GatherSDPAHandler):
     def _tile_rows(self, start: int, stop: int) -> slice:
         return slice(start, stop)
 
+    def _block(self, scores, v):
+        """One key block: its softmax-weighted values and its log-sum-exp (the running maximum inside logsumexp)."""
+        block_lse = torch.logsumexp(scores, -1).clamp(min=self.floor)
+        return torch.exp(scores - block_lse[..., None]) @ v, block_lse
+
     def attend(self, call):
         q, k, v, layout = call.q, call.k, call.v, call.layout
         d, heads = k.shape[-1], q.shape[1]
@@ -62,9 +67,8 @@ class BlockwiseRing(GatherSDPAHandler):
                 keys_r = slice(r * block, (r + 1) * block)
                 scores = qt @ k[:, :, keys_r].float().transpose(-1, -2) * call.scale
                 scores = scores.masked_fill(~visible[rows, keys_r], float("-inf"))
-                block_lse = torch.logsumexp(scores, -1).clamp(min=self.floor)
+                block_out, block_lse = self._block(scores, v[:, :, keys_r].float())
                 new = torch.logaddexp(lse, block_lse)
-                block_out = torch.exp(scores - block_lse[..., None]) @ v[:, :, keys_r].float()
                 out = out * torch.exp(lse - new)[..., None] + block_out * torch.exp(block_lse - new)[..., None]
                 lse = new
             tiles.append(out)
@@ -170,6 +174,28 @@ class MergeWithoutEmptyBlocks(BlockwiseRing):
     """The log-sum-exp merge of a block no query row sees (lse -inf on both sides) gives NaN."""
 
     floor = float("-inf")
+
+
+class SoftmaxWithoutMaximum(BlockwiseRing):
+    """Each block's softmax as ``exp(scores) / sum`` without subtracting the maximum: right while the logits stay
+    under ~88, inf / NaN past (float32's ``exp`` overflows)."""
+
+    def _block(self, scores, v):
+        weights = torch.exp(scores)
+        total = weights.sum(-1)
+        return (weights / total.clamp(min=1e-30)[..., None]) @ v, torch.log(total).clamp(min=self.floor)
+
+
+class NaNAtPadding(BlockwiseRing):
+    """Its output starts as NaN (as an uninitialised buffer) and only the real rows are written: thd's padding
+    slots hold NaN."""
+
+    def attend(self, call):
+        out = super().attend(call)
+        if self.qkv_format != "thd":
+            return out
+        real = self._slots(call.layout, self.cp_rank)[2].view(-1, 1, 1)
+        return torch.where(real, out, torch.full_like(out, float("nan")))
 
 
 class CachesKV(GatherSDPAHandler):
@@ -281,6 +307,8 @@ PLANTED = {  # class: (what the kit must name in a failure, the kit's arguments 
                    dict(dtypes=[torch.bfloat16], variants=["causal"], checks=["attention"])),
     TileOffByOne: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),
     MergeWithoutEmptyBlocks: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),
+    SoftmaxWithoutMaximum: ("core_attn output: wrong", dict(variants=["large_logits"], checks=["attention"])),
+    NaNAtPadding: ("inf or NaN at", dict(formats=["thd"], variants=["causal"], checks=["attention"])),
     CachesKV: ("a second call on the same handler", dict(variants=["causal"], checks=["attention"])),
     IgnoresScale: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),
     SeesPaddingKeys: ("core_attn output: wrong", dict(formats=["thd"], variants=["no_mask"], checks=["attention"])),

@@ -33,6 +33,8 @@ class Variant:
     sinks: bool = False
     heads: tuple[int, int] = (4, 2)  # (H, Hkv)
     head_dims: tuple[int, int] = (8, 8)  # (D of q / k, Dv)
+    q_scale: float = 1.0  # q drawn from N(0, q_scale^2): large logits
+    tolerance_factor: float = 1.0  # x the dtype's tolerance (large logits: a rounding scales with the logit)
 
 
 VARIANTS = {v.name: v for v in (
@@ -47,10 +49,14 @@ VARIANTS = {v.name: v for v in (
     Variant("softcap", AttentionMask(softcap=2.0), softcap=2.0),
     Variant("sinks", AttentionMask(), sinks=True),
     Variant("mla", AttentionMask(), head_dims=(8, 12)),
+    Variant("large_logits", AttentionMask(), q_scale=60.0, tolerance_factor=16.0),
 )}
 """The attention variants the kit runs by default (``check_handler(variants=...)`` picks among them): causal with
 GQA 2:1 (as the others unless named), full, MHA, MQA, a causal window of 5, a two-sided window (3 left, 3 right),
-chunks of 6, soft-cap 2, sinks (gpt-oss), MLA (value head dim 12, q / k 8)."""
+chunks of 6, soft-cap 2, sinks (gpt-oss), MLA (value head dim 12, q / k 8), large logits (q x 60: logits past
+100, where ``exp`` overflows float32; a softmax or a log-sum-exp merge without the running maximum gives inf / NaN;
+at 16 x the dtype's tolerance: the softmax's sensitivity to a rounding grows with the logits, ~100 here against ~3
+in the other variants, and dk carries q's x 60)."""
 
 
 LENGTHS = ("short", "long")

@@ -75,8 +75,9 @@ def check_layout(h, case: Case, group) -> list[str]:
     x, w = torch.randn(total, 3, 5, dtype=torch.float64), torch.randn(total, 3, 5, dtype=torch.float64)
     g = case.to_format(x).to(case.dtype).requires_grad_()
     local = h.dispatch(g, case.seq_dim)
-    if err := tensor_rule("dispatch", local, g):
-        return [err]
+    err = tensor_rule("dispatch", local, g)
+    if _any_rank(err is not None, group):  # a local verdict: every rank stops together (the rest communicates)
+        return [err] if err else []
     tokens = token_map(h, case)
     held = [None] * dist.get_world_size(group)
     dist.all_gather_object(held, tokens.ids[tokens.real].tolist(), group=group)
@@ -122,8 +123,9 @@ def check_roll(h, case: Case, group) -> list[str]:
         tokens = tokens or token_map(h, case)
         rolled, total = h.roll_tensor(local, shifts=shift, dims=case.seq_dim)
         what = f"roll_tensor(shifts={shift})"
-        if err := tensor_rule(what, rolled, local, tuple(local.shape)):
-            failures.append(err)
+        err = tensor_rule(what, rolled, local, tuple(local.shape))
+        if _any_rank(err is not None, group):
+            failures += [err] if err else []
             continue
         if err := mismatch(what, rolled, at_slots(tokens, want.detach()), tokens, case.dtype):
             failures.append(err)
@@ -153,18 +155,22 @@ def check_rope(h, case: Case, group) -> list[str]:
     local_pos = at_slots(tokens, positions)
     need = int(positions.max()) + 1 if total else 1
     rows = h.get_rotary_seq_len(local_x.shape[case.seq_dim])
-    if not isinstance(rows, int) or isinstance(rows, bool) or rows < need:
-        return failures + [f"get_rotary_seq_len({local_x.shape[case.seq_dim]}) = {rows!r}: the batch has positions "
-                           f"up to {need - 1}, so the table needs at least {need} rows"]
+    short = not isinstance(rows, int) or isinstance(rows, bool) or rows < need
+    if _any_rank(short, group):
+        return [] if not short else [f"get_rotary_seq_len({local_x.shape[case.seq_dim]}) = {rows!r}: the batch has "
+                                     f"positions up to {need - 1}, so the table needs at least {need} rows"]
     seq_pos, seq_real = _along_seq(case, local_pos), _along_seq(case, tokens.real)
-    if tokens.ids.dim() == 2 and not torch.equal(local_pos * tokens.real, seq_pos.unsqueeze(1 - case.seq_dim)
-                                                 .expand_as(local_pos) * tokens.real):
-        return [f"dispatch: the batch rows' tokens of one local slot sit at different positions ({case.qkv_format})"]
+    mixed = tokens.ids.dim() == 2 and not torch.equal(local_pos * tokens.real, seq_pos.unsqueeze(1 - case.seq_dim)
+                                                      .expand_as(local_pos) * tokens.real)
+    if _any_rank(mixed, group):
+        return [] if not mixed else ["dispatch: the batch rows' tokens of one local slot sit at different positions "
+                                     f"({case.qkv_format})"]
     seq_tokens = TokenMap(torch.where(seq_real, seq_pos, -1), [rows], "table row")
     table = torch.randn(rows, 4, dtype=torch.float64, requires_grad=True)
     emb = h.get_emb_on_this_cp_rank(table)
-    if err := tensor_rule("get_emb_on_this_cp_rank", emb, table, (seq_pos.numel(), 4)):
-        return [err]
+    err = tensor_rule("get_emb_on_this_cp_rank", emb, table, (seq_pos.numel(), 4))
+    if _any_rank(err is not None, group):
+        return [err] if err else []
     if err := mismatch("get_emb_on_this_cp_rank (rows at the local tokens' positions)", emb,
                        table.detach()[seq_pos], seq_tokens, torch.float64, unit="local rows"):
         failures.append(err)
@@ -180,8 +186,9 @@ def check_rope(h, case: Case, group) -> list[str]:
     w = torch.randn_like(x).to(case.dtype)
     (want * w.double()).sum().backward()
     got = h.apply_rotary_pos_emb(local_x, freqs[seq_pos])
-    if err := tensor_rule("apply_rotary_pos_emb", got, local_x, tuple(local_x.shape)):
-        return failures + [err]
+    err = tensor_rule("apply_rotary_pos_emb", got, local_x, tuple(local_x.shape))
+    if _any_rank(err is not None, group):
+        return failures + ([err] if err else [])
     if err := mismatch("apply_rotary_pos_emb (given the reference's rows)", got, at_slots(tokens, want.detach()),
                        tokens, case.dtype, heads=True):
         failures.append(err)
@@ -243,7 +250,7 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
     inputs = []  # both calls' inputs and references first: the shared reference's collective before any handler call
     for call in (1, 2):
         torch.manual_seed(3 + call)
-        q = torch.randn(total, heads, d, dtype=torch.float64)
+        q = torch.randn(total, heads, d, dtype=torch.float64) * variant.q_scale
         k = torch.randn(total, kv_heads, d, dtype=torch.float64)
         v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
         dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
@@ -257,15 +264,16 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
         local_sinks = sinks.clone().requires_grad_() if sinks is not None else None
         out = _attend_once(h, attn_module(variant, local_sinks), local, variant.attn_mask_type, first=call == 1)
         named = "core_attn" + (" (a second call on the same handler, other inputs)" if call == 2 else "")
-        if err := tensor_rule(f"{named} output", out, local[0], (*local[0].shape[:-1], dv)):
-            return failures + [err]
+        err = tensor_rule(f"{named} output", out, local[0], (*local[0].shape[:-1], dv))
+        if _any_rank(err is not None, group):  # every rank stops here together (its backward may communicate)
+            return failures + [err] if err else failures
         out.backward(local_dout)
         for name, got, ref in (("output", out, want), *zip(("dq", "dk", "dv"), (t.grad for t in local),
                                                               ref_grads, strict=True)):
             if got is None:
                 failures.append(f"{named} {name}: no gradient reached the input")
             elif err := mismatch(f"{named} {name}", got, at_slots(tokens, ref), tokens, case.dtype,
-                                 heads=True):
+                                 heads=True, factor=variant.tolerance_factor):
                 failures.append(err)
         if sinks is not None:
             got = _group_sum(local_sinks.grad, group) if local_sinks.grad is not None else None
@@ -275,9 +283,16 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
                                  ref_dsinks.reshape(1, -1), TokenMap(torch.zeros(1, dtype=torch.long), [1],
                                                                          "sinks"), case.dtype):
                 failures.append(err)
-        if failures:
+        if _any_rank(bool(failures), group):  # the ranks go on to the second call together or not at all
             break
     return failures
+
+
+def _any_rank(flag: bool, group) -> bool:
+    """Whether ``flag`` holds on any rank (every rank gets the same answer: the ranks stay in step)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, group=group)
+    return bool(t.item())
 
 
 def _shared_reference(rounded, dout, sinks, variant: Variant, lengths: list[int], group):

@@ -75,7 +75,7 @@ def _spans(values: list[int]) -> str:
 
 
 def mismatch(what: str, got: torch.Tensor, want: torch.Tensor, tokens: TokenMap, dtype: torch.dtype,
-             heads: bool = False, unit: str = "tokens") -> str | None:
+             heads: bool = False, unit: str = "tokens", factor: float = 1.0) -> str | None:
     """``None`` when ``got`` (a local tensor of this rank) equals ``want`` (the reference at the same slots, float64)
     at every real token within the tolerance of ``dtype``; else what is wrong: the shape, or how many tokens are
     wrong, which (:meth:`TokenMap.describe`), which heads (``heads``: the dim after the token dims is the head
@@ -84,13 +84,17 @@ def mismatch(what: str, got: torch.Tensor, want: torch.Tensor, tokens: TokenMap,
         return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     g, w = tokens.flat(got.detach().double().cpu()), tokens.flat(want.detach().double().cpu())
     real = tokens.real.reshape(-1)
-    if not real.any() or g.shape[1] == 0:
+    if g.shape[1] == 0:
         return None
-    tol = TOLERANCES.get(dtype, 2.5e-2)
-    scale = max(1.0, w[real].abs().max().item())
+    padding = (~torch.isfinite(g)).any(1) & ~real
+    tol = TOLERANCES.get(dtype, 2.5e-2) * factor
+    scale = max(1.0, w[real].abs().max().item()) if real.any() else 1.0
     bad = ((g - w).abs() > tol * scale + tol * w.abs()) | ~torch.isfinite(g)
     bad &= real[:, None]
     if not bad.any():
+        if padding.any():  # a slot that holds no token: any finite value, never inf / NaN (they reach every sum)
+            return f"{what}: inf or NaN at {int(padding.sum())} padding slots (slots of this rank that hold no " \
+                   "token: any finite value is right there, inf / NaN poisons every sum over the sequence)"
         return None
     err = (g - w).abs().nan_to_num(float("inf"))[bad].max().item()
     wrong = bad.any(1)

@@ -112,8 +112,9 @@ def _run_case(handler_cls, case, groups, check, variant_name) -> tuple[str, list
             failures = checks.expect_refusal(handler, case, disagree=check == "disagreement")
         else:
             run = {"layout": checks.check_layout, "roll": checks.check_roll, "rope": checks.check_rope}.get(check)
-            failures = run(handler, case, groups.cp_group) if run else \
-                checks.check_attention(handler, case, variant, groups.cp_group)
+            # the kit's own collectives on the world group: never interleaved with the handler's on its CP group
+            failures = run(handler, case, dist.group.WORLD) if run else \
+                checks.check_attention(handler, case, variant, dist.group.WORLD)
     except checks.Refused as err:
         return "NOT-SUPPORTED", [str(err)], False
     except checks.Crashed as err:
