@@ -86,7 +86,8 @@ class ContiguousLayout(TokenLayout):
 
     def roll_tensor(self, tensor, shifts, dims):
         # every rank's gradient reaches the rank whose tokens moved: a gather whose backward sums (not combine's)
-        full = all_gather_summed(tensor.movedim(dims, 0), self.handler.cp_group).flatten(0, 1).movedim(0, dims)
+        full = tensor if self.handler.cp_size == 1 else \
+            all_gather_summed(tensor.movedim(dims, 0), self.handler.cp_group).flatten(0, 1).movedim(0, dims)
         full = torch.roll(full, shifts, dims)
         n = full.shape[dims]
         full = full.index_fill(dims % full.dim(), torch.arange(n + shifts, n) if shifts < 0 else torch.arange(shifts),

@@ -3,7 +3,8 @@ different cp_comm_type in every layer (p2p, all_gather, a2a, a2a+p2p) inside one
 value head dim other than the q/k head dim: MLA).
 
 Also registers a new backend from outside the package (a contiguous-layout, all-gather handler
-written here) and runs the unchanged model with it: the contract is all the model needs.
+written here, its layout the conformance kit's contiguous one) and runs the unchanged model with it: the
+contract is all the model needs.
 
 Tolerances: see gpt_reference.py.
 """
@@ -11,41 +12,12 @@ Tolerances: see gpt_reference.py.
 import pytest
 import torch
 import torch.nn.functional as F
+from conformance_backends import ContiguousLayout  # rank r holds the r-th contiguous block of every row
 from device_cases import GPU_CASES
 from dist_utils import GatherSumGrad, new_cp_group, run_distributed
 
 from cp_handler import ContextParallelHandler, build_dp_cp_groups, get_cp_handler_cls, register_cp_handler
-from cp_handler.handlers import TokenLayout
 from cp_handler.models import GPTConfig
-from cp_handler.ops.seq_gather import all_gather_seq
-from cp_handler.rope import apply_rotary
-
-
-class ContiguousLayout(TokenLayout):
-    """A deliberately different token layout: rank r holds the r-th contiguous block."""
-
-    def dispatch(self, tensor, seq_dim):
-        local = tensor.shape[seq_dim] // self.handler.cp_size
-        return tensor.narrow(seq_dim, self.handler.cp_rank * local, local)
-
-    def combine(self, tensor, seq_dim):
-        return tensor if self.handler.cp_size == 1 else all_gather_seq(tensor, seq_dim, self.handler.cp_group)
-
-    def roll_tensor(self, tensor, shifts, dims):
-        full = torch.roll(self.combine(tensor, dims), shifts, dims)
-        n = full.shape[dims]
-        full.narrow(dims, n + shifts if shifts < 0 else 0, abs(shifts)).zero_()
-        rolled = self.dispatch(full, dims)
-        return rolled, rolled.sum()
-
-    def get_rotary_seq_len(self, local_seq_len):
-        return local_seq_len * self.handler.cp_size
-
-    def get_emb_on_this_cp_rank(self, emb):
-        return self.dispatch(emb, 0)
-
-    def apply_rotary_pos_emb(self, t, freqs):
-        return apply_rotary(t, freqs, self.handler.qkv_format)
 
 
 class ContiguousAllGatherHandler(ContextParallelHandler):
