@@ -14,8 +14,6 @@ importing it does not import transformers, ``register`` checks it). Everything e
 module (``cp_handler.training``, ``cp_handler.inference``, ``cp_handler.testing``, ...).
 """
 
-from .config import CP_COMM_TYPES, QKV_FORMATS, AttentionShape, ContextParallelConfig, check_seq_len
-from .groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
 from .handlers import (
     ContextParallelHandler,
     HierarchicalContextParallelHandler,
@@ -28,9 +26,11 @@ from .handlers import (
     registered_backends,
 )
 from .integrations.transformers import cp_model_inputs, register
-from .loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch, token_loss_sum
-from .moe import ExpertParallelHandler
-from .parallel_layout import ParallelGroups, ParallelLayout
+from .models.loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch, token_loss_sum
+from .runtime.config import CP_COMM_TYPES, QKV_FORMATS, AttentionShape, ContextParallelConfig, check_seq_len
+from .runtime.groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
+from .runtime.moe import ExpertParallelHandler
+from .runtime.parallel_layout import ParallelGroups, ParallelLayout
 
 __all__ = [
     # the handler factory and registry

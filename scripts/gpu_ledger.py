@@ -22,8 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "docs" / "gpu_ledger.json"
 
-_ATTN = ("cp_handler/ops", "cp_handler/handlers", "cp_handler/layout.py", "cp_handler/masks.py", "cp_handler/rope.py",
-         "cp_handler/config.py", "cp_handler/groups.py")
+_ATTN = ("cp_handler/ops", "cp_handler/handlers", "cp_handler/core/layout.py", "cp_handler/core/masks.py",
+         "cp_handler/core/comm_types.py", "cp_handler/runtime/rope.py", "cp_handler/runtime/config.py",
+         "cp_handler/runtime/groups.py")
 """The attention path every pattern stage runs: ops (plans, kernels, merge), handlers, layout, masks, RoPE."""
 _HARNESS = ("tests/conftest.py", "tests/dist_utils.py", "tests/device_cases.py", "tests/host_staging.py",
             "tests/attn_reference.py")
@@ -31,7 +32,7 @@ _HARNESS = ("tests/conftest.py", "tests/dist_utils.py", "tests/device_cases.py",
 _PATTERN_TESTS = ("tests/test_attn_patterns.py", "tests/test_thd.py", "tests/test_handler_layout.py")
 _BENCH = ("cp_handler/bench/plan.py", "cp_handler/bench/whole.py", "cp_handler/bench/cli.py",
           "cp_handler/bench/flag_rules.py", "cp_handler/bench/report.py", "cp_handler/bench/defaults.py",
-          "cp_handler/bench/case_progress.py", "cp_handler/progress.py")
+          "cp_handler/bench/case_progress.py", "cp_handler/core/progress.py")
 _PATTERN_STAGE = (*_ATTN, *_HARNESS, *_PATTERN_TESTS)
 """What a stage running every pattern (in some dtype, through some kernel) covers."""
 _PLAN_STAGE = (*_ATTN, *_BENCH)

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from cp_handler.layout import ZigzagDocs
+from cp_handler.core.layout import ZigzagDocs
 from cp_handler.ops.all_gather import all_gather_attn
 from cp_handler.ops.ring import ring_attn
 from cp_handler.ops.ulysses import a2a_attn

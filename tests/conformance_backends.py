@@ -24,7 +24,7 @@ from cp_handler.handlers import TokenLayout  # noqa: E402
 from cp_handler.handlers.zigzag import ZigzagLayout  # noqa: E402
 from cp_handler.ops.collectives import all_gather_summed  # noqa: E402
 from cp_handler.ops.seq_gather import all_gather_seq  # noqa: E402
-from cp_handler.rope import apply_rotary  # noqa: E402
+from cp_handler.runtime.rope import apply_rotary  # noqa: E402
 
 
 # -- a blockwise ring emulation: K/V gathered, one key block per source rank, merged by log-sum-exp ---------------

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from cp_handler import LocalContextParallelHandler, build_dp_cp_groups
-from cp_handler.layout import ZigzagDocs
-from cp_handler.masks import AttentionMask
+from cp_handler.core.layout import ZigzagDocs
+from cp_handler.core.masks import AttentionMask
 from cp_handler.ops.ulysses import A2AHeads, a2a_attn, a2a_head_plan
 from cp_handler.testing.reference import attention as attention_reference
 

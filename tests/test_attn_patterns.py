@@ -22,8 +22,8 @@ from device_cases import CPU, GPU_CASES
 from dist_utils import run_distributed
 
 from cp_handler import HierarchicalContextParallelHandler, build_dp_cp_groups
-from cp_handler.groups import hierarchical_level_ranks
 from cp_handler.ops.ulysses import a2a_attn
+from cp_handler.runtime.groups import hierarchical_level_ranks
 
 HEADS = {"mha": (4, 4, 64), "gqa": (8, 2, 80), "gqa_ratio3": (12, 4, 32), "mqa": (4, 1, 32)}
 """name -> (query heads, KV heads, head dim)."""

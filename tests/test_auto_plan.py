@@ -29,14 +29,14 @@ from cp_handler.auto import (
     pattern_work,
     predict,
 )
-from cp_handler.auto.calibrate import fit_compute, fit_patterns
 from cp_handler.auto.profile import ComputeFit
 from cp_handler.auto.workload import PatternWorkload
+from cp_handler.bench.calibrate import fit_compute, fit_patterns
 from cp_handler.bench.cli import main as bench_main
 from cp_handler.bench.cli import parse_args as parse_bench
+from cp_handler.core.masks import CAUSAL, AttentionMask
 from cp_handler.dynamic import schedule_sequences
 from cp_handler.handlers import build_cp_handler
-from cp_handler.masks import CAUSAL, AttentionMask
 from cp_handler.ops.collectives import count_comms
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -1,4 +1,4 @@
-"""The loss without the rank's whole logits (cp_handler.loss.token_loss_sum, ``--loss-chunk-tokens``): chunked
+"""The loss without the rank's whole logits (cp_handler.models.loss.token_loss_sum, ``--loss-chunk-tokens``): chunked
 equals whole in value and in every gradient, for the reference GPT and for Hugging Face models through their own
 output head and logit transforms (Llama; Gemma 2's final soft-cap; Cohere's logit scale; Granite's logits
 scaling); no tensor of a chunk's logits is kept for the backward (saved-tensor hooks: machine-independent); a model
@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_cli import SMALL, cp_train
 
-from cp_handler.loss import loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
 from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.models.loss import loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
 
 
 def _inputs(rows=2, length=23, hidden=8, vocab=40, dtype=torch.float64):

@@ -340,7 +340,7 @@ def test_crashed_rank_stops_every_rank():
 def test_root_failure_is_the_cause_not_the_peer_that_lost_its_connection():
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from cp_handler.launch import root_failure
+    from cp_handler.runtime.launch import root_failure
 
     def failure(rank, message, timestamp):
         f = ProcessFailure.__new__(ProcessFailure)

@@ -1,4 +1,4 @@
-"""``cp-generate`` (cp_handler/cli/generate.py, cp_handler/inference/run.py): a checkpoint written by
+"""``cp-generate`` (cp_handler/cli/generate.py, cp_handler/cli/generate_rank.py): a checkpoint written by
 cp-train continued at cp 2 with --check-parity (greedy with p2p and a2a prefills; sampled), the flag rules
 checked before any rank starts, and the dtype a model was saved in. The generation itself is tested in
 tests/test_inference.py; the tolerances are cp-generate's (docs/inference.md).
@@ -137,7 +137,7 @@ def test_cp_generate_runs_a_model_in_the_dtype_it_was_saved_in(tmp_path, monkeyp
 def test_cp_generate_names_itself_and_a_tiny_temperature_is_greedy(tmp_path, monkeypatch):
     """Every message of a cp-generate run says cp-generate (a failed rank was reported as ``cp-train: ...``);
     ``--temperature 1e-40`` is the greedy limit (it ended in ``probability tensor contains inf/nan``)."""
-    import cp_handler.inference.run as run
+    import cp_handler.cli.generate_rank as run
     from cp_handler.inference.sampling import Sampling
 
     seen = {}
@@ -190,7 +190,7 @@ def test_the_prompt_is_echoed_before_its_continuation_and_unprintable_text_is_es
     """Terminal controls (escape sequences, carriage returns, bidirectional overrides) and bytes that are not UTF-8
     are printed as Python escapes; newlines, tabs and other text as they are."""
     import cp_handler.cli.generate as generate
-    from cp_handler.inference.run import GenerateConfig
+    from cp_handler.cli.generate_rank import GenerateConfig
     from cp_handler.training.tokens import ByteTokens
 
     assert generate.printable("a\x1b[31mb\r\n\tc\u202ed\u00e9\\x") == "a\\x1b[31mb\\r\n\tc\\u202ed\u00e9\\x"

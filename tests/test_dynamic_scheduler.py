@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_handler.bench.dynamic_cp import draw_lengths, stdlib_lengths
+from cp_handler.core.layout import padded_length
 from cp_handler.dynamic import CostModel, Workload
 from cp_handler.dynamic.scheduler import cp_size_for, schedule_sequences
-from cp_handler.layout import padded_length
 
 LENGTHS = st.lists(st.one_of(st.integers(1, 64), st.integers(65, 2000), st.integers(2001, 9000)),
                    min_size=1, max_size=120)

@@ -19,9 +19,9 @@ from dist_utils import run_distributed
 from gpt_reference import CONFIG
 
 from cp_handler import ContextParallelConfig, build_dp_cp_groups, get_cp_handler_cls
-from cp_handler.eval_cp import EvalContextParallel, check_eval_layout, eval_config
 from cp_handler.models import GPTModel
 from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
+from cp_handler.training.eval_cp import EvalContextParallel, check_eval_layout, eval_config
 
 
 class Rows:

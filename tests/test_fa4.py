@@ -26,7 +26,7 @@ import torch
 from device_cases import CPU_BF16
 from dist_utils import run_distributed
 
-from cp_handler.masks import AttentionMask, BlockMask
+from cp_handler.core.masks import AttentionMask, BlockMask
 from cp_handler.ops import kernels
 from cp_handler.ops.blocks import LseRows, new_accumulators
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, fa4, select_kernel

@@ -12,7 +12,7 @@ from device_cases import GPU_CASES
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler import LocalContextParallelHandler
-from cp_handler.rope import apply_rotary, rotary_freqs
+from cp_handler.runtime.rope import apply_rotary, rotary_freqs
 
 
 def roll_reference(x: torch.Tensor, shift: int, dim: int) -> torch.Tensor:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations import hf_fused_head
 from cp_handler.integrations.hf_fused_head import fused_forward_on_shards, install_cp_fused_head
 from cp_handler.integrations.transformers import register
+from cp_handler.runtime.config import ContextParallelConfig
 
 MODELS = {"llama": ("llama", None), "hybrid": ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"],
                                                               "output_router_logits": True,

@@ -20,8 +20,8 @@ import hf_trainer_cases as cases
 import pytest
 import torch
 
-from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations.hf_batch import shard_batch
+from cp_handler.runtime.config import ContextParallelConfig
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import hf_zoo
 import pytest
 import torch
 
-from cp_handler.config import ContextParallelConfig
 from cp_handler.handlers.local import LocalContextParallelHandler
 from cp_handler.integrations import hf_router_loss
 from cp_handler.integrations.hf_batch import shard_batch
 from cp_handler.integrations.transformers import cp_attention, cp_model_inputs, register
+from cp_handler.runtime.config import ContextParallelConfig
 
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
 

@@ -22,8 +22,8 @@ import hf_vlm_zoo as zoo
 import pytest
 import torch
 
-from cp_handler.config import ContextParallelConfig
 from cp_handler.integrations.hf_batch import shard_batch
+from cp_handler.runtime.config import ContextParallelConfig
 
 
 @pytest.fixture(scope="module")

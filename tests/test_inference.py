@@ -110,7 +110,7 @@ def test_hugging_face_llama_generates_the_same_tokens():
 
 VARIANTS = {"mistral": {"sliding_window": 5}, "gemma2": {"sliding_window": 6, "attn_logit_softcapping": 0.5},
             "gpt_oss": {"sliding_window": 6}, "llama4_text": {"attention_chunk_size": 8}, "diffllama": {}}
-"""Decode with each attention variant (:mod:`cp_handler.masks`), small enough to matter at these lengths:
+"""Decode with each attention variant (:mod:`cp_handler.core.masks`), small enough to matter at these lengths:
 sliding windows of 5-6 tokens, a soft-cap of 0.5 (the scores of this tiny model reach ~1; Gemma 2's 50
 would change nothing), GPT-OSS's learnable sinks (set to N(0, 1): their default init is ~0), chunks of 8;
 and DiffLlama, whose layers call attention twice per forward (one cache shard per call; no variant, so
@@ -136,7 +136,7 @@ def _variant_models(model_type):
 
 
 def _variants_worker(rank, world, model_types, first=3):  # the first `first` prompts
-    from cp_handler.masks import CAUSAL
+    from cp_handler.core.masks import CAUSAL
     from cp_handler.training.reference import hf_logits
 
     group = dist.group.WORLD

@@ -1,10 +1,12 @@
-"""The package's layers (docs/architecture.md, "Layers"): every module imports only from its own layer or
-the ones below, and no modules import each other in a circle, lazy imports inside functions included; and
-one concept per file: a library file over ``LONG_LINES`` lines is a prompt to ask whether it still holds one
-concept, so each is listed, with the reason, in docs/architecture.md's "Files over 400 lines" table.
+"""The package's layers (docs/architecture.md, "Layers"): the folders are the layers. Every top-level folder of
+``cp_handler/`` says its layer in its ``__init__.py`` docstring (``Layer N (...)``); no module stands loose at the
+top (the public face ``cp_handler/__init__.py`` apart); every module imports only from its own layer or the ones
+below, and no modules import each other in a circle, lazy imports inside functions included; and one concept per
+file: a library file over ``LONG_LINES`` lines is a prompt to ask whether it still holds one concept, so each is
+listed, with the reason, in docs/architecture.md's "Files over 400 lines" table.
 
-The layer table is read from docs/architecture.md, so the doc and the code cannot drift apart: a module
-the table does not cover fails here, as does an import that runs up a layer.
+The layers are read from the folders themselves, so a new folder must declare its layer and a new module must live
+in a folder: a module without one fails here, as does an import that runs up a layer.
 """
 
 import ast
@@ -13,17 +15,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "cp_handler"
+FACE = "cp_handler"
+"""The public face: re-exports only; above every layer, imported by no module of the library."""
 
 
 def layer_table() -> dict[str, int]:
-    """``{path under cp_handler/: layer}`` from the doc's table."""
-    doc = (ROOT / "docs" / "architecture.md").read_text()
-    section = doc.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    """``{top-level folder: layer}`` from each folder's ``__init__.py`` docstring (``Layer N (...)``)."""
     table = {}
-    for layer, paths in re.findall(r"^\| (\d+) \|[^|]*\| (.*) \|$", section, re.M):
-        for path in re.findall(r"`([^`]+)`", paths):
-            table[path] = int(layer)
-    assert table, "no layer table in docs/architecture.md"
+    for init in sorted(PACKAGE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        found = re.findall(r"^Layer (\d+) \(", doc, re.M)
+        assert len(found) == 1, f"{init.relative_to(ROOT)}: its docstring must say its layer once ('Layer N (...)')"
+        table[init.parent.name] = int(found[0])
+    assert table, "no folders under cp_handler/"
     return table
 
 
@@ -36,10 +40,13 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
 def layer_of(name: str, table: dict[str, int]) -> int:
-    path = str(MODULES[name].relative_to(PACKAGE))
-    matches = [p for p in table if path == p or (p.endswith("/") and path.startswith(p))]
-    assert matches, f"{path} has no layer in docs/architecture.md's table"
-    return table[max(matches, key=len)]
+    """The layer of module ``name``: its top-level folder's (the public face is above them all)."""
+    if name == FACE:
+        return max(table.values()) + 1
+    parts = MODULES[name].relative_to(PACKAGE).parts
+    assert len(parts) > 1, f"cp_handler/{parts[0]} stands loose at the top: move it into the folder of its layer"
+    assert parts[0] in table, f"cp_handler/{parts[0]}/ has no __init__.py saying its layer"
+    return table[parts[0]]
 
 
 def imports_of(name: str) -> set[str]:
@@ -143,4 +150,14 @@ def test_the_check_sees_an_upward_import():
     table = layer_table()
     assert layer_of("cp_handler.handlers.local", table) > layer_of("cp_handler.ops.ring", table)
     assert "cp_handler.ops.blocks" in imports_of("cp_handler.ops.ring")
-    assert "cp_handler.handlers.base" in imports_of("cp_handler.loss")
+    assert "cp_handler.handlers.base" in imports_of("cp_handler.models.loss")
+
+
+def test_every_folder_declares_its_layer_and_no_module_stands_loose():
+    """The folders are the layers: the bottom (``core``) and the top (the applications) are where the doc puts
+    them, and every module but the public face is inside a folder."""
+    table = layer_table()
+    assert table["core"] == min(table.values()) and table["cli"] == max(table.values()), table
+    loose = [name for name, path in MODULES.items() if name != FACE and path.parent == PACKAGE]
+    assert not loose, f"modules loose at the top of cp_handler/: {loose}"
+    assert all(layer_of(name, table) for name in MODULES)

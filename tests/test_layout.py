@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cp_handler.layout import ZigzagDocs
+from cp_handler.core.layout import ZigzagDocs
 
 
 def test_positions_cp2():

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_handler.masks import AttentionMask, BlockMask, block_needs, mask_blocks
+from cp_handler.core.masks import AttentionMask, BlockMask, block_needs, mask_blocks
 from cp_handler.ops.blocks import plan_backward, plan_forward
 from cp_handler.ops.kernels import KERNELS, MASKED_KERNEL_ENV, count_attn_work, cpu_flash, flash_window, masked
 from cp_handler.ops.spec import AttnSpec

@@ -24,8 +24,8 @@ from device_cases import GPU_CASES
 from dist_utils import run_distributed
 
 from cp_handler import LocalContextParallelHandler, build_dp_cp_groups
-from cp_handler.layout import ZigzagDocs
-from cp_handler.masks import AttentionMask, mask_blocks
+from cp_handler.core.layout import ZigzagDocs
+from cp_handler.core.masks import AttentionMask, mask_blocks
 from cp_handler.ops.collectives import count_comms
 from cp_handler.ops.halo import halo_applies
 from cp_handler.ops.kernels import MASKED_KERNEL_ENV

@@ -15,8 +15,8 @@ from gpt_reference import assert_parity
 
 from cp_handler import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
-from cp_handler.moe import ExpertParallelHandler
-from cp_handler.parallel_layout import ParallelLayout
+from cp_handler.runtime.moe import ExpertParallelHandler
+from cp_handler.runtime.parallel_layout import ParallelLayout
 from cp_handler.training import global_token_count, masked_token_loss_sum, next_token_batch
 
 CONFIG = GPTConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,

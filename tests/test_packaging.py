@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import HANG_GUARD_S
 
-from cp_handler.install_hint import extra_hint, extra_requirements
+from cp_handler.core.install_hint import extra_hint, extra_requirements
 
 ROOT = Path(__file__).resolve().parent.parent
 

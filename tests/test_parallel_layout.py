@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from cp_handler.parallel_layout import GROUP_KINDS, ParallelLayout
+from cp_handler.runtime.parallel_layout import GROUP_KINDS, ParallelLayout
 
 
 def divisors(n):
@@ -119,7 +119,7 @@ def test_bad_layouts_raise_before_any_group(kwargs, message):
 def test_node_levels_follow_the_node_boundary():
     """The default hierarchical levels (a2a inside a node, p2p across): the CP ranks on one node, then the nodes a CP
     group spans; with tp the CP ranks are tp apart; groups that split unevenly over nodes are refused by name."""
-    from cp_handler.parallel_layout import default_hierarchical_sizes
+    from cp_handler.runtime.parallel_layout import default_hierarchical_sizes
 
     assert ParallelLayout(8, context_parallel_size=4).node_levels(2) == (2, 2)
     assert ParallelLayout(8, context_parallel_size=4).node_levels(8) == (4, 1)

@@ -21,8 +21,8 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from cp_handler import HierarchicalContextParallelHandler, build_dp_cp_groups
-from cp_handler.layout import ZigzagDocs
-from cp_handler.rope import apply_rotary, rotary_freqs
+from cp_handler.core.layout import ZigzagDocs
+from cp_handler.runtime.rope import apply_rotary, rotary_freqs
 
 LENGTHS = st.lists(st.one_of(st.just(0), st.integers(1, 3), st.integers(4, 24), st.integers(60, 130)), min_size=1,
                    max_size=8).filter(lambda lengths: sum(lengths) > 0)  # 0: a zero-length document

@@ -1,4 +1,4 @@
-"""Tiled MLPs (``cp_handler.tiling.tile_mlps``, ``cp-train --mlp-chunk-tokens``): every feed-forward block over
+"""Tiled MLPs (``cp_handler.models.tiling.tile_mlps``, ``cp-train --mlp-chunk-tokens``): every feed-forward block over
 chunks of tokens, each recomputed in the backward.
 
 * One process, float64: the reference GPT and a Hugging Face Llama with tiled MLPs give the loss and every
@@ -23,7 +23,7 @@ from torch import nn
 from cp_handler.cli.args import parse
 from cp_handler.models import GPTConfig, GPTModel
 from cp_handler.models.moe import SwiGLU
-from cp_handler.tiling import tile_mlps
+from cp_handler.models.tiling import tile_mlps
 
 SHAPE = {"hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2, "ffn_hidden_size": 64,
          "vocab_size": 50}

@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_handler.bench.plan import PlanCase, PlanShape, rank_plan
-from cp_handler.layout import ZigzagDocs
-from cp_handler.masks import CAUSAL, AttentionMask
+from cp_handler.core.layout import ZigzagDocs
+from cp_handler.core.masks import CAUSAL, AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
 from cp_handler.ops.halves import halves_order, halves_step_plans

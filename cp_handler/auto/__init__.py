@@ -1,5 +1,8 @@
 """``cp_comm_type="auto"``: every pattern's cost counted from its plans and transfers, priced by a measured or named
-profile, and the fastest picked (docs/auto_plan.md)."""
+profile, and the fastest picked (docs/auto_plan.md).
+
+Layer 3 (cost models, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
+"""
 
 from .catalog import NAMED_PROFILES, load_profile
 from .choice import AutoChoice, Prediction, candidates, choose_comm_type, predict

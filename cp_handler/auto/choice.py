@@ -11,7 +11,8 @@ pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
 (``exposed``: the collectives nothing overlaps, the all-gathers, reduce-scatters and all-to-alls; ``ring``: the
 ring steps' transfers). :func:`choose_comm_type` returns the fastest candidate, ties going to the earlier one in
-:data:`~cp_handler.config.CP_COMM_TYPES` order (``p2p`` first). The inputs are the same on every rank of a CP group
+:data:`~cp_handler.core.comm_types.CP_COMM_TYPES` order
+(``p2p`` first). The inputs are the same on every rank of a CP group
 (shapes, documents, the group's sizes, one profile), and so is the pick; the handler's agreement check compares it.
 """
 
@@ -76,7 +77,8 @@ def candidates(case: AttnCase, runs: tuple[str, ...] | list[str] = tuple(PATTERN
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """What "auto" picked, and every candidate's prediction (in :data:`~cp_handler.config.CP_COMM_TYPES` order)."""
+    """What "auto" picked, and every candidate's prediction (in
+    :data:`~cp_handler.core.comm_types.CP_COMM_TYPES` order)."""
 
     comm_type: str
     predictions: tuple[Prediction, ...]

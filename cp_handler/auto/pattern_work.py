@@ -26,8 +26,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..layout import ZigzagDocs
-from ..masks import CAUSAL, AttentionMask
+from ..core.layout import ZigzagDocs
+from ..core.masks import CAUSAL, AttentionMask
 from ..ops.all_gather import all_gather_blocks, kv_head_chunks
 from ..ops.halo import halo_applies, halo_plan
 from ..ops.patterns import PATTERNS
@@ -48,7 +48,7 @@ class AttnCase:
         heads, kv_heads: query and key/value heads (``heads % kv_heads == 0``).
         head_dim, v_head_dim: widths of q/k and of v (multi-head latent attention: they differ).
         element_bytes: bytes per element of q, k, v (bf16: 2).
-        mask: the layer's :class:`~cp_handler.masks.AttentionMask`.
+        mask: the layer's :class:`~cp_handler.core.masks.AttentionMask`.
         cp: the CP group's size.
         hierarchical: ``(a2a, p2p)`` level sizes when the group has two levels (``a2a+p2p`` is a candidate then).
     """

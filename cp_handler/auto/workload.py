@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..masks import CAUSAL, AttentionMask
+from ..core.masks import CAUSAL, AttentionMask
 from .choice import choose_comm_type
 from .pattern_work import AttnCase
 from .profile import CostProfile

@@ -27,14 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..config import ContextParallelConfig
-from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
-from ..launch import launch, rank_session
 from ..ops.collectives import count_comms
 from ..ops.kernels import count_attn_work
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd, to_bhsd
+from ..runtime.config import ContextParallelConfig
+from ..runtime.groups import build_dp_cp_groups
+from ..runtime.launch import launch, rank_session
 from ..training.data import stdlib_files
 from . import report
 from .case_progress import case_progress

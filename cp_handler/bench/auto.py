@@ -4,7 +4,7 @@ A grid of attention layers (:data:`GRIDS`; the full one: tokens 1k-16k, cp 2 and
 at 4, heads 8/8, 16/2 and 8/1, head dims 64 and 128, causal, a window of 512 and thd packs of 8 documents) runs on
 CP ranks of this machine (one launch per cp size, the threads per rank cp-train gives them, float32 on CPU). For
 each case every candidate pattern (:func:`~cp_handler.auto.candidates`) runs forward + backward through the local
-handler (:func:`~cp_handler.auto.calibrate.handler_step`, as the calibration times a pattern), the repetitions
+handler (:func:`~cp_handler.bench.calibrate.handler_step`, as the calibration times a pattern), the repetitions
 interleaved across the patterns (drift hits them alike), each between two barriers, the
 slowest rank's time kept; the median of ``--reps`` is the measured time. Beside it: the profile's prediction
 (:func:`~cp_handler.auto.predict`) and ``"auto"``'s pick (:func:`~cp_handler.auto.choose_comm_type`; the handler
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ..auto import AttnCase, candidates, choose_comm_type, load_profile, predict
-from ..auto.calibrate import calibrate, documents, handler_step, levels_of
 from ..auto.catalog import default_profile
-from ..groups import build_dp_cp_groups
-from ..launch import launch, rank_session
-from ..masks import CAUSAL, AttentionMask
+from ..core.masks import CAUSAL, AttentionMask
+from ..runtime.groups import build_dp_cp_groups
+from ..runtime.launch import launch, rank_session
+from .calibrate import calibrate, documents, handler_step, levels_of
 from .case_progress import case_progress
 
 WINDOW = 512

@@ -1,6 +1,7 @@
 """Progress of every cp-bench mode, one helper for all: a tqdm bar when stderr is a terminal, else one line per case
-(:class:`~cp_handler.progress.Progress` with ``every=1``) when it starts and when it ends: ``cp-bench: launches 3/36
-started case p2p thd S=16384 cp=4``, then ``cp-bench: launches 3/36 case p2p thd S=16384 cp=4``.
+(:class:`~cp_handler.core.progress.Progress` with ``every=1``) when it starts and when it ends:
+``cp-bench: launches 3/36 started case p2p thd S=16384 cp=4``, then
+``cp-bench: launches 3/36 case p2p thd S=16384 cp=4``.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
-from ..progress import Progress
+from ..core.progress import Progress
 
 T = TypeVar("T")
 

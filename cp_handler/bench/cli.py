@@ -31,7 +31,7 @@ Modes (``--modes``, default both):
 * ``compile`` (only when asked for): :mod:`.compiled`: the reference GPT's training step with every layer
   compiled (Inductor, fullgraph) beside eager, per comm type, with the compiled forward's graphs and breaks and the
   eager forward's cp_handler Python calls;
-* ``calibrate`` (only when asked for, or ``--calibrate``): :mod:`cp_handler.auto.calibrate`: this machine's cost
+* ``calibrate`` (only when asked for, or ``--calibrate``): :mod:`cp_handler.bench.calibrate`: this machine's cost
   profile (compute and links at ``--calibrate-cp-sizes``, under a minute on 2 CPU cores), written to
   ``<out-dir>/cost_profile.json`` (``--cp-comm-profile`` of cp-train, ``cp_comm_profile`` of the config);
 * ``auto`` (only when asked for): :mod:`.auto`: every pattern measured on CPU ranks over a grid beside the cost
@@ -56,7 +56,7 @@ import time
 import torch
 
 from ..cli.flag_names import FlagParser, HelpFormatter
-from ..config import CP_COMM_TYPES
+from ..runtime.config import CP_COMM_TYPES
 from . import auto, compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .defaults import default_help

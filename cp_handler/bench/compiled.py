@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
-from ..launch import launch, rank_session
 from ..models import GPTConfig, GPTModel
+from ..runtime.launch import launch, rank_session
 from ..training import masked_token_loss_sum, next_token_batch
 from ..training.compile import compile_layers
 from .case_progress import case_progress

@@ -15,7 +15,7 @@ import argparse
 import copy
 import textwrap
 
-from ..config import CP_COMM_TYPES
+from ..runtime.config import CP_COMM_TYPES
 
 COMMON = {"comm_types": list(CP_COMM_TYPES), "cp_sizes": [1, 2, 4]}
 """Defaults shared by every mode that reads these flags (attn and e2e: ``--cp-sizes``; attn, plan and launches:

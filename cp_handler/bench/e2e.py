@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..config import AttentionShape, ContextParallelConfig
-from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
-from ..launch import launch, rank_session
 from ..models import GPTConfig, GPTModel
+from ..runtime.config import AttentionShape, ContextParallelConfig
+from ..runtime.groups import build_dp_cp_groups
+from ..runtime.launch import launch, rank_session
 from ..training import TrainConfig, masked_token_loss_sum, next_token_batch
 from ..training.reference import PlainAttention
 from ..training.run import run_training

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from ..cli.flag_names import FlagParser
-from ..config import ContextParallelConfig
-from ..eval_cp import EvalContextParallel, eval_config
-from ..launch import launch, rank_session
 from ..models import GPTConfig, GPTModel
+from ..runtime.config import ContextParallelConfig
+from ..runtime.launch import launch, rank_session
+from ..training.eval_cp import EvalContextParallel, eval_config
 
 
 class _Rows:

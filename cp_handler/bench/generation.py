@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..inference import generate
-from ..launch import launch, rank_session
+from ..runtime.launch import launch, rank_session
 from .case_progress import case_progress
 
 

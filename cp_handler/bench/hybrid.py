@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
-from ..launch import launch, rank_session
 from ..ops.collectives import all_gather_summed, count_comms
+from ..runtime.launch import launch, rank_session
 from .case_progress import case_progress
 
 

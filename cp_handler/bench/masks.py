@@ -21,8 +21,8 @@ from dataclasses import asdict
 
 import torch
 
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask, BlockMask, block_needs
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask, BlockMask, block_needs
 from ..ops.halo import halo_applies, halo_plan
 from ..ops.kernels import EXPLICIT, KERNELS, MASKED_KERNEL_ENV, count_attn_work, select_kernel
 from ..ops.ring import ring_blocks

@@ -6,7 +6,7 @@
   embedding / output head / loss: bytes per token per layer, and the head's and loss's bytes per token. Exact and
   machine-independent (what autograd keeps, not what an allocator reports). Measured at the Llama-3-8B layer
   shape (one layer, bfloat16) with the whole loss and the chunked one, with and without recomputation, with
-  whole and tiled MLPs (:func:`~cp_handler.tiling.tile_mlps`), and at this machine's model shape through spawned
+  whole and tiled MLPs (:func:`~cp_handler.models.tiling.tile_mlps`), and at this machine's model shape through spawned
   CP ranks. The Llama layer runs on fake tensors (``FakeTensorMode``: the same code, autograd graph, shapes and
   dtypes, no arithmetic; about a second on any CPU). On real tensors its 1.3B bfloat16 weights took 22-27 s to
   fill, and on a CPU without bfloat16 instructions (AVX2; here ``ATEN_CPU_CAPABILITY=avx2``) the first of its six
@@ -27,10 +27,10 @@ import contextlib
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..config import AttentionShape, ContextParallelConfig
 from ..handlers.local import LocalContextParallelHandler
 from ..models import GPTConfig, GPTModel
-from ..tiling import tile_mlps
+from ..models.tiling import tile_mlps
+from ..runtime.config import AttentionShape, ContextParallelConfig
 from ..training.config import TrainConfig
 from ..training.run import run_training
 from ..training.tokens import BYTE_VOCAB_SIZE

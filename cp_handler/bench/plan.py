@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..layout import ZigzagDocs
-from ..masks import CAUSAL
+from ..core.layout import ZigzagDocs
+from ..core.masks import CAUSAL
 from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..install_hint import extra_hint
+from ..core.install_hint import extra_hint
 
 IMPLEMENTATIONS = ("local p2p", "local all_gather", "local a2a", "local a2a+p2p", "torch_ring allgather",
                    "torch_ring alltoall", "single none")

@@ -53,10 +53,10 @@ def measure(tokens: int, shape: dict = SHAPE) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from ..config import ContextParallelConfig
     from ..integrations.hf_batch import shard_batch
     from ..integrations.hf_fused_head import install_cp_fused_head
     from ..integrations.transformers import cp_attention, register
+    from ..runtime.config import ContextParallelConfig
 
     cp = dist.get_world_size()
     torch.manual_seed(0)
@@ -90,7 +90,7 @@ def measure(tokens: int, shape: dict = SHAPE) -> list[dict]:
 
 
 def _rank(tokens: int) -> list[dict]:
-    from ..launch import rank_session
+    from ..runtime.launch import rank_session
 
     with rank_session("rl-logprobs", device_type="cpu"):
         return measure(tokens)
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of the row (prompt + completion)")
     parser.add_argument("--out", type=Path, default=Path("rl_logprobs.json"), help="the JSON written")
     args = parser.parse_args(argv)
-    from ..launch import launch
+    from ..runtime.launch import launch
 
     rows = launch(_rank, args.cp, args.tokens, program="rl-logprobs")[0]
     mib = 2 ** 20

@@ -1,1 +1,4 @@
-"""Command-line entry points (``cp-train``)."""
+"""Command-line entry points (``cp-train``).
+
+Layer 8 (applications, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
+"""

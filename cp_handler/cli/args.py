@@ -8,16 +8,16 @@ from dataclasses import replace
 
 import torch
 
-from ..config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
 from ..dynamic.scheduler import cp_size_for, schedule_sequences
-from ..eval_cp import check_eval_layout, eval_config
-from ..groups import check_world_divisible
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..launch import is_first_rank, rank_env, under_torchrun
 from ..ops.patterns import PATTERNS
-from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
+from ..runtime.config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
+from ..runtime.groups import check_world_divisible
+from ..runtime.launch import is_first_rank, rank_env, under_torchrun
+from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..training import DynamicCP, TrainConfig
+from ..training.eval_cp import check_eval_layout, eval_config
 from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints, check_resume_folder
 from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data
@@ -167,7 +167,7 @@ def check_positive(args: argparse.Namespace) -> None:
 
 def hierarchical_sizes(args: argparse.Namespace, world: int, cp_size: int) -> list[int] | None:
     """``--hierarchical-cp-sizes``, or by default the levels of the node boundary (a2a inside a node, p2p across:
-    :func:`~cp_handler.parallel_layout.default_hierarchical_sizes`), the ranks per node from torchrun's
+    :func:`~cp_handler.runtime.parallel_layout.default_hierarchical_sizes`), the ranks per node from torchrun's
     ``LOCAL_WORLD_SIZE`` (spawned by cp-train: one node), named on stderr."""
     if args.hierarchical_cp_sizes is not None or args.dynamic_cp or world % cp_size:
         return args.hierarchical_cp_sizes

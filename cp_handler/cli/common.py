@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 
-from ..launch import rank_env
+from ..runtime.launch import rank_env
 from ..training.file_modes import new_file_mode
 
 

@@ -2,8 +2,8 @@
 --save`` checkpoint or a Hugging Face model folder (docs/inference.md).
 
 Parses and checks the flags before any rank starts (into a frozen
-:class:`~cp_handler.inference.run.GenerateConfig`), starts the ranks
-(:func:`~cp_handler.inference.run.run_generation`; spawned, or one rank under torchrun) and prints each prompt
+:class:`~cp_handler.cli.generate_rank.GenerateConfig`), starts the ranks
+(:func:`~cp_handler.cli.generate_rank.run_generation`; spawned, or one rank under torchrun) and prints each prompt
 followed by its continuation on stdout (up to its first end-of-sequence token; unprintable characters and bytes
 that are not UTF-8 shown escaped: :func:`printable`), and on stderr the prefill and decode throughput, the KV cache
 per rank and, with ``--check-parity``, the comparison with one process.
@@ -16,18 +16,18 @@ import os
 import sys
 import unicodedata
 
-from ..config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..inference.run import PARITY_TOL, GenerateConfig, run_generation
+from ..inference.generate import check_hf_generation
 from ..inference.sampling import Sampling
-from ..integrations.transformers import check_generation
-from ..launch import prestart
+from ..runtime.config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
+from ..runtime.launch import prestart
 from ..training.checkpoint import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
 from .common import check_numbers, check_writable, world_size_from, write_output
 from .flag_names import FlagParser, HelpFormatter, to_flags
+from .generate_rank import PARITY_TOL, GenerateConfig, run_generation
 from .model_args import check_hf_architecture, hf_attention_shape
 
 DTYPES = tuple(PARITY_TOL)
@@ -169,7 +169,7 @@ def validate(args: argparse.Namespace) -> GenerateConfig:
     else:  # the config, the tokenizer, the guard and the heads (cp-train's checks), before any rank starts
         hf = check_hf_architecture(argparse.Namespace(hf_model=args.hf_model, hf_config=None))
         try:
-            check_generation(hf)
+            check_hf_generation(hf)
         except ValueError as err:
             raise ValueError(f"--hf-model {args.hf_model}: {err}") from None
         heads = hf_attention_shape(hf)
@@ -232,7 +232,7 @@ def until_end(ids: list[int], end: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     hf = any(a.startswith("--hf-model") for a in (sys.argv[1:] if argv is None else argv))
-    prestart("cp_handler.inference.run", ("transformers", "cp_handler.integrations.transformers") if hf else ())
+    prestart("cp_handler.cli.generate_rank", ("transformers", "cp_handler.integrations.transformers") if hf else ())
     config, report_out, ignore_eos = parse(argv)
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun

@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from ..config import AttentionShape
 from ..integrations.transformers import check_architecture, check_transformers
 from ..models import GPTConfig
-from ..tiling import tile_mlps
+from ..models.tiling import tile_mlps
+from ..runtime.config import AttentionShape
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
 from .training_args import check_compile_mixers
 

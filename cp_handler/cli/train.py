@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..launch import prestart
+from ..runtime.launch import prestart
 from ..training.run import run_training
 from .args import parse
 from .common import write_output

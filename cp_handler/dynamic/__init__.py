@@ -1,5 +1,8 @@
 """Dynamic context parallelism: each global batch scheduled onto CP groups of the sizes its sequences need,
-balanced by a cost model (:class:`Workload`: ``L^2 / cp``; :class:`CostModel`: fitted to a measured GPU)."""
+balanced by a cost model (:class:`Workload`: ``L^2 / cp``; :class:`CostModel`: fitted to a measured GPU).
+
+Layer 3 (cost models, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
+"""
 
 from .cost_model import CostModel
 from .groups import GroupPool

@@ -37,7 +37,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from ..layout import padded_length
+from ..core.layout import padded_length
 from .workload import Workload
 
 

@@ -1,4 +1,7 @@
-"""Handler classes and the factory. Importing this module registers the built-in backends."""
+"""Handler classes and the factory. Importing this module registers the built-in backends.
+
+Layer 5 (handlers, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
+"""
 
 from .base import ContextParallelHandler
 from .local import HierarchicalContextParallelHandler, LocalContextParallelHandler

@@ -13,7 +13,7 @@ from abc import ABCMeta, abstractmethod
 import torch
 import torch.distributed as dist
 
-from ..config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list, check_comm_types
+from ..runtime.config import CP_COMM_TYPES, QKV_FORMATS, as_comm_type_list, check_comm_types
 from .agreement import RankAgreement, ranks_check_enabled
 from .checks import attention_variant, check_cu_seqlens, check_member, variant_names
 from .guard import Guard, failed, next_serial, refuse
@@ -146,8 +146,8 @@ class ContextParallelHandler(metaclass=ABCMeta):
         a backend adds its own (Transformer Engine: heads divisible by the a2a size).
 
         Args:
-            config: a :class:`~cp_handler.config.ContextParallelConfig`.
-            attn_shape: the model's :class:`~cp_handler.config.AttentionShape`, when known.
+            config: a :class:`~cp_handler.runtime.config.ContextParallelConfig`.
+            attn_shape: the model's :class:`~cp_handler.runtime.config.AttentionShape`, when known.
             dtype: the dtype attention will run in, when known.
 
         Raises:

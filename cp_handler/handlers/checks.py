@@ -12,8 +12,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
-from ..masks import AttentionMask
+from ..core.layout import check_cu_seqlens  # noqa: F401 - the handlers' checks, one owner (layout)
+from ..core.masks import AttentionMask
 from ..ops.sinks import check_sinks
 
 
@@ -127,7 +127,7 @@ def attention_variant(attn_mod, attn_mask_type: str, q: torch.Tensor, heads: int
     """The mask and sinks of ``attn_mod``: ``(AttentionMask, sinks (heads,) or None)``.
 
     Attributes read: ``window_size`` (Transformer Engine's ``(left, right)``, ``-1`` unbounded; a causal left window
-    ``(W - 1, 0)`` is the window ``W`` of :class:`~cp_handler.masks.AttentionMask`; with ``no_mask`` a two-sided
+    ``(W - 1, 0)`` is the window ``W`` of :class:`~cp_handler.core.masks.AttentionMask`; with ``no_mask`` a two-sided
     ``(L, R)`` is the window ``L + 1`` and the right window ``R``), ``attention_chunk_size``
     (chunked attention, Llama 4), ``softcap`` (``softcap * tanh(score / softcap)``, Gemma 2) and ``sinks``
     (a tensor of one logit per query head, GPT-OSS). ``None`` or absent: not used.

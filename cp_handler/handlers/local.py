@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from ..auto import AttnCase, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
-from ..config import AUTO, CP_COMM_TYPES
-from ..masks import AttentionMask
+from ..core.masks import AttentionMask
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
 from ..ops.spec import AttnSpec, KernelChoice
+from ..runtime.config import AUTO, CP_COMM_TYPES
 from .base import ContextParallelHandler
 from .preflight import AttnCall
 
@@ -156,7 +156,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
         return choice.comm_type
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
-        return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.masks, ops.sinks)
+        return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.core.masks, ops.sinks)
 
     def check_call(self, call: AttnCall) -> None:
         """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate)."""

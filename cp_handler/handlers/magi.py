@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rope import apply_rotary
+from ..runtime.rope import apply_rotary
 from .base import ContextParallelHandler
 from .checks import check_dim, check_shift
 from .magi_alone import alone_attn, alone_positions, alone_roll

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import ZigzagDocs
+from ..core.layout import ZigzagDocs
 from ..ops.qkv_format import from_bhsd, to_bhsd
 from ..ops.ring import ring_attn
 from ..ops.roll import zigzag_roll

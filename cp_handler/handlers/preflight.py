@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import AUTO
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask
 from ..ops.qkv_format import from_bhsd, to_bhsd
+from ..runtime.config import AUTO
 from .checks import VARIANT_ALIASES, check_qkv, softmax_scale, variant_description
 
 ATTN_MASK_TYPES = ("causal", "no_mask")
@@ -44,7 +44,7 @@ class AttnCall:
         q, k, v: ``(B, H, S_local, D)`` / ``(B, Hkv, S_local, D)`` views of the tensors passed.
         mask, sinks, scale: the attention variant of ``attn_mod`` and its softmax scale.
         comm_type: the layer's ``cp_comm_type``.
-        layout: the batch's documents (:class:`~cp_handler.layout.ZigzagDocs`), or ``None`` for a backend
+        layout: the batch's documents (:class:`~cp_handler.core.layout.ZigzagDocs`), or ``None`` for a backend
             without the zigzag layout.
         layer: ``attn_mod.layer_number`` (``None``: not given).
         qkv_format: the handler's format; ``given``: the q passed (:meth:`restore` shapes the output like it).

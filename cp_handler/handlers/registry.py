@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from ..config import COMM_TYPE_CHOICES, as_comm_type_list
+from ..runtime.config import COMM_TYPE_CHOICES, as_comm_type_list
 from .base import ContextParallelHandler
 
 _REGISTRY: dict[tuple[str, str], type[ContextParallelHandler]] = {}
@@ -101,10 +101,10 @@ def build_cp_handler(config, cp_group=None, hierarchical_cp_groups=None, attn_sh
     cp-bench and the Hugging Face integration).
 
     Args:
-        config: a :class:`~cp_handler.config.ContextParallelConfig` (backend, comm type, qkv_format).
+        config: a :class:`~cp_handler.runtime.config.ContextParallelConfig` (backend, comm type, qkv_format).
         cp_group: this rank's CP group (``None``: cp=1).
         hierarchical_cp_groups: this rank's groups per hierarchical level, inner first.
-        attn_shape: the model's :class:`~cp_handler.config.AttentionShape` (MagiAttention plans with it).
+        attn_shape: the model's :class:`~cp_handler.runtime.config.AttentionShape` (MagiAttention plans with it).
         **batch: ``cu_seqlens`` for thd, ``qkv_format`` to override the config's, backend arguments.
 
     Raises:

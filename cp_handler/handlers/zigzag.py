@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import check_seq_len
-from ..layout import ZigzagDocs
+from ..core.layout import ZigzagDocs
 from ..ops.roll import zigzag_roll
 from ..ops.seq_gather import all_gather_seq
-from ..rope import apply_rotary
+from ..runtime.config import check_seq_len
+from ..runtime.rope import apply_rotary
 from .checks import check_dim, check_shift
 from .mixers import ZigzagMixers
 from .token_layout import TokenLayout

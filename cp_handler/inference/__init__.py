@@ -1,5 +1,8 @@
 """Long-context inference under CP: a KV cache sharded over the CP group, prefill and decode through the
-handler contract (docs/inference.md)."""
+handler contract (docs/inference.md).
+
+Layer 6 (model-facing, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
+"""
 
 from .cache import KVCache
 from .decode import DecodeHandler

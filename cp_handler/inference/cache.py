@@ -5,7 +5,7 @@ layer, the real local rows of K and V (after RoPE, as ``core_attn`` receives the
 each belongs to and its global position; padding rows are not kept. Decode steps append each new
 token's K/V on one rank, the one holding the fewest rows (ties: the lowest rank), so every rank holds
 about ``1 / cp`` of the cache. Rows that no later query may see (a sliding window or chunked layer:
-:class:`~cp_handler.masks.AttentionMask`) are dropped after each decode step, so such a layer keeps at
+:class:`~cp_handler.core.masks.AttentionMask`) are dropped after each decode step, so such a layer keeps at
 most ``W - 1`` rows per sequence (window ``W``) or the current chunk's; the owner choice keeps counting
 every row appended (balance of the rows a layer without a window keeps). Every rank knows every
 rank's row count (the layout decides it), so the choice needs no communication.
@@ -18,8 +18,8 @@ from collections.abc import Hashable
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs
-from ..rope import PositionTablesChanged
+from ..core.layout import ZigzagDocs
+from ..runtime.rope import PositionTablesChanged
 
 
 class _Shard:

@@ -7,7 +7,7 @@ the partial results are merged by log-sum-exp after one all-gather of ``(out, ls
 pass-Q decode, arXiv 2411.01783, without the ring: the query is one token). The model calls the same seven methods as in
 training: the new tokens are one thd batch of ``B`` one-token sequences at their global positions.
 
-Attention variants (:mod:`cp_handler.masks`) are exact as in training: the cache keeps each row's
+Attention variants (:mod:`cp_handler.core.masks`) are exact as in training: the cache keeps each row's
 position, so a sliding window or chunks mask the rows by position (:meth:`AttentionMask.visible`), a
 soft-cap caps the scaled scores before the softmax, and learnable sinks are folded in once, after the
 merge (:func:`~cp_handler.ops.sinks.fold_sinks`), never per shard. After a window or chunked layer's
@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import torch
 
+from ..core.masks import AttentionMask
 from ..handlers.base import ContextParallelHandler
 from ..handlers.preflight import AttnCall
 from ..handlers.token_layout import TokenLayout
-from ..masks import AttentionMask
 from ..ops.collectives import all_gather_single
 from ..ops.kernels.masked import softmax_out, visible_scores
 from ..ops.merge import merge_attn_out_
 from ..ops.sinks import fold_sinks
-from ..rope import apply_rotary
+from ..runtime.rope import apply_rotary
 from .cache import KVCache
 
 

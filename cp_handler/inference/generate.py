@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
-from ..rope import PositionTablesChanged
+from ..runtime.rope import PositionTablesChanged
 from .cache import KVCache
 from .decode import DecodeHandler
 from .sampling import Sampling
@@ -85,6 +85,23 @@ def check_mixers(model: torch.nn.Module) -> None:
         raise ValueError(f"generate: module {name!r} ({type(model.get_submodule(name)).__name__}) is a token mixer "
                          "other than attention: generation of hybrid models is not implemented (a decode step would "
                          "need each sequence's convolution and recurrent state where its last token is); refused")
+
+
+def check_hf_generation(config) -> None:
+    """The generation guard on a config, before any rank starts: the model (on the ``meta`` device) with its
+    mixers routed must have no token mixer other than attention (:func:`check_mixers`).
+
+    Raises:
+        ValueError: naming the first such mixer.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.hf_mixers import instrument_model  # imports transformers: Hugging Face models only
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    instrument_model(model)
+    check_mixers(model)
 
 
 def _last_token_logits(handler: LocalContextParallelHandler, model, local: torch.Tensor) -> torch.Tensor:

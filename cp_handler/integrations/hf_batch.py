@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
+from ..runtime.config import ContextParallelConfig
 from .hf_inputs import cp_model_inputs, handler_real_tokens
 
 IGNORE_INDEX = -100

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ContextParallelConfig
 from ..handlers.registry import build_cp_handler
+from ..runtime.config import ContextParallelConfig
 from .hf_active import handler_context
 from .hf_inputs import cp_model_inputs, text_config
 

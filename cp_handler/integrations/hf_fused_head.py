@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..config import ContextParallelConfig
+from ..runtime.config import ContextParallelConfig
 from .hf_active import value_in
 from .hf_batch import IGNORE_INDEX, shard_batch
 from .hf_inputs import text_config

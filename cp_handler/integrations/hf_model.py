@@ -54,9 +54,9 @@ import logging
 import torch
 from torch import nn
 
-from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
+from ..runtime.config import ContextParallelConfig
 from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
 from .hf_attention import call_handler
 from .hf_cache import refuse_cache

@@ -41,7 +41,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..install_hint import extra_hint
+from ..core.install_hint import extra_hint
 from .hf_dp import over_dp
 from .hf_fused_head import install_cp_fused_head, left_padding_positions
 from .hf_trainer import OLDEST_TRL

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..handlers.base import ContextParallelHandler
-from ..rope import PositionTablesChanged
+from ..runtime.rope import PositionTablesChanged
 from .hf_active import active_handler
 
 MAX_POSITION = "_cp_max_position"

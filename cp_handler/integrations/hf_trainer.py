@@ -47,7 +47,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..install_hint import extra_hint
+from ..core.install_hint import extra_hint
 from .hf_batch import shard_batch
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .hf_trainer_base import LOSS_NORMALIZATIONS, ContextParallelArguments, ContextParallelTrainerBase

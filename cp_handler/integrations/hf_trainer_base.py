@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..config import ContextParallelConfig
-from ..groups import build_dp_cp_groups, destroy_process_groups
 from ..handlers.registry import get_cp_handler_cls
-from ..launch import rank_env
-from ..parallel_layout import ParallelLayout, default_hierarchical_sizes
-from ..tiling import tile_mlps
+from ..models.tiling import tile_mlps
+from ..runtime.config import ContextParallelConfig
+from ..runtime.groups import build_dp_cp_groups, destroy_process_groups
+from ..runtime.launch import rank_env
+from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
 from .hf_inputs import text_config
@@ -31,10 +31,10 @@ that takes it, every text model of transformers)."""
 
 @dataclass
 class ContextParallelArguments:
-    """CP settings of a Trainer run (:class:`~cp_handler.config.ContextParallelConfig`'s field names; usable with
-    ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated; ``"auto"`` picks the
-    pattern per batch from ``cp_comm_profile`` (docs/auto_plan.md). ``mlp_chunk_tokens``: the model's MLPs tiled
-    over chunks of that many tokens (:func:`~cp_handler.tiling.tile_mlps`; ``None``: whole).
+    """CP settings of a Trainer run (:class:`~cp_handler.runtime.config.ContextParallelConfig`'s field names;
+    usable with ``HfArgumentParser``). ``cp_comm_type`` may list one type per layer, comma-separated; ``"auto"``
+    picks the pattern per batch from ``cp_comm_profile`` (docs/auto_plan.md). ``mlp_chunk_tokens``: the model's MLPs
+    tiled over chunks of that many tokens (:func:`~cp_handler.models.tiling.tile_mlps`; ``None``: whole).
     ``loss_normalization``: :data:`LOSS_NORMALIZATIONS` (CPTrainer / CPSFTTrainer; the RL trainers keep TRL's)."""
 
     context_parallel_size: int = 1
@@ -49,8 +49,8 @@ class ContextParallelArguments:
 
     def config(self) -> ContextParallelConfig:
         """The validated config; under torchrun, ``hierarchical_context_parallel_sizes`` default to the node boundary
-        (:func:`~cp_handler.parallel_layout.default_hierarchical_sizes`). Raises ValueError / TypeError naming the
-        field."""
+        (:func:`~cp_handler.runtime.parallel_layout.default_hierarchical_sizes`). Raises ValueError / TypeError
+        naming the field."""
         types = self.cp_comm_type.split(",") if isinstance(self.cp_comm_type, str) else self.cp_comm_type
         comm_type = types[0] if len(types) == 1 else types
         sizes, env = self.hierarchical_context_parallel_sizes, rank_env()
@@ -79,7 +79,7 @@ def _accelerate_refusals(parallelism_config, dispatch_batches) -> list[str]:
 
 @functools.cache
 def _release_groups_at_exit() -> None:
-    """Once per process: :func:`~cp_handler.groups.destroy_process_groups` when the script ends (the DeviceMesh
+    """Once per process: :func:`~cp_handler.runtime.groups.destroy_process_groups` when the script ends (the DeviceMesh
     groups of the dp x cp layout are freed while the interpreter is alive; left to its shutdown, a gloo worker
     thread can abort the process: "terminate called without an active exception", docs/testing.md)."""
     atexit.register(lambda: dist.is_initialized() and destroy_process_groups())

@@ -38,9 +38,9 @@ import functools
 import torch
 from torch import nn
 
-from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
+from ..runtime.config import ContextParallelConfig
 from .hf_active import active_handler, handler_context, set_forward_token_mask
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config

@@ -21,7 +21,7 @@ documents from the zigzag's jumps in ``position_ids``. :class:`CPCausalLM` does 
 (``model(input_ids, cp_handler=h)`` returns local logits: what cp-train uses).
 
 **Exact or refused** (the guard; docs/huggingface.md): the attention function implements every
-argument it accepts (soft-capping and learnable sinks included: :mod:`cp_handler.masks`), and refuses
+argument it accepts (soft-capping and learnable sinks included: :mod:`cp_handler.core.masks`), and refuses
 the others by name (:mod:`.hf_attention`: ``HARMLESS``, ``check_arguments``): attention dropout, attention
 weights output, cross-attention, a position bias, an unknown argument of a future release. The mask comes
 from the model's own mask function, classified at global positions (:mod:`.hf_mask`): causal,
@@ -38,11 +38,11 @@ import contextlib
 
 import torch
 
-from ..config import ContextParallelConfig
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
-from ..loss import masked_token_loss_sum, token_loss_sum
+from ..models.loss import masked_token_loss_sum, token_loss_sum
+from ..runtime.config import ContextParallelConfig
 from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
 from .hf_causal import check_causal
@@ -66,7 +66,7 @@ REQUIRED_API = (("transformers", "AttentionInterface"), ("transformers.masking_u
 def check_transformers(version: str | None = None) -> None:
     """Raises ImportError when transformers is missing, older than :data:`OLDEST`, or lacks one of
     :data:`REQUIRED_API` (named, with the install hint)."""
-    from ..install_hint import extra_hint
+    from ..core.install_hint import extra_hint
 
     if version is None:
         try:
@@ -146,24 +146,6 @@ def check_architecture(config) -> None:
         model = AutoModelForCausalLM.from_config(config)
         register(model)
         check_causal(model)
-
-
-def check_generation(config) -> None:
-    """The generation guard on a config, before any rank starts: the model (on the ``meta`` device) with its
-    mixers routed must have no token mixer other than attention (:func:`~cp_handler.inference.generate.check_mixers`).
-
-    Raises:
-        ValueError: naming the first such mixer.
-    """
-    from transformers import AutoModelForCausalLM
-
-    from ..inference.generate import check_mixers
-    from .hf_mixers import instrument_model
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    instrument_model(model)
-    check_mixers(model)
 
 
 @contextlib.contextmanager

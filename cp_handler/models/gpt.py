@@ -17,10 +17,10 @@ from torch import nn
 
 from ..handlers.base import ContextParallelHandler
 from ..handlers.local import LocalContextParallelHandler
-from ..loss import token_loss_sum
-from ..moe import ExpertParallelHandler
-from ..rope import rotary_freqs
+from ..runtime.moe import ExpertParallelHandler
+from ..runtime.rope import rotary_freqs
 from .gated_delta import GatedDeltaNet
+from .loss import token_loss_sum
 from .moe import MoEFeedForward, SwiGLU
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -175,7 +175,7 @@ class GPTModel(nn.Module):
         logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits ``(B, S_local, V)``; with ``labels`` / ``loss_mask`` ``(B, S_local)``, the float32 sum of the
-        masked token losses instead (:func:`~cp_handler.loss.token_loss_sum`: in chunks of ``loss_chunk_tokens``
+        masked token losses instead (:func:`~cp_handler.models.loss.token_loss_sum`: in chunks of ``loss_chunk_tokens``
         tokens, the whole logits never held). MoE models take ``moe_handler`` (default: every expert on this
         process); its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add.
         ``logits_rows`` (1-D int64): the logits of those local rows only (generation's last tokens)."""

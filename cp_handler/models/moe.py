@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward (top-k router, load-balancing loss), written for one device.
 
 Expert parallelism enters only through the ``moe_handler`` argument (an
-:class:`~cp_handler.moe.ExpertParallelHandler`): it moves tokens to the ranks holding their experts
+:class:`~cp_handler.runtime.moe.ExpertParallelHandler`): it moves tokens to the ranks holding their experts
 and back, and sums router statistics over the ranks sharing the batch. This file never imports
 ``torch.distributed``. Experts are kept in a ``ModuleDict`` keyed by their global id, so a rank
 holding a shard (:meth:`MoEFeedForward.shard_experts`) has the same parameter names as a single
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..moe import ExpertParallelHandler
+from ..runtime.moe import ExpertParallelHandler
 
 
 class SwiGLU(nn.Module):

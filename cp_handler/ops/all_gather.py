@@ -11,7 +11,7 @@ unmasked plus the diagonal block ``[j*c, (j+1)*c)`` causal. Both query chunks of
 sum to the same work on every rank. Packed documents (thd): the same per document, on real
 tokens only, against the document's keys in the gathered global (padded) order. Other masks
 (window, chunks, soft-cap): each query chunk against the document's keys through
-:func:`~cp_handler.masks.mask_blocks` (keys outside the window or chunk are gathered but never
+:func:`~cp_handler.core.masks.mask_blocks` (keys outside the window or chunk are gathered but never
 computed on); learnable sinks are folded in after the merge (:mod:`.sinks`).
 """
 
@@ -23,8 +23,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs, zigzag_chunk_ids
-from ..masks import AttentionMask, mask_blocks
+from ..core.layout import ZigzagDocs, zigzag_chunk_ids
+from ..core.masks import AttentionMask, mask_blocks
 from .blocks import Block, blocks_backward_, blocks_forward_, new_accumulators
 from .collectives import all_gather_single, reduce_scatter_single
 from .kernels import check_plan
@@ -157,7 +157,7 @@ def all_gather_attn(q, k, v, *, group: dist.ProcessGroup, causal: bool, scale: f
         layout: documents of the local sequence (thd); default one document (bshd).
         kv_heads_per_chunk: KV heads gathered at once (default ``ceil(Hkv / 2)``).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
-        mask: window / chunks / soft-cap (:class:`~cp_handler.masks.AttentionMask`, agreeing with
+        mask: window / chunks / soft-cap (:class:`~cp_handler.core.masks.AttentionMask`, agreeing with
             ``causal``); default the plain mask.
         sinks: ``(H,)`` learnable sink logits (:mod:`.sinks`), or ``None``.
 

@@ -1,9 +1,9 @@
 """Run a plan of attention blocks on local tensors: the compute shared by every CP algorithm.
 
 A block is ``(q_rows, kv_rows, mask)``: slices of the sequence dim of q and of k/v, and ``False``
-(no mask), ``True`` (the square causal diagonal) or a :class:`~cp_handler.masks.BlockMask` (a window
+(no mask), ``True`` (the square causal diagonal) or a :class:`~cp_handler.core.masks.BlockMask` (a window
 or chunk edge, or soft-capped scores: the masked kernel, :mod:`.kernels.masked`). An algorithm (ring
-step, all-gather, a2a) decides the plan (masked plans: :func:`cp_handler.masks.mask_blocks`); these
+step, all-gather, a2a) decides the plan (masked plans: :func:`cp_handler.core.masks.mask_blocks`); these
 functions run it, merging forward results by log-sum-exp and accumulating gradients.
 All tensors ``(B, H, S, D)``; accumulators in :func:`~.merge.acc_dtype`.
 """
@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..masks import BlockMask, block_needs
+from ..core.masks import BlockMask, block_needs
 from .kernels import MASKED_KERNEL_ENV, AttnKernel, masked_kernel, work
 from .kernels.base import seq_major
 from .kernels.masked import masked_backward, masked_forward

@@ -1,14 +1,15 @@
 """Halo exchange for sliding-window and chunked attention (``"p2p"`` and the ring of ``"a2a+p2p"``).
 
 With a left window ``W`` or chunks of ``C``, the queries of a zigzag chunk starting at position ``s``
-see no key before ``s - lookback(s)`` (``W - 1``, or ``s mod C``: :meth:`~cp_handler.masks.AttentionMask.lookback`).
+see no key before ``s - lookback(s)`` (``W - 1``, or ``s mod C``:
+:meth:`~cp_handler.core.masks.AttentionMask.lookback`).
 So a rank needs, from every other rank, only the rows of K/V its queries can see: for a window
 shorter than a zigzag chunk, the last ``W - 1`` rows of the chunk before each of its two chunks (held
 by its neighbours ``r - 1`` and ``r + 1``); for longer ones, correspondingly more. :func:`halo_exchange`
 computes these rows from the layout alone (the same on every rank), moves them in one all-to-all with
 uneven splits (only the needed rows: a rank sends at most ``2 (W - 1)`` tokens of K/V per layer for a
 window within a chunk, nothing at all for chunks aligned with the zigzag chunks) and appends them to
-the local K/V; the attention then runs one block plan (:func:`~cp_handler.masks.mask_blocks`) on this
+the local K/V; the attention then runs one block plan (:func:`~cp_handler.core.masks.mask_blocks`) on this
 rank, and autograd returns the received rows' dK/dV by the reverse all-to-all.
 
 Chosen by :func:`~.ring.ring_attention` when no rank would receive more than half of what the ring passes
@@ -24,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask, mask_blocks
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask, mask_blocks
 from .blocks import Block, plan_attn
 from .collectives import all_to_all
 from .kernels import check_plan

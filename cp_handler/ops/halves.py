@@ -1,6 +1,6 @@
 """Packed documents (thd) through a packed kernel without per-step gathers: the rows of the ring reordered.
 
-In the zigzag layout (:class:`~cp_handler.layout.ZigzagDocs`) a rank holds, per document, its first chunk,
+In the zigzag layout (:class:`~cp_handler.core.layout.ZigzagDocs`) a rank holds, per document, its first chunk,
 its second chunk, then the document's padding. A ring step's blocks pair rows of every document, so a packed
 (varlen) call's query or key rows skip the other chunk and the padding of each document: the call gathers
 and scatters them (``cp-bench --modes launches`` counts those operators). Inside the ring only, the rows are
@@ -30,7 +30,7 @@ import itertools
 
 import torch
 
-from ..layout import ZigzagDocs
+from ..core.layout import ZigzagDocs
 from .blocks import Block
 from .kernels import check_plan
 

@@ -4,8 +4,8 @@ One :class:`CommPattern` per pattern: how its attention runs on a rank (the algo
 file), the block plan one rank computes (what ``cp-bench --modes plan`` times and the launch counter
 counts), and what it needs (hierarchical groups; the all-to-all size its heads are split over, padded
 where that size does not divide them: :func:`~.ulysses.a2a_head_plan`). The local handler, the
-config's rules, ``cp-train``'s checks and ``cp-bench`` all read this table, so a new pattern is its
-ops file plus one entry in :data:`PATTERNS`.
+config's rules (by name, :mod:`cp_handler.core.comm_types`), ``cp-train``'s checks and ``cp-bench`` all read
+this table, so a new pattern is its ops file, one entry in :data:`PATTERNS` and its name in ``core/comm_types.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..layout import ZigzagDocs
-from ..masks import CAUSAL
+from ..core.comm_types import CP_COMM_TYPES, HIERARCHICAL_COMM_TYPES
+from ..core.layout import ZigzagDocs
+from ..core.masks import CAUSAL
 from .all_gather import all_gather_attention, all_gather_blocks
 from .blocks import Block
 from .halves import halves_step_plans, uses_halves
@@ -99,3 +100,9 @@ PATTERNS: dict[str, CommPattern] = {p.name: p for p in (
     CommPattern("a2a+p2p", a2a_attention, _a2a_steps, hierarchical=True, splits_heads=True),
 )}
 """Every communication pattern by ``cp_comm_type`` (Transformer Engine's and Megatron-LM's names)."""
+
+_HIERARCHICAL = tuple(name for name, pattern in PATTERNS.items() if pattern.hierarchical)
+if tuple(PATTERNS) != CP_COMM_TYPES or _HIERARCHICAL != HIERARCHICAL_COMM_TYPES:
+    raise ImportError(f"ops.patterns.PATTERNS {list(PATTERNS)} (hierarchical: {list(_HIERARCHICAL)}) must match "
+                      f"cp_handler.core.comm_types {list(CP_COMM_TYPES)} (hierarchical: "
+                      f"{list(HIERARCHICAL_COMM_TYPES)}): name a new pattern there")

@@ -17,8 +17,8 @@ the other (query chunk, key chunk) pairs lie entirely above the diagonal and are
 Packed documents (thd): the same rule per document, each zigzag-split on its own (:class:`ZigzagDocs`);
 only real tokens enter the blocks, so work follows the documents' lengths and no mask is built.
 
-Other masks (:class:`~cp_handler.masks.AttentionMask`: sliding window, chunks, soft-cap): every (query
-chunk, key chunk) pair of a step is planned by :func:`~cp_handler.masks.mask_blocks` (empty pairs
+Other masks (:class:`~cp_handler.core.masks.AttentionMask`: sliding window, chunks, soft-cap): every (query
+chunk, key chunk) pair of a step is planned by :func:`~cp_handler.core.masks.mask_blocks` (empty pairs
 skipped, edges to the masked kernel). A window or chunk does not shorten the ring: under zigzag the
 chunk just before rank ``r``'s second chunk is on rank ``r + 1``, which the ring reaches at its last
 step. What saves the bytes is the halo exchange (:mod:`.halo`: each rank receives only the K/V rows
@@ -34,8 +34,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask, mask_blocks
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask, mask_blocks
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .halo import halo_applies, halo_attention
 from .halves import halves_local_split, halves_order, halves_step_plans, uses_halves
@@ -51,7 +51,7 @@ from .spec import AttentionFunction, AttnSpec, attn_spec
 @functools.lru_cache(maxsize=512)
 def ring_blocks(layout: ZigzagDocs, step: int, rank: int, mask: AttentionMask) -> list[Block]:
     """Blocks of ring step ``step`` on ``rank``: per document, the zigzag rule of the module doc
-    (any other mask: :func:`~cp_handler.masks.mask_blocks` per pair of chunks), restricted to real
+    (any other mask: :func:`~cp_handler.core.masks.mask_blocks` per pair of chunks), restricted to real
     tokens (padding is neither attended to nor computed)."""
     src = (rank - step) % layout.size
     if not mask.plain:
@@ -212,7 +212,7 @@ def ring_attn(
         scale: softmax scale (usually ``D ** -0.5``).
         layout: documents of the local sequence (thd); default one document (bshd).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
-        mask: a sliding window, chunks and/or a soft-cap (:class:`~cp_handler.masks.AttentionMask`, its
+        mask: a sliding window, chunks and/or a soft-cap (:class:`~cp_handler.core.masks.AttentionMask`, its
             ``causal`` equal to ``causal``); default the plain causal / full mask. A window or chunk
             that a halo exchange covers runs the halo exchange (:mod:`.halo`) instead of the ring.
         sinks: ``(H,)`` learnable sink logits, one per query head (:mod:`.sinks`), or ``None``.

@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs, zigzag_chunk_ids
+from ..core.layout import ZigzagDocs, zigzag_chunk_ids
 from .p2p import exchange
 
 

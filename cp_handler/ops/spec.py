@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask, resolve_mask
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask, resolve_mask
 from .kernels import AttnKernel, check_masked_override, select_kernel
 from .packed_blocks import PackedCallCache
 from .sinks import check_sinks, sinks_grad
@@ -55,9 +55,9 @@ class AttnSpec:
     """Everything but the tensors of one attention call, resolved and checked (see the module doc).
 
     Attributes:
-        mask: what a query sees (:class:`~cp_handler.masks.AttentionMask`).
+        mask: what a query sees (:class:`~cp_handler.core.masks.AttentionMask`).
         scale: the softmax scale.
-        layout: the documents of the local sequence over the group (:class:`~cp_handler.layout.ZigzagDocs`).
+        layout: the documents of the local sequence over the group (:class:`~cp_handler.core.layout.ZigzagDocs`).
         kernel: the block kernel of every block of the call.
         packed_calls: the cache of a packed kernel's calls (shared by a handler's calls).
         group: the pattern's group: the ring's, the all-gather's, or the all-to-all's (a2a, the a2a level of
@@ -92,7 +92,7 @@ def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs
         groups: :class:`AttnSpec`'s ``group``, ``p2p_group``, ``kv_heads_per_chunk``.
 
     Raises:
-        TypeError / ValueError: a mask that disagrees with ``causal`` (:func:`~cp_handler.masks.resolve_mask`),
+        TypeError / ValueError: a mask that disagrees with ``causal`` (:func:`~cp_handler.core.masks.resolve_mask`),
             sinks of the wrong type or shape (:func:`~.sinks.check_sinks`), a kernel that cannot run ``q``, a
             masked kernel forced by ``CP_HANDLER_MASKED_KERNEL`` that cannot run the mask's blocks.
     """

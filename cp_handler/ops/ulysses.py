@@ -7,9 +7,9 @@ all-to-all brings the output back to sequence shards with all heads.
 Hierarchical (Transformer Engine / Megatron-LM ``a2a+p2p``): the a2a runs inside the inner group
 (adjacent ranks, fast links, size ``A``) and a zigzag ring (:mod:`.ring`) across the outer group
 (size ``P``, ``cp = A * P``). After the a2a a rank holds the zigzag chunks of its ``A`` group
-members; :meth:`~cp_handler.layout.ZigzagDocs.a2a_reorder_index` arranges them (per document)
+members; :meth:`~cp_handler.core.layout.ZigzagDocs.a2a_reorder_index` arranges them (per document)
 into the two super-chunks ``p`` and ``2P-1-p`` of a zigzag over the outer ranks, which is exactly
-the ring's layout (:meth:`~cp_handler.layout.ZigzagDocs.inner`). With
+the ring's layout (:meth:`~cp_handler.core.layout.ZigzagDocs.inner`). With
 ``P == 1`` the ring is local attention in global order (plain a2a); with ``A == 1`` there is no
 all-to-all (plain ring).
 
@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 
-from ..layout import ZigzagDocs
-from ..masks import AttentionMask
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask
 from .collectives import _AllToAll
 from .ring import ring_attention
 from .spec import AttnSpec, attn_spec
@@ -186,7 +186,7 @@ def a2a_attn(q, k, v, *, a2a_group: dist.ProcessGroup, causal: bool, scale: floa
             document (bshd).
         return_lse: also bring the log-sum-exp back to the sequence layout (one more small a2a).
         attn_kernel: force a block kernel by name (:func:`~.kernels.select_kernel`); default automatic.
-        mask: window / chunks / soft-cap (:class:`~cp_handler.masks.AttentionMask`), run by the ring
+        mask: window / chunks / soft-cap (:class:`~cp_handler.core.masks.AttentionMask`), run by the ring
             after the all-to-all (positions are unchanged by it); default the plain mask.
         sinks: ``(H,)`` learnable sink logits; each rank passes the ring its heads' slice (the slice's
             gradient flows back to the whole tensor).

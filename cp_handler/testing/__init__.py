@@ -14,6 +14,8 @@ and float16 (the output in the input's dtype); and that calls the contract refus
 rank. Each case is PASS, FAIL, NOT-SUPPORTED (refused at a refusal point, by name, on every rank) or NOT RUN; the
 report names the method, rank, tokens and heads of every wrong tensor, and says what it did not check.
 docs/backends.md, "Is it right? The conformance kit".
+
+Layer 8 (applications, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
 """
 
 from .cases import LENGTHS, VARIANTS, Variant

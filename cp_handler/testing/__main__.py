@@ -14,7 +14,7 @@ import sys
 import torch
 
 from ..cli.flag_names import FlagParser
-from ..config import CP_COMM_TYPES, QKV_FORMATS
+from ..runtime.config import CP_COMM_TYPES, QKV_FORMATS
 from .cases import LENGTHS, VARIANTS
 from .kit import CHECKS, DTYPES, MAX_WORLD, check_handler
 from .report import report_json

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import AttentionShape, ContextParallelConfig
-from ..masks import AttentionMask
+from ..core.masks import AttentionMask
+from ..runtime.config import AttentionShape, ContextParallelConfig
 
 REFUSALS = (ValueError, NotImplementedError)
 """The errors a refusal may be (module doc of :mod:`.kit`): raised at a refusal point, on every rank."""

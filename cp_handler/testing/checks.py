@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.agreement import RanksRefused
-from ..rope import rotary_freqs
+from ..runtime.rope import rotary_freqs
 from . import reference
 from .cases import REFUSALS, ROLL_SHIFTS, SCALE, VARIANTS, Case, Variant, attn_module
 from .compare import TokenMap, mismatch, tensor_rule

@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..config import AUTO, CP_COMM_TYPES, QKV_FORMATS
 from ..handlers.base import ContextParallelHandler
-from ..launch import start_method
+from ..runtime.config import AUTO, CP_COMM_TYPES, QKV_FORMATS
+from ..runtime.launch import start_method
 from . import cases, checks
 from .report import NOT_COVERED, CaseResult, ConformanceReport
 
@@ -43,7 +43,7 @@ REFUSAL_CHECKS = ("disagreement", "bad_input")
 
 
 def _rank_main(rank, environ, world, init_file, handler_cls, plan, out_file, timeout_s, progress) -> None:
-    from ..groups import build_dp_cp_groups, destroy_process_groups
+    from ..runtime.groups import build_dp_cp_groups, destroy_process_groups
 
     os.environ.clear()  # the caller's environment (a rank forked from the server would keep the server's)
     os.environ.update(environ)
@@ -176,7 +176,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
                   variants=tuple(cases.VARIANTS), world_sizes=(2, 4), checks=CHECKS, lengths=cases.LENGTHS,
                   timeout_s: float = 120.0, progress: bool = True) -> ConformanceReport:
     """Run the handler contract on CPU ranks (gloo; forked from a server that imported torch once, as
-    :func:`~cp_handler.launch.launch` starts them) and report every case (module doc; docs/backends.md).
+    :func:`~cp_handler.runtime.launch.launch` starts them) and report every case (module doc; docs/backends.md).
 
     Args:
         handler_cls: a :class:`~cp_handler.ContextParallelHandler` subclass (importable by the ranks: at module
@@ -219,7 +219,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
                      variants=list(variants), checks=list(checks), world_sizes=list(world_sizes))
     report = ConformanceReport(f"{handler_cls.__module__}.{handler_cls.__qualname__}",
                                not_checked=_not_checked(handler_cls, requested, asked))
-    method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.launch)
+    method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.runtime.launch)
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__, handler_cls.__module__])
     for world in world_sizes:

@@ -2,7 +2,8 @@
 
 Global tensors are packed ``(T, ...)`` rows, documents ``lengths`` one after another (bshd / sbhd: one document per
 batch row, handled by the caller). Sources: attention is the softmax definition (Vaswani et al. 2017) with the
-variants of :class:`~cp_handler.masks.AttentionMask` (sliding window, chunked attention, tanh soft-capping as Gemma 2,
+variants of :class:`~cp_handler.core.masks.AttentionMask` (sliding window, chunked attention, tanh soft-capping as
+Gemma 2,
 an extra per-head sink logit as gpt-oss); rotary embeddings as RoFormer (Su et al. 2021) at each token's position
 inside its document; ``roll`` as Megatron-LM's ``roll_tensor`` (global token order, wrapped-around positions zero),
 restarted per document for packed sequences.
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import AttentionMask
-from ..rope import apply_rotary
+from ..core.masks import AttentionMask
+from ..runtime.rope import apply_rotary
 
 
 def positions(lengths: list[int]) -> torch.Tensor:

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..launch import rank_env
+from ..runtime.launch import rank_env
 from .config import TrainConfig
 from .data import collect_files, data_fingerprint
 from .tokens import tokens_for

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import AttentionShape, ContextParallelConfig
 from ..models import GPTConfig
+from ..runtime.config import AttentionShape, ContextParallelConfig
 from .schedule import LRSchedule
 
 
@@ -78,9 +78,9 @@ class TrainConfig:
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over every rank (FSDP2, :mod:`.fsdp`) instead of DDP."""
     loss_chunk_tokens: int | None = None
-    """Tokens per chunk of the loss (:func:`~cp_handler.loss.loss_chunk_tokens`): ``None`` automatic, 0 whole."""
+    """Tokens per chunk of the loss (:func:`~cp_handler.models.loss.loss_chunk_tokens`): ``None`` automatic, 0 whole."""
     mlp_chunk_tokens: int | None = None
-    """Tokens per chunk of every feed-forward block (:func:`~cp_handler.tiling.tile_mlps`); ``None``: whole."""
+    """Tokens per chunk of every feed-forward block (:func:`~cp_handler.models.tiling.tile_mlps`); ``None``: whole."""
     check_parity: bool = False
     eval_every: int = 0
     eval_batches: int = 2

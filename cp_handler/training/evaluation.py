@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from ..eval_cp import EvalContextParallel
 from .config import TrainConfig
+from .eval_cp import EvalContextParallel
 
 EVAL_CP_RTOL = {"float32": 1e-5, "bfloat16": 5e-3}
 """Max relative difference of one batch's loss evaluated at training's and at the evaluation CP
@@ -23,7 +23,7 @@ def build_evaluators(config: TrainConfig, groups, device_type: str):
 
 def periodic_eval(config: TrainConfig, evaluator, model, heldout, inputs, loss_chunks=None):
     """Callback for the training loop: the held-out loss every ``eval_every`` steps (``loss_chunks``: as the
-    training steps', :meth:`~cp_handler.eval_cp.EvalContextParallel.evaluate`)."""
+    training steps', :meth:`~cp_handler.training.eval_cp.EvalContextParallel.evaluate`)."""
     def after_step(step: int) -> dict | None:
         if not config.eval_every or (step + 1) % config.eval_every:
             return None

@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..launch import heartbeat
-from ..progress import Progress
+from ..core.progress import Progress
+from ..runtime.launch import heartbeat
 from .fsdp import full_tensor
 
 LOSS_WINDOW = 10

@@ -29,12 +29,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
-from ..groups import data_context_parallel_groups
 from ..handlers.registry import load_plugins
-from ..launch import is_first_rank, launch, rank_session, under_torchrun
 from ..models import GPTModel
-from ..parallel_layout import ParallelLayout
-from ..tiling import tile_mlps
+from ..models.tiling import tile_mlps
+from ..runtime.groups import data_context_parallel_groups
+from ..runtime.launch import is_first_rank, launch, rank_session, under_torchrun
+from ..runtime.parallel_layout import ParallelLayout
 from .checkpoint import CheckpointError, CheckpointWriter, SaveLock, check_resume, load_checkpoint, run_meta
 from .compile import compile_layers
 from .config import TrainConfig
@@ -363,7 +363,7 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     prints the ``cp-generate`` command that continues a prompt from the final checkpoint.
 
     Raises:
-        SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
+        SystemExit: a rank failed or stalled (:func:`~cp_handler.runtime.launch.launch`).
     """
     lock = save_lock(config)
     if is_first_rank() and not under_torchrun():

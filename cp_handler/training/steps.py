@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from ..auto.catalog import default_profile, load_profile
 from ..auto.workload import PatternWorkload
-from ..config import AUTO
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
-from ..loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next_token_batch
+from ..models.loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next_token_batch
+from ..runtime.config import AUTO
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups
@@ -69,7 +69,7 @@ def micro_batch_rows(config: TrainConfig, dp_size: int, index: int) -> list[int]
 def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group,
                 grad_scale: float, device, experts: ExpertGroups | None = None):
     """A fixed CP layout: this DP replica's rows of the global batch on ``groups`` (a
-    :class:`~cp_handler.groups.DataContextParallelGroups`), ``config.micro_batches`` forward/backward
+    :class:`~cp_handler.runtime.groups.DataContextParallelGroups`), ``config.micro_batches`` forward/backward
     passes accumulating gradients (DDP reduces after the last). The loss is token-weighted over the
     whole global batch (the count of every micro-batch first, one all-reduce); MoE models add each
     micro-batch's load-balancing loss divided by the number of micro-batches (Megatron-LM's

@@ -20,9 +20,9 @@ forced kernel fails with a ``ValueError`` naming the limit instead of an error i
 A packed kernel (:mod:`.varlen`) runs every block of a plan that shares a mask flag, and has
 disjoint query rows, in one call (:mod:`cp_handler.ops.packed_blocks`).
 
-Masked blocks (the edge bands of windows, soft-capped blocks: :func:`cp_handler.masks.mask_blocks`) go block by
+Masked blocks (the edge bands of windows, soft-capped blocks: :func:`cp_handler.core.masks.mask_blocks`) go block by
 block to the fastest kernel whose :attr:`AttnKernel.masks` hold what the block needs
-(:func:`~cp_handler.masks.block_needs`) and which a run verified for it (:attr:`AttnKernel.verified_masks`): the
+(:func:`~cp_handler.core.masks.block_needs`) and which a run verified for it (:attr:`AttnKernel.verified_masks`): the
 plan's kernel first, then the others of the device in the order above; else the explicit scores of
 :mod:`.masked` (exact in float32 / float64, slow: counted as ``explicit_blocks`` by :func:`count_attn_work`). Today:
 ``cpu_flash`` takes windows, two-sided windows and chunks (an additive mask); soft-caps stay explicit on CPU;
@@ -43,7 +43,7 @@ import os
 
 import torch
 
-from ...masks import mask_needs
+from ...core.masks import mask_needs
 from . import cpu_flash, cuda_cudnn, cuda_efficient, cuda_flash, fa4, varlen
 from .base import AttnKernel, check_causal_square
 from .work import WorkCounter, count_attn_work, record_attn_work
@@ -127,7 +127,7 @@ def select_kernel(q: torch.Tensor, attn_kernel: str | AttnKernel | None = None, 
 
 def masked_kernel(needs: frozenset[str], q: torch.Tensor, plan_kernel: AttnKernel, v_head_dim: int | None = None,
                   forced: str | None = None) -> AttnKernel | None:
-    """The kernel of a masked block that needs ``needs`` (:func:`~cp_handler.masks.block_needs`) in a plan of
+    """The kernel of a masked block that needs ``needs`` (:func:`~cp_handler.core.masks.block_needs`) in a plan of
     ``plan_kernel`` with queries like ``q (B, H, S, D)``, or ``None`` for the explicit scores (:mod:`.masked`).
 
     ``forced`` (the value of :data:`MASKED_KERNEL_ENV`, ``None``: automatic): :data:`EXPLICIT`, or a kernel that
@@ -161,7 +161,7 @@ def masked_kernel(needs: frozenset[str], q: torch.Tensor, plan_kernel: AttnKerne
 
 def check_masked_override(mask, q: torch.Tensor, plan_kernel: AttnKernel, v_head_dim: int | None = None) -> None:
     """Where :data:`MASKED_KERNEL_ENV` forces a kernel, raise :func:`masked_kernel`'s ``ValueError`` now if it lacks
-    anything a block of ``mask`` may need (:func:`~cp_handler.masks.mask_needs`): the same answer on every rank,
+    anything a block of ``mask`` may need (:func:`~cp_handler.core.masks.mask_needs`): the same answer on every rank,
     before the attention communicates (a block's own needs are only known inside a ring step)."""
     forced = os.environ.get(MASKED_KERNEL_ENV) or None
     if forced is not None:

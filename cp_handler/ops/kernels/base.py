@@ -64,7 +64,7 @@ class AttnKernel:
             takes ``Dv != Dqk`` on CUDA only from a kernel a run verified for it; CPU kernels are the suite's.
         verified_thd: the verifying run covered plans of packed documents (thd) too; ``False``: the automatic
             choice takes it for bshd / sbhd plans only (a forced kernel still runs thd).
-        masks: what its masked calls compute exactly, of :data:`~cp_handler.masks.MASK_FEATURES` (the causal edge
+        masks: what its masked calls compute exactly, of :data:`~cp_handler.core.masks.MASK_FEATURES` (the causal edge
             at any offset, left / right window edges, a chunk boundary, soft-capped scores); empty: only the plain
             causal / full blocks. Sinks need nothing of any kernel: they are folded in after the merge
             (:mod:`~cp_handler.ops.sinks`); a value head dim other than q's is :attr:`distinct_v_head_dim`, packed

@@ -8,11 +8,12 @@ score, zero V columns give zero output columns (sliced off) and zero gradients. 
 avoid the padded work; the CPU path is the reference, so exactness is what counts here.
 
 Masked blocks (windows, two-sided windows, the causal edge at any offset, chunk boundaries): the same op with an
-additive ``attn_mask`` of ``0`` / ``-inf`` from the block's visibility (:meth:`~cp_handler.masks.BlockMask.visible`,
-``(Sq, Sk)`` in q's dtype, cached per block geometry), so they run in the flash kernel instead of explicit float32
-scores. A row that sees no key of the block comes back from the op with ``out = 0`` and ``lse = 0``; its lse is set
-to the lowest finite value (the contract of :mod:`.base`). Soft-capped scores are not an additive mask: they stay
-on the explicit scores of :mod:`.masked` (torch 2.13's FlexAttention has no CPU backward).
+additive ``attn_mask`` of ``0`` / ``-inf`` from the block's visibility
+(:meth:`~cp_handler.core.masks.BlockMask.visible`, ``(Sq, Sk)`` in q's dtype, cached per block geometry), so they
+run in the flash kernel instead of explicit float32 scores. A row that sees no key of the block comes back from the op
+with ``out = 0`` and ``lse = 0``; its lse is set to the lowest finite value (the contract of :mod:`.base`).
+Soft-capped scores are not an additive mask: they stay on the explicit
+scores of :mod:`.masked` (torch 2.13's FlexAttention has no CPU backward).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ...masks import BlockMask
+from ...core.masks import BlockMask
 from .base import AttnKernel
 
 aten = torch.ops.aten

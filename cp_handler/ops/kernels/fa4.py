@@ -46,8 +46,8 @@ import os
 
 import torch
 
-from ...install_hint import extra_hint
-from ...masks import BlockMask
+from ...core.install_hint import extra_hint
+from ...core.masks import BlockMask
 from .base import H200_RUN_B, AttnKernel
 from .flash_window import band, whole_grads, whole_rows
 

@@ -5,8 +5,8 @@ the kernel's own ``window_size_left`` / ``window_size_right`` (``aten._flash_att
 FlashAttention-2's local attention (``flash_attn_func`` docstring; ``set_params_fprop`` in torch's
 ``flash_api.cpp``): query ``i`` of ``Sq`` sees keys ``j`` with
 ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (bottom-right aligned), ``-1`` unbounded; ``left < 0`` with
-``right == 0`` is its causal mask. Every block of :func:`~cp_handler.masks.mask_blocks` whose needs are the causal
-edge and windows (no chunk boundary, no soft-cap: :func:`~cp_handler.masks.block_needs`) is such a band in its own
+``right == 0`` is its causal mask. Every block of :func:`~cp_handler.core.masks.mask_blocks` whose needs are the causal
+edge and windows (no chunk boundary, no soft-cap: :func:`~cp_handler.core.masks.block_needs`) is such a band in its own
 coordinates: query ``i`` sees ``j - i`` in ``[lo, hi]`` with ``d = q_pos - k_pos``, ``lo = d - (W - 1)`` and ``hi =
 d`` (causal) or ``d + R`` (right window). :func:`band` maps it onto the kernel's convention, first cutting the keys
 no query sees at the end and the queries that see no key at the end (a negative ``left`` / ``right`` would mean
@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ...masks import BlockMask, block_needs
+from ...core.masks import BlockMask, block_needs
 
 aten = torch.ops.aten
 

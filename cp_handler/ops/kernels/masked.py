@@ -1,7 +1,7 @@
-"""The masked block kernel: one block under an :class:`~cp_handler.masks.AttentionMask` (window, chunk,
+"""The masked block kernel: one block under an :class:`~cp_handler.core.masks.AttentionMask` (window, chunk,
 soft-cap), forward returning the log-sum-exp, backward given the merged out/lse, in plain torch.
 
-The planners (:func:`cp_handler.masks.mask_blocks`) give it only what the fast kernels cannot run: the
+The planners (:func:`cp_handler.core.masks.mask_blocks`) give it only what the fast kernels cannot run: the
 bands along a window's left edge or a chunk boundary, and soft-capped blocks. It computes the block's
 scores explicitly in the accumulation dtype (float32; float64 for float64 inputs), so it is exact to
 that dtype on any device. The backward recomputes the scores (nothing is saved between the passes)
@@ -11,7 +11,7 @@ soft-capping multiplies ``dS`` by ``1 - tanh(s / cap)^2``.
 
 Memory per block: a few ``(B, H, Sq, Sk)`` tensors in the accumulation dtype (scores, probabilities,
 their gradient), with ``Sq <= 64`` and ``Sk <= 512`` for the tiles the planners make
-(:data:`~cp_handler.masks.MASK_TILE`, :data:`~cp_handler.masks.MASK_KEY_TILE`): ``B * H * 128 KiB``
+(:data:`~cp_handler.core.masks.MASK_TILE`, :data:`~cp_handler.core.masks.MASK_KEY_TILE`): ``B * H * 128 KiB``
 each in float32. GQA: K/V are expanded to the query heads inside the block, their gradients summed back.
 
 Why ours: torch 2.13's FlexAttention has no CPU backward ("FlexAttention does not support backward on
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ...masks import BlockMask
+from ...core.masks import BlockMask
 from ..merge import acc_dtype
 from .base import expand_kv, reduce_kv_grad
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...layout import ZigzagDocs
-from ...masks import AttentionMask
+from ...core.layout import ZigzagDocs
+from ...core.masks import AttentionMask
 from ..collectives import all_to_all
 from ..halo import halo_pieces
 from .segments import segment_plan

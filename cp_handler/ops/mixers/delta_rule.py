@@ -86,7 +86,7 @@ def gated_delta_rule(kernel, query, key, value, g, beta, *, layout, rank: int, g
             torch fallback, FLA's Triton kernel, KDA's ``chunk_kimi_delta_attention``) taking ``initial_state``
             and ``output_final_state``.
         query, key, value, g, beta: local tensors ``(B, S_local, ...)`` as the kernel takes them.
-        layout, rank, group: the batch's :class:`~cp_handler.layout.ZigzagDocs`, this rank, the CP group.
+        layout, rank, group: the batch's :class:`~cp_handler.core.layout.ZigzagDocs`, this rank, the CP group.
         kernel_kwargs: passed on (``chunk_size``, ``use_qk_l2norm_in_kernel``, ...).
 
     Returns:

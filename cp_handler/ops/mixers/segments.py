@@ -1,6 +1,6 @@
 """The pieces of a local tensor a sequence mixer runs on: each zigzag chunk's real rows, per document.
 
-Under the zigzag layout (:class:`~cp_handler.layout.ZigzagDocs`) a rank holds, per document, two chunks
+Under the zigzag layout (:class:`~cp_handler.core.layout.ZigzagDocs`) a rank holds, per document, two chunks
 (one at cp = 1); the real tokens of a chunk are a prefix of it (padding only follows a document's last real
 token). A recurrence or a convolution runs on every chunk's real rows with the state (or the left context)
 of everything before the chunk in its document; the padding rows get zero.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...layout import ZigzagDocs
+from ...core.layout import ZigzagDocs
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...layout import ZigzagDocs, zigzag_chunk_owner
+from ...core.layout import ZigzagDocs, zigzag_chunk_owner
 from ..collectives import all_gather_summed
 from .segments import SegmentGroup, SegmentPlan, assemble, from_segments
 

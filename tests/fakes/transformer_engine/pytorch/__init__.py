@@ -34,7 +34,7 @@ from dist_utils import GatherSumGrad  # tests/ helper: the fake is only imported
 from torch import nn
 
 import transformer_engine
-from cp_handler.layout import ZigzagDocs
+from cp_handler.core.layout import ZigzagDocs
 from cp_handler.ops.all_gather import all_gather_attn
 from cp_handler.ops.ring import ring_attn
 from cp_handler.ops.ulysses import a2a_attn

@@ -168,7 +168,7 @@ def resolve_mask(causal: bool, mask: AttentionMask | None) -> AttentionMask:
     if mask is None:
         return CAUSAL if causal else NO_MASK
     if not isinstance(mask, AttentionMask):
-        raise TypeError(f"mask={mask!r} must be a cp_handler.masks.AttentionMask (or None)")
+        raise TypeError(f"mask={mask!r} must be a cp_handler.core.masks.AttentionMask (or None)")
     if mask.causal != bool(causal):
         raise ValueError(f"mask={mask} disagrees with causal={causal}")
     return mask

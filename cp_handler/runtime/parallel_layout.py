@@ -35,8 +35,8 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..ops.patterns import PATTERNS
 from .config import AUTO, check_hierarchical_sizes
-from .ops.patterns import PATTERNS
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
 

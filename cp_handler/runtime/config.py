@@ -9,19 +9,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .ops.patterns import PATTERNS
+from ..auto.catalog import load_profile
+from ..core.comm_types import AUTO, COMM_TYPE_CHOICES, CP_COMM_TYPES, HIERARCHICAL_COMM_TYPES
 
-CP_COMM_TYPES = tuple(PATTERNS)
-"""The ``cp_comm_type`` values: ``p2p``, ``all_gather``, ``a2a``, ``a2a+p2p`` (Transformer Engine's and
-Megatron-LM's names), one per entry of :data:`~cp_handler.ops.patterns.PATTERNS`."""
-
-AUTO = "auto"
-"""``cp_comm_type="auto"``: the handler picks one of ``CP_COMM_TYPES`` per call from a cost profile
-(:mod:`cp_handler.auto`); accepted wherever a comm type is, per layer too, by the handlers that list it (the local
-one)."""
-
-COMM_TYPE_CHOICES = (*CP_COMM_TYPES, AUTO)
-"""Every value ``cp_comm_type`` may take: a pattern, or ``"auto"``."""
+__all__ = ["AUTO", "COMM_TYPE_CHOICES", "CP_COMM_TYPES", "QKV_FORMATS", "AttentionShape", "ContextParallelConfig",
+           "as_comm_type_list", "check_comm_types", "check_hierarchical_sizes", "check_per_layer_comm_types",
+           "check_seq_len"]
 
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 """Tensor layouts: s = sequence, b = batch, h = heads, d = head dim, t = packed tokens."""
@@ -140,14 +133,12 @@ class ContextParallelConfig:
         if AUTO not in self.comm_types:
             raise ValueError(f"cp_comm_profile={self.cp_comm_profile!r} prices the patterns of cp_comm_type='auto'; "
                              f"cp_comm_type={self.cp_comm_type!r} has no 'auto' entry: drop it")
-        from .auto.catalog import load_profile  # the auto package prices plans of ops/; imported when used
-
         load_profile(self.cp_comm_profile).group(self.context_parallel_size)  # raises, naming the profile
 
     def _check_hierarchy(self) -> None:
         sizes = self.hierarchical_context_parallel_sizes
         if sizes is None:
-            needing = [t for t in self.comm_types if t != AUTO and PATTERNS[t].hierarchical]
+            needing = [t for t in self.comm_types if t in HIERARCHICAL_COMM_TYPES]
             if needing:
                 raise ValueError(
                     f"cp_comm_type={needing[0]!r} needs hierarchical_context_parallel_sizes=[a2a_size, p2p_size] "
@@ -155,9 +146,9 @@ class ContextParallelConfig:
                 )
             return
         check_hierarchical_sizes(sizes, self.context_parallel_size)
-        if not any(t == AUTO or PATTERNS[t].hierarchical for t in self.comm_types):
+        if not any(t == AUTO or t in HIERARCHICAL_COMM_TYPES for t in self.comm_types):
             raise ValueError(f"hierarchical_context_parallel_sizes={list(sizes)} is used only by a hierarchical "
-                             f"cp_comm_type ({', '.join(t for t in PATTERNS if PATTERNS[t].hierarchical)}) or by "
+                             f"cp_comm_type ({', '.join(HIERARCHICAL_COMM_TYPES)}) or by "
                              f"'auto' (which may pick one); "
                              f"cp_comm_type={self.cp_comm_type!r} has none: drop it")
 

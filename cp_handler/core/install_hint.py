@@ -23,7 +23,7 @@ _EXTRA_MARKER = re.compile(r"""extra\s*==\s*["']([^"']+)["']""")
 
 def _checkout() -> str | None:
     """The checkout this package is imported from (a folder holding ``pyproject.toml`` above the package)."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above cp_handler/core/
     return root if os.path.isfile(os.path.join(root, "pyproject.toml")) else None
 
 

@@ -1,5 +1,5 @@
 """Token-wise work over chunks of a rank's tokens, each chunk recomputed in the backward, so that only one chunk's
-intermediates exist at a time: the loss (:func:`~cp_handler.loss.token_loss_sum`) and the feed-forward blocks
+intermediates exist at a time: the loss (:func:`~cp_handler.models.loss.token_loss_sum`) and the feed-forward blocks
 (:func:`tile_mlps`: the tiled MLP of Arctic Long Sequence Training, ALST, Snowflake 2025, DeepSpeed's
 ``TiledMLP``).
 

@@ -31,20 +31,20 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from ..config import ContextParallelConfig
+from ..auto.choice import candidates, predict
+from ..auto.pattern_work import AttnCase, _plan_work, rank_plan
+from ..auto.profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
+from ..core.masks import CAUSAL, AttentionMask
+from ..core.progress import Progress
 from ..dynamic.cost_model import relative_lstsq
-from ..groups import build_dp_cp_groups
 from ..handlers import build_cp_handler
-from ..launch import launch, rank_session
-from ..masks import CAUSAL, AttentionMask
 from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.collectives import all_gather_single, all_to_all_single, reduce_scatter_single
 from ..ops.kernels import select_kernel
 from ..ops.spec import AttnSpec
-from ..progress import Progress
-from .choice import candidates, predict
-from .pattern_work import AttnCase, _plan_work, rank_plan
-from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
+from ..runtime.config import ContextParallelConfig
+from ..runtime.groups import build_dp_cp_groups
+from ..runtime.launch import launch, rank_session
 
 CALIBRATION_TOKENS = (1024, 4096)
 """Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8): the block sizes of
@@ -77,7 +77,7 @@ class _Layer(torch.nn.Module):
 
 def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """A function running ``case`` forward + backward once through the local handler with ``comm_type`` on this
-    rank (``groups``: :func:`~cp_handler.groups.build_dp_cp_groups` of the CP group, with the levels of
+    rank (``groups``: :func:`~cp_handler.runtime.groups.build_dp_cp_groups` of the CP group, with the levels of
     :func:`levels_of` for ``a2a+p2p``); thd when the case has several documents. Causal or a causal window."""
     thd = len(case.lengths) > 1
     hierarchical = comm_type == "a2a+p2p"
@@ -270,7 +270,7 @@ def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps
     """Measure a :class:`~.profile.CostProfile` here: one launch of ``cp`` ranks per size (module doc).
 
     Raises:
-        SystemExit: a rank failed (:func:`~cp_handler.launch.launch`).
+        SystemExit: a rank failed (:func:`~cp_handler.runtime.launch.launch`).
     """
     groups = {}
     for cp in cp_sizes:

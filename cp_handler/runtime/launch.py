@@ -211,7 +211,7 @@ def rank_session(program: str = "cp-train", timeout: float | None = None, device
     or ``None`` and CUDA is available; else the CPU with ``threads`` threads, default the cores divided by
     the ranks on this node), the default process group (NCCL on CUDA, gloo on CPU; with ``timeout`` seconds
     the rendezvous is bounded and it is the collectives' timeout, :func:`init_process_group_bounded`), a
-    first :func:`heartbeat`; on exit :func:`~cp_handler.groups.destroy_process_groups`.
+    first :func:`heartbeat`; on exit :func:`~cp_handler.runtime.groups.destroy_process_groups`.
 
     Raises:
         RendezvousError: the rendezvous failed (``timeout`` given).

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .config import AttentionShape, ContextParallelConfig, check_seq_len
-from .groups import DataContextParallelGroups, build_dp_cp_groups, check_world_divisible
-from .handlers import build_cp_handler
-from .loss import masked_token_loss_sum, next_token_batch
+from ..handlers import build_cp_handler
+from ..models.loss import masked_token_loss_sum, next_token_batch
+from ..runtime.config import AttentionShape, ContextParallelConfig, check_seq_len
+from ..runtime.groups import DataContextParallelGroups, build_dp_cp_groups, check_world_divisible
 
 
 def eval_config(train: ContextParallelConfig, eval_context_parallel_size: int,

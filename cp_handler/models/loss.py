@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from .handlers.base import ContextParallelHandler
+from ..handlers.base import ContextParallelHandler
 from .tiling import checkpointed_chunks
 
 

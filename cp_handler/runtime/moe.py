@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ops.collectives import all_to_all, all_to_all_single
+from ..ops.collectives import all_to_all, all_to_all_single
 
 
 class ExpertParallelHandler:

@@ -20,15 +20,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from ..groups import build_dp_cp_groups
 from ..handlers.registry import load_plugins
-from ..launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
+from ..inference.generate import compare_generations, generate, reference_generate
+from ..inference.sampling import Sampling
 from ..models import GPTConfig, GPTModel
+from ..runtime.groups import build_dp_cp_groups
+from ..runtime.launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
 from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits
-from .generate import compare_generations, generate, reference_generate
-from .sampling import Sampling
 
 PARITY_TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 """atol = rtol on a step's logits, CP vs one process, by the model's dtype (the attention sums are
@@ -131,7 +131,7 @@ def run_generation(config: GenerateConfig) -> dict | None:
     """Start the ranks (spawned, or this process under torchrun); rank 0's report.
 
     Raises:
-        SystemExit: a rank failed or stalled (:func:`~cp_handler.launch.launch`).
+        SystemExit: a rank failed or stalled (:func:`~cp_handler.runtime.launch.launch`).
     """
     if is_first_rank() and not under_torchrun():
         print(f"cp-generate: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,

@@ -82,7 +82,7 @@ def build_dp_cp_groups(
     """Split the default group's ranks into ``world / cp`` data-parallel replicas of CP groups,
     and, with ``hierarchical_context_parallel_sizes`` (any number of levels, inner first, product
     = cp), the groups of each level; rank 0 logs them as ``HIERARCHICAL_CONTEXT_PARALLEL_GROUPS``.
-    The ``tp = pp = ep = 1`` case of :class:`~cp_handler.parallel_layout.ParallelLayout`.
+    The ``tp = pp = ep = 1`` case of :class:`~cp_handler.runtime.parallel_layout.ParallelLayout`.
 
     Needs an initialised default process group; every rank must call it.
 
