@@ -470,14 +470,13 @@ def test_resume_of_a_folder_that_holds_no_checkpoint_is_named_before_the_data_is
 
 
 def test_the_log_shows_the_mean_of_the_last_ten_losses_beside_each_step(capsys):
-    from cp_handler.training.loop import LOSS_WINDOW, train_steps
+    from cp_handler.training.loop import LOSS_WINDOW, StepProgress
 
     losses = [5.0, 3.0, 6.0, 2.0, 4.0, 7.0, 1.0, 3.0, 5.0, 2.0, 9.0, 0.5, 4.0]
-    model = torch.nn.Linear(2, 1)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    records = train_steps(model, len(losses), lambda step: (torch.tensor(losses[step]), 10), optim, None, True,
-                          log_every=1)
-    assert [r["loss"] for r in records] == losses
+    progress = StepProgress(len(losses), True, log_every=1)
+    for loss in losses:
+        progress.update({"loss": loss, "lr": 0.1, "tokens_per_s": 10.0})
+    progress.close()
     err = capsys.readouterr().err
     assert f"mean{LOSS_WINDOW}: the mean loss of the last {LOSS_WINDOW} steps" in err
     lines = [line for line in err.splitlines() if line.startswith("cp-train: step ")]
@@ -493,7 +492,7 @@ def test_what_cp_train_writes_has_the_mode_the_umask_gives(tmp_path, monkeypatch
     modes open / mkdir give, as the checkpoints do (tests/test_cli_generate.py)."""
     import types
 
-    import cp_handler.training.run as run
+    import cp_handler.training.build as run
     from cp_handler.cli.common import write_json_atomically
 
     class Saved:

@@ -14,8 +14,9 @@ from gpt_reference import CONFIG
 from cp_handler import AttentionShape, ContextParallelConfig
 from cp_handler.dynamic import GroupPool, schedule_sequences
 from cp_handler.models import GPTModel
+from cp_handler.models.loss import all_reduce_grads
 from cp_handler.training import DynamicCP, TrainConfig
-from cp_handler.training.steps import dynamic_step, gpt_logits, reference_step
+from cp_handler.training.steps import DynamicBatches, forward_backward, gpt_logits, reference_step
 
 LENGTHS = [120, 7, 60, 33, 1, 250, 15, 18]  # budget 64: needs CP sizes 4, 1, 1, 1, 1, 4(+), 1, 1
 
@@ -48,7 +49,9 @@ def _dynamic_worker(rank, world):
     assert {g.size for mb in schedule.micro_batches for g in mb.groups if g.sequences} >= {1, 4}
     torch.manual_seed(0)
     model = GPTModel(CONFIG)
-    loss, _ = dynamic_step(model, config, FixedDocuments(), pool, "cpu")(0)
+    parts, total, _ = DynamicBatches(config, FixedDocuments(), pool, "cpu").parts(0)
+    loss = forward_backward(model, parts, total, config, "cpu")
+    all_reduce_grads(list(model.parameters()))  # what the trainer does after a dynamic step
     dist.all_reduce(loss)
     torch.manual_seed(0)
     reference = GPTModel(CONFIG)  # plain PyTorch attention, the documents as one pack (training.reference)

@@ -6,6 +6,16 @@ A handler holds one (``handler.token_layout``, built from its class's ``token_la
 ``apply_rotary_pos_emb`` run the component's (the first three under the handler's call guard). The zigzag layout
 (:class:`~.zigzag.ZigzagLayout`) is the default; a backend with its own placement of tokens (MagiAttention's
 dispatcher, a decode step) brings its own subclass of :class:`TokenLayout`.
+
+Beside the contract's six methods, the layout answers what code outside the handler needs to know about the batch
+(the public API, docs/backends.md "The token layout"; nothing reads the layout any other way):
+
+* :meth:`positions` -- the global position of every local slot;
+* :meth:`real_token_mask` -- which local slots hold tokens of the batch (not padding the layout adds);
+* :attr:`max_seqlen` and :attr:`document_lengths` -- the longest document, every document's length (thd);
+* :meth:`max_position` -- the largest position of a real token in the whole batch, the same on every rank (what
+  RoPE that reads the sequence length needs), with :meth:`set_max_position` for a model that computes its own
+  positions (a vision-language model's mRoPE).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ class TokenLayout(ABC):
 
     def __init__(self, handler):
         self.handler = handler
+        self._model_max_position: int | torch.Tensor | None = None
 
     def call_layout(self, local_len: int):
         """The batch's documents for a ``core_attn`` call of ``local_len`` local tokens (checked: ValueError), or
@@ -73,3 +84,35 @@ class TokenLayout(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not say which of its local slots hold real tokens "
                                   "(TokenLayout.real_token_mask): a loss that counts tokens cannot run on it")
+
+    @property
+    def max_seqlen(self) -> int | None:
+        """The length of the longest real document (thd); ``None``: the layout does not hold documents (bshd/sbhd,
+        where :meth:`get_rotary_seq_len` gives the sequence length)."""
+        return None
+
+    @property
+    def document_lengths(self) -> tuple[int, ...] | None:
+        """thd: every document's length in tokens, in the batch's order (not padded); ``None`` otherwise."""
+        return None
+
+    def positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """int64 ``(S_local,)``: the global position of each of the ``local_len`` local slots (thd: restarting per
+        document; ``0`` at the padding slots the layout adds), as a model's rotary embedding takes them."""
+        table = self.get_emb_on_this_cp_rank(torch.arange(self.get_rotary_seq_len(local_len), device=device))
+        real = self.real_token_mask()
+        return table if real is None else torch.where(real.to(table.device), table, 0)
+
+    def max_position(self, local_len: int) -> int | torch.Tensor:
+        """The largest position of a real token in the whole batch, the same on every rank: the one
+        :meth:`set_max_position` gave, else ``max_seqlen - 1``, else ``get_rotary_seq_len(local_len) - 1``."""
+        if self._model_max_position is not None:
+            return self._model_max_position
+        longest = self.max_seqlen
+        return (longest if longest is not None else self.get_rotary_seq_len(local_len)) - 1
+
+    def set_max_position(self, position: int | torch.Tensor) -> None:
+        """The batch's largest position where the model computed positions itself (a vision-language model's mRoPE
+        positions: an int or a 0-d tensor, no device sync); :meth:`max_position` returns it from now on (a handler
+        is per batch)."""
+        self._model_max_position = position

@@ -47,8 +47,13 @@ class ZigzagLayout(TokenLayout):
 
     @property
     def max_seqlen(self) -> int | None:
-        """thd: length of the longest real document."""
+        """thd: length of the longest real document (:attr:`TokenLayout.max_seqlen`)."""
         return None if self.thd_layout is None else max(self.thd_layout.lengths)
+
+    @property
+    def document_lengths(self) -> tuple[int, ...] | None:
+        """thd: every document's length (:attr:`TokenLayout.document_lengths`)."""
+        return None if self.thd_layout is None else tuple(self.thd_layout.lengths)
 
     def real_token_mask(self) -> torch.Tensor | None:
         """thd: this rank's slots that hold tokens of the documents (not their padding to ``2 * cp``); bshd/sbhd:

@@ -1,52 +1,27 @@
-"""The handler of the Hugging Face forward running now: a context variable set by the model's forward hook
-(:mod:`.hf_model`), by :func:`handler_context`, or, in a layer recomputed in the backward, by the recompute hook
-of a module inside it that reads it. The attention function takes its handler from its call (the ``cp_handler``
-keyword or its mask, :mod:`.hf_attention`) and reads this only where neither carries one; what transformers
-calls without the forward's keyword arguments reads it: the mask function (:mod:`.hf_mask`), the rotary hooks
-(:mod:`.hf_rotary`), the mixer routes (:mod:`.hf_mixers`) and the router loss (:mod:`.hf_router_loss`). The
-bottom of the integration: it imports nothing of it."""
+"""The state of the Hugging Face forward running now, in the integration's one context variable.
+
+The handler reaches transformers' code as the forward's ``cp_handler`` keyword (:mod:`.hf_model` passes it on to
+the attention function through the layers' keyword arguments). What transformers calls *without* the forward's
+keyword arguments cannot be given it: the mask function (:mod:`.hf_mask`), the rotary modules (:mod:`.hf_rotary`),
+the mixer routes (:mod:`.hf_mixers`) and the load-balancing loss function (:mod:`.hf_router_loss`). They read
+:class:`ForwardState`, the one context variable of the integration: the forward's handler, what its layers
+recorded (:class:`ForwardRecord`), how its router loss is computed, and whether a fused LM head's call runs on the
+shards. The model's forward hook sets it for the forward (:mod:`.hf_model`), :func:`forward_scope` for a block (the
+trainers, ``cp_attention``), and in a layer recomputed in the backward the recompute hook of a module inside it.
+The bottom of the integration: it imports nothing of it."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..handlers.base import ContextParallelHandler
-
-_active: contextvars.ContextVar[ContextParallelHandler | None] = contextvars.ContextVar("cp_handler", default=None)
-
-
-def active_handler() -> ContextParallelHandler | None:
-    """The handler of the forward running now (keyword or context manager), if any."""
-    return _active.get()
-
-
-def set_active(handler: ContextParallelHandler | None) -> contextvars.Token:
-    """Make ``handler`` active; returns the token :func:`reset_active` takes."""
-    return _active.set(handler)
-
-
-def reset_active(token: contextvars.Token) -> None:
-    _active.reset(token)
-
-
-@contextlib.contextmanager
-def value_in(variable: contextvars.ContextVar, value):
-    """``variable`` holds ``value`` inside the block (reset on exit, also on error)."""
-    token = variable.set(value)
-    try:
-        yield value
-    finally:
-        variable.reset(token)
-
-
-def handler_context(handler: ContextParallelHandler):
-    """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
-    return value_in(_active, handler)
 
 
 @dataclass
@@ -65,26 +40,70 @@ class ForwardRecord:
     compiled layer's call is not recorded; a mixer's is recorded in ``layers`` but not here)."""
 
 
-_record: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("cp_handler_record", default=None)
+@dataclass(frozen=True)
+class ForwardState:
+    """What the callbacks transformers makes without the forward's keyword arguments read (module doc).
+
+    Attributes:
+        handler: the forward's handler (``None``: no forward under CP runs).
+        record: what the running forward of a prepared model records (``None`` outside one).
+        router_loss: how its load-balancing loss is computed (a :class:`~.hf_router_loss.RouterLossScope`;
+            ``None``: the default, over the handler's CP group).
+        fused_head_on_shard: a fused LM head's call on the shards runs now (:mod:`.hf_fused_head`).
+    """
+
+    handler: ContextParallelHandler | None = None
+    record: ForwardRecord | None = None
+    router_loss: Any = None
+    fused_head_on_shard: bool = False
 
 
-def start_record() -> contextvars.Token:
-    """A new :class:`ForwardRecord` for the forward starting now; returns the token :func:`end_record` takes."""
-    return _record.set(ForwardRecord())
+_forward: contextvars.ContextVar[ForwardState | None] = contextvars.ContextVar("cp_handler_forward", default=None)
+"""The integration's one context variable (module doc); ``None``: :data:`_NO_FORWARD`."""
+_NO_FORWARD = ForwardState()
 
 
-def end_record(token: contextvars.Token) -> ForwardRecord:
-    """The record of the forward that ends now (the record is reset)."""
-    record = _record.get()
-    _record.reset(token)
-    return record
+def forward_state() -> ForwardState:
+    """The state of the forward running now (the default one, all empty, outside any)."""
+    return _forward.get() or _NO_FORWARD
+
+
+def enter_forward(**changes) -> contextvars.Token:
+    """The state with ``changes`` (fields of :class:`ForwardState`) from now on; returns the token
+    :func:`exit_forward` takes (a hook pair: the pre-hook enters, the hook exits)."""
+    return _forward.set(dataclasses.replace(forward_state(), **changes))
+
+
+def exit_forward(token: contextvars.Token) -> None:
+    """The state before the :func:`enter_forward` that gave ``token``."""
+    _forward.reset(token)
+
+
+@contextlib.contextmanager
+def forward_scope(**changes):
+    """The state with ``changes`` inside the block (reset on exit, also on error)."""
+    token = enter_forward(**changes)
+    try:
+        yield
+    finally:
+        exit_forward(token)
+
+
+def active_handler() -> ContextParallelHandler | None:
+    """The handler of the forward running now, if any."""
+    return forward_state().handler
+
+
+def handler_context(handler: ContextParallelHandler):
+    """Make ``handler`` the active handler inside the block (reset on exit, also on error)."""
+    return forward_scope(handler=handler)
 
 
 def record_attention_call(module: nn.Module, mask_type: str, core_attn: bool = True) -> None:
     """Called by the attention function for every layer it runs (its ``layer_idx``; a module without
     one counts by identity) with the layer's ``attn_mask_type``; ``core_attn=False``: a mixer's route (its layer
     covered, no ``core_attn`` call)."""
-    record = _record.get()
+    record = forward_state().record
     if record is not None:
         layer = getattr(module, "layer_idx", None)
         key = layer if isinstance(layer, int) else f"module {id(module)}"
@@ -96,7 +115,7 @@ def record_attention_call(module: nn.Module, mask_type: str, core_attn: bool = T
 def set_forward_token_mask(mask: torch.Tensor) -> None:
     """This rank's real tokens of the forward running now (:attr:`ForwardRecord.token_mask`); outside a prepared
     model's forward: ValueError (a mask that nothing would read)."""
-    record = _record.get()
+    record = forward_state().record
     if record is None:
         raise ValueError("set_forward_token_mask outside a prepared model's forward")
     record.token_mask = mask
@@ -105,12 +124,12 @@ def set_forward_token_mask(mask: torch.Tensor) -> None:
 def forward_token_mask() -> torch.Tensor | None:
     """The forward's real-token mask (:attr:`ForwardRecord.token_mask`), ``None`` when it has none or no forward of
     a prepared model runs."""
-    record = _record.get()
+    record = forward_state().record
     return None if record is None else record.token_mask
 
 
 def record_router_loss() -> None:
     """Called when the router loss of the running forward was computed over the group (:mod:`.hf_router_loss`)."""
-    record = _record.get()
+    record = forward_state().record
     if record is not None:
         record.router_loss = True

@@ -66,8 +66,8 @@ def check_local_index_scaling(module, handler: ContextParallelHandler, local_len
         return
     positions = local_position_ids(handler, torch.zeros((1, local_len), dtype=torch.long))[0]
     index = torch.arange(local_len)
-    layout = getattr(handler.token_layout, "thd_layout", None)
-    real = layout.real_mask(handler.cp_rank) if layout is not None else torch.ones(local_len, dtype=torch.bool)
+    real = handler.token_layout.real_token_mask()
+    real = torch.ones(local_len, dtype=torch.bool) if real is None else real.cpu()
     scale = module.floor_scale
     differs = (real & ((index + 1) // scale != (positions.cpu() + 1) // scale)).nonzero()
     if differs.numel():
@@ -88,7 +88,7 @@ def _mask_type(module, attention_mask, is_causal, handler, local_len: int) -> tu
         raise ValueError(f"a materialised attention mask ({type(attention_mask).__name__} "
                          f"{tuple(getattr(attention_mask, 'shape', ()))}) reached cp_handler's attention: under CP the "
                          "handler's layout is the mask; pass attention_mask from cp_model_inputs (2-D ones) instead")
-    longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(local_len)
+    longest = handler.token_layout.max_seqlen or handler.get_rotary_seq_len(local_len)
     return _from_spec(module, attention_mask.spec(longest))
 
 
@@ -144,7 +144,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         check_local_index_scaling(module, handler, q.shape[1])
         mask_type, kind, size = _mask_type(module, attention_mask, is_causal, handler, q.shape[1])
         record_attention_call(module, mask_type)
-        longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q.shape[1])
+        longest = handler.token_layout.max_seqlen or handler.get_rotary_seq_len(q.shape[1])
         _check_sliding_window(module, kind, sliding_window, mask_type, longest)
         layer = getattr(module, "layer_idx", None)  # None: an attention block shared by several layers (Zamba)
     attn = LayerAttention(scaling, None if layer is None else layer + 1, (size - 1, 0) if kind == "sliding" else None,

@@ -18,7 +18,7 @@ wraps that forward so that the same call, made with the same batch on every rank
    each token (its index in the left-padded row, the row's left padding added to the layout's positions; or, for a
    model that derives positions from the mask, from 0 at the first real token: :func:`left_padding_positions` finds
    which on the model, once), and the largest position of TRL's forward for RoPE that reads the length
-   (:data:`.hf_rotary.MAX_POSITION`);
+   (:meth:`~cp_handler.handlers.token_layout.TokenLayout.set_max_position`);
 4. combines the per-token outputs over the CP group (an all-gather) and puts them back in the rows' original places,
    zero where TRL's are; ``loss`` is TRL's formula over the whole rows.
 
@@ -32,7 +32,6 @@ the same convention: the batch's value on every rank, ``cp`` times this rank's s
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import types
 
@@ -41,19 +40,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..runtime.config import ContextParallelConfig
-from .hf_active import value_in
+from .hf_active import forward_scope, forward_state
 from .hf_batch import IGNORE_INDEX, shard_batch
 from .hf_inputs import text_config
-from .hf_rotary import MAX_POSITION
-from .hf_router_loss import RouterLossScope, router_loss_scope
-from .transformers import cp_attention, own_attention
+from .hf_router_loss import RouterLossScope
+from .transformers import own_attention
 
 FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 """TRL's per-token outputs (``FusedCausalLMOutput``) combined over the CP group (those TRL computed)."""
 ACCEPTED = frozenset(("input_ids", "attention_mask", "labels", "shift_labels", "num_items_in_batch", "use_cache",
                       "output_router_logits"))
 """The keyword arguments of a fused-head call under CP; any other (a vision input, ``position_ids``) is refused."""
-_on_shard: contextvars.ContextVar[bool] = contextvars.ContextVar("cp_fused_head_on_shard", default=False)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -90,7 +87,7 @@ def install_cp_fused_head(model: torch.nn.Module, config: ContextParallelConfig,
     def cp_fused_forward(self, *args, fused_lm_head=False, **kwargs):
         if not fused_lm_head:
             return forward(*args, **kwargs)
-        if _on_shard.get():  # the shard's call, through the model's hooks (the guard, the recomputation hosts)
+        if forward_state().fused_head_on_shard:  # the shard's call, through the model's hooks (guard, recomputation)
             return forward(*args, fused_lm_head=True, **kwargs)
         return fused_forward_on_shards(self, config, cp_group, hierarchical_cp_groups, args, kwargs, row_positions)
 
@@ -194,13 +191,13 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
     handler, inputs = sharded.handler, sharded.inputs
     offset = first[:, None] if row_positions else 0
     positions = torch.where(sharded.token_mask, inputs["position_ids"] + offset, 0)
-    setattr(handler, MAX_POSITION, length - 1 if row_positions else width - 1)
+    handler.token_layout.set_max_position(length - 1 if row_positions else width - 1)
     model_kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
                     "position_ids": positions, "cache_position": inputs["cache_position"],
                     "shift_labels": inputs["shift_labels"],
                     **{k: kwargs[k] for k in ("use_cache", "output_router_logits") if kwargs.get(k) is not None}}
     scope = RouterLossScope(cp_group, sharded.token_mask, "replicated")
-    with cp_attention(handler), router_loss_scope(scope), value_in(_on_shard, True):
+    with forward_scope(handler=handler, router_loss=scope, fused_head_on_shard=True):
         out = model(fused_lm_head=True, **model_kwargs)
     # step 4: combined, back in the rows' places
     cp = handler.cp_size

@@ -28,10 +28,8 @@ def handler_real_tokens(handler: ContextParallelHandler, local_ids: torch.Tensor
 def local_position_ids(handler: ContextParallelHandler, input_ids: torch.Tensor) -> torch.Tensor:
     """Global position of every local token (``(B, S_local)`` int64; thd: restarting per document,
     0 at the padding slots the handler adds), as the model's rotary embedding takes them."""
-    local_len = input_ids.shape[1]
-    positions = torch.arange(handler.get_rotary_seq_len(local_len), device=input_ids.device)
-    local = handler.get_emb_on_this_cp_rank(positions).view(1, -1).expand(input_ids.shape[0], -1)
-    return torch.where(handler_real_tokens(handler, input_ids), local, 0)
+    positions = handler.token_layout.positions(input_ids.shape[1], input_ids.device)
+    return positions.view(1, -1).expand(input_ids.shape[0], -1)
 
 
 def cp_model_inputs(handler: ContextParallelHandler, input_ids: torch.Tensor) -> dict:

@@ -156,7 +156,7 @@ def classify_at_creation(mask: CPMask, q_length: int) -> None:
     attention function finds the spec memoised (eager), or reads it from ``mask.created`` (under torch.compile,
     where probing cannot be traced; a whole-model compile runs this outside its graphs)."""
     handler = mask.forward_handler
-    mask.longest = getattr(handler.token_layout, "max_seqlen", None) or handler.get_rotary_seq_len(q_length)
+    mask.longest = handler.token_layout.max_seqlen or handler.get_rotary_seq_len(q_length)
     mask.created = mask.spec(mask.longest)
 
 

@@ -57,7 +57,7 @@ from torch import nn
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..runtime.config import ContextParallelConfig
-from .hf_active import active_handler, end_record, handler_context, reset_active, set_active, start_record
+from .hf_active import ForwardRecord, active_handler, enter_forward, exit_forward, forward_state, handler_context
 from .hf_attention import call_handler
 from .hf_cache import refuse_cache
 from .hf_inputs import cp_model_inputs, text_config
@@ -222,14 +222,14 @@ def _recompute_pre_hook(module, args, kwargs, last: dict):
     mask = next((v for v in (*args, *kwargs.values()) if isinstance(v, CPMask)), None)
     handler = call_handler(kwargs.get("cp_handler"), mask) or (None if last.get("running") else last.get("handler"))
     if handler is not None:
-        module.__dict__.setdefault("_cp_recompute", []).append(set_active(handler))
+        module.__dict__.setdefault("_cp_recompute", []).append(enter_forward(handler=handler))
     return None
 
 
 def _recompute_hook(module, args, kwargs, output):
     tokens = module.__dict__.get("_cp_recompute")
     if tokens:
-        reset_active(tokens.pop())
+        exit_forward(tokens.pop())
     return None
 
 
@@ -297,7 +297,7 @@ def _model_pre_hook(model, args, kwargs, last: dict):
         kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():
         last["handler"] = handler
-    model._cp_tokens = (set_active(handler), start_record(), handler, handler.attention_calls)
+    model._cp_tokens = (enter_forward(handler=handler, record=ForwardRecord()), handler, handler.attention_calls)
     return args, kwargs
 
 
@@ -306,14 +306,14 @@ def _model_hook(model, args, kwargs, output, last: dict):
     tokens = model.__dict__.pop("_cp_tokens", None)
     if tokens is None:
         return None
-    record = end_record(tokens[1])
-    reset_active(tokens[0])
+    record = forward_state().record
+    exit_forward(tokens[0])
     if output is None:  # the forward raised: its own error propagates
         return None
     model.__dict__["_cp_mask_types"] = dict(record.mask_types)
     seen = record.layers
     layers = text_config(model).num_hidden_layers - sum(t in TOKENLESS_LAYER_TYPES for t in layer_types(model))
-    compiled = tokens[2].attention_calls - tokens[3] - record.core_attn_calls  # compiled layers' calls: not recorded
+    compiled = tokens[1].attention_calls - tokens[2] - record.core_attn_calls  # compiled layers' calls: not recorded
     if compiled and len(seen) + compiled != layers:
         raise ValueError(f"{type(model).__name__}: {compiled} attention calls ran compiled (torch.compile records no "
                          f"layer) beside {len(seen)} recorded layers, for {layers} layers: not one call per layer, so "

@@ -10,25 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..handlers.base import ContextParallelHandler
 from ..runtime.rope import PositionTablesChanged
 from .hf_active import active_handler
-
-MAX_POSITION = "_cp_max_position"
-"""Attribute a handler may carry for the forward running now: the largest position of the whole batch where the
-model computed the positions itself (a vision-language model's mRoPE positions, a 0-d tensor: no device sync;
-:mod:`.hf_vlm`)."""
-
-
-def global_max_position(handler: ContextParallelHandler, local_len: int) -> int | torch.Tensor:
-    """The largest position of a real token in the global batch (thd: the longest document's last; the model's own
-    positions' largest where a vision-language model computed them, :data:`MAX_POSITION`)."""
-    given = getattr(handler, MAX_POSITION, None)
-    if given is not None:
-        return given
-    longest = getattr(handler.token_layout, "max_seqlen", None)
-    return (longest if longest is not None else handler.get_rotary_seq_len(local_len)) - 1
-
 
 POSITION_PROBE = 1
 """A position whose rotary rows a generation's prefill keeps and every decode step recomputes
@@ -59,12 +42,12 @@ def _rotary_pre_hook(module, args, kwargs):
                          "PhiMoE: seq_len=cache_position[-1] + 1), not from the global sequence; refused under "
                          "context parallelism")
     position_ids = kwargs["position_ids"] if "position_ids" in kwargs else args[1]
-    appended = [global_max_position(handler, position_ids.shape[-1])]
+    appended = [handler.token_layout.max_position(position_ids.shape[-1])]
     cache = getattr(handler, "kv_cache", None)
     lengths = ()
     if cache is not None:
         appended.append(POSITION_PROBE)
-        lengths = cache.lengths if cache.prefilled else handler.token_layout.thd_layout.lengths
+        lengths = cache.lengths if cache.prefilled else handler.token_layout.document_lengths
     extra = torch.stack([torch.as_tensor(p, dtype=position_ids.dtype, device=position_ids.device) for p in appended])
     module._cp_rows = (position_ids.shape[-1], cache, tuple(lengths))
     return _with_positions(args, kwargs, torch.cat([position_ids, extra.expand(*position_ids.shape[:-1], -1)], -1))

@@ -29,14 +29,13 @@ an ``aux_loss`` this module did not compute is refused by the model hook (:mod:`
 
 from __future__ import annotations
 
-import contextvars
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .hf_active import active_handler, forward_token_mask, record_router_loss, value_in
+from .hf_active import active_handler, forward_scope, forward_state, forward_token_mask, record_router_loss
 from .hf_inputs import text_config
 
 FUNCTION = "load_balancing_loss_func"
@@ -64,12 +63,9 @@ class RouterLossScope:
             raise ValueError(f"RouterLossScope.convention={self.convention!r}: one of {CONVENTIONS}")
 
 
-_scope: contextvars.ContextVar[RouterLossScope | None] = contextvars.ContextVar("cp_router_loss", default=None)
-
-
 def router_loss_scope(scope: RouterLossScope):
     """The load-balancing loss of the forwards inside the block follows ``scope``."""
-    return value_in(_scope, scope)
+    return forward_scope(router_loss=scope)
 
 
 def _reference():
@@ -144,7 +140,7 @@ def cp_load_balancing_loss(gate_logits, num_experts: int, top_k: int = 2,
     record_router_loss()
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
-    handler, scope = active_handler(), _scope.get() or RouterLossScope()
+    handler, scope = active_handler(), forward_state().router_loss or RouterLossScope()
     group = scope.group if scope.group is not None else handler.cp_group
     rows_per_layer = gate_logits[0].reshape(-1, num_experts).shape[0]
     mask = _token_mask(handler, scope, rows_per_layer, gate_logits[0].device)
@@ -195,4 +191,4 @@ def _token_mask(handler, scope: RouterLossScope, rows: int, device) -> torch.Ten
 
 def active_scope() -> RouterLossScope | None:
     """The scope of the forwards running now (``None``: none set)."""
-    return _scope.get()
+    return forward_state().router_loss

@@ -45,7 +45,6 @@ from .hf_active import active_handler, handler_context, set_forward_token_mask
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
-from .hf_rotary import MAX_POSITION
 from .hf_router_loss import router_loss_enabled
 
 LM_SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position", "attention_mask",
@@ -185,7 +184,7 @@ def _language_model_pre_hook(lm, args, kwargs):
     if positions.shape[-1] != length:
         raise ValueError(f"position_ids of shape {tuple(positions.shape)} for a sequence of {length} tokens")
     rotary = positions[1:] if positions.dim() == 3 and positions.shape[0] == 4 else positions  # row 0: text positions
-    setattr(handler, MAX_POSITION, rotary.max())  # RoPE reading the length: one process's (:mod:`.hf_rotary`)
+    handler.token_layout.set_max_position(rotary.max())  # RoPE reading the length: one process's (:mod:`.hf_rotary`)
     kwargs["position_ids"] = handler.dispatch(positions, positions.dim() - 1)
     if kwargs.get("cache_position") is not None:
         kwargs["cache_position"] = handler.dispatch(kwargs["cache_position"], 0)

@@ -21,17 +21,6 @@ def build_evaluators(config: TrainConfig, groups, device_type: str):
     return at_train, EvalContextParallel.build(config.eval_cp, device_type, config.attn_shape)
 
 
-def periodic_eval(config: TrainConfig, evaluator, model, heldout, inputs, loss_chunks=None):
-    """Callback for the training loop: the held-out loss every ``eval_every`` steps (``loss_chunks``: as the
-    training steps', :meth:`~cp_handler.training.eval_cp.EvalContextParallel.evaluate`)."""
-    def after_step(step: int) -> dict | None:
-        if not config.eval_every or (step + 1) % config.eval_every:
-            return None
-        return {"eval_loss": evaluator.evaluate(model, heldout, inputs, loss_chunks),
-                "eval_cp_size": evaluator.config.context_parallel_size}
-    return after_step
-
-
 def check_eval_cp(config: TrainConfig, at_train, at_eval, model, batch, inputs, loss_chunks=None) -> dict:
     """Evaluate ``batch`` at both degrees; ``passed`` if the losses agree within :data:`EVAL_CP_RTOL`."""
     train_loss = at_train.evaluate(model, [batch], inputs, loss_chunks)

@@ -1,11 +1,12 @@
 """One training step's forward and backward: at a fixed CP layout, with dynamic CP, and the
 single-process reference of ``--check-parity`` (:mod:`.reference`).
 
-Each ``*_step`` returns ``run(step) -> (loss, tokens)``: the forward/backward of global batch
-``step`` (drawn the same on every rank, :mod:`.data`) with gradients reduced when it returns; ``loss``
-is this rank's share of the global batch's loss (the shares sum to it), ``tokens`` the global batch's.
+A step's micro-batches come from :class:`StaticBatches` or :class:`DynamicBatches` (``parts(step)``: global
+batch ``step``, drawn the same on every rank, :mod:`.data`, sharded by handlers) and run through
+:func:`forward_backward`, which returns this rank's share of the global batch's loss (the shares sum to it); the
+trainer (:mod:`.trainer`) reduces the gradients.
 
-Dynamic CP (:func:`dynamic_step`): per global batch, the documents are scheduled onto aligned CP
+Dynamic CP (:class:`DynamicBatches`): per global batch, the documents are scheduled onto aligned CP
 groups (:mod:`cp_handler.dynamic`); each pack of this rank's group runs on a handler of that group,
 and gradients are reduced once over all ranks. The loss is normalised by the global batch's loss
 tokens (every document's length - 1, known from the schedule on every rank), so each token weighs the
@@ -23,7 +24,7 @@ from ..auto.catalog import default_profile, load_profile
 from ..auto.workload import PatternWorkload
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
-from ..models.loss import all_reduce_grads, global_token_count, loss_chunk_tokens, next_token_batch
+from ..models.loss import global_token_count, loss_chunk_tokens, next_token_batch
 from ..runtime.config import AUTO
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
@@ -66,43 +67,59 @@ def micro_batch_rows(config: TrainConfig, dp_size: int, index: int) -> list[int]
     return [r * config.batch_size + index * micro + j for r in range(dp_size) for j in range(micro)]
 
 
-def static_step(model, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group,
-                grad_scale: float, device, experts: ExpertGroups | None = None):
-    """A fixed CP layout: this DP replica's rows of the global batch on ``groups`` (a
-    :class:`~cp_handler.runtime.groups.DataContextParallelGroups`), ``config.micro_batches`` forward/backward
-    passes accumulating gradients (DDP reduces after the last). The loss is token-weighted over the
-    whole global batch (the count of every micro-batch first, one all-reduce); MoE models add each
-    micro-batch's load-balancing loss divided by the number of micro-batches (Megatron-LM's
-    convention) and reduce gradients with ``experts``."""
+class StaticBatches:
+    """A fixed CP layout's micro-batches (:meth:`parts`): this DP replica's rows of the global batch on ``groups`` (a
+    :class:`~cp_handler.runtime.groups.DataContextParallelGroups`), ``config.micro_batches`` of them, each sharded
+    over the CP group by its own handler."""
 
-    chunk_of = loss_chunks(model, config)
+    def __init__(self, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group, device):
+        self.config, self.batches, self.groups, self.global_batch = config, batches, groups, global_batch
+        self.count_group, self.device = count_group, device
 
-    def run(step: int):
-        batch = batches.global_batch(step, global_batch)
+    def parts(self, step: int) -> tuple[list[tuple], torch.Tensor, int]:
+        """``(parts, loss tokens, tokens)`` of global batch ``step``: each part ``(handler, input_ids, labels,
+        loss_mask)``; the loss tokens counted over every micro-batch and ``count_group`` (one all-reduce) before
+        any forward, so each token weighs the same; the global batch's tokens."""
+        config, groups = self.config, self.groups
+        batch = self.batches.global_batch(step, self.global_batch)
         parts = []
         for index in range(config.micro_batches):
             rows = [r for r in micro_batch_rows(config, groups.dp_size, index)
                     if r // config.batch_size == groups.dp_rank]
-            tokens, metadata = handler_inputs(batch.rows(rows), config.packing, device)
+            tokens, metadata = handler_inputs(batch.rows(rows), config.packing, self.device)
             handler = build_cp_handler(config.cp, groups.cp_group, groups.hierarchical_cp_groups, config.attn_shape,
                                        **metadata)
             parts.append((handler, *next_token_batch(handler, tokens)))
-        total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), count_group)
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        for index, (handler, input_ids, labels, loss_mask) in enumerate(parts):
-            last = index == len(parts) - 1
-            with gradient_sync(model, last), activations_kept(config):
-                moe = experts.handler() if experts else None
-                share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
-                              loss_chunk_tokens=chunk_of(input_ids)) / total
-                if moe:
-                    share = share + sum(moe.aux_losses) / len(parts)
-                (share * grad_scale).backward()
-            loss += share.detach()
-        if experts:
-            experts.reduce_gradients(model)
-        return loss, global_batch * config.seq_len
-    return run
+        total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), self.count_group)
+        return parts, total, self.global_batch * config.seq_len
+
+
+def forward_backward(model, parts, total, config: TrainConfig, device, grad_scale: float = 1.0,
+                     experts: ExpertGroups | None = None) -> torch.Tensor:
+    """The forward and backward of a step's ``parts`` (:meth:`StaticBatches.parts`, :meth:`DynamicBatches.parts`):
+    each part's loss divided by the step's ``total`` loss tokens, its backward scaled by ``grad_scale`` (DDP and
+    FSDP2 average gradients over the world: the world size); gradients synchronised after the last part only
+    (:func:`gradient_sync`). MoE models add each micro-batch's load-balancing loss divided by the number of parts
+    (Megatron-LM's convention). Returns this rank's share of the step's loss (float64, detached; zero on ``device``
+    for a rank without parts)."""
+    chunk_of = loss_chunks(model, config)
+    loss = None
+    parts = list(parts) if experts else parts  # the load-balancing losses are averaged over the parts
+    pending = iter(parts)
+    current = next(pending, None)
+    while current is not None:
+        following = next(pending, None)  # parts may be built lazily (dynamic CP): one looked ahead
+        handler, input_ids, labels, loss_mask = current
+        with gradient_sync(model, following is None), activations_kept(config):
+            moe = experts.handler() if experts else None
+            share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
+                          loss_chunk_tokens=chunk_of(input_ids)) / total
+            if moe:
+                share = share + sum(moe.aux_losses) / len(parts)
+            (share * grad_scale).backward()
+        loss = share.detach().double() if loss is None else loss + share.detach().double()
+        current = following
+    return loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
 
 
 def activations_kept(config: TrainConfig):
@@ -146,34 +163,33 @@ def auto_workload(config: TrainConfig, device: torch.device) -> PatternWorkload 
                            layers=config.cp.num_layers or 1)
 
 
-def dynamic_step(model, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
-    """Dynamic CP (see the module doc): every rank holds a full model (gradients reduced here). With
+class DynamicBatches:
+    """Dynamic CP's micro-batches (module doc, :meth:`parts`): every rank holds a full model; with
     ``cp_comm_type="auto"`` the cost profile chooses each document's group size and each pack's pattern."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    chunk_of = loss_chunks(model, config)
-    workload = auto_workload(config, device)
 
-    def run(step: int):
-        docs = documents.global_batch(step, config.batch_size * world)
+    def __init__(self, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
+        self.config, self.documents, self.pool, self.device = config, documents, pool, device
+        self.workload = auto_workload(config, torch.device(device))
+
+    def parts(self, step: int):
+        """``(parts, loss tokens, tokens)`` of global batch ``step``: the parts (one per pack of this rank's groups,
+        built as they are consumed: each pack's handler on its group) and the loss tokens of the whole global batch
+        (every document's length - 1, the same on every rank)."""
+        config, rank, world = self.config, dist.get_rank(), dist.get_world_size()
+        docs = self.documents.global_batch(step, config.batch_size * world)
         lengths = [d.numel() for d in docs]
         schedule = schedule_sequences(lengths, world, config.dynamic.max_seqlen_per_rank, config.dynamic.min_cp_size,
-                                      workload, max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
-        total = sum(n - 1 for n in lengths)
-        loss = torch.zeros((), dtype=torch.float64, device=device)
-        for group in schedule.for_rank(rank):
-            for pack in group.packs:  # one forward/backward per pack, inside this rank's group
-                tokens, cu = _pack([docs[i] for i in pack], device)
-                handler = build_cp_handler(config.cp, pool.group(group.size, group.first), attn_shape=config.attn_shape,
-                                           qkv_format="thd", cu_seqlens=cu)
-                input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-                with activations_kept(config):
-                    share = model(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
-                                  loss_chunk_tokens=chunk_of(input_ids)) / total
-                    share.backward()
-                loss += share.detach()
-        all_reduce_grads(list(model.parameters()))
-        return loss, sum(lengths)
-    return run
+                                      self.workload, max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
+
+        def packs():
+            for group in schedule.for_rank(rank):
+                for pack in group.packs:  # one forward/backward per pack, inside this rank's group
+                    tokens, cu = _pack([docs[i] for i in pack], self.device)
+                    handler = build_cp_handler(config.cp, self.pool.group(group.size, group.first),
+                                               attn_shape=config.attn_shape, qkv_format="thd", cu_seqlens=cu)
+                    yield (handler, *next_token_batch(handler, tokens))
+
+        return packs(), sum(n - 1 for n in lengths), sum(lengths)
 
 
 def reference_step(model, config: TrainConfig, logits_of, source, global_batch: int | None = None):

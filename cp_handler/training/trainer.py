@@ -1,0 +1,238 @@
+"""One rank of a ``cp-train`` run as a Trainer with phases:
+
+    trainer = Trainer(config, device, optimizer)
+    trainer.build()                        # layout, groups, model and its wrapping, evaluators, optimizer, resume
+    for step in trainer.steps():           # the steps still to run (after a resumed checkpoint's)
+        record = trainer.step(step)        # shard, forward / backward, reduce, parity, optimizer step
+        trainer.after_step(step, record)   # evaluation, progress, checkpoint
+    metrics = trainer.finish()             # export, the eval-CP check, memory, rank 0's metrics
+
+(:meth:`Trainer.fit` runs exactly that.) A run at a fixed CP layout (world = dp x cp: CP groups on adjacent ranks;
+gradients reduced by torch DDP, FSDP2 or, for sharded experts, :class:`~.experts.ExpertGroups`) and a dynamic-CP run
+(documents scheduled onto CP groups of the sizes they need, gradients all-reduced once per global batch) differ only
+in :meth:`Trainer.build`: where a step's micro-batches come from (:class:`~.steps.StaticBatches`,
+:class:`~.steps.DynamicBatches`) and how the gradients are reduced. The parity reference (``--check-parity``) runs
+inside :meth:`Trainer.step`, before the optimizer step: it compares the gradients, which the optimizer step
+consumes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..dynamic import GroupPool
+from ..models.loss import all_reduce_grads
+from ..runtime.groups import data_context_parallel_groups
+from ..runtime.launch import heartbeat
+from ..runtime.parallel_layout import ParallelLayout
+from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
+from .config import TrainConfig
+from .evaluation import build_evaluators, check_eval_cp, report_eval_check
+from .experts import ExpertGroups
+from .fsdp import shard_model, state_bytes
+from .loop import NonFiniteLoss, StepProgress, default_optimizer, local_grad_norm
+from .parity import parity_result
+from .steps import (
+    DynamicBatches,
+    StaticBatches,
+    forward_backward,
+    handler_inputs,
+    load_batches,
+    load_documents,
+    loss_chunks,
+)
+
+
+class Trainer:
+    """``cp-train``'s work on one rank, in phases (module doc).
+
+    Args:
+        config: the run (:class:`~.config.TrainConfig`, checked before the ranks started).
+        device: this rank's device.
+        optimizer: ``params -> torch.optim.Optimizer`` (picklable); default AdamW at ``config.lr``.
+    """
+
+    def __init__(self, config: TrainConfig, device: torch.device, optimizer=None):
+        self.config, self.device = config, device
+        self.optimizer = optimizer or default_optimizer(config.lr)
+        self.records: list[dict] = []
+
+    # --- build ---------------------------------------------------------------------------------------------------
+
+    def build(self) -> Trainer:
+        """Layout and groups, the model and its wrapping, the micro-batches, the evaluators, the parity reference,
+        the optimizer and learning-rate schedule, and the resumed checkpoint (every rank; collectives)."""
+        config, device = self.config, self.device
+        self.model = build_model(config, device)
+        self._build_dynamic() if config.dynamic else self._build_static()
+        self.reference = step_reference(config, device, self.reference_batch, self.experts is not None) \
+            if config.check_parity else None
+        self.optim = self.optimizer(self.trained.parameters())
+        self.scheduler = config.lr_schedule.scheduler(self.optim)
+        self.start, self.checkpoint = checkpointing(config, self.trained, self.optim, self.scheduler)
+        if config.compile:
+            say("the first step compiles every layer (torch.compile: up to a minute or two on CPU); later steps run "
+                "compiled")
+        return self
+
+    def _build_static(self) -> None:
+        config, device, world = self.config, self.device, dist.get_world_size()
+        layout = ParallelLayout(world, context_parallel_size=config.cp.context_parallel_size,
+                                expert_model_parallel_size=config.expert_parallel_size,
+                                hierarchical_context_parallel_sizes=config.cp.hierarchical_context_parallel_sizes)
+        if config.print_layout:
+            say(layout.describe())
+        built = layout.build(device.type)  # one DeviceMesh for the CP and the expert groups
+        groups = data_context_parallel_groups(built)
+        model = self.model
+        self.experts = ExpertGroups(config.moe_experts, built) if config.moe_experts else None
+        if self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
+            model.shard_experts(self.experts.handler().local_expert_ids)
+            self.trained, self.grad_scale, self.grad_norm = model, 1.0, self.experts.grad_norm
+        elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
+            self.trained, self.grad_scale, self.grad_norm = shard_model(model, device.type), float(world), None
+        else:  # DDP averages gradients over the world; the loss is already normalised by the global token count
+            self.trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            self.grad_scale, self.grad_norm = float(world), None
+        extra = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if self.experts else ""
+        extra += f", FSDP2 over all {world} ranks" if config.fsdp else ""
+        extra += ", every layer recomputed in the backward" if config.recompute else ""
+        say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
+            f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{extra}")
+        global_batch = config.batch_size * groups.dp_size
+        batches = load_batches(config)
+        if config.packing == "thd":
+            say(f"thd packs {batches.documents_per_sequence(global_batch, config.steps)}")
+        self.batches = StaticBatches(config, batches, groups, global_batch, dist.group.WORLD, device)
+        self.reference_batch, self.layout_metrics = global_batch, {"dp_size": groups.dp_size, "cp_size": groups.cp_size}
+        self.at_train, self.at_eval = build_evaluators(config, groups, device.type)
+        evaluating = config.eval_every or config.check_eval_cp
+        self.heldout = batches.heldout_batches(config.eval_batches, config.batch_size * self.at_eval.groups.dp_size) \
+            if evaluating else []
+        self.eval_chunks = loss_chunks(self.trained, config)  # evaluation's loss in chunks as training's
+
+    def _build_dynamic(self) -> None:
+        config, device = self.config, self.device
+        say(f"dynamic CP over {dist.get_world_size()} ranks, max_seqlen_per_rank {config.dynamic.max_seqlen_per_rank}, "
+            f"min CP size {config.dynamic.min_cp_size}, documents capped at {config.seq_len} tokens, backend "
+            f"{config.cp.backend}, device {device.type}"
+            f"{', every layer recomputed in the backward' if config.recompute else ''}")
+        self.trained, self.experts, self.grad_scale, self.grad_norm = self.model, None, 1.0, None
+        self.batches = DynamicBatches(config, load_documents(config), GroupPool(device.type), device)
+        self.reference_batch, self.layout_metrics = None, {"dp_size": None, "cp_size": "dynamic"}
+        self.at_train = self.at_eval = None
+        self.heldout = []
+
+    # --- step ----------------------------------------------------------------------------------------------------
+
+    def steps(self) -> range:
+        """The steps this run still makes: from the resumed checkpoint's (0 without one) to ``config.steps``."""
+        return range(self.start, self.config.steps)
+
+    def eval_inputs(self, batch):
+        """A held-out batch's global tokens and handler metadata (:func:`~.steps.handler_inputs`)."""
+        return handler_inputs(batch, self.config.packing, self.device)
+
+    def step(self, step: int) -> dict:
+        """Optimizer step ``step``: shard global batch ``step``, forward / backward its micro-batches, reduce the
+        gradients, compare with the parity reference (``--check-parity``), clip (``--clip-grad``), step the
+        optimizer and the learning-rate schedule. Returns the step's record: loss (token-weighted over the global
+        batch), global gradient norm (before clipping), learning rate, time, tokens/s (and the reference's values).
+
+        Raises:
+            NonFiniteLoss: the step's loss is not finite (on every rank: the reduced loss is the same), before the
+                optimizer step.
+        """
+        began = time.perf_counter()
+        parts, total, tokens = self.batches.parts(step)
+        loss = forward_backward(self.trained, parts, total, self.config, self.device, self.grad_scale, self.experts)
+        if self.experts:
+            self.experts.reduce_gradients(self.trained)
+        elif self.config.dynamic:
+            all_reduce_grads(list(self.trained.parameters()))
+        dist.all_reduce(loss)  # every rank's share: the global batch's loss
+        if not math.isfinite(loss.item()):
+            raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
+                                "step (lower --lr, check the data or the model)")
+        grad_norm = (self.grad_norm or local_grad_norm)(self.trained)
+        checked = self.reference(step, self.trained) if self.reference else {}
+        if self.config.clip_grad:
+            torch.nn.utils.clip_grads_with_norm_(self.trained.parameters(), self.config.clip_grad,
+                                                 torch.tensor(grad_norm))
+        lr = self.optim.param_groups[0]["lr"]
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        elapsed = time.perf_counter() - began
+        return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
+                "tokens_per_s": tokens / elapsed, **checked}
+
+    # --- after a step --------------------------------------------------------------------------------------------
+
+    def after_step(self, step: int, record: dict) -> None:
+        """The held-out loss every ``--eval-every`` steps (added to ``record``), the record kept, the progress line,
+        the launcher's heartbeat, and the checkpoint (``--save-every``, and after the last step)."""
+        config = self.config
+        if config.eval_every and (step + 1) % config.eval_every == 0:
+            record["eval_loss"] = self.at_eval.evaluate(self.trained, self.heldout, self.eval_inputs, self.eval_chunks)
+            record["eval_cp_size"] = self.at_eval.config.context_parallel_size
+        self.records.append(record)
+        heartbeat()
+        self.progress.update(record)
+        if self.checkpoint is not None:
+            self.checkpoint(step + 1)
+            heartbeat()
+
+    def start_progress(self) -> None:
+        """The progress lines (rank 0, :class:`~.loop.StepProgress`)."""
+        self.progress = StepProgress(self.config.steps, dist.get_rank() == 0, self.config.log_every, self.start)
+
+    # --- finish --------------------------------------------------------------------------------------------------
+
+    def finish(self) -> dict | None:
+        """Export (``--export-hf``), the eval-CP check (``--check-eval-cp``), peak memory over the ranks, and
+        rank 0's metrics (``None`` on the other ranks) with the parity verdict (``--check-parity``)."""
+        config = self.config
+        export_hf(config, self.trained)
+        eval_check = None
+        if config.check_eval_cp:
+            eval_check = check_eval_cp(config, self.at_train, self.at_eval, self.trained, self.heldout[0],
+                                       self.eval_inputs, self.eval_chunks)
+        state = None if config.dynamic else state_bytes(self.trained, self.optim)
+        memory_kind, peak = peak_memory_bytes(self.device)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (peak, state))
+        if dist.get_rank() != 0:
+            return None
+        records = self.records
+        timed = records[1:] or records  # the first step includes warm-up
+        metrics = {"config": asdict(config), "world_size": dist.get_world_size(), **self.layout_metrics,
+                   "device": self.device.type, "steps": records,
+                   "tokens_per_s_mean": sum(r["tokens_per_s"] for r in timed) / len(timed),
+                   "memory_kind": memory_kind, "peak_memory_bytes_per_rank": [p for p, _ in gathered]}
+        if state is not None:  # parameters, gradients, optimizer states per rank (FSDP: this rank's shards)
+            metrics["state_bytes_per_rank"] = [s for _, s in gathered]
+        if eval_check is not None:
+            metrics["eval_cp_check"] = eval_check
+            report_eval_check(eval_check)
+        if config.check_parity:
+            metrics["parity"] = parity_result(records, config.dtype)
+        return metrics
+
+    def fit(self) -> dict | None:
+        """The whole run: :meth:`build`, then :meth:`step` and :meth:`after_step` for every step, then
+        :meth:`finish`."""
+        self.build()
+        self.start_progress()
+        try:
+            for step in self.steps():
+                self.after_step(step, self.step(step))
+        finally:
+            self.progress.close()
+        return self.finish()
