@@ -38,7 +38,8 @@ TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:clas
 Trainer's private ``_prepare_context_parallel_inputs`` is not used (accelerate's CP path); no private method is
 overridden here; the private names read (SFTTrainer's token count, Trainer's ``_get_num_items_in_batch``) are listed
 with every other the integration relies on in :mod:`.hf_upstream`.
-Releases: transformers 5.23 and newer, TRL 1.16 and newer (:data:`OLDEST_TRL`); not refused by number: the behaviour the mixin relies on is probed when a trainer is built (:func:`check_token_count`).
+Releases: transformers 5.23 and newer, TRL 1.16 and newer (:data:`OLDEST_TRL`); not refused by number: the behaviour
+the mixin relies on is probed when a trainer is built (:func:`check_token_count`).
 """
 
 from __future__ import annotations
