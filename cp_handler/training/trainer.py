@@ -119,6 +119,10 @@ class Trainer:
 
     def _build_dynamic(self) -> None:
         config, device = self.config, self.device
+        if config.eval_every or config.check_eval_cp:
+            raise ValueError(f"TrainConfig.dynamic with eval_every={config.eval_every} / check_eval_cp="
+                             f"{config.check_eval_cp}: dynamic CP does not run evaluation (cp-train refuses "
+                             "--eval-every / --check-eval-cp with --dynamic-cp)")
         say(f"dynamic CP over {dist.get_world_size()} ranks, max_seqlen_per_rank {config.dynamic.max_seqlen_per_rank}, "
             f"min CP size {config.dynamic.min_cp_size}, documents capped at {config.seq_len} tokens, backend "
             f"{config.cp.backend}, device {device.type}"
