@@ -26,11 +26,12 @@ from .handlers import (
     registered_backends,
 )
 from .integrations.transformers import cp_model_inputs, register
-from .models.loss import all_reduce_grads, global_token_count, masked_token_loss_sum, next_token_batch, token_loss_sum
+from .models.loss import masked_token_loss_sum, next_token_batch, token_loss_sum
 from .runtime.config import CP_COMM_TYPES, QKV_FORMATS, AttentionShape, ContextParallelConfig, check_seq_len
 from .runtime.groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
 from .runtime.moe import ExpertParallelHandler
 from .runtime.parallel_layout import ParallelGroups, ParallelLayout
+from .runtime.reductions import all_reduce_grads, global_token_count
 
 __all__ = [
     # the handler factory and registry

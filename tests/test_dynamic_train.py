@@ -14,7 +14,7 @@ from gpt_reference import CONFIG
 from cp_handler import AttentionShape, ContextParallelConfig
 from cp_handler.dynamic import GroupPool, schedule_sequences
 from cp_handler.models import GPTModel
-from cp_handler.models.loss import all_reduce_grads
+from cp_handler.runtime.reductions import all_reduce_grads
 from cp_handler.training import DynamicCP, TrainConfig
 from cp_handler.training.steps import DynamicBatches, forward_backward, gpt_logits, reference_step
 

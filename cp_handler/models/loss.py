@@ -1,16 +1,15 @@
-"""Next-token training on a CP group: labels by a cross-rank roll, a token-weighted loss.
+"""Next-token training on a CP group: labels by a cross-rank roll (the handler's), a token-weighted loss.
 
 The loss of a global batch is ``sum(token losses) / number of loss tokens``; each rank computes
 the sum over its own tokens, and the count is reduced over every rank that holds part of the
-batch (dp x cp), so every token weighs the same however the batch is split.
+batch (dp x cp: :func:`cp_handler.runtime.reductions.global_token_count`), so every token weighs the same however
+the batch is split. Nothing here communicates except through the handler's methods.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..handlers.base import ContextParallelHandler
 from .tiling import checkpointed_chunks
@@ -77,24 +76,3 @@ def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: 
         return masked_token_loss_sum(head(h), lab, mask)
 
     return sum(checkpointed_chunks(chunk_sum, chunk_tokens, flat, labels, loss_mask))
-
-
-def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Number of loss tokens summed over ``group`` (``None``: this process only)."""
-    count = loss_mask.sum().to(torch.float64)
-    if group is not None:
-        dist.all_reduce(count, group=group)
-    return count
-
-
-def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
-    """Sum the gradients of ``params`` over ``group`` (default: all ranks) in one flat all-reduce;
-    a missing gradient counts as zero."""
-    if not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = parameters_to_vector([p.grad for p in params])
-    dist.all_reduce(flat, group=group)
-    vector_to_parameters(flat, [p.grad for p in params])

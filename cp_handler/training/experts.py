@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..models.loss import all_reduce_grads
 from ..models.moe import MoEFeedForward
 from ..runtime.moe import ExpertParallelHandler
 from ..runtime.parallel_layout import ParallelGroups
+from ..runtime.reductions import all_reduce_grads
 
 
 def expert_parameters(model: torch.nn.Module) -> set[int]:

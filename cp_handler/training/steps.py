@@ -24,8 +24,9 @@ from ..auto.catalog import default_profile, load_profile
 from ..auto.workload import PatternWorkload
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
-from ..models.loss import global_token_count, loss_chunk_tokens, next_token_batch
+from ..models.loss import loss_chunk_tokens, next_token_batch
 from ..runtime.config import AUTO
+from ..runtime.reductions import global_token_count
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
 from .experts import ExpertGroups

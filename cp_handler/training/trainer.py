@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
-from ..models.loss import all_reduce_grads
 from ..runtime.groups import data_context_parallel_groups
 from ..runtime.launch import heartbeat
 from ..runtime.parallel_layout import ParallelLayout
+from ..runtime.reductions import all_reduce_grads
 from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, report_eval_check

@@ -1,0 +1,29 @@
+"""The sums over process groups a training loop makes around the loss (:mod:`cp_handler.models.loss`): the global
+count of loss tokens, and gradients summed over ranks in one flat all-reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+
+def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Number of loss tokens summed over ``group`` (``None``: this process only)."""
+    count = loss_mask.sum().to(torch.float64)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return count
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Sum the gradients of ``params`` over ``group`` (default: all ranks) in one flat all-reduce;
+    a missing gradient counts as zero."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = parameters_to_vector([p.grad for p in params])
+    dist.all_reduce(flat, group=group)
+    vector_to_parameters(flat, [p.grad for p in params])
