@@ -11,6 +11,7 @@ import torch
 from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
+from ..models.tensor_parallel import check_tensor_parallel, local_attention_shape
 from ..ops.patterns import PATTERNS
 from ..runtime.config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
 from ..runtime.groups import check_world_divisible
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cp-size", type=int, default=None,
                    help="context_parallel_size: ranks one sequence is split over (default: all ranks); "
                         "world = dp x cp, CP groups on adjacent ranks")
+    g.add_argument("--tp-size", type=int, default=1,
+                   help="tensor_model_parallel_size: ranks one layer's heads and MLP are split over (PyTorch's tensor "
+                        "parallelism; the reference GPT; default 1); world = tp x cp x dp, TP ranks adjacent "
+                        "(docs/parallel_layout.md)")
     g.add_argument("--expert-parallel-size", type=int, default=1,
                    help="expert_model_parallel_size: ranks sharing one copy of the experts (divides dp x cp)")
     g.add_argument("--print-layout", action="store_true", help="print the rank layout of every group kind")
@@ -149,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 POSITIVE = ("nproc", "cp_size", "eval_cp_size", "steps", "batch_size", "seq_len", "num_layers", "hidden_size",
             "num_heads", "num_kv_heads", "kv_channels", "v_head_dim", "ffn_hidden_size", "eval_batches",
             "max_corpus_bytes",
-            "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "moe_top_k",
+            "min_cp_size", "max_cp_size", "max_seqlen_per_rank", "expert_parallel_size", "tp_size", "moe_top_k",
             "thd_max_doc_len", "log_every", "save_keep", "lr_decay_steps", "micro_batch_size")
 """Integer flags that must be >= 1 when given; zero is never "the default"."""
 POSITIVE_FLOATS = ("timeout", "lr", "rotary_base")
@@ -165,17 +170,18 @@ def check_positive(args: argparse.Namespace) -> None:
     check_numbers(args, POSITIVE, NON_NEGATIVE, POSITIVE_FLOATS, NON_NEGATIVE_FLOATS)
 
 
-def hierarchical_sizes(args: argparse.Namespace, world: int, cp_size: int) -> list[int] | None:
+def hierarchical_sizes(args: argparse.Namespace, world: int, cp_size: int, tp: int = 1) -> list[int] | None:
     """``--hierarchical-cp-sizes``, or by default the levels of the node boundary (a2a inside a node, p2p across:
     :func:`~cp_handler.runtime.parallel_layout.default_hierarchical_sizes`), the ranks per node from torchrun's
     ``LOCAL_WORLD_SIZE`` (spawned by cp-train: one node), named on stderr."""
-    if args.hierarchical_cp_sizes is not None or args.dynamic_cp or world % cp_size:
+    if args.hierarchical_cp_sizes is not None or args.dynamic_cp or world % (cp_size * tp):
         return args.hierarchical_cp_sizes
     env = rank_env()
     per_node = env.local_world_size if env is not None else world
     with flags_in_errors({"hierarchical_context_parallel_sizes": "--hierarchical-cp-sizes"}):
         sizes = default_hierarchical_sizes(comm_type_arg(args.cp_comm_type),
-                                           ParallelLayout(world, context_parallel_size=cp_size), per_node)
+                                           ParallelLayout(world, tensor_model_parallel_size=tp,
+                                                          context_parallel_size=cp_size), per_node)
     if sizes is not None and is_first_rank():
         print(f"cp-train: --hierarchical-cp-sizes {sizes[0]} {sizes[1]} from the node boundary ({per_node} ranks per "
               "node, LOCAL_WORLD_SIZE): a2a inside a node, p2p across", file=sys.stderr)
@@ -200,11 +206,17 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     if args.nproc is not None and args.nproc != world:
         raise ValueError(f"--nproc {args.nproc} differs from torchrun's WORLD_SIZE={world}")
     dynamic = check_dynamic(args, world) if args.dynamic_cp else None
-    cp_size = args.cp_size if args.cp_size is not None else world
-    check_rank_count(args, world, cp_size)
+    tp = check_tp_flags(args, world)
+    world_cp = world // tp  # the ranks of one TP position: CP and DP split them as without TP
+    cp_size = args.cp_size if args.cp_size is not None else world_cp
+    check_rank_count(args, world_cp, cp_size)
     packing = "thd" if dynamic else args.packing
-    args.hierarchical_cp_sizes = hierarchical_sizes(args, world, cp_size)
+    args.hierarchical_cp_sizes = hierarchical_sizes(args, world, cp_size, tp)
     model, attn_shape, heads_source = model_shape(args)
+    if tp > 1:
+        check_tensor_parallel(model, tp)
+        attn_shape = local_attention_shape(attn_shape, tp)  # what each TP rank's attention runs
+        heads_source += f" split over --tp-size {tp}"
     config = ContextParallelConfig(
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),
@@ -216,7 +228,8 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     )
     check_seq_len(args.seq_len, cp_size, packing)
     check_moe_flags(args)
-    ParallelLayout(world, context_parallel_size=cp_size, expert_model_parallel_size=args.expert_parallel_size,
+    ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp_size,
+                   expert_model_parallel_size=args.expert_parallel_size,
                    hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes)
     handler_cls = get_cp_handler_cls(config.backend, config.cp_comm_type)
     handler_cls.check_available()
@@ -226,7 +239,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
                          "linear-attention layers need --backend local or transformer_engine")
     with flags_in_errors(EVAL_FLAGS):
         evaluation = eval_config(config, args.eval_cp_size or cp_size, args.eval_hierarchical_cp_sizes)
-        check_eval_layout(world, evaluation, args.seq_len)
+        check_eval_layout(world_cp, evaluation, args.seq_len)
     if dynamic:
         sizes = [(replace(config, context_parallel_size=n), "a --dynamic-cp group of")
                  for n in dynamic_sizes(dynamic, world)]
@@ -238,11 +251,11 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         except ValueError as err:
             raise ValueError(f"{heads_source} with {flag} {cp_config.context_parallel_size}: {err}") from None
     compile_layers = check_compile(args, model, config.backend, handler_cls)
-    check_data(args, world // evaluation.context_parallel_size, dynamic is not None)
+    check_data(args, world_cp // evaluation.context_parallel_size, dynamic is not None)
     check_writable("--metrics-out", args.metrics_out)
     check_checkpoint_flags(args)
     config = TrainConfig(
-        world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model,
+        world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model, tensor_parallel_size=tp,
         hf_source=args.hf_model or args.hf_config, hf_weights=bool(args.hf_model), dynamic=dynamic,
         expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
         data=tuple(args.data) if args.data else None, max_corpus_bytes=args.max_corpus_bytes, seq_len=args.seq_len,
@@ -259,6 +272,42 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
+
+
+TP_REFUSED = {
+    "hf_model": ("--hf-model", "the Hugging Face route's tensor-parallel plan is not built"),
+    "hf_config": ("--hf-config", "the Hugging Face route's tensor-parallel plan is not built"),
+    "dynamic_cp": ("--dynamic-cp", "dynamic CP regroups every rank per step"),
+    "fsdp": ("--fsdp", "FSDP2 over the dp dimension of the TP mesh is not built"),
+    "compile": ("--compile", "compiled layers with DTensor weights are not tested"),
+    "recompute": ("--recompute", "recomputed layers with DTensor weights are not tested"),
+    "offload_activations": ("--offload-activations", "offloaded activations with DTensor weights are not tested"),
+    "mlp_chunk_tokens": ("--mlp-chunk-tokens", "tiled MLPs with split weights are not tested"),
+    "save": ("--save", "checkpoints of split weights are not tested"),
+    "resume": ("--resume", "checkpoints of split weights are not tested"),
+    "export_hf": ("--export-hf", "the Hugging Face route's tensor-parallel plan is not built"),
+}
+"""What ``--tp-size`` above 1 does not combine with yet: ``{argument: (flag, why)}``."""
+
+
+def check_tp_flags(args: argparse.Namespace, world: int) -> int:
+    """``--tp-size``: it divides the world, and what it does not combine with is refused by name. Raises
+    ValueError."""
+    tp = args.tp_size
+    if tp == 1:
+        return tp
+    if world % tp:
+        raise ValueError(f"--tp-size {tp} does not divide the {world} ranks: world = tp x cp x dp")
+    for name, (flag, why) in TP_REFUSED.items():
+        if getattr(args, name, None):
+            raise ValueError(f"--tp-size {tp} with {flag}: not implemented ({why}); drop one of them")
+    if args.backend not in ("auto", "local"):
+        raise ValueError(f"--tp-size {tp} with --backend {args.backend}: tensor parallelism is tested with the "
+                         "local backend only")
+    if args.eval_cp_size is not None and args.eval_cp_size != args.cp_size:
+        raise ValueError(f"--tp-size {tp} with --eval-cp-size {args.eval_cp_size}: evaluation at another CP degree "
+                         "builds its own groups without TP (not implemented); evaluate at the training degree")
+    return tp
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:

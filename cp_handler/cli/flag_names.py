@@ -37,6 +37,8 @@ TRAIN_FLAGS = {
     "num_moe_experts": "--moe-experts",
     "moe_router_topk": "--moe-top-k",
     "expert_model_parallel_size": "--expert-parallel-size",
+    "tensor_model_parallel_size": "--tp-size",
+    "tensor_parallel_size": "--tp-size",
     "max_seqlen_per_dp_cp_rank": "--max-seqlen-per-rank",
     "min_dynamic_context_parallel_size": "--min-cp-size",
     "max_dynamic_context_parallel_size": "--max-cp-size",

@@ -107,13 +107,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)  # (B, S, H, D)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)  # (B, S, Hkv, D)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.v_head_dim)  # (B, S, Hkv, Dv)
+        # the heads this process computes: all of them, or a tensor-parallel rank's share (models/tensor_parallel.py)
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
+        v = self.v_proj(x).view(b, s, -1, self.v_head_dim)  # (B, S, Hkv, Dv)
         q = cp_handler.apply_rotary_pos_emb(q, freqs)
         k = cp_handler.apply_rotary_pos_emb(k, freqs)
         out = cp_handler.core_attn(self, q, k, v, attn_mask_type="causal")  # (B, S, H, Dv)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.v_head_dim))
+        return self.o_proj(out.flatten(2))
 
 
 class TransformerLayer(nn.Module):

@@ -41,6 +41,9 @@ class TrainConfig:
     hf_weights: bool = False
     dynamic: DynamicCP | None = None
     expert_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    """Ranks one layer's heads and MLP are split over (:mod:`cp_handler.models.tensor_parallel`); ``attn_shape`` is
+    then one TP rank's (``H / tp`` heads)."""
     print_layout: bool = False
     timeout: float = 300.0
     """Seconds a rank may go without progress (and the process groups' collective timeout)."""

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .fsdp import full_gradients, is_sharded
+from .fsdp import full_gradients, full_tensor, is_sharded
 from .fsdp import full_state as fsdp_full_state
 
 PARITY_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
@@ -43,7 +43,7 @@ def full_state(model: torch.nn.Module, sharded_experts: bool) -> dict | None:
     its experts' tensors, with FSDP every rank its shards (a collective: every rank calls this)."""
     if is_sharded(model):
         return fsdp_full_state(model)
-    state = unwrap(model).state_dict()
+    state = {k: full_tensor(v) for k, v in unwrap(model).state_dict().items()}  # TP's split weights: gathered
     if sharded_experts:
         shards = [None] * dist.get_world_size()
         dist.all_gather_object(shards, {k: v.cpu() for k, v in state.items() if ".experts." in k})

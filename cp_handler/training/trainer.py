@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
+from ..models.tensor_parallel import apply_tensor_parallel
 from ..runtime.groups import data_context_parallel_groups
 from ..runtime.launch import heartbeat
 from ..runtime.parallel_layout import ParallelLayout
 from ..runtime.reductions import all_reduce_grads
+from . import tensor_parallel
 from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, report_eval_check
@@ -83,7 +85,9 @@ class Trainer:
 
     def _build_static(self) -> None:
         config, device, world = self.config, self.device, dist.get_world_size()
-        layout = ParallelLayout(world, context_parallel_size=config.cp.context_parallel_size,
+        tp = config.tensor_parallel_size
+        layout = ParallelLayout(world, tensor_model_parallel_size=tp,
+                                context_parallel_size=config.cp.context_parallel_size,
                                 expert_model_parallel_size=config.expert_parallel_size,
                                 hierarchical_context_parallel_sizes=config.cp.hierarchical_context_parallel_sizes)
         if config.print_layout:
@@ -92,7 +96,13 @@ class Trainer:
         groups = data_context_parallel_groups(built)
         model = self.model
         self.experts = ExpertGroups(config.moe_experts, built) if config.moe_experts else None
-        if self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
+        self.count_group, self.tp_groups = dist.group.WORLD, None
+        if tp > 1:  # split over the TP group; gradients summed over each TP position's dp x cp ranks
+            apply_tensor_parallel(model, built.meshes["attention"]["tp"])
+            self.count_group, self.tp_groups = built.groups["dp_cp"], (built.groups["tp"], built.groups["dp_cp"])
+            self.trained, self.grad_scale = model, 1.0
+            self.grad_norm = lambda m: tensor_parallel.grad_norm(m, built.groups["tp"])
+        elif self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
             model.shard_experts(self.experts.handler().local_expert_ids)
             self.trained, self.grad_scale, self.grad_norm = model, 1.0, self.experts.grad_norm
         elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
@@ -103,14 +113,16 @@ class Trainer:
         extra = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if self.experts else ""
         extra += f", FSDP2 over all {world} ranks" if config.fsdp else ""
         extra += ", every layer recomputed in the backward" if config.recompute else ""
-        say(f"world {world} = dp {groups.dp_size} x cp {groups.cp_size}, backend {config.cp.backend}, cp_comm_type "
+        sizes = f"{f'tp {tp} x ' if tp > 1 else ''}dp {groups.dp_size} x cp {groups.cp_size}"
+        say(f"world {world} = {sizes}, backend {config.cp.backend}, cp_comm_type "
             f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{extra}")
         global_batch = config.batch_size * groups.dp_size
         batches = load_batches(config)
         if config.packing == "thd":
             say(f"thd packs {batches.documents_per_sequence(global_batch, config.steps)}")
-        self.batches = StaticBatches(config, batches, groups, global_batch, dist.group.WORLD, device)
-        self.reference_batch, self.layout_metrics = global_batch, {"dp_size": groups.dp_size, "cp_size": groups.cp_size}
+        self.batches = StaticBatches(config, batches, groups, global_batch, self.count_group, device)
+        self.reference_batch = global_batch
+        self.layout_metrics = {"dp_size": groups.dp_size, "cp_size": groups.cp_size, "tp_size": tp}
         self.at_train, self.at_eval = build_evaluators(config, groups, device.type)
         evaluating = config.eval_every or config.check_eval_cp
         self.heldout = batches.heldout_batches(config.eval_batches, config.batch_size * self.at_eval.groups.dp_size) \
@@ -128,6 +140,7 @@ class Trainer:
             f"{config.cp.backend}, device {device.type}"
             f"{', every layer recomputed in the backward' if config.recompute else ''}")
         self.trained, self.experts, self.grad_scale, self.grad_norm = self.model, None, 1.0, None
+        self.count_group, self.tp_groups = dist.group.WORLD, None
         self.batches = DynamicBatches(config, load_documents(config), GroupPool(device.type), device)
         self.reference_batch, self.layout_metrics = None, {"dp_size": None, "cp_size": "dynamic"}
         self.at_train = self.at_eval = None
@@ -160,13 +173,17 @@ class Trainer:
             self.experts.reduce_gradients(self.trained)
         elif self.config.dynamic:
             all_reduce_grads(list(self.trained.parameters()))
-        dist.all_reduce(loss)  # every rank's share: the global batch's loss
+        elif self.tp_groups:
+            tensor_parallel.all_reduce_local_grads(self.trained, self.tp_groups[1])
+        dist.all_reduce(loss, group=self.count_group)  # every share of one TP position: the global batch's loss
         if not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
                                 "step (lower --lr, check the data or the model)")
         grad_norm = (self.grad_norm or local_grad_norm)(self.trained)
         checked = self.reference(step, self.trained) if self.reference else {}
-        if self.config.clip_grad:
+        if self.config.clip_grad and self.tp_groups:
+            tensor_parallel.clip_grads(self.trained, self.config.clip_grad, grad_norm)
+        elif self.config.clip_grad:
             torch.nn.utils.clip_grads_with_norm_(self.trained.parameters(), self.config.clip_grad,
                                                  torch.tensor(grad_norm))
         lr = self.optim.param_groups[0]["lr"]

@@ -1,0 +1,187 @@
+"""Tensor parallelism x context parallelism on one DeviceMesh (models/tensor_parallel.py): the reference GPT split
+over tp ranks with PyTorch's ColwiseParallel / RowwiseParallel, the CP handler on the TP rank's heads, against one
+process on the same inputs: the loss and every parameter's whole gradient (a split weight's gradient gathered from
+its TP shards), at tp 2 x cp 2 (4 ranks) for p2p, all_gather and a2a, bshd and thd, and dp 2 x tp 2 x cp 2 (8 ranks).
+A plan that forgets the row-wise reduction must fail (negative control). The collectives per layer are counted
+against the formula: TP's all-reduces (DTensor's, counted by PyTorch's CommDebugMode) plus CP's pattern.
+
+Tolerances: tests/gpt_reference.py (loss rtol 1e-6; gradients atol 1e-6 + rtol 1e-4): TP adds float32 reorderings
+only (the row-wise all-reduce sums partial products in another order).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from gpt_reference import CONFIG, assert_parity
+
+from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
+from cp_handler.models import GPTModel
+from cp_handler.models.loss import global_token_count, masked_token_loss_sum, next_token_batch
+from cp_handler.models.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, gpt_tp_plan, \
+    local_attention_shape
+from cp_handler.runtime.groups import data_context_parallel_groups
+
+SHAPE = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)
+SEQ, ROWS = 32, 2  # per dp replica: ROWS sequences of SEQ tokens (thd: documents of 5, 11 and 16 tokens)
+DOCS = [5, 11, 16]
+
+
+def _tokens(dp: int) -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (dp * ROWS, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def _cu(rows: int) -> torch.Tensor:
+    lengths = torch.tensor(DOCS * rows)
+    return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+
+
+def _step(model, handler, tokens, count_group):
+    """The token-weighted loss share of this rank and its backward."""
+    input_ids, labels, loss_mask = next_token_batch(handler, tokens)
+    loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
+    loss = loss / global_token_count(loss_mask, count_group)
+    loss.backward()
+    return loss.detach()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name):
+    layout = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp)
+    built = layout.build("cpu")
+    groups = data_context_parallel_groups(built)
+    dp_cp = built.groups["dp_cp"]
+    torch.manual_seed(0)
+    model = GPTModel(CONFIG)
+    reference = copy.deepcopy(model)  # one process: the whole model, the whole global batch
+    plan = gpt_tp_plan(model)
+    if plan_name == "forgets the reduction":  # the row-wise outputs kept as partial sums: no all-reduce
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        plan = {k: RowwiseParallel(output_layouts=Partial()) if isinstance(v, RowwiseParallel) else v
+                for k, v in plan.items()}
+    apply_tensor_parallel(model, built.meshes["attention"]["tp"], plan)
+    tokens = _tokens(layout.data_parallel_size)
+    rows = tokens[groups.dp_rank * ROWS:(groups.dp_rank + 1) * ROWS]
+    config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format)
+    batch = {"qkv_format": "thd", "cu_seqlens": _cu(ROWS)} if qkv_format == "thd" else {}
+    local = rows.reshape(1, -1) if qkv_format == "thd" else rows
+    handler = build_cp_handler(config, groups.cp_group, attn_shape=local_attention_shape(SHAPE, tp), **batch)
+    loss = _step(model, handler, local, dp_cp)
+    grads = {name: _whole(p.grad) for name, p in model.named_parameters()}  # split weights: gathered over tp
+    dist.all_reduce(loss, group=dp_cp)
+    for g in grads.values():
+        dist.all_reduce(g, group=dp_cp)
+    whole_batch = {"qkv_format": "thd", "cu_seqlens": _cu(len(tokens))} if qkv_format == "thd" else {}
+    alone = build_cp_handler(ContextParallelConfig(qkv_format=qkv_format), None, **whole_batch)
+    want_loss = _step(reference, alone, tokens.reshape(1, -1) if qkv_format == "thd" else tokens, None)
+    want = (want_loss, {name: p.grad for name, p in reference.named_parameters()})
+    if plan_name == "forgets the reduction":
+        with pytest.raises(AssertionError):
+            assert_parity((loss, grads), want, "negative control")
+        return
+    assert_parity((loss, grads), want, f"tp {tp} x cp {cp} {comm_type} {qkv_format} rank {rank}")
+
+
+@pytest.mark.parametrize("comm_type,qkv_format", [("p2p", "bshd"), ("all_gather", "thd"), ("a2a", "bshd"),
+                                                  ("p2p", "thd")])
+def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
+    run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
+
+
+def test_dp2_tp2_cp2_equals_one_process():
+    run_distributed(_worker, 8, 2, 2, "p2p", "bshd", "megatron")
+
+
+def test_a_plan_that_forgets_the_reduction_fails():
+    run_distributed(_worker, 4, 2, 2, "p2p", "bshd", "forgets the reduction")
+
+
+def test_tp_rules_name_the_field():
+    check_tensor_parallel(CONFIG, 2)
+    with pytest.raises(ValueError, match="num_query_groups=2 is not divisible"):
+        check_tensor_parallel(CONFIG, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an integer >= 1"):
+        check_tensor_parallel(CONFIG, 0)
+
+
+def _count_worker(rank, world, comm_type):
+    """TP's all-reduces per layer (forward: the two row-wise outputs; backward: the input gradient of each of the
+    five column-wise projections, q, k, v, gate and up: PyTorch's TP does not fuse them as Megatron-LM's fused
+    QKV / gate-up linears do) and CP's collectives: the same calls as without TP, carrying the TP rank's heads."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from cp_handler.ops.collectives import count_comms
+
+    built = ParallelLayout(world, tensor_model_parallel_size=2, context_parallel_size=2).build("cpu")
+    groups = data_context_parallel_groups(built)
+    counts = {}
+    for tp in (1, 2):
+        torch.manual_seed(0)
+        model = GPTModel(CONFIG)
+        if tp == 2:
+            apply_tensor_parallel(model, built.meshes["attention"]["tp"])
+        config = ContextParallelConfig(context_parallel_size=2, cp_comm_type=comm_type)
+        handler = build_cp_handler(config, groups.cp_group, attn_shape=local_attention_shape(SHAPE, tp))
+        input_ids, labels, loss_mask = next_token_batch(handler, _tokens(1))
+        with CommDebugMode() as tp_fwd, count_comms() as cp_fwd:
+            loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
+        with CommDebugMode() as tp_bwd, count_comms() as cp_bwd:
+            loss.backward()
+        reduces = [sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
+                   for mode in (tp_fwd, tp_bwd)]
+        counts[tp] = (reduces, dict(cp_fwd.ops), dict(cp_bwd.ops), cp_fwd.bytes_sent + cp_bwd.bytes_sent)
+    layers = CONFIG.num_layers
+    assert counts[1][0] == [0, 0], counts[1]
+    assert counts[2][0] == [2 * layers, 5 * layers], counts[2]
+    assert counts[2][1:3] == counts[1][1:3], (counts[1], counts[2])  # CP's pattern: the same calls
+    # on the TP rank's half of the heads: fewer bytes (about half for p2p; a2a pads the one local key-value head
+    # to the a2a size of 2, so its K / V bytes stay)
+    assert counts[2][3] < counts[1][3] * (0.51 if comm_type == "p2p" else 0.9), (counts[1][3], counts[2][3])
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+def test_collectives_per_layer_follow_the_formula(comm_type):
+    run_distributed(_count_worker, 4, comm_type)
+
+
+def test_cp_train_tp_size_parity_every_step(tmp_path):
+    """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
+    degree): every step against one process from the same parameters (parity's float32 tolerance 1e-5)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import HANG_GUARD_S
+
+    out = tmp_path / "metrics.json"
+    flags = ["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--cp-comm-type", "a2a", "--packing", "thd",
+             "--steps", "3", "--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128",
+             "--max-corpus-bytes", "2000000", "--clip-grad", "0.5", "--eval-every", "3", "--check-parity",
+             "--metrics-out", str(out)]
+    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
+    metrics = json.loads(out.read_text())
+    assert metrics["tp_size"] == 2 and metrics["parity"]["passed"] and "eval_loss" in metrics["steps"][-1]
+
+
+@pytest.mark.parametrize("flags,rule", [
+    (["--nproc", "6", "--tp-size", "4"], "--tp-size 4 does not divide the 6 ranks"),
+    (["--nproc", "4", "--tp-size", "4"], "--tp-size 4: --num-kv-heads 2 is not divisible by it"),
+    (["--nproc", "4", "--tp-size", "2", "--fsdp"], "--tp-size 2 with --fsdp: not implemented"),
+    (["--nproc", "4", "--tp-size", "2", "--hf-config", "x"], "--tp-size 2 with --hf-config: not implemented"),
+    (["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--eval-cp-size", "1"], "evaluation at another CP"),
+])
+def test_cp_train_tp_rules_before_any_rank(flags, rule):
+    from cp_handler.cli.args import parse
+
+    with pytest.raises(SystemExit, match=rule):
+        parse([*flags, "--steps", "1"])
