@@ -283,8 +283,6 @@ TP_REFUSED = {
     "recompute": ("--recompute", "recomputed layers with DTensor weights are not tested"),
     "offload_activations": ("--offload-activations", "offloaded activations with DTensor weights are not tested"),
     "mlp_chunk_tokens": ("--mlp-chunk-tokens", "tiled MLPs with split weights are not tested"),
-    "save": ("--save", "checkpoints of split weights are not tested"),
-    "resume": ("--resume", "checkpoints of split weights are not tested"),
     "export_hf": ("--export-hf", "the Hugging Face route's tensor-parallel plan is not built"),
 }
 """What ``--tp-size`` above 1 does not combine with yet: ``{argument: (flag, why)}``."""

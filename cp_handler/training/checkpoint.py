@@ -298,7 +298,7 @@ def global_batch(config: TrainConfig) -> int:
     """Sequences (static) or documents (dynamic CP) per optimizer step over all ranks."""
     if config.dynamic:
         return config.batch_size * config.world_size
-    return config.batch_size * (config.world_size // config.cp.context_parallel_size)
+    return config.batch_size * config.data_parallel_size
 
 
 def hf_config_identity(source: str) -> dict:
@@ -335,7 +335,8 @@ def run_meta(config: TrainConfig, step: int, optimizer: str) -> dict:
                          "thd_max_doc_len": config.thd_max_doc_len, "dynamic": config.dynamic is not None,
                          "global_batch": global_batch(config)},
             "layout": {"cp_size": None if config.dynamic else config.cp.context_parallel_size,
-                       "cp_comm_type": config.cp.cp_comm_type, "expert_parallel_size": config.expert_parallel_size}}
+                       "cp_comm_type": config.cp.cp_comm_type, "expert_parallel_size": config.expert_parallel_size,
+                       "tp_size": config.tensor_parallel_size}}
 
 
 TRAINING_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-steps",

@@ -117,5 +117,10 @@ class TrainConfig:
         return self.cp.qkv_format
 
     @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas of a static layout: ``world / (tp x cp)``."""
+        return self.world_size // (self.tensor_parallel_size * self.cp.context_parallel_size)
+
+    @property
     def moe_experts(self) -> int:
         return self.model.num_moe_experts if self.model is not None else 0
