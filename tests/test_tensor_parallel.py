@@ -20,8 +20,12 @@ from gpt_reference import CONFIG, assert_parity
 from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
 from cp_handler.models import GPTModel
 from cp_handler.models.loss import global_token_count, masked_token_loss_sum, next_token_batch
-from cp_handler.models.tensor_parallel import apply_tensor_parallel, check_tensor_parallel, gpt_tp_plan, \
-    local_attention_shape
+from cp_handler.models.tensor_parallel import (
+    apply_tensor_parallel,
+    check_tensor_parallel,
+    gpt_tp_plan,
+    local_attention_shape,
+)
 from cp_handler.runtime.groups import data_context_parallel_groups
 
 SHAPE = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)
