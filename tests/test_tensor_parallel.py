@@ -19,7 +19,7 @@ from gpt_reference import CONFIG, assert_parity
 
 from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
 from cp_handler.models import GPTModel
-from cp_handler.models.loss import global_token_count, masked_token_loss_sum, next_token_batch
+from cp_handler.models.loss import masked_token_loss_sum, next_token_batch
 from cp_handler.models.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
@@ -27,6 +27,7 @@ from cp_handler.models.tensor_parallel import (
     local_attention_shape,
 )
 from cp_handler.runtime.groups import data_context_parallel_groups
+from cp_handler.runtime.reductions import global_token_count
 
 SHAPE = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)
 SEQ, ROWS = 32, 2  # per dp replica: ROWS sequences of SEQ tokens (thd: documents of 5, 11 and 16 tokens)
