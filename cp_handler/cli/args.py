@@ -23,7 +23,7 @@ from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check
 from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data
 from .flag_names import EVAL_FLAGS, FlagParser, HelpFormatter, flags_in_errors, to_flags
-from .model_args import check_moe_flags, hf_layers, model_shape
+from .model_args import check_moe_flags, hf_config, hf_layers, model_shape
 from .training_args import (
     add_training_flags,
     check_compile,
@@ -214,7 +214,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     args.hierarchical_cp_sizes = hierarchical_sizes(args, world, cp_size, tp)
     model, attn_shape, heads_source = model_shape(args)
     if tp > 1:
-        check_tensor_parallel(model, tp)
+        check_tp_model(args, model, tp)
         attn_shape = local_attention_shape(attn_shape, tp)  # what each TP rank's attention runs
         heads_source += f" split over --tp-size {tp}"
     config = ContextParallelConfig(
@@ -275,15 +275,13 @@ def validate(args: argparse.Namespace) -> TrainConfig:
 
 
 TP_REFUSED = {
-    "hf_model": ("--hf-model", "the Hugging Face route's tensor-parallel plan is not built"),
-    "hf_config": ("--hf-config", "the Hugging Face route's tensor-parallel plan is not built"),
     "dynamic_cp": ("--dynamic-cp", "dynamic CP regroups every rank per step"),
     "fsdp": ("--fsdp", "FSDP2 over the dp dimension of the TP mesh is not built"),
     "compile": ("--compile", "compiled layers with DTensor weights are not tested"),
     "recompute": ("--recompute", "recomputed layers with DTensor weights are not tested"),
     "offload_activations": ("--offload-activations", "offloaded activations with DTensor weights are not tested"),
     "mlp_chunk_tokens": ("--mlp-chunk-tokens", "tiled MLPs with split weights are not tested"),
-    "export_hf": ("--export-hf", "the Hugging Face route's tensor-parallel plan is not built"),
+    "export_hf": ("--export-hf", "save_pretrained of split weights is not built"),
 }
 """What ``--tp-size`` above 1 does not combine with yet: ``{argument: (flag, why)}``."""
 
@@ -306,6 +304,24 @@ def check_tp_flags(args: argparse.Namespace, world: int) -> int:
         raise ValueError(f"--tp-size {tp} with --eval-cp-size {args.eval_cp_size}: evaluation at another CP degree "
                          "builds its own groups without TP (not implemented); evaluate at the training degree")
     return tp
+
+
+def check_tp_model(args: argparse.Namespace, model, tp: int) -> None:
+    """The model splits over ``tp`` ranks: the reference GPT's rules, or a Hugging Face model's plan in transformers
+    (:func:`~cp_handler.integrations.hf_tensor_parallel.hf_tp_plan`, on the ``meta`` device). Raises ValueError."""
+    if model is not None:
+        check_tensor_parallel(model, tp)
+        return
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.hf_tensor_parallel import hf_tp_plan
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config(args))
+    try:
+        hf_tp_plan(hf, tp)
+    except ValueError as err:
+        raise ValueError(f"{args.hf_model or args.hf_config}: {err}") from None
 
 
 def check_rank_count(args: argparse.Namespace, world: int, cp_size: int) -> None:

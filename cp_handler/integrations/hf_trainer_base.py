@@ -63,10 +63,20 @@ class ContextParallelArguments:
                                      cp_comm_profile=self.cp_comm_profile)
 
 
-def _accelerate_refusals(parallelism_config, dispatch_batches) -> list[str]:
+def _accelerate_refusals(parallelism_config, dispatch_batches, model=None) -> list[str]:
     """accelerate's settings that split what a CP group shares: its own CP / SP sizes and ``dispatch_batches``
-    (as the arguments give them, or as the built accelerator derived them)."""
+    (as the arguments give them, or as the built accelerator derived them); and tensor parallelism, accelerate's
+    (``tp_size``) or a model loaded split (transformers' ``from_pretrained(tp_plan=...)``: its ``tp_size``): the CP
+    groups are built over dp x cp, not beside a TP mesh (``cp-train --tp-size`` runs TP x CP)."""
     refused = []
+    tp_size = getattr(parallelism_config, "tp_size", 1) or 1
+    if tp_size > 1:
+        refused.append(f"parallelism_config.tp_size={tp_size} (accelerate's tensor parallelism: the CP groups are "
+                       "built over dp x cp, not beside a TP mesh; cp-train --tp-size runs TP x CP)")
+    model_tp = None if isinstance(model, str) else getattr(model, "tp_size", None)
+    if isinstance(model_tp, int) and model_tp > 1:
+        refused.append(f"a model loaded with tensor parallelism (tp_size={model_tp}: the CP groups are built over dp x "
+                       "cp, not beside its TP mesh; cp-train --tp-size runs TP x CP)")
     for name in ("cp_size", "sp_size"):
         size = getattr(parallelism_config, name, 1) or 1
         if size > 1:
@@ -160,7 +170,8 @@ class ContextParallelTrainerBase:
         ``"name=value (why)"`` (empty: none). ``args``: the ``TrainingArguments`` given (``None``: the trainer's
         defaults, which refuse nothing); ``arguments``: every argument by name."""
         refused = _accelerate_refusals(getattr(args, "parallelism_config", None),
-                                       getattr(getattr(args, "accelerator_config", None), "dispatch_batches", None))
+                                       getattr(getattr(args, "accelerator_config", None), "dispatch_batches", None),
+                                       arguments.get("model"))
         if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
             refused.append("train_sampling_strategy='batch_rebalance' (it splits batches over every rank)")
         return refused

@@ -19,20 +19,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce; a missing gradient counts as
-    zero."""
-    params = list(model.parameters())
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [_local(p.grad) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _sum_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``tensors`` over ``group`` in place, in one flat all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup, tp_group=None,
+                           tp_summed: list[str] = ()) -> None:
+    """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce; a missing gradient counts as
+    zero. The parameters named in ``tp_summed`` (a replicated weight applied to each TP rank's own heads:
+    transformers' ``replicated_with_grad_allreduce``) are summed over ``tp_group`` first."""
+    named = dict(model.named_parameters())
+    for p in named.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if tp_summed:
+        _sum_flat([named[name].grad for name in tp_summed], tp_group)
+    _sum_flat([_local(p.grad) for p in named.values()], group)
 
 
 def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup) -> float:

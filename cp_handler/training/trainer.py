@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
+from ..integrations.hf_tensor_parallel import apply_hf_tensor_parallel
 from ..models.tensor_parallel import apply_tensor_parallel
 from ..runtime.groups import data_context_parallel_groups
 from ..runtime.launch import heartbeat
@@ -98,7 +99,12 @@ class Trainer:
         self.experts = ExpertGroups(config.moe_experts, built) if config.moe_experts else None
         self.count_group, self.tp_groups = dist.group.WORLD, None
         if tp > 1:  # split over the TP group; gradients summed over each TP position's dp x cp ranks
-            apply_tensor_parallel(model, built.meshes["attention"]["tp"])
+            tp_mesh = built.meshes["attention"]["tp"]
+            if config.hf_source is None:
+                apply_tensor_parallel(model, tp_mesh)
+                self.tp_summed = []
+            else:  # transformers' own plan; replicated weights applied per head summed over the TP group
+                self.tp_summed = apply_hf_tensor_parallel(model, tp_mesh)
             self.count_group, self.tp_groups = built.groups["dp_cp"], (built.groups["tp"], built.groups["dp_cp"])
             self.trained, self.grad_scale = model, 1.0
             self.grad_norm = lambda m: tensor_parallel.grad_norm(m, built.groups["tp"])
@@ -174,7 +180,8 @@ class Trainer:
         elif self.config.dynamic:
             all_reduce_grads(list(self.trained.parameters()))
         elif self.tp_groups:
-            tensor_parallel.all_reduce_local_grads(self.trained, self.tp_groups[1])
+            tensor_parallel.all_reduce_local_grads(self.trained, self.tp_groups[1], self.tp_groups[0],
+                                                   self.tp_summed)
         dist.all_reduce(loss, group=self.count_group)  # every share of one TP position: the global batch's loss
         if not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
