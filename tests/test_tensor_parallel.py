@@ -18,7 +18,7 @@ from dist_utils import run_distributed
 from gpt_reference import CONFIG, assert_parity
 
 from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
-from cp_handler.models import GPTModel
+from cp_handler.models import GPTConfig, GPTModel
 from cp_handler.models.loss import masked_token_loss_sum, next_token_batch
 from cp_handler.models.tensor_parallel import (
     apply_tensor_parallel,
@@ -56,13 +56,18 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name):
+MLA = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=128, kv_channels=16, v_head_dim=24)
+"""Multi-head latent attention's head dims: values 24 wide, queries and keys 16."""
+
+
+def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG):
     layout = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp)
     built = layout.build("cpu")
     groups = data_context_parallel_groups(built)
     dp_cp = built.groups["dp_cp"]
     torch.manual_seed(0)
-    model = GPTModel(CONFIG)
+    model = GPTModel(config)
     reference = copy.deepcopy(model)  # one process: the whole model, the whole global batch
     plan = gpt_tp_plan(model)
     if plan_name == "forgets the reduction":  # the row-wise outputs kept as partial sums: no all-reduce
@@ -74,10 +79,11 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name):
     apply_tensor_parallel(model, built.meshes["attention"]["tp"], plan)
     tokens = _tokens(layout.data_parallel_size)
     rows = tokens[groups.dp_rank * ROWS:(groups.dp_rank + 1) * ROWS]
-    config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format)
+    cp_config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format)
     batch = {"qkv_format": "thd", "cu_seqlens": _cu(ROWS)} if qkv_format == "thd" else {}
     local = rows.reshape(1, -1) if qkv_format == "thd" else rows
-    handler = build_cp_handler(config, groups.cp_group, attn_shape=local_attention_shape(SHAPE, tp), **batch)
+    shape = AttentionShape(config.num_attention_heads, config.num_query_groups, config.kv_channels, config.v_head_dim)
+    handler = build_cp_handler(cp_config, groups.cp_group, attn_shape=local_attention_shape(shape, tp), **batch)
     loss = _step(model, handler, local, dp_cp)
     grads = {name: _whole(p.grad) for name, p in model.named_parameters()}  # split weights: gathered over tp
     dist.all_reduce(loss, group=dp_cp)
@@ -98,6 +104,10 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name):
                                                   ("p2p", "thd")])
 def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
     run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
+
+
+def test_mla_head_dims_tp2_cp2_equals_one_process():
+    run_distributed(_worker, 4, 2, 2, "a2a", "thd", "megatron", MLA)
 
 
 def test_dp2_tp2_cp2_equals_one_process():
