@@ -20,14 +20,14 @@ from gpt_reference import CONFIG, assert_parity
 from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
 from cp_handler.models import GPTConfig, GPTModel
 from cp_handler.models.loss import masked_token_loss_sum, next_token_batch
-from cp_handler.models.tensor_parallel import (
+from cp_handler.runtime.groups import data_context_parallel_groups
+from cp_handler.runtime.reductions import global_token_count
+from cp_handler.training.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,
     gpt_tp_plan,
     local_attention_shape,
 )
-from cp_handler.runtime.groups import data_context_parallel_groups
-from cp_handler.runtime.reductions import global_token_count
 
 SHAPE = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)
 SEQ, ROWS = 32, 2  # per dp replica: ROWS sequences of SEQ tokens (thd: documents of 5, 11 and 16 tokens)
@@ -69,14 +69,14 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     torch.manual_seed(0)
     model = GPTModel(config)
     reference = copy.deepcopy(model)  # one process: the whole model, the whole global batch
-    plan = gpt_tp_plan(model)
+    plan = gpt_tp_plan(model, tp)
     if plan_name == "forgets the reduction":  # the row-wise outputs kept as partial sums: no all-reduce
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor.parallel import RowwiseParallel
 
         plan = {k: RowwiseParallel(output_layouts=Partial()) if isinstance(v, RowwiseParallel) else v
                 for k, v in plan.items()}
-    apply_tensor_parallel(model, built.meshes["attention"]["tp"], plan)
+    summed = apply_tensor_parallel(model, built.meshes["attention"]["tp"], plan)
     tokens = _tokens(layout.data_parallel_size)
     rows = tokens[groups.dp_rank * ROWS:(groups.dp_rank + 1) * ROWS]
     cp_config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format)
@@ -86,6 +86,8 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     handler = build_cp_handler(cp_config, groups.cp_group, attn_shape=local_attention_shape(shape, tp), **batch)
     loss = _step(model, handler, local, dp_cp)
     grads = {name: _whole(p.grad) for name, p in model.named_parameters()}  # split weights: gathered over tp
+    for name in summed:  # replicated key-value projections (Hkv < tp): each rank's share from its query heads
+        dist.all_reduce(grads[name], group=built.groups["tp"])
     dist.all_reduce(loss, group=dp_cp)
     for g in grads.values():
         dist.all_reduce(g, group=dp_cp)
@@ -106,6 +108,16 @@ def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
     run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
 
 
+MQA = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=1,
+                ffn_hidden_size=128)
+"""One key-value head: replicated over the TP ranks (Megatron-LM's rule for Hkv < tp)."""
+
+
+@pytest.mark.parametrize("tp,cp,config", [(2, 2, MQA), (4, 1, CONFIG)], ids=["mqa-tp2-cp2", "gqa2-tp4"])
+def test_key_value_heads_replicated_when_fewer_than_tp(tp, cp, config):
+    run_distributed(_worker, 4, tp, cp, "p2p", "bshd", "megatron", config)
+
+
 def test_mla_head_dims_tp2_cp2_equals_one_process():
     run_distributed(_worker, 4, 2, 2, "a2a", "thd", "megatron", MLA)
 
@@ -120,8 +132,12 @@ def test_a_plan_that_forgets_the_reduction_fails():
 
 def test_tp_rules_name_the_field():
     check_tensor_parallel(CONFIG, 2)
-    with pytest.raises(ValueError, match="num_query_groups=2 is not divisible"):
-        check_tensor_parallel(CONFIG, 4)
+    check_tensor_parallel(CONFIG, 4)  # 2 key-value heads replicated over 4 ranks
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by it"):
+        check_tensor_parallel(CONFIG, 3)
+    odd = GPTConfig(hidden_size=96, num_attention_heads=6, num_query_groups=3, ffn_hidden_size=128)
+    with pytest.raises(ValueError, match="num_query_groups=3 is not divisible by it nor divides it"):
+        check_tensor_parallel(odd, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size=0 must be an integer >= 1"):
         check_tensor_parallel(CONFIG, 0)
 
@@ -190,7 +206,8 @@ def test_cp_train_tp_size_parity_every_step(tmp_path):
 
 @pytest.mark.parametrize("flags,rule", [
     (["--nproc", "6", "--tp-size", "4"], "--tp-size 4 does not divide the 6 ranks"),
-    (["--nproc", "4", "--tp-size", "4"], "--tp-size 4: --num-kv-heads 2 is not divisible by it"),
+    (["--nproc", "4", "--tp-size", "2", "--hidden-size", "96", "--num-heads", "6", "--num-kv-heads", "3"],
+     "--tp-size 2: --num-kv-heads 3 is not divisible by it nor divides it"),
     (["--nproc", "4", "--tp-size", "2", "--fsdp"], "--tp-size 2 with --fsdp: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--hf-config", "x"], "--tp-size 2 with --hf-config: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--eval-cp-size", "1"], "evaluation at another CP"),

@@ -11,7 +11,6 @@ import torch
 from ..dynamic.scheduler import cp_size_for, schedule_sequences
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
-from ..models.tensor_parallel import check_tensor_parallel, local_attention_shape
 from ..ops.patterns import PATTERNS
 from ..runtime.config import CP_COMM_TYPES, ContextParallelConfig, check_seq_len
 from ..runtime.groups import check_world_divisible
@@ -19,6 +18,7 @@ from ..runtime.launch import is_first_rank, rank_env, under_torchrun
 from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..training import DynamicCP, TrainConfig
 from ..training.eval_cp import check_eval_layout, eval_config
+from ..training.tensor_parallel import check_tensor_parallel, local_attention_shape
 from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints, check_resume_folder
 from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data

@@ -7,7 +7,7 @@ Styles taken: ``"colwise"`` (``ColwiseParallel``), ``"rowwise"`` (``RowwiseParal
 ``q_norm`` / ``k_norm``: kept replicated, its gradient summed over the TP group by the training step). Any other style
 in the plan (MoE routers and experts, MLA's ``mla_kv_a_proj``, packed projections, sequence parallelism) is refused
 by name, as is a model without a plan. The output head and the embedding stay replicated (as the reference GPT's,
-:mod:`cp_handler.models.tensor_parallel`). transformers' attention layers reshape by ``-1`` heads, so the CP
+:mod:`cp_handler.training.tensor_parallel`). transformers' attention layers reshape by ``-1`` heads, so the CP
 attention (:mod:`.hf_attention`) sees the TP rank's ``H / tp`` query and ``Hkv / tp`` key-value heads.
 """
 

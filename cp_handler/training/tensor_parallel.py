@@ -1,19 +1,156 @@
-"""The training step's share of tensor parallelism (``cp-train --tp-size``): the model split by
-:func:`~cp_handler.models.tensor_parallel.apply_tensor_parallel`, its gradients reduced over the dp x cp ranks of
-each TP position, the global gradient norm and clipping over split and replicated weights.
+"""Tensor parallelism (TP) in a training run (``cp-train --tp-size``), composed with context parallelism: the
+reference GPT's plan, and what the training step adds for any split model.
 
-A split weight (a DTensor sharded over the TP group) holds this TP rank's rows or columns: its gradient is this
-rank's part of the whole gradient; a replicated weight (embedding, norms, output head) gets the same whole gradient
-on every TP rank (the row-wise all-reduce makes the activations, and so their gradients, equal). Every rank of one
-TP position sums its gradients over the dp x cp ranks of that position (one flat all-reduce of the local tensors,
-as DDP does), the loss being normalised by the global token count over the same ranks.
+The reference GPT is split with PyTorch's own (DTensor's ``parallelize_module`` with ``ColwiseParallel`` /
+``RowwiseParallel``), as Megatron-LM and torchtitan split a transformer layer.
+
+The plan (:func:`gpt_tp_plan`), per layer: the query, key and value projections column-wise (each TP rank computes
+``H / tp`` query heads and ``Hkv / tp`` key-value heads: whole heads, the GQA groups kept together), the output
+projection row-wise (its partial sums all-reduced over the TP group); the MLP's gate and up projections
+column-wise, its down projection row-wise. One all-reduce per attention block and one per MLP in the forward, and
+the same two in the backward (the column-wise inputs' gradients), as Megatron-LM's TP without sequence parallelism.
+The embedding, the norms and the output head stay replicated (every TP rank holds them whole and computes the
+same values; their gradients are the same on every TP rank): the choice of a small vocabulary, said here; a
+vocabulary-parallel head would add a parallel cross-entropy.
+
+With fewer key-value heads than TP ranks (``Hkv < tp``, ``tp`` a multiple of ``Hkv``) the key and value projections
+are replicated as Megatron-LM does (:class:`ReplicatedKVHeads`): every TP rank holds them whole and keeps the one
+key-value head its query heads use (rank ``r``: head ``r // (tp / Hkv)``); their gradients, each rank's from its own
+query heads, are summed over the TP group by the training step (:func:`apply_tensor_parallel` names them).
+
+Context parallelism sees the TP rank's heads: the handler is built with the local attention shape
+(:func:`local_attention_shape`) and the model's attention reshapes by the local head count, so every CP pattern
+(a2a's head split included) runs on ``H / tp`` heads. Refused by name (:func:`check_tensor_parallel`): query heads or
+the MLP width that ``tp`` does not divide, key-value heads that neither divide nor are divided by it, MoE layers and
+linear-attention layers (their tensor-parallel plans are not built).
+
+The training step (:mod:`.trainer`): a split weight (a DTensor sharded over the TP group) holds this TP rank's rows or
+columns: its gradient is this rank's part of the whole gradient; a replicated weight (embedding, norms, output head)
+gets the same whole gradient on every TP rank (the row-wise all-reduce makes the activations, and so their gradients,
+equal). Every rank of one TP position sums its gradients over the dp x cp ranks of that position (one flat all-reduce of
+the local tensors, as DDP does), the loss being normalised by the global token count over the same ranks.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ..models.gpt import GPTConfig
+from ..runtime.config import AttentionShape
+
+
+def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
+    """Whether the reference GPT of ``config`` splits over ``tp`` tensor-parallel ranks.
+
+    Raises:
+        ValueError: ``tp`` below 1; ``num_attention_heads``, ``num_query_groups`` or ``ffn_hidden_size`` not divisible
+            by ``tp``; MoE (``num_moe_experts``) or linear-attention layers with ``tp > 1`` (each names the field).
+    """
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
+    if tp == 1:
+        return
+    for field in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        value = getattr(config, field)
+        replicated = field == "num_query_groups" and value < tp and tp % value == 0  # ReplicatedKVHeads
+        if value % tp and not replicated:
+            extra = (" nor divides it (key-value heads are replicated when tp is a multiple of their count)"
+                     if field == "num_query_groups" else "")
+            raise ValueError(f"tensor_parallel_size={tp}: {field}={value} is not divisible by it{extra}; each TP "
+                             "rank holds an equal share")
+    if config.num_moe_experts:
+        raise ValueError(f"tensor_parallel_size={tp} with num_moe_experts={config.num_moe_experts}: the experts' "
+                         "tensor-parallel plan is not built (use expert parallelism, or tp 1)")
+    if config.layer_types is not None and "linear_attention" in config.layer_types:
+        raise ValueError(f"tensor_parallel_size={tp} with linear_attention layers: their tensor-parallel plan is "
+                         "not built (tp 1)")
+
+
+def local_attention_shape(shape: AttentionShape, tp: int) -> AttentionShape:
+    """The attention shape one TP rank's attention runs: ``H / tp`` query heads, ``Hkv / tp`` key-value heads (one,
+    replicated, when ``Hkv < tp``)."""
+    return AttentionShape(shape.num_heads // tp, max(1, shape.num_kv_heads // tp), shape.head_dim, shape.v_head_dim)
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the gradient summed over ``group`` (Megatron-LM's ``copy_to_tensor_model_parallel_region``):
+    the input of a replicated projection each TP rank applies to its own heads."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+@functools.cache
+def _replicated_kv_heads():
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedKVHeads(ParallelStyle):
+        """A key or value projection when ``Hkv < tp`` (module doc): its weight stays whole (a plain tensor) on
+        every TP rank, its output keeps the one head of ``head_dim`` columns this rank's query heads use, and its
+        input's gradient (each rank's from its own heads) is summed over the TP group, as a column-wise input's."""
+
+        def __init__(self, num_kv_heads: int, head_dim: int):
+            super().__init__()
+            self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            head = device_mesh.get_local_rank() // (device_mesh.size() // self.num_kv_heads)
+            start, width, group = head * self.head_dim, self.head_dim, device_mesh.get_group()
+            module.register_forward_pre_hook(lambda _, args: (_SumGradOverGroup.apply(args[0], group), *args[1:]))
+            module.register_forward_hook(lambda _, args, out: out.narrow(-1, start, width))
+            return module
+
+    return ReplicatedKVHeads
+
+
+def gpt_tp_plan(model: nn.Module, tp: int | None = None) -> dict:
+    """``{module path: ParallelStyle}`` for ``parallelize_module`` (module doc); ``tp`` above the key-value head
+    count replicates the key and value projections (:class:`ReplicatedKVHeads`)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    config = model.config
+    replicate = tp is not None and config.num_query_groups < tp
+    plan = {}
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
+        for name, width in (("k_proj", config.kv_channels), ("v_proj", config.v_head_dim)):
+            plan[f"layers.{i}.self_attn.{name}"] = \
+                _replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan.update({f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")})
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict | None = None) -> list[str]:
+    """Split ``model`` (a :class:`~.gpt.GPTModel`, built the same on every rank) over the 1-D ``tp_mesh`` with
+    ``plan`` (default :func:`gpt_tp_plan`): its split weights become DTensors (``Shard`` on the TP mesh), the rest
+    stays. Returns the names of the parameters whose gradients the TP group must sum (the replicated key-value
+    projections, ``Hkv < tp``).
+
+    Raises:
+        ValueError: :func:`check_tensor_parallel`.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    check_tensor_parallel(model.config, tp)
+    plan = plan if plan is not None else gpt_tp_plan(model, tp)
+    parallelize_module(model, tp_mesh, plan)
+    replicated = _replicated_kv_heads()
+    return [f"{path}.weight" for path, style in plan.items() if isinstance(style, replicated)]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t

@@ -28,7 +28,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
 from ..integrations.hf_tensor_parallel import apply_hf_tensor_parallel
-from ..models.tensor_parallel import apply_tensor_parallel
 from ..runtime.groups import data_context_parallel_groups
 from ..runtime.launch import heartbeat
 from ..runtime.parallel_layout import ParallelLayout
@@ -101,8 +100,7 @@ class Trainer:
         if tp > 1:  # split over the TP group; gradients summed over each TP position's dp x cp ranks
             tp_mesh = built.meshes["attention"]["tp"]
             if config.hf_source is None:
-                apply_tensor_parallel(model, tp_mesh)
-                self.tp_summed = []
+                self.tp_summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh)
             else:  # transformers' own plan; replicated weights applied per head summed over the TP group
                 self.tp_summed = apply_hf_tensor_parallel(model, tp_mesh)
             self.count_group, self.tp_groups = built.groups["dp_cp"], (built.groups["tp"], built.groups["dp_cp"])
