@@ -209,7 +209,7 @@ def test_cp_train_tp_size_parity_every_step(tmp_path):
     (["--nproc", "4", "--tp-size", "2", "--hidden-size", "96", "--num-heads", "6", "--num-kv-heads", "3"],
      "--tp-size 2: --num-kv-heads 3 is not divisible by it nor divides it"),
     (["--nproc", "4", "--tp-size", "2", "--fsdp"], "--tp-size 2 with --fsdp: not implemented"),
-    (["--nproc", "4", "--tp-size", "2", "--hf-config", "x"], "--tp-size 2 with --hf-config: not implemented"),
+    (["--nproc", "4", "--tp-size", "2", "--export-hf", "x"], "--tp-size 2 with --export-hf: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--eval-cp-size", "1"], "evaluation at another CP"),
 ])
 def test_cp_train_tp_rules_before_any_rank(flags, rule):
