@@ -182,9 +182,11 @@ def test_collectives_per_layer_follow_the_formula(comm_type):
     run_distributed(_count_worker, 4, comm_type)
 
 
-def test_cp_train_tp_size_parity_every_step(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1"]], ids=["allreduce", "fsdp2-mqa"])
+def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
-    degree): every step against one process from the same parameters (parity's float32 tolerance 1e-5)."""
+    degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP): every
+    step against one process from the same parameters (parity's float32 tolerance 1e-5)."""
     import json
     import subprocess
     import sys
@@ -195,11 +197,12 @@ def test_cp_train_tp_size_parity_every_step(tmp_path):
     flags = ["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--cp-comm-type", "a2a", "--packing", "thd",
              "--steps", "3", "--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128",
              "--max-corpus-bytes", "2000000", "--clip-grad", "0.5", "--eval-every", "3", "--check-parity",
-             "--metrics-out", str(out)]
+             "--metrics-out", str(out), *extra]
     result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
                             timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
+    assert ("FSDP2 over the 2 dp x cp ranks" in result.stderr) == bool(extra)
     metrics = json.loads(out.read_text())
     assert metrics["tp_size"] == 2 and metrics["parity"]["passed"] and "eval_loss" in metrics["steps"][-1]
 
@@ -208,7 +211,7 @@ def test_cp_train_tp_size_parity_every_step(tmp_path):
     (["--nproc", "6", "--tp-size", "4"], "--tp-size 4 does not divide the 6 ranks"),
     (["--nproc", "4", "--tp-size", "2", "--hidden-size", "96", "--num-heads", "6", "--num-kv-heads", "3"],
      "--tp-size 2: --num-kv-heads 3 is not divisible by it nor divides it"),
-    (["--nproc", "4", "--tp-size", "2", "--fsdp"], "--tp-size 2 with --fsdp: not implemented"),
+    (["--nproc", "4", "--tp-size", "2", "--compile"], "--tp-size 2 with --compile: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--export-hf", "x"], "--tp-size 2 with --export-hf: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--eval-cp-size", "1"], "evaluation at another CP"),
 ])

@@ -276,7 +276,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
 
 TP_REFUSED = {
     "dynamic_cp": ("--dynamic-cp", "dynamic CP regroups every rank per step"),
-    "fsdp": ("--fsdp", "FSDP2 over the dp dimension of the TP mesh is not built"),
     "compile": ("--compile", "compiled layers with DTensor weights are not tested"),
     "recompute": ("--recompute", "recomputed layers with DTensor weights are not tested"),
     "offload_activations": ("--offload-activations", "offloaded activations with DTensor weights are not tested"),

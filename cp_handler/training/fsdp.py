@@ -19,13 +19,16 @@ import torch.distributed as dist
 from torch import nn
 
 
-def shard_model(model: nn.Module, device_type: str) -> nn.Module:
-    """Apply ``fully_shard`` to each of ``model``'s layers (:func:`layer_modules`) and to ``model`` over a 1-D
-    mesh of every rank; returns ``model`` (now an ``FSDPModule``)."""
+def shard_model(model: nn.Module, mesh=None) -> nn.Module:
+    """Apply ``fully_shard`` to each of ``model``'s layers (:func:`layer_modules`) and to ``model`` over ``mesh``
+    (a 1-D DeviceMesh; default: every rank, on the device the model's parameters are on; with tensor parallelism the
+    ``dp_cp`` dimension of a 2-D ``(dp_cp, tp)`` mesh); returns ``model`` (now an ``FSDPModule``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_cp",))
+    if mesh is None:
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_cp",))
     for layer in layer_modules(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -166,30 +166,32 @@ def _sum_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
         offset += t.numel()
 
 
-def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup, tp_group=None,
+def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | None, tp_group=None,
                            tp_summed: list[str] = ()) -> None:
-    """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce; a missing gradient counts as
-    zero. The parameters named in ``tp_summed`` (a replicated weight applied to each TP rank's own heads:
-    transformers' ``replicated_with_grad_allreduce``) are summed over ``tp_group`` first."""
+    """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce (``None``: FSDP2 reduced them
+    already); a missing gradient counts as zero. The parameters named in ``tp_summed`` (a replicated weight applied
+    to each TP rank's own heads: the replicated key-value projections, transformers' ``replicated_with_grad_allreduce``)
+    are summed over ``tp_group`` first."""
     named = dict(model.named_parameters())
     for p in named.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if tp_summed:
-        _sum_flat([named[name].grad for name in tp_summed], tp_group)
-    _sum_flat([_local(p.grad) for p in named.values()], group)
+        _sum_flat([_local(named[name].grad) for name in tp_summed], tp_group)
+    if group is not None:
+        _sum_flat([_local(p.grad) for p in named.values()], group)
 
 
-def grad_norm(model: torch.nn.Module, tp_group: dist.ProcessGroup) -> float:
-    """The global gradient norm: the split weights' squared local norms summed over ``tp_group``, the replicated
-    weights' counted once."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    split = sum((_local(g).double().pow(2).sum() for g in grads if hasattr(g, "to_local")),
-                torch.zeros((), dtype=torch.float64))
-    dist.all_reduce(split, group=tp_group)
-    whole = sum((g.double().pow(2).sum() for g in grads if not hasattr(g, "to_local")),
-                torch.zeros((), dtype=torch.float64))
-    return float((split.to(whole.device) + whole).sqrt())
+def grad_norm(model: torch.nn.Module) -> float:
+    """The global gradient norm of a model whose weights are split (DTensors, over the TP mesh and, with FSDP2, the
+    dp x cp one) or whole: each gradient's norm over its own mesh (one small collective per DTensor), every weight
+    counted once."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            norm = torch.linalg.vector_norm(p.grad.double())
+            total += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu() ** 2
+    return float(total.sqrt())
 
 
 def clip_grads(model: torch.nn.Module, max_norm: float, total_norm: float) -> None:

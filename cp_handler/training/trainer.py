@@ -24,6 +24,7 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
@@ -96,26 +97,19 @@ class Trainer:
         groups = data_context_parallel_groups(built)
         model = self.model
         self.experts = ExpertGroups(config.moe_experts, built) if config.moe_experts else None
-        self.count_group, self.tp_groups = dist.group.WORLD, None
-        if tp > 1:  # split over the TP group; gradients summed over each TP position's dp x cp ranks
-            tp_mesh = built.meshes["attention"]["tp"]
-            if config.hf_source is None:
-                self.tp_summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh)
-            else:  # transformers' own plan; replicated weights applied per head summed over the TP group
-                self.tp_summed = apply_hf_tensor_parallel(model, tp_mesh)
-            self.count_group, self.tp_groups = built.groups["dp_cp"], (built.groups["tp"], built.groups["dp_cp"])
-            self.trained, self.grad_scale = model, 1.0
-            self.grad_norm = lambda m: tensor_parallel.grad_norm(m, built.groups["tp"])
+        self.count_group, self.tp_reduce = dist.group.WORLD, None
+        if tp > 1:
+            self._split_tensor_parallel(model, built)
         elif self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
             model.shard_experts(self.experts.handler().local_expert_ids)
             self.trained, self.grad_scale, self.grad_norm = model, 1.0, self.experts.grad_norm
         elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
-            self.trained, self.grad_scale, self.grad_norm = shard_model(model, device.type), float(world), None
+            self.trained, self.grad_scale, self.grad_norm = shard_model(model), float(world), None
         else:  # DDP averages gradients over the world; the loss is already normalised by the global token count
             self.trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
             self.grad_scale, self.grad_norm = float(world), None
         extra = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if self.experts else ""
-        extra += f", FSDP2 over all {world} ranks" if config.fsdp else ""
+        extra += f", FSDP2 over the {world // tp} dp x cp ranks of each TP position" if config.fsdp else ""
         extra += ", every layer recomputed in the backward" if config.recompute else ""
         sizes = f"{f'tp {tp} x ' if tp > 1 else ''}dp {groups.dp_size} x cp {groups.cp_size}"
         say(f"world {world} = {sizes}, backend {config.cp.backend}, cp_comm_type "
@@ -133,6 +127,28 @@ class Trainer:
             if evaluating else []
         self.eval_chunks = loss_chunks(self.trained, config)  # evaluation's loss in chunks as training's
 
+    def _split_tensor_parallel(self, model, built) -> None:
+        """``--tp-size``: the model split over the TP group (the reference GPT's plan, or transformers' own), the
+        loss's tokens counted over the dp x cp ranks of each TP position, and its gradients summed there: by one
+        flat all-reduce, or with ``--fsdp`` by FSDP2 over those ranks, on a 2-D mesh ``(dp_cp, tp)`` of the same
+        ranks (its reduce-scatter averages: the loss scaled by their number, as DDP's)."""
+        config, world, tp = self.config, dist.get_world_size(), self.config.tensor_parallel_size
+        mesh = init_device_mesh(self.device.type, (world // tp, tp), mesh_dim_names=("dp_cp", "tp")) \
+            if config.fsdp else None
+        tp_mesh = mesh["tp"] if mesh is not None else built.meshes["attention"]["tp"]
+        if config.hf_source is None:
+            summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh)
+        else:  # transformers' own plan; replicated weights applied per head summed over the TP group
+            summed = apply_hf_tensor_parallel(model, tp_mesh)
+        self.count_group, self.grad_norm = built.groups["dp_cp"], tensor_parallel.grad_norm
+        if mesh is not None:
+            self.trained, self.grad_scale = shard_model(model, mesh["dp_cp"]), float(world // tp)
+        else:
+            self.trained, self.grad_scale = model, 1.0
+        dp_cp = None if mesh is not None else built.groups["dp_cp"]  # FSDP2 reduces over them itself
+        self.tp_reduce = lambda: tensor_parallel.all_reduce_local_grads(self.trained, dp_cp, tp_mesh.get_group(),
+                                                                         summed)
+
     def _build_dynamic(self) -> None:
         config, device = self.config, self.device
         if config.eval_every or config.check_eval_cp:
@@ -144,7 +160,7 @@ class Trainer:
             f"{config.cp.backend}, device {device.type}"
             f"{', every layer recomputed in the backward' if config.recompute else ''}")
         self.trained, self.experts, self.grad_scale, self.grad_norm = self.model, None, 1.0, None
-        self.count_group, self.tp_groups = dist.group.WORLD, None
+        self.count_group, self.tp_reduce = dist.group.WORLD, None
         self.batches = DynamicBatches(config, load_documents(config), GroupPool(device.type), device)
         self.reference_batch, self.layout_metrics = None, {"dp_size": None, "cp_size": "dynamic"}
         self.at_train = self.at_eval = None
@@ -177,16 +193,15 @@ class Trainer:
             self.experts.reduce_gradients(self.trained)
         elif self.config.dynamic:
             all_reduce_grads(list(self.trained.parameters()))
-        elif self.tp_groups:
-            tensor_parallel.all_reduce_local_grads(self.trained, self.tp_groups[1], self.tp_groups[0],
-                                                   self.tp_summed)
+        elif self.tp_reduce:
+            self.tp_reduce()
         dist.all_reduce(loss, group=self.count_group)  # every share of one TP position: the global batch's loss
         if not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
                                 "step (lower --lr, check the data or the model)")
         grad_norm = (self.grad_norm or local_grad_norm)(self.trained)
         checked = self.reference(step, self.trained) if self.reference else {}
-        if self.config.clip_grad and self.tp_groups:
+        if self.config.clip_grad and self.tp_reduce:
             tensor_parallel.clip_grads(self.trained, self.config.clip_grad, grad_norm)
         elif self.config.clip_grad:
             torch.nn.utils.clip_grads_with_norm_(self.trained.parameters(), self.config.clip_grad,
