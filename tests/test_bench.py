@@ -521,3 +521,23 @@ def test_cp_bench_takes_flags_only_spelled_in_full(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--modes", "launches", "--plan-seq", "256", "--no-plots"])
     assert "unrecognized arguments: --plan-seq (did you mean --plan-seq-lens?)" in capsys.readouterr().err
+
+
+def test_memory_tp_projection_follows_its_bytes():
+    """The TP x CP projection of ``--modes memory`` (Llama-3-70B, 70.55B parameters): each layout's tokens fit its
+    free bytes; one node of 8 x 80 GB holds no layout's training state (16 bytes per parameter over 8 ranks: 141 GB
+    or more per rank); on 4 nodes more CP and less TP holds a longer sequence (TP does not divide the checkpointed
+    layer inputs without sequence parallelism); a TP rank saves less per recomputed layer than a whole one."""
+    from cp_handler.bench import memory
+
+    assert memory.parameters(memory.LLAMA3_70B) == 70_553_706_496  # Llama-3-70B's count
+    measured = memory.measure_tp_layer(16, chunk=8)
+    saved = {r["tp"]: r["layer_bytes_per_token"] for r in measured if not r["recompute"]}
+    assert saved[1] > saved[2] > saved[4] > saved[8] > 0
+    rows = memory.project_tp(measured)
+    for row in rows:
+        assert row["tokens_per_rank"] * row["gpu_bytes_per_token"] <= 0.9 * 80e9
+    one_node = [r for r in rows if r["where"] == "one node of 8 GPUs"]
+    assert len(one_node) == 4 and all(r["sequence"] == 0 and r["state_gb"] > 72 for r in one_node)
+    four = [r["sequence"] for r in rows if r["where"] == "4 nodes of 8 GPUs"]  # tp 8, 4, 2, 1
+    assert four == sorted(four) and four[0] > 0

@@ -345,3 +345,32 @@ def test_cp_train_hf_model_tp_size_parity(tmp_path):
                      ).save_pretrained(tmp_path / "dsv3")
     with pytest.raises(SystemExit, match=r"styles cp_handler does not apply: .*mla_kv_a_proj"):
         parse(["--nproc", "4", "--tp-size", "2", "--hf-config", str(tmp_path / "dsv3"), "--steps", "1"])
+
+
+def _saved_worker(rank, world):
+    """What one TP rank saves for the backward is what the layer of its share (``bench.memory.tp_local_shape``)
+    saves alone plus one more copy of the MLP's input (each of PyTorch's column-wise gate and up projections keeps
+    its own): the TP projection of ``cp-bench --modes memory`` measures that layer and adds the copy; with
+    recomputation the same bytes."""
+    from cp_handler.bench import memory
+
+    built = ParallelLayout(world, tensor_model_parallel_size=world).build("cpu")
+    shape = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 128, "vocab_size": 256}
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        split = GPTModel(GPTConfig(**shape))
+        apply_tensor_parallel(split, built.meshes["attention"]["tp"])
+        share = GPTModel(GPTConfig(**memory.tp_local_shape(shape, world)))
+        for model in (split, share):
+            if recompute:
+                model.gradient_checkpointing_enable()
+        got, want = memory.saved_bytes(split, ids, chunk=8), memory.saved_bytes(share, ids, chunk=8)
+        copy = 0 if recompute else shape["hidden_size"] * 4  # float32 here
+        assert got == {**want, "layer_bytes_per_token": want["layer_bytes_per_token"] + copy,
+                       "mlp_bytes_per_token": want["mlp_bytes_per_token"] + copy}, (recompute, got, want)
+
+
+def test_a_tp_rank_saves_what_the_layer_of_its_share_saves():
+    run_distributed(_saved_worker, 2)

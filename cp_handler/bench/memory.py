@@ -48,8 +48,18 @@ LOCAL_MODEL = {"hidden_size": 512, "num_layers": 4, "num_attention_heads": 8, "n
 """The model of the measured runs on this machine (byte vocabulary)."""
 
 
+LLAMA3_70B = {"hidden_size": 8192, "num_layers": 80, "num_attention_heads": 64, "num_query_groups": 8,
+              "ffn_hidden_size": 28672, "vocab_size": 128256}
+"""The Llama-3-70B shape (70.55B parameters)."""
+TP_LAYOUTS = {"one node of 8 GPUs": ((8, 1), (4, 2), (2, 4), (1, 8)),
+              "4 nodes of 8 GPUs": ((8, 4), (4, 8), (2, 16), (1, 32))}
+"""The ``(tp, cp)`` layouts the TP projection compares (TP inside a node, as Megatron-LM places it)."""
+
+
 def _storage(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage while it lives (its ``StorageImpl``; fake tensors have no data pointer)."""
+    """The identity of ``t``'s storage while it lives (its ``StorageImpl``; fake tensors have no data pointer; a
+    DTensor's: its local shard's)."""
+    t = t.to_local() if hasattr(t, "to_local") else t
     return t.untyped_storage()._cdata
 
 
@@ -134,6 +144,62 @@ def measure_layer(tokens: int, shape: dict = LLAMA3_8B, chunk: int = 16, fake: b
             with mode or contextlib.nullcontext():
                 rows.append({"recompute": recompute, "loss_chunk_tokens": tokens_per_chunk,
                              "mlp_chunk_tokens": mlp_chunk, **saved_bytes(model, ids, chunk=tokens_per_chunk)})
+    return rows
+
+
+def tp_local_shape(shape: dict, tp: int) -> dict:
+    """The layer one TP rank computes (``cp_handler.training.tensor_parallel``'s plan): ``H / tp`` query heads, ``Hkv /
+    tp`` key-value heads (one, replicated, below), ``FFN / tp``; the hidden width, vocabulary and head dim whole."""
+    heads = shape["num_attention_heads"]
+    return {**shape, "num_attention_heads": heads // tp, "num_query_groups": max(1, shape["num_query_groups"] // tp),
+            "ffn_hidden_size": shape["ffn_hidden_size"] // tp, "kv_channels": shape["hidden_size"] // heads}
+
+
+def measure_tp_layer(tokens: int, shape: dict = LLAMA3_70B, tps=(1, 2, 4, 8), chunk: int = 16) -> list[dict]:
+    """Saved bytes per TP rank of one layer of ``shape`` (bfloat16, fake tensors, chunked loss), recomputation off /
+    on, at each ``tp``: the layer one TP rank computes (:func:`tp_local_shape`; tests/test_bench.py checks it saves
+    what a rank of a split model saves)."""
+    mode = FakeTensorMode()
+    with mode:
+        ids = torch.randint(0, shape["vocab_size"], (1, tokens))
+    rows = []
+    for tp in tps:
+        for recompute in (False, True):
+            model = one_layer(tp_local_shape(shape, tp), recompute, None, mode)
+            with mode:
+                rows.append({"tp": tp, "recompute": recompute, **saved_bytes(model, ids, chunk=chunk)})
+    return rows
+
+
+def project_tp(measured: list[dict], shape: dict = LLAMA3_70B, layouts: dict = TP_LAYOUTS) -> list[dict]:
+    """The longest sequence a TP x CP layout holds on 80 GB GPUs (:data:`PROJECTION`'s assumptions; recomputation
+    and the chunked loss on; FSDP2 over the cp ranks of each TP position), from :func:`measure_tp_layer`'s bytes.
+
+    Per rank: the split weights' state over ``tp x cp``, the replicated ones' (embedding, output head, norms) over
+    ``cp``; one layer's bf16 weights gathered; per token, what every checkpointed layer keeps (its input: the hidden
+    width whole on every TP rank, there is no sequence parallelism) plus one recomputed layer's saved bytes at the
+    rank's share of the heads (and the second copy of the MLP's input PyTorch's column-wise projections keep:
+    tests/test_tensor_parallel.py measures a split layer against its share), plus the embedding, head and loss.
+    Tokens per rank = free bytes / bytes per token; sequence = tokens per rank x cp (the TP ranks hold the same
+    tokens)."""
+    by = {(r["tp"], r["recompute"]): r for r in measured}
+    layers, h, vocab = shape["num_layers"], shape["hidden_size"], shape["vocab_size"]
+    replicated = 2 * vocab * h + h + 2 * h * layers  # embedding, head, final norm, the layers' two norms
+    split = parameters(shape) - replicated
+    rows = []
+    for where, pairs in layouts.items():
+        for tp, cp in pairs:
+            full, kept = by[tp, False], by[tp, True]
+            layer, outside = full["layer_bytes_per_token"], full["other_bytes_per_token"]
+            layer += 2 * h if tp > 1 else 0  # the split MLP keeps a second bf16 copy of its input (the test's)
+            per_token = layers * (kept["other_bytes_per_token"] - outside) + layer + outside
+            state = PROJECTION["bytes_per_parameter"] * (split / tp + replicated) / cp
+            gathered = 2 * 2 * split / layers / tp  # one layer's bf16 weights, and the next one prefetched
+            loss = PROJECTION["chunk_tokens"] * vocab * (2 + 4 + 4)
+            free = PROJECTION["usable"] * PROJECTION["gpu_bytes"] - state - gathered - loss
+            tokens = int(free / per_token) if free > 0 else 0
+            rows.append({"where": where, "tp": tp, "cp": cp, "state_gb": state / 1e9, "gpu_bytes_per_token": per_token,
+                         "tokens_per_rank": tokens, "sequence": tokens * cp})
     return rows
 
 
@@ -224,6 +290,8 @@ def run(args) -> dict:
             measured = measure_layer(args.mem_layer_tokens)
         else:
             local.append(local_run(args, *case))
+    tp_measured = measure_tp_layer(args.mem_layer_tokens)
     return {"llama_shape": LLAMA3_8B, "layer_tokens": args.mem_layer_tokens, "layer_tensors": "fake",
             "measured": measured, "local_model": args.mem_local_model, "local": add_state_vs_ideal(local),
-            "assumptions": PROJECTION, "projection": project(measured)}
+            "assumptions": PROJECTION, "projection": project(measured),
+            "tp_shape": LLAMA3_70B, "tp_measured": tp_measured, "tp_projection": project_tp(tp_measured)}
