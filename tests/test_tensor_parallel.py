@@ -182,11 +182,13 @@ def test_collectives_per_layer_follow_the_formula(comm_type):
     run_distributed(_count_worker, 4, comm_type)
 
 
-@pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1"]], ids=["allreduce", "fsdp2-mqa"])
+@pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1", "--cp-comm-type", "auto"]],
+                         ids=["allreduce", "fsdp2-mqa-auto"])
 def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
-    degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP): every
-    step against one process from the same parameters (parity's float32 tolerance 1e-5)."""
+    degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP and
+    ``auto`` choosing the pattern on the local heads): every step against one process from the same parameters
+    (parity's float32 tolerance 1e-5)."""
     import json
     import subprocess
     import sys
