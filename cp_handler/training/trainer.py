@@ -109,7 +109,9 @@ class Trainer:
             self.trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
             self.grad_scale, self.grad_norm = float(world), None
         extra = f", {config.moe_experts} experts over ep {config.expert_parallel_size}" if self.experts else ""
-        extra += f", FSDP2 over the {world // tp} dp x cp ranks of each TP position" if config.fsdp else ""
+        if config.fsdp:
+            extra += f", FSDP2 over the {world // tp} dp x cp ranks of each TP position" if tp > 1 else \
+                f", FSDP2 over all {world} ranks"
         extra += ", every layer recomputed in the backward" if config.recompute else ""
         sizes = f"{f'tp {tp} x ' if tp > 1 else ''}dp {groups.dp_size} x cp {groups.cp_size}"
         say(f"world {world} = {sizes}, backend {config.cp.backend}, cp_comm_type "
