@@ -376,3 +376,19 @@ def _saved_worker(rank, world):
 
 def test_a_tp_rank_saves_what_the_layer_of_its_share_saves():
     run_distributed(_saved_worker, 2)
+
+
+def test_a_train_config_with_tp_refuses_what_it_does_not_implement():
+    """The library route (a TrainConfig built without cp-train) refuses the same combinations by field name, in
+    Trainer.build before any collective."""
+    from dataclasses import replace
+
+    from cp_handler.training import TrainConfig
+    from cp_handler.training.tensor_parallel import check_train_config
+
+    cp = ContextParallelConfig(context_parallel_size=2)
+    config = TrainConfig(world_size=4, cp=cp, eval_cp=cp, attn_shape=SHAPE, model=CONFIG, tensor_parallel_size=2)
+    check_train_config(config)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with recompute=True: not implemented"):
+        check_train_config(replace(config, recompute=True))
+    check_train_config(replace(config, tensor_parallel_size=1, recompute=True))

@@ -18,7 +18,7 @@ from ..runtime.launch import is_first_rank, rank_env, under_torchrun
 from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
 from ..training import DynamicCP, TrainConfig
 from ..training.eval_cp import check_eval_layout, eval_config
-from ..training.tensor_parallel import check_tensor_parallel, local_attention_shape
+from ..training.tensor_parallel import TP_REFUSED, check_tensor_parallel, local_attention_shape
 from .checkpoint_args import add_checkpoint_flags, check_checkpoint_flags, check_checkpoints, check_resume_folder
 from .common import check_numbers, check_writable, world_size_from
 from .data_args import check_data
@@ -274,17 +274,6 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     return check_checkpoints(args, config)
 
 
-TP_REFUSED = {
-    "dynamic_cp": ("--dynamic-cp", "dynamic CP regroups every rank per step"),
-    "compile": ("--compile", "compiled layers with DTensor weights are not tested"),
-    "recompute": ("--recompute", "recomputed layers with DTensor weights are not tested"),
-    "offload_activations": ("--offload-activations", "offloaded activations with DTensor weights are not tested"),
-    "mlp_chunk_tokens": ("--mlp-chunk-tokens", "tiled MLPs with split weights are not tested"),
-    "export_hf": ("--export-hf", "save_pretrained of split weights is not built"),
-}
-"""What ``--tp-size`` above 1 does not combine with yet: ``{argument: (flag, why)}``."""
-
-
 def check_tp_flags(args: argparse.Namespace, world: int) -> int:
     """``--tp-size``: it divides the world, and what it does not combine with is refused by name. Raises
     ValueError."""
@@ -293,9 +282,11 @@ def check_tp_flags(args: argparse.Namespace, world: int) -> int:
         return tp
     if world % tp:
         raise ValueError(f"--tp-size {tp} does not divide the {world} ranks: world = tp x cp x dp")
-    for name, (flag, why) in TP_REFUSED.items():
+    for field, why in TP_REFUSED.items():  # the training run's rules, said with the flags
+        name = "dynamic_cp" if field == "dynamic" else field
         if getattr(args, name, None):
-            raise ValueError(f"--tp-size {tp} with {flag}: not implemented ({why}); drop one of them")
+            raise ValueError(f"--tp-size {tp} with --{name.replace('_', '-')}: not implemented ({why}); drop one of "
+                             "them")
     if args.backend not in ("auto", "local"):
         raise ValueError(f"--tp-size {tp} with --backend {args.backend}: tensor parallelism is tested with the "
                          "local backend only")

@@ -70,6 +70,31 @@ def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
                          "not built (tp 1)")
 
 
+TP_REFUSED = {
+    "dynamic": "dynamic CP regroups every rank per step",
+    "compile": "compiled layers with DTensor weights are not tested",
+    "recompute": "recomputed layers with DTensor weights are not tested",
+    "offload_activations": "offloaded activations with DTensor weights are not tested",
+    "mlp_chunk_tokens": "tiled MLPs with split weights are not tested",
+    "export_hf": "save_pretrained of split weights is not built",
+}
+"""What a training run with ``tensor_parallel_size`` above 1 does not combine with yet: ``{TrainConfig field: why}``
+(:func:`check_train_config`; ``cp-train`` says the flags)."""
+
+
+def check_train_config(config) -> None:
+    """A :class:`~.config.TrainConfig` with ``tensor_parallel_size`` above 1 sets none of :data:`TP_REFUSED`.
+
+    Raises:
+        ValueError: naming the field and why.
+    """
+    tp = config.tensor_parallel_size
+    for field, why in TP_REFUSED.items():
+        if tp > 1 and getattr(config, field):
+            raise ValueError(f"TrainConfig.tensor_parallel_size={tp} with {field}={getattr(config, field)!r}: not "
+                             f"implemented ({why})")
+
+
 def local_attention_shape(shape: AttentionShape, tp: int) -> AttentionShape:
     """The attention shape one TP rank's attention runs: ``H / tp`` query heads, ``Hkv / tp`` key-value heads (one,
     replicated, when ``Hkv < tp``)."""

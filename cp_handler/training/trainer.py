@@ -72,6 +72,7 @@ class Trainer:
         """Layout and groups, the model and its wrapping, the micro-batches, the evaluators, the parity reference,
         the optimizer and learning-rate schedule, and the resumed checkpoint (every rank; collectives)."""
         config, device = self.config, self.device
+        tensor_parallel.check_train_config(config)  # before any collective
         self.model = build_model(config, device)
         self._build_dynamic() if config.dynamic else self._build_static()
         self.reference = step_reference(config, device, self.reference_batch, self.experts is not None) \
