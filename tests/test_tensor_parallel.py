@@ -251,7 +251,7 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_another_tp(tmp_path):
         assert resumed == pytest.approx(whole[2:], rel=1e-6), (layout, resumed, whole)
 
 
-def _hf_worker(rank, world, model_type, comm_type):
+def _hf_worker(rank, world, model_type, comm_type, extra=None):
     """A Hugging Face model split by transformers' own plan (``base_model_tp_plan``) at tp 2 x cp 2, its logits, loss
     and every gradient against the unmodified model on the whole sequence in one process (tests/hf_zoo.py's bounds:
     logits 1e-5, loss rtol 1e-6, gradients atol 1e-6 + rtol 1e-4)."""
@@ -264,8 +264,9 @@ def _hf_worker(rank, world, model_type, comm_type):
     built = ParallelLayout(world, tensor_model_parallel_size=2, context_parallel_size=2).build("cpu")
     groups = data_context_parallel_groups(built)
     tokens = torch.randint(0, hf_zoo.VOCAB, (1, 32), generator=torch.Generator().manual_seed(5))
-    want = hf_zoo.reference(hf_zoo.build(model_type), tokens)
-    model = hf_zoo.build(model_type)
+    config = hf_zoo.tiny_config(model_type, extra)
+    want = hf_zoo.reference(hf_zoo.build(config), tokens)
+    model = hf_zoo.build(config)
     register(model)
     summed = apply_hf_tensor_parallel(model, built.meshes["attention"]["tp"])
     handler = get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group, cp_comm_type=comm_type)
@@ -285,9 +286,12 @@ def _hf_worker(rank, world, model_type, comm_type):
     assert problem is None, f"{model_type} tp 2 x cp 2 {comm_type} rank {rank}: {problem}"
 
 
-@pytest.mark.parametrize("model_type,comm_type", [("llama", "p2p"), ("qwen3", "a2a")])
-def test_hf_model_by_transformers_plan_tp2_cp2_equals_one_process(model_type, comm_type):
-    run_distributed(_hf_worker, 4, model_type, comm_type)
+@pytest.mark.parametrize("model_type,comm_type,extra", [("llama", "p2p", None), ("qwen3", "a2a", None),
+                                                         ("gemma2", "p2p", {"sliding_window": 8})])
+def test_hf_model_by_transformers_plan_tp2_cp2_equals_one_process(model_type, comm_type, extra):
+    """Llama (GQA), Qwen3 (per-head q / k norms summed over TP), Gemma 2 (a sliding window of 8 on every other
+    layer, soft-capped scores) on the TP rank's heads."""
+    run_distributed(_hf_worker, 4, model_type, comm_type, extra)
 
 
 def test_hf_plans_cp_handler_does_not_apply_are_refused():
