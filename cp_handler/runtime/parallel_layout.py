@@ -35,7 +35,7 @@ import torch.distributed as dist
 from einops import rearrange
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..ops.patterns import PATTERNS
+from ..core.comm_types import HIERARCHICAL_COMM_TYPES
 from .config import AUTO, check_hierarchical_sizes
 
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "tp_cp", "dp_cp", "ep", "edp")
@@ -216,7 +216,7 @@ def default_hierarchical_sizes(cp_comm_type: str | list[str], layout: ParallelLa
         ValueError: a hierarchical comm type whose CP groups do not split evenly over the nodes (named).
     """
     types = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-    if any(t != AUTO and PATTERNS[t].hierarchical for t in types if t in PATTERNS):
+    if any(t in HIERARCHICAL_COMM_TYPES for t in types):
         return list(layout.node_levels(ranks_per_node))
     if AUTO in types and layout.context_parallel_size > ranks_per_node:
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 
 def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -16,6 +15,16 @@ def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None)
     return count
 
 
+def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Sum ``tensors`` over ``group`` (default: all ranks) in place, in one flat all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
     """Sum the gradients of ``params`` over ``group`` (default: all ranks) in one flat all-reduce;
     a missing gradient counts as zero."""
@@ -24,6 +33,4 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup 
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    flat = parameters_to_vector([p.grad for p in params])
-    dist.all_reduce(flat, group=group)
-    vector_to_parameters(flat, [p.grad for p in params])
+    all_reduce_flat([p.grad for p in params], group)

@@ -41,6 +41,7 @@ from torch import nn
 
 from ..models.gpt import GPTConfig
 from ..runtime.config import AttentionShape
+from ..runtime.reductions import all_reduce_flat
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
@@ -181,16 +182,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _sum_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Sum ``tensors`` over ``group`` in place, in one flat all-reduce."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-
-
 def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | None, tp_group=None,
                            tp_summed: list[str] = ()) -> None:
     """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce (``None``: FSDP2 reduced them
@@ -202,9 +193,9 @@ def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | No
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if tp_summed:
-        _sum_flat([_local(named[name].grad) for name in tp_summed], tp_group)
+        all_reduce_flat([_local(named[name].grad) for name in tp_summed], tp_group)
     if group is not None:
-        _sum_flat([_local(p.grad) for p in named.values()], group)
+        all_reduce_flat([_local(p.grad) for p in named.values()], group)
 
 
 def grad_norm(model: torch.nn.Module) -> float:
