@@ -241,22 +241,33 @@ def _attend_once(h, module, local, attn_mask_type: str, first: bool):
         del h.attend
 
 
+_REFERENCES: dict = {}
+"""One rank's inputs and float64 references per (variant, dtype, document lengths, group size, call): every comm type
+and every format with the same documents (bshd and sbhd) compares with the same reference, computed once. The
+handler never holds these tensors (:func:`_dispatch_together` hands it a copy), so none can alter them."""
+
+
 def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
     """``core_attn``'s output and the gradients of q, k, v (and the sinks) against the float64 reference, for two
-    calls on the same handler with different inputs."""
+    calls on the same handler with different inputs (the inputs and references of a case computed once per rank:
+    :data:`_REFERENCES`)."""
     failures, tokens = [], None
     (heads, kv_heads), (d, dv) = variant.heads, variant.head_dims
     total = sum(case.lengths)
     inputs = []  # both calls' inputs and references first: the shared reference's collective before any handler call
     for call in (1, 2):
-        torch.manual_seed(3 + call)
-        q = torch.randn(total, heads, d, dtype=torch.float64) * variant.q_scale
-        k = torch.randn(total, kv_heads, d, dtype=torch.float64)
-        v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
-        dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
-        rounded = [t.to(case.dtype).double() for t in (q, k, v)]
-        sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
-        inputs.append((rounded, dout, sinks, _shared_reference(rounded, dout, sinks, variant, case.lengths, group)))
+        key = (variant, case.dtype, tuple(case.lengths), dist.get_world_size(group), call)
+        if key not in _REFERENCES:
+            torch.manual_seed(3 + call)
+            q = torch.randn(total, heads, d, dtype=torch.float64) * variant.q_scale
+            k = torch.randn(total, kv_heads, d, dtype=torch.float64)
+            v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
+            dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
+            rounded = [t.to(case.dtype).double() for t in (q, k, v)]
+            sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
+            _REFERENCES[key] = (rounded, dout, sinks,
+                                _shared_reference(rounded, dout, sinks, variant, case.lengths, group))
+        inputs.append(_REFERENCES[key])
     for call, (rounded, dout, sinks, (want, ref_grads, ref_dsinks)) in enumerate(inputs, start=1):
         local = [t.requires_grad_() for t in _dispatch_together(h, case, [*rounded, dout])]
         local_dout = local.pop().detach()
