@@ -3,10 +3,10 @@ is probed, and where hooks go.
 
 * The handler travels in the forward's keyword arguments (``cp_handler``) to the attention function, given as a
   keyword or by ``cp_attention(handler)``; a model whose decoder layers drop them (StableLM) gets it from its mask.
-* The mask classification is cached under the key of everything the mask function reads (hf_mask.reads_key): a
-  second forward with the same layout is not probed; two batches with the same layout whose masks read other
-  contents are classified apart (the negative case), and a function holding what no key captures is probed
-  every time.
+* Each mask is classified once per forward and never from another forward's answer: two batches with the same
+  layout whose masks read other contents are classified apart (the negative case), a global or an object's state
+  changed between calls is read as it is now; past 4,096 positions the probe stays within its bound and still
+  finds per-token data anywhere in the sequence.
 * Hooks: none on a Llama's decoder layers (the model's, the rotary module's, a recompute pair around the rotary
   module); a hybrid's routed mixers one pair each.
 """
@@ -40,7 +40,7 @@ def _handler():
 
 @pytest.fixture
 def probes(monkeypatch):
-    """How many times hf_mask.classify ran (a fresh cache)."""
+    """How many times hf_mask.classify ran."""
     count = [0]
     classify = hf_mask.classify
 
@@ -49,7 +49,6 @@ def probes(monkeypatch):
         return classify(mask_function, n)
 
     monkeypatch.setattr(hf_mask, "classify", counted)
-    monkeypatch.setattr(hf_mask, "_cache", type(hf_mask._cache)())
     return count
 
 
@@ -90,7 +89,7 @@ def test_attention_takes_the_handler_from_its_call(monkeypatch, name, source):
     assert seen == [source] * (2 * model.config.num_hidden_layers)
 
 
-def test_a_second_forward_with_the_same_layout_is_not_probed(probes):
+def test_each_forward_probes_its_mask_once(probes):
     model = build("llama", "sdpa")
     register(model)
     probes[0] = 0
@@ -99,7 +98,7 @@ def test_a_second_forward_with_the_same_layout_is_not_probed(probes):
             ids = torch.randint(0, 256, (1, tokens))
             handler = _handler()
             model(ids, **cp_model_inputs(handler, ids), cp_handler=handler)
-    assert probes[0] == 2  # 64 and 96 once each
+    assert probes[0] == 4  # one causal mask per forward, classified once (memoised on the mask for every layer)
 
 
 def _layer_mask(config, tokens: int, **mask_functions):
@@ -111,8 +110,8 @@ def _layer_mask(config, tokens: int, **mask_functions):
 
 def test_the_same_layout_with_other_contents_is_classified_per_batch(probes):
     """The negative case: mask functions that read per-batch data (here a 1-D tensor of the keys a batch
-    allows, and Llama 4's chunks after a left-padding tensor) built for batches of the same layout; the
-    cache must not answer for one batch what it found for another."""
+    allows, and Llama 4's chunks after a left-padding tensor) built for batches of the same layout: each is
+    classified on its own content."""
     from transformers import LlamaConfig
     from transformers.masking_utils import chunked_causal_mask_function
 
@@ -133,46 +132,39 @@ def test_the_same_layout_with_other_contents_is_classified_per_batch(probes):
     with pytest.raises(ValueError, match=r"layer 0 asks for a mask cp_handler cannot express \(it masks query 5 -> "
                                          r"key 5"):
         hf_attention._mask_type(module, blocked, None, handler, 32)
-    assert keys_allowed(everything.clone()).spec(32).kind == "causal"  # the same content: the cached answer
-    assert probes[0] == 2
+    assert keys_allowed(everything.clone()).spec(32).kind == "causal"
+    assert probes[0] == 3
     chunks = [hf_mask.CPMask(chunked_causal_mask_function(8, torch.tensor([pad])), 0, 0, None).spec(32)
               for pad in (0, 3, 0)]
     assert chunks == [hf_mask.MaskSpec("chunked", 8), chunks[1], hf_mask.MaskSpec("chunked", 8)]
-    assert chunks[1].kind == "unknown" and probes[0] == 4
+    assert chunks[1].kind == "unknown" and probes[0] == 6
 
 
-def test_reads_key_captures_everything_the_function_reads(probes):
-    """Globals, closure values and tensor contents are in the key; what no key captures makes it ``None``
-    (probed every time)."""
+def test_what_a_mask_reads_is_read_as_it_is_now(probes):
+    """Nothing is cached across calls: a global, an object's state and a module's attributes changed between calls
+    are what the next classification sees."""
     global WINDOW
-    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_causal_mask_function
+    from transformers.masking_utils import and_masks, causal_mask_function
 
-    key = hf_mask.reads_key
-    assert key(sliding_window_causal_mask_function(4)) == key(sliding_window_causal_mask_function(4))
-    assert key(sliding_window_causal_mask_function(4)) != key(sliding_window_causal_mask_function(8))
-    first = key(_global_window_mask)
-    assert hf_mask.classified(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 4)
+    assert hf_mask.classify(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 4)
     WINDOW = 6
     try:
-        assert key(_global_window_mask) != first
-        assert hf_mask.classified(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 6)
+        assert hf_mask.classify(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 6)
     finally:
         WINDOW = 4
-    assert hf_mask.classified(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 4) and probes[0] == 2
+    assert hf_mask.classify(_global_window_mask, 32) == hf_mask.MaskSpec("sliding", 4)
 
-    class Window:  # an object: its state is not in any key
+    class Window:
         size = 4
 
         def __call__(self, b, h, q, kv):
             return (kv <= q) & (kv > q - self.size)
 
-    window = Window()
-    assert key(window) is None and key(lambda b, h, q, kv: window(b, h, q, kv)) is None
-    specs = []
+    window, specs = Window(), []
     for size in (4, 4, 5):
         window.size = size
-        specs.append(hf_mask.classified(window, 32))
-    assert [s.size for s in specs] == [4, 4, 5] and probes[0] == 5  # every call probed
+        specs.append(hf_mask.classify(window, 32))
+    assert [s.size for s in specs] == [4, 4, 5]
     settings = types.ModuleType("settings")  # a module two composed functions read other attributes of
     settings.UNUSED, settings.LIMIT = 0, 3
 
@@ -183,10 +175,46 @@ def test_reads_key_captures_everything_the_function_reads(probes):
         return q - kv < settings.LIMIT
 
     both = and_masks(causal_mask_function, first, second)
-    assert hf_mask.classified(both, 32) == hf_mask.MaskSpec("sliding", 3)
+    assert hf_mask.classify(both, 32) == hf_mask.MaskSpec("sliding", 3)
     settings.LIMIT = 5
-    assert hf_mask.classified(both, 32) == hf_mask.MaskSpec("sliding", 5)
-    large = torch.zeros(hf_mask.KEY_TENSOR_ELEMENTS + 1, dtype=torch.bool)
-    assert key(lambda b, h, q, kv: (kv <= q) | large[kv]) is None
-    shift = torch.tensor([0])
-    assert key(shift.add) != key(torch.tensor([1]).add) and key(shift.add) == key(torch.tensor([0]).add)
+    assert hf_mask.classify(both, 32) == hf_mask.MaskSpec("sliding", 5)
+
+
+def test_a_long_mask_is_probed_within_its_bound_and_per_token_data_is_found_anywhere():
+    """Past :data:`hf_mask.DENSE_QUERIES` positions: transformers' masks classified exactly, the evaluations within
+    the module doc's bound (3 n + 400k for a function of positions alone, 14 n + 400k for one holding a tensor,
+    counted here with a margin), and a 1-D tensor of per-token data that masks one key, or starts a document off
+    the chunk grid, far from every sampled query, is found (the negative cases; documents on the grid are chunks)."""
+    from transformers.masking_utils import (
+        and_masks,
+        bidirectional_mask_function,
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    n, evaluated = 10_000, [0]
+
+    def counted(mask_function):
+        def inner(b, h, q, kv):
+            evaluated[0] += q.numel()
+            return mask_function(b, h, q, kv)
+        return inner
+
+    for function, want, bound in (
+            (causal_mask_function, hf_mask.MaskSpec("causal"), 3 * n + 450_000),
+            (bidirectional_mask_function, hf_mask.MaskSpec("bidirectional"), 3 * n + 450_000),
+            (sliding_window_causal_mask_function(4096), hf_mask.MaskSpec("sliding", 4096), 3 * n + 450_000),
+            (chunked_causal_mask_function(3000, torch.tensor([0])), hf_mask.MaskSpec("chunked", 3000),
+             14 * n + 450_000)):
+        evaluated[0] = 0
+        assert hf_mask.classify(counted(function), n) == want
+        assert evaluated[0] <= bound, (want, evaluated[0])
+    allowed = torch.ones(n, dtype=torch.bool)
+    allowed[7001] = False
+    spec = hf_mask.classify(lambda b, h, q, kv: (kv <= q) & allowed[kv], n)
+    assert spec.kind == "unknown" and "query 7001 -> key 7001" in spec.reason, spec
+    for third, want in ((6000, "chunked"), (7001, "unknown")):  # documents from 0, 3000, `third` and 9000
+        document = sum((torch.arange(n) >= start).long() for start in (3000, third, 9000))
+        spec = hf_mask.classify(and_masks(causal_mask_function, lambda b, h, q, kv, d=document: d[q] == d[kv]), n)
+        assert spec.kind == want, (third, spec)

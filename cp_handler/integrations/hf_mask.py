@@ -23,27 +23,23 @@ derived from position ids; padding; an offset from a KV cache; a pattern none of
 transformers release is refused, not dropped: the check reads what the mask *is*, not which config
 field made it.
 
-The probe: every query position ``P < n`` against keys ``P - d`` for ``d`` in a fixed set (-2..64,
-powers of two +-1 up to ``n``), plus whole rows at the last and a few other positions; each candidate
-then has to match at every probed pair. Cost about ``80 n`` mask evaluations (``n`` = 1024 to 2048).
+The probe: the last query's whole row gives the window (the keys it sees up to its diagonal) and each query's step
+back the first chunk boundary; then one evaluation of the pairs every candidate must match: up to
+:data:`DENSE_QUERIES` queries (all of them below that length; past it the first and last 1,024 and 2,048 evenly
+spaced) at distances -2..64, powers of two +-1 up to ``n``, and each candidate's size -1, +0, +1, and whole rows at
+three positions. A mask function that holds a tensor (data it may index per token) has every query probed at the
+band distances (-2..2 and the candidates' sizes +-1): a block of per-token data shows as a key masked at distance 0
+or a boundary at distance 1 wherever it is. About ``80 n`` mask evaluations up to 4,096 positions; past it about
+``3 n + 400k`` (a function of positions alone) or ``14 n + 400k`` (one holding a tensor); the time per
+forward is in docs/huggingface.md.
 
-The model builds a new mask function every forward, so the classification is cached (:func:`classified`)
-under a key of *everything the function can read* (:func:`reads_key`): its code, defaults and closure
-values, recursively through the functions it composes, the globals and builtins its code names (and
-those names' attributes of modules and classes it reads), and the content of every tensor it holds. A
-second forward with the same layout and the same mask is not probed again (0 evaluations); a mask that
-reads per-batch data (image-token blocks, documents from position ids, a left-padding tensor) gets its
-batch's content in the key, so two batches with the same layout but other contents are classified
-apart. A function holding anything else (an object of another type, a large tensor) has no key and is
-probed every time: a wrong cache hit is impossible by construction, not by a list of known cases.
+Each mask is classified once per forward (memoised on its :class:`CPMask`), and never from another forward's
+answer: nothing is cached across forwards, so no key has to prove two mask functions equal (a mask reading per-batch
+data, a global changed between forwards, an object's state are all read as they are now).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import types
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +47,8 @@ import torch
 from .hf_active import active_handler
 
 _SMALL_DISTANCES = range(-2, 65)
+_BAND = range(-2, 3)
+"""Distances probed at every query, whatever the length (with each candidate's size - 1, size and size + 1)."""
 
 
 @dataclass(frozen=True)
@@ -114,9 +112,9 @@ class CPMask:
     __radd__ = __mul__ = __rmul__ = __and__ = __rand__ = __or__ = __ror__ = __sub__ = __rsub__ = __add__
 
     def spec(self, n: int) -> MaskSpec:
-        """The mask over global positions ``[0, n)`` (memoised per ``n``; probed through :func:`classified`)."""
+        """The mask over global positions ``[0, n)`` (memoised per ``n``: once per mask and forward)."""
         if n not in self._specs:
-            self._specs[n] = self._refusal() or classified(self.mask_function, n)
+            self._specs[n] = self._refusal() or classify(self.mask_function, n)
         return self._specs[n]
 
     def _refusal(self) -> MaskSpec | None:
@@ -200,136 +198,34 @@ def _distances(n: int) -> list[int]:
     return sorted(d for d in {*_SMALL_DISTANCES, *powers, n - 1} if -n < d < n)
 
 
-CACHE_SIZE = 256
-"""Classifications kept by :func:`classified` (least recently used dropped first)."""
-_cache: OrderedDict = OrderedDict()
+DENSE_QUERIES = 4096
+"""Up to this many positions every query is probed at every distance; past it, every query at the band distances
+and :data:`DENSE_QUERIES` of them (the first and last quarter of that many, the rest evenly spaced) at every
+distance (module doc)."""
 
 
-def classified(mask_function, n: int) -> MaskSpec:
-    """:func:`classify`, cached under ``(reads_key(mask_function), n)``; a function without a key is
-    classified every time."""
-    key = reads_key(mask_function)
-    if key is None:
-        return classify(mask_function, n)
-    key = (key, n)
-    if key in _cache:
-        _cache.move_to_end(key)
-        return _cache[key]
-    spec = _cache[key] = classify(mask_function, n)
-    if len(_cache) > CACHE_SIZE:
-        _cache.popitem(last=False)
-    return spec
+def _sampled_queries(n: int, device) -> torch.Tensor:
+    if n <= DENSE_QUERIES:
+        return torch.arange(n, device=device)
+    edge = DENSE_QUERIES // 4
+    spaced = torch.linspace(edge, n - edge - 1, DENSE_QUERIES - 2 * edge, device=device).long()
+    return torch.cat([torch.arange(edge, device=device), spaced, torch.arange(n - edge, n, device=device)]).unique()
 
 
-KEY_OBJECTS = 512
-"""Most objects :func:`reads_key` visits for one mask function (more: no key)."""
-KEY_TENSOR_ELEMENTS = 1 << 16
-"""Largest tensor :func:`reads_key` keys by content (larger: no key)."""
-_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-           torch.memory_format)
-_DESCRIPTORS = (types.MethodDescriptorType, types.WrapperDescriptorType, types.GetSetDescriptorType,
-                types.MemberDescriptorType, types.ClassMethodDescriptorType)
-
-
-class _Unkeyable(Exception):
-    """Something a mask function can read whose value no key captures."""
-
-
-def reads_key(mask_function) -> tuple | None:
-    """A hashable key equal for two mask functions only if they compute the same thing: the key of
-    everything the function can read (module doc), ``None`` when it can read something no key captures.
-
-    Keyed by value: ``None``, numbers, strings, bytes, dtypes and devices (exactly those types); tuples,
-    lists, sets and dicts of keyable items; tensors of type ``torch.Tensor`` up to
-    :data:`KEY_TENSOR_ELEMENTS` elements (dtype, shape, device and content, the latter by its BLAKE2b-256 digest:
-    a cached key holds 32 bytes per tensor, and two contents share a key only by a hash collision). Python functions,
-    ``functools.partial`` objects and bound methods through their parts: code (compared as CPython compares
-    code objects: bytecode, constants, names), defaults, attributes, closure cells, and every name the code
-    (and the code nested in it) loads, as a global, a builtin, or an attribute of a module or class reached
-    that way. Modules, classes, unbound C functions and method descriptors by identity (a module's or class's
-    attributes the code names, by value); a C method bound to an object (``tensor.sum``) by its name and that
-    object. Anything else (an instance of another class, a larger tensor, a tensor that cannot be read on
-    the CPU) makes the key ``None``.
-    """
-    try:
-        return _key(mask_function, frozenset(), {})
-    except Exception:  # noqa: BLE001 - _Unkeyable, or reading a value failed: no key, the function is probed
-        return None
-
-
-def _names(code: types.CodeType) -> frozenset:
-    """Every name ``code`` and the code objects nested in it load (globals, builtins, attributes)."""
-    nested = (_names(c) for c in code.co_consts if isinstance(c, types.CodeType))
-    return frozenset(code.co_names).union(*nested)
-
-
-def _loaded(names: frozenset, spaces: list[dict], visited: dict) -> tuple:
-    """``(name, key)`` of each of ``names`` found in ``spaces`` (the first that has it)."""
-    found = {n: next(space[n] for space in spaces if n in space) for n in sorted(names)
-             if any(n in space for space in spaces)}
-    return tuple((n, _key(v, names, visited)) for n, v in found.items())
-
-
-def _key(value, names: frozenset, visited: dict):
-    """The key of ``value``, read by code that loads ``names`` (module and class attributes); ``visited``: the
-    objects keyed so far (a second visit gives a reference to the first: cycles, shared objects)."""
-    if type(value) in _VALUES:
-        return (type(value), value)
-    namespace = isinstance(value, (types.ModuleType, type))
-    seen = (id(value), names) if namespace else id(value)  # a namespace again, with other names: its attributes
-    if seen in visited:
-        return ("seen", visited[seen])
-    if len(visited) >= KEY_OBJECTS:
-        raise _Unkeyable
-    visited[seen] = len(visited)
-    if type(value) in (tuple, list, set, frozenset):
-        items = [_key(v, names, visited) for v in value]
-        return (type(value), tuple(sorted(items, key=repr)) if type(value) in (set, frozenset) else tuple(items))
-    if type(value) is dict:
-        return (dict, tuple((_key(k, names, visited), _key(v, names, visited)) for k, v in value.items()))
-    if type(value) is torch.Tensor:
-        if value.numel() > KEY_TENSOR_ELEMENTS:
-            raise _Unkeyable
-        data = value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-        data = hashlib.blake2b(data, digest_size=32).digest()  # 32 bytes kept per tensor, not its content
-        return (torch.Tensor, value.dtype, tuple(value.shape), value.device, data)
-    if type(value) is types.FunctionType:
-        return _function_key(value, visited)
-    if type(value) is functools.partial:
-        return (functools.partial, _key(value.func, names, visited), _key(value.args, names, visited),
-                _key(value.keywords, names, visited))
-    if type(value) is types.MethodType:
-        return (types.MethodType, _key(value.__func__, names, visited), _key(value.__self__, names, visited))
-    if type(value) is types.BuiltinFunctionType:  # a C function, or a C method bound to an object (tensor.sum)
-        owner = value.__self__
-        if owner is None or isinstance(owner, (types.ModuleType, type)):
-            return (types.BuiltinFunctionType, value)
-        return (types.BuiltinFunctionType, value.__name__, _key(owner, names, visited))
-    if type(value) in _DESCRIPTORS:
-        return (type(value), value)
-    if namespace:  # by identity, with the attributes the code names (a class's: its own, its bases', its metaclass's)
-        classes = (*value.__mro__, *type(value).__mro__) if isinstance(value, type) else ()
-        spaces = [vars(value)] if not classes else [vars(k) for k in classes]
-        return (type(value), value, _loaded(names, spaces, visited))
-    raise _Unkeyable
-
-
-def _function_key(function: types.FunctionType, visited: dict) -> tuple:
-    """A Python function's key: its code, defaults, attributes, closure cells and the globals and builtins its
-    code loads (:func:`reads_key`)."""
-    code, names = function.__code__, _names(function.__code__)
-    closure = function.__closure__ or ()
-    cells = tuple(_key(c.cell_contents, names, visited) if _filled(c) else ("empty",) for c in closure)
-    space = function.__builtins__
-    spaces = [function.__globals__, vars(space) if isinstance(space, types.ModuleType) else space]
-    return (types.FunctionType, code, _key(function.__defaults__, names, visited),
-            _key(function.__kwdefaults__, names, visited), _key(vars(function), names, visited), cells,
-            _loaded(names, spaces, visited))
+def _grid(queries: torch.Tensor, distances: list[int], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, kv)``: each of ``queries`` against the key ``distances`` before it (distance-major), keys inside
+    ``[0, n)``."""
+    d = torch.tensor(distances, dtype=torch.long, device=queries.device).repeat_interleave(len(queries))
+    q = queries.repeat(len(distances))
+    kv = q - d
+    keep = (kv >= 0) & (kv < n)
+    return q[keep], kv[keep]
 
 
 def classify(mask_function, n: int) -> MaskSpec:
-    """Classify ``mask_function`` over global positions ``[0, n)`` (see the module doc). A function
-    that cannot be evaluated on position tensors is ``unknown``."""
+    """Classify ``mask_function`` over global positions ``[0, n)`` (see the module doc: the candidates from the
+    last query's row and each query's step back, then one evaluation of every probed pair). A function that cannot
+    be evaluated on position tensors is ``unknown``."""
     device = _device(mask_function)
     zero = torch.zeros((), dtype=torch.long, device=device)
     positions = torch.arange(n, device=device)
@@ -337,25 +233,35 @@ def classify(mask_function, n: int) -> MaskSpec:
     def f(q, kv):
         return torch.as_tensor(mask_function(zero, zero, q, kv), device=device).expand(q.shape).cpu()
 
-    pairs = [(positions[max(d, 0): n + min(d, 0)], d) for d in _distances(n)]
-    pairs = [(q, q - d) for q, d in pairs]
-    pairs += [(torch.full((n,), p, device=device), positions) for p in sorted({n - 1, n // 2, n // 3})]
     try:
-        probes = [(q.cpu(), kv.cpu(), f(q, kv)) for q, kv in pairs]
+        last_row = f(torch.full((n,), n - 1, device=device), positions)  # the last query against every key
+        step = f(positions[1:], positions[:-1])  # may each query see the position just before it?
     except Exception as err:  # noqa: BLE001 - any failure means the mask is not a function of positions alone
         return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
-    last_row = probes[-1][2]  # the query at n - 1 against every key (the rows are probed last, in order)
-    candidates = [MaskSpec("causal"), MaskSpec("bidirectional")]
+    candidates = [MaskSpec("causal"), MaskSpec("bidirectional")]  # the narrowest first: the first match returns
     window = int(last_row.flip(0).long().cumprod(0).sum())  # keys the last query sees up to its diagonal
     if 0 < window < n:
-        candidates.append(MaskSpec("sliding", window))
-    step = f(positions[1:], positions[:-1])  # may each query see the position just before it?
+        candidates.insert(0, MaskSpec("sliding", window))
     if not bool(step.all()):
-        candidates.append(MaskSpec("chunked", int(torch.nonzero(~step)[0]) + 1))
+        candidates.insert(0, MaskSpec("chunked", int(torch.nonzero(~step)[0]) + 1))
+    band = sorted(d for d in {*_BAND, *(s.size + e for s in candidates if s.size for e in (-1, 0, 1))} if -n < d < n)
+    far = [d for d in _distances(n) if d not in band]
+    sampled = _sampled_queries(n, device)
+    holds_data = next(_closure_tensors(mask_function), None) is not None  # per-token data: the band at every query
+    grids = [_grid(sampled, sorted(band + far), n)] if len(sampled) == n or not holds_data else \
+        [_grid(positions, band, n), _grid(sampled, far, n)]
+    rows = torch.tensor([n // 2, n // 3], device=device).repeat_interleave(n)  # whole rows (the last one above)
+    q, kv = torch.cat([*(g[0] for g in grids), rows]), torch.cat([*(g[1] for g in grids), positions.repeat(2)])
+    try:
+        got = f(q, kv)
+    except Exception as err:  # noqa: BLE001
+        return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
+    q, kv = torch.cat([q.cpu(), torch.full((n,), n - 1)]), torch.cat([kv.cpu(), torch.arange(n)])
+    got = torch.cat([got, last_row])
     for spec in candidates:
-        if all(torch.equal(got, expected(spec, q, kv)) for q, kv, got in probes):
+        if torch.equal(got, expected(spec, q, kv)):
             return spec
-    return MaskSpec("unknown", reason=_difference(probes))
+    return MaskSpec("unknown", reason=_difference(q, kv, got))
 
 
 def expected(spec: MaskSpec, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -370,11 +276,10 @@ def expected(spec: MaskSpec, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return causal
 
 
-def _difference(probes) -> str:
-    for q, kv, got in probes:
-        bad = torch.nonzero(got != expected(MaskSpec("causal"), q, kv))
-        if len(bad):
-            i = int(bad[0])
-            return (f"it {'allows' if bool(got[i]) else 'masks'} query {int(q[i])} -> key {int(kv[i])}, which fits "
-                    "no causal, sliding-window, chunked or bidirectional mask")
-    return "it fits none of the masks"
+def _difference(q: torch.Tensor, kv: torch.Tensor, got: torch.Tensor) -> str:
+    bad = torch.nonzero(got != expected(MaskSpec("causal"), q, kv))
+    if not len(bad):
+        return "it fits none of the masks"
+    i = int(bad[0])
+    return (f"it {'allows' if bool(got[i]) else 'masks'} query {int(q[i])} -> key {int(kv[i])}, which fits no "
+            "causal, sliding-window, chunked or bidirectional mask")
