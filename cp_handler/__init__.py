@@ -26,7 +26,7 @@ from .handlers import (
     registered_backends,
 )
 from .integrations.transformers import cp_model_inputs, register
-from .models.loss import masked_token_loss_sum, next_token_batch, token_loss_sum
+from .models.loss import LogitsAt, TokenLoss, masked_token_loss_sum, next_token_batch, token_loss_sum
 from .runtime.config import CP_COMM_TYPES, QKV_FORMATS, AttentionShape, ContextParallelConfig, check_seq_len
 from .runtime.groups import DataContextParallelGroups, build_dp_cp_groups, destroy_process_groups
 from .runtime.moe import ExpertParallelHandler
@@ -62,6 +62,8 @@ __all__ = [
     "next_token_batch",
     "masked_token_loss_sum",
     "token_loss_sum",
+    "TokenLoss",
+    "LogitsAt",
     "global_token_count",
     "all_reduce_grads",
     # Hugging Face models

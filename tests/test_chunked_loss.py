@@ -16,7 +16,7 @@ import torch
 from test_cli import SMALL, cp_train
 
 from cp_handler.models import GPTConfig, GPTModel
-from cp_handler.models.loss import loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
+from cp_handler.models.loss import LogitsAt, TokenLoss, loss_chunk_tokens, masked_token_loss_sum, token_loss_sum
 
 
 def _inputs(rows=2, length=23, hidden=8, vocab=40, dtype=torch.float64):
@@ -67,9 +67,9 @@ def test_automatic_chunks_engage_where_the_logits_dominate():
 
 def _compare(model, ids, chunk):
     labels, mask = ids.roll(-1, 1), torch.ones(ids.shape)
-    whole = model(ids, labels=labels, loss_mask=mask)
+    whole = model(ids, output=TokenLoss(labels, mask))
     want = torch.autograd.grad(whole, list(model.parameters()), allow_unused=True)
-    chunked = model(ids, labels=labels, loss_mask=mask, loss_chunk_tokens=chunk)
+    chunked = model(ids, output=TokenLoss(labels, mask, chunk))
     got = torch.autograd.grad(chunked, list(model.parameters()), allow_unused=True)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
     for (name, _), a, b in zip(model.named_parameters(), got, want, strict=True):
@@ -108,11 +108,11 @@ def test_a_head_cp_handler_does_not_know_is_refused(monkeypatch):
     model = CPCausalLM(hf_zoo.build(hf_zoo.tiny_config("gemma2", {"final_logit_softcapping": 2.0})))
     ids = torch.randint(0, hf_zoo.VOCAB, (1, 8))
     with pytest.raises(ValueError, match="Gemma2ForCausalLM's logits are not its output projection"):
-        model(ids, labels=ids, loss_mask=torch.ones(ids.shape), loss_chunk_tokens=4)
+        model(ids, output=TokenLoss(ids, torch.ones(ids.shape), 4))
 
 
 def test_logits_of_chosen_rows_only_equal_the_whole_logits_rows():
-    """Generation's prefill asks for the last tokens' logits only (``logits_rows``): the same values as those rows
+    """Generation's prefill asks for the last tokens' logits only (``LogitsAt``): the same values as those rows
     of the whole logits, for the reference GPT and a Hugging Face model (through its head)."""
     import hf_zoo
 
@@ -126,7 +126,7 @@ def test_logits_of_chosen_rows_only_equal_the_whole_logits_rows():
     for model, vocab in ((gpt, 256), (hf, hf_zoo.VOCAB)):
         ids = torch.randint(0, vocab, (1, 12), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
-            got = model(ids, logits_rows=rows)
+            got = model(ids, output=LogitsAt(rows))
             torch.testing.assert_close(got, model(ids)[:, rows], atol=1e-6, rtol=1e-6)
         assert got.shape[1] == 3
 
@@ -148,7 +148,7 @@ def test_offloaded_activations_give_the_same_gradients_on_cuda():
     for offload in (False, True):
         model.zero_grad(set_to_none=True)
         with activations_kept(SimpleNamespace(offload_activations=offload)):
-            loss = model(ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(ids.shape, device="cuda"))
+            loss = model(ids, output=TokenLoss(ids.roll(-1, 1), torch.ones(ids.shape, device="cuda")))
             loss.backward()
         results.append([loss.detach(), *(p.grad.clone() for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -22,6 +22,7 @@ from torch import nn
 
 from cp_handler.cli.args import parse
 from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.models.loss import TokenLoss
 from cp_handler.models.moe import SwiGLU
 from cp_handler.models.tiling import tile_mlps
 
@@ -30,7 +31,7 @@ SHAPE = {"hidden_size": 32, "num_layers": 2, "num_attention_heads": 4, "num_quer
 
 
 def _gpt_loss(model, ids):
-    return model(ids, labels=ids.roll(-1, 1), loss_mask=torch.ones(ids.shape, dtype=torch.float64))
+    return model(ids, output=TokenLoss(ids.roll(-1, 1), torch.ones(ids.shape, dtype=torch.float64)))
 
 
 def _hf_loss(model, ids):

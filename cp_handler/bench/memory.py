@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..handlers.local import LocalContextParallelHandler
 from ..models import GPTConfig, GPTModel
+from ..models.loss import TokenLoss
 from ..models.tiling import tile_mlps
 from ..runtime.config import AttentionShape, ContextParallelConfig
 from ..training.config import TrainConfig
@@ -95,7 +96,7 @@ def saved_bytes(model: GPTModel, tokens: torch.Tensor, handler=None, chunk: int 
     labels, mask = tokens.roll(-1, 1), torch.ones(tokens.shape, dtype=torch.float32)
     bins = {}
     with _attributed(model, bins):
-        loss = model(tokens, cp_handler=handler, labels=labels, loss_mask=mask, loss_chunk_tokens=chunk)
+        loss = model(tokens, cp_handler=handler, output=TokenLoss(labels, mask, chunk))
     loss.backward()
     n, layers = tokens.numel(), len(model.layers)
     return {"tokens": n, "layer_bytes_per_token": (bins.get("layer", 0) + bins.get("mlp", 0)) / n / layers,

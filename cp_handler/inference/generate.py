@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..handlers.local import LocalContextParallelHandler
+from ..models.loss import LogitsAt
 from ..runtime.rope import PositionTablesChanged
 from .cache import KVCache
 from .decode import DecodeHandler
@@ -106,14 +107,14 @@ def check_hf_generation(config) -> None:
 
 def _last_token_logits(handler: LocalContextParallelHandler, model, local: torch.Tensor) -> torch.Tensor:
     """``(B, V)`` float32 logits of every prompt's last token, on every rank: the forward of the local tokens
-    computes logits only at the last tokens this rank holds (``logits_rows``), which it fills in."""
+    computes logits only at the last tokens this rank holds (``output=LogitsAt(rows)``), which it fills in."""
     layout = handler.token_layout.thd_layout
     index = layout.dispatch_index(handler.cp_rank)
     last = torch.tensor(layout.lengths).cumsum(0) - 1
     held = [(i, int(rows[0])) for i, position in enumerate(last.tolist())
             if (rows := (index == position).nonzero().flatten()).numel()]
     rows = torch.tensor([row for _, row in held], dtype=torch.long, device=local.device)
-    logits = model(local, cp_handler=handler, logits_rows=rows)  # (1, len(held), V)
+    logits = model(local, cp_handler=handler, output=LogitsAt(rows))  # (1, len(held), V)
     out = logits.new_zeros((layout.num_docs, logits.shape[-1]), dtype=torch.float32)
     for j, (i, _) in enumerate(held):
         out[i] = logits[0, j].float()
@@ -130,9 +131,10 @@ def generate(model, prompts: list[torch.Tensor], max_new_tokens: int, *, cp_grou
     or sampled as ``sampling`` says; ``max_new_tokens`` tokens per prompt, fewer with ``stop_token``.
 
     Args:
-        model: ``model(input_ids (1, T), cp_handler=h, logits_rows=None) -> logits (1, T, V)`` (with
-            ``logits_rows``, a 1-D index of local rows: the logits of those rows only, ``(1, len(rows), V)``: the
-            prefill asks for the prompts' last tokens only, never holding the prompt's whole logits).
+        model: the model protocol, ``model(input_ids (1, T), cp_handler=h) -> logits (1, T, V)``, and with
+            ``output=LogitsAt(rows)`` (:class:`~cp_handler.models.loss.LogitsAt`, a 1-D index of local rows) the
+            logits of those rows only, ``(1, len(rows), V)``: the prefill asks for the prompts' last tokens only,
+            never holding the prompt's whole logits.
         prompts: 1-D int64 token tensors (any lengths).
         max_new_tokens: tokens generated per prompt (>= 1).
         cp_group / cp_comm_type / hierarchical_cp_groups: the prefill's CP layout (any comm type; decode

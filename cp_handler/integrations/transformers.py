@@ -41,7 +41,6 @@ import torch
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
-from ..models.loss import masked_token_loss_sum, token_loss_sum
 from ..runtime.config import ContextParallelConfig
 from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
@@ -201,36 +200,30 @@ class CPCausalLM(torch.nn.Module):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
-                moe_handler=None, labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                loss_chunk_tokens: int | None = None, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits, or with ``labels`` the masked loss sum (as :class:`~cp_handler.models.GPTModel`): with
-        ``loss_chunk_tokens`` the last hidden states go through :meth:`head` in chunks (the model's own output
-        projection; a model whose logits are something else is refused by name, :attr:`head_refusal`). With
-        ``logits_rows`` the logits of those local rows only, through :meth:`head` (all rows' logits, then those,
-        when the head is refused)."""
+                moe_handler=None, output=None) -> torch.Tensor:
+        """The model protocol, as :class:`~cp_handler.models.GPTModel`: the model's own logits (``output=None``),
+        else ``output(head, hidden)`` of :meth:`head` and :meth:`hidden`. A model whose logits are something other
+        than :meth:`head` of its last hidden states (:attr:`head_refusal`) gives ``output`` its own logits with the
+        identity as the head (the same result), and a chunked :class:`~cp_handler.models.loss.TokenLoss` is
+        refused by name there (it would hold the whole logits it exists to avoid)."""
         if moe_handler is not None:
             raise ValueError("CPCausalLM: Hugging Face models route their own experts; moe_handler is not used")
-        if labels is not None and loss_chunk_tokens is not None and self.head_refusal:
-            raise ValueError(f"chunked loss (loss_chunk_tokens={loss_chunk_tokens}): {self.head_refusal}")
+        chunk_tokens = getattr(output, "chunk_tokens", None)
+        if chunk_tokens is not None and self.head_refusal:
+            raise ValueError(f"chunked loss (loss_chunk_tokens={chunk_tokens}): {self.head_refusal}")
         if cp_handler is None:
             cp_handler = build_cp_handler(ContextParallelConfig())
-        if logits_rows is not None:
-            if self.head_refusal:
-                return self(input_ids, cp_handler)[:, logits_rows]
-            return self.head(self.last_hidden_states(input_ids, cp_handler)[:, logits_rows])
-        if labels is None or loss_chunk_tokens is None:
-            with cp_attention(cp_handler):
-                logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids),
-                                    use_cache=False).logits
-            return logits if labels is None else masked_token_loss_sum(logits, labels, loss_mask)
-        hidden = self.last_hidden_states(input_ids, cp_handler)
-        return token_loss_sum(hidden, self.head, labels, loss_mask, loss_chunk_tokens)
+        if output is not None and not self.head_refusal:
+            return output(self.head, self.hidden(input_ids, cp_handler))
+        with cp_attention(cp_handler):
+            logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits
+        return logits if output is None else output(_identity, logits)
 
     @property
     def vocab_size(self) -> int:
         return text_config(self.model).vocab_size
 
-    def last_hidden_states(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
+    def hidden(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
         """``(B, S_local, hidden)``: what the model's forward gives its output projection (captured by a forward
         pre-hook, which hands the projection zero tokens instead: no logits are computed)."""
         captured = {}
@@ -274,13 +267,17 @@ def _probe_head(model: CPCausalLM, tokens: int = 12) -> str | None:
     try:
         with torch.no_grad():
             want = model(ids, cp_handler=handler)
-            got = model.head(model.last_hidden_states(ids, handler))
+            got = model.head(model.hidden(ids, handler))
     finally:
         model.train(was_training)
     if got.shape != want.shape or not torch.allclose(got, want, atol=1e-5, rtol=1e-5):
         return (f"{type(model.model).__name__}'s logits are not its output projection of the last hidden states "
                 "(with the logit transforms cp_handler knows): a chunked loss would differ; use the whole loss")
     return None
+
+
+def _identity(logits: torch.Tensor) -> torch.Tensor:
+    return logits
 
 
 class HFReference(torch.nn.Module):

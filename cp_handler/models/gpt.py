@@ -20,7 +20,6 @@ from ..handlers.local import LocalContextParallelHandler
 from ..runtime.moe import ExpertParallelHandler
 from ..runtime.rope import rotary_freqs
 from .gated_delta import GatedDeltaNet
-from .loss import token_loss_sum
 from .moe import MoEFeedForward, SwiGLU
 
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -165,21 +164,11 @@ class GPTModel(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.init_method_std)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        cp_handler: ContextParallelHandler | None = None,
-        moe_handler: ExpertParallelHandler | None = None,
-        labels: torch.Tensor | None = None,
-        loss_mask: torch.Tensor | None = None,
-        loss_chunk_tokens: int | None = None,
-        logits_rows: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits ``(B, S_local, V)``; with ``labels`` / ``loss_mask`` ``(B, S_local)``, the float32 sum of the
-        masked token losses instead (:func:`~cp_handler.models.loss.token_loss_sum`: in chunks of ``loss_chunk_tokens``
-        tokens, the whole logits never held). MoE models take ``moe_handler`` (default: every expert on this
-        process); its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add.
-        ``logits_rows`` (1-D int64): the logits of those local rows only (generation's last tokens)."""
+    def hidden(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
+               moe_handler: ExpertParallelHandler | None = None) -> torch.Tensor:
+        """The last hidden states ``(B, S_local, hidden)`` of ``input_ids (B, S_local)`` int64 (before the output
+        norm: :meth:`head` applies it). MoE models take ``moe_handler`` (default: every expert on this process);
+        its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
         handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
         if self.config.num_moe_experts and moe_handler is None:
             moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts)
@@ -192,11 +181,17 @@ class GPTModel(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, freqs, handler, moe_handler, use_reentrant=False)
             else:
                 x = layer(x, freqs, handler, moe_handler)
-        if logits_rows is not None:
-            return self.head(x[:, logits_rows])  # (B, rows, V)
-        if labels is None:
-            return self.head(x)  # (B, S_local, V)
-        return token_loss_sum(x, self.head, labels, loss_mask, loss_chunk_tokens)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, cp_handler: ContextParallelHandler | None = None,
+                moe_handler: ExpertParallelHandler | None = None, output=None) -> torch.Tensor:
+        """The model protocol: ``output(head, hidden)`` of :meth:`head` and :meth:`hidden`'s last hidden states
+        (``output=None``: the logits ``(B, S_local, V)``; :class:`~cp_handler.models.loss.TokenLoss`: the masked
+        loss sum, chunked or whole; :class:`~cp_handler.models.loss.LogitsAt`: some rows' logits). The output runs
+        inside the forward so that a wrapper's hooks (DDP's reducer, FSDP2's gather of the root's parameters: the
+        head and, when tied, the embedding) cover the head."""
+        hidden = self.hidden(input_ids, cp_handler, moe_handler)
+        return self.head(hidden) if output is None else output(self.head, hidden)
 
     @property
     def vocab_size(self) -> int:

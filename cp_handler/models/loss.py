@@ -8,6 +8,8 @@ the batch is split. Nothing here communicates except through the handler's metho
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -76,3 +78,28 @@ def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: 
         return masked_token_loss_sum(head(h), lab, mask)
 
     return sum(checkpointed_chunks(chunk_sum, chunk_tokens, flat, labels, loss_mask))
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A model's ``output`` (the model protocol: ``model(input_ids, cp_handler=..., output=TokenLoss(...))``): the
+    float32 sum of the masked token losses, :func:`token_loss_sum` of the model's ``head`` and last hidden states,
+    the whole logits never held when ``chunk_tokens`` is set. ``labels`` / ``loss_mask``: ``(B, S_local)``."""
+
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    chunk_tokens: int | None = None
+
+    def __call__(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(hidden, head, self.labels, self.loss_mask, self.chunk_tokens)
+
+
+@dataclass(frozen=True)
+class LogitsAt:
+    """A model's ``output``: the logits of the local rows ``rows`` (1-D int64) only, ``(B, len(rows), V)``
+    (generation's last tokens)."""
+
+    rows: torch.Tensor
+
+    def __call__(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return head(hidden[:, self.rows])

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..handlers import build_cp_handler
-from ..models.loss import masked_token_loss_sum, next_token_batch
+from ..models.loss import TokenLoss, next_token_batch
 from ..runtime.config import AttentionShape, ContextParallelConfig, check_seq_len
 from ..runtime.groups import DataContextParallelGroups, build_dp_cp_groups, check_world_divisible
 
@@ -125,11 +125,8 @@ class EvalContextParallel:
                 tokens, metadata = handler_inputs(batch.rows(rows))
                 handler = self.handler(**metadata)
                 input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-                if loss_chunks is None:
-                    loss_sum = masked_token_loss_sum(module(input_ids, cp_handler=handler), labels, loss_mask)
-                else:
-                    loss_sum = module(input_ids, cp_handler=handler, labels=labels, loss_mask=loss_mask,
-                                      loss_chunk_tokens=loss_chunks(input_ids))
+                chunk = None if loss_chunks is None else loss_chunks(input_ids)
+                loss_sum = module(input_ids, cp_handler=handler, output=TokenLoss(labels, loss_mask, chunk))
                 total[0] += loss_sum.double()
                 total[1] += loss_mask.sum().double()
         dist.all_reduce(total)

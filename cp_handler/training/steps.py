@@ -24,7 +24,7 @@ from ..auto.catalog import default_profile, load_profile
 from ..auto.workload import PatternWorkload
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
-from ..models.loss import loss_chunk_tokens, next_token_batch
+from ..models.loss import TokenLoss, loss_chunk_tokens, next_token_batch
 from ..runtime.config import AUTO
 from ..runtime.reductions import global_token_count
 from .config import TrainConfig
@@ -113,8 +113,8 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
         handler, input_ids, labels, loss_mask = current
         with gradient_sync(model, following is None), activations_kept(config):
             moe = experts.handler() if experts else None
-            share = model(input_ids, cp_handler=handler, moe_handler=moe, labels=labels, loss_mask=loss_mask,
-                          loss_chunk_tokens=chunk_of(input_ids)) / total
+            share = model(input_ids, cp_handler=handler, moe_handler=moe,
+                          output=TokenLoss(labels, loss_mask, chunk_of(input_ids))) / total
             if moe:
                 share = share + sum(moe.aux_losses) / len(parts)
             (share * grad_scale).backward()
