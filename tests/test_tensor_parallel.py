@@ -251,6 +251,90 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_another_tp(tmp_path):
         assert resumed == pytest.approx(whole[2:], rel=1e-6), (layout, resumed, whole)
 
 
+MOE = GPTConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                ffn_hidden_size=64, num_moe_experts=8, moe_router_topk=2, moe_aux_loss_coeff=0.1)
+"""tests/test_moe.py's MoE model: 8 experts, top 2, a load-balancing loss weighing 0.1."""
+
+
+def _moe_worker(rank, world, tp, cp, ep, comm_type):
+    """MoE layers under TP (tensor_parallel's module doc): attention split over tp, the experts whole on each TP rank
+    and sharded over the ep ranks of its TP position; the loss (token loss + load-balancing loss) and every gradient
+    (split weights gathered over tp; experts summed over edp) against one process holding every expert."""
+    from cp_handler.runtime.moe import ExpertParallelHandler
+
+    layout = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                            expert_model_parallel_size=ep)
+    built = layout.build("cpu")
+    groups, dp_cp = data_context_parallel_groups(built), built.groups["dp_cp"]
+    torch.manual_seed(0)
+    model = GPTModel(MOE)
+    reference = copy.deepcopy(model)
+    assert not any(".mlp." in path for path in gpt_tp_plan(model, tp))  # every layer's MLP is a MoE layer: whole
+    apply_tensor_parallel(model, built.meshes["attention"]["tp"])
+    moe = ExpertParallelHandler(num_experts=8, ep_group=built.groups["ep"], stats_group=dp_cp)
+    model.shard_experts(moe.local_expert_ids)
+    tokens = _tokens(layout.data_parallel_size)
+    rows = tokens[groups.dp_rank * ROWS:(groups.dp_rank + 1) * ROWS]
+    shape = AttentionShape(MOE.num_attention_heads, MOE.num_query_groups, MOE.kv_channels)
+    handler = build_cp_handler(ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type),
+                               groups.cp_group, attn_shape=local_attention_shape(shape, tp))
+
+    def step(net, cp_handler, moe_handler, batch, count_group):
+        input_ids, labels, loss_mask = next_token_batch(cp_handler, batch)
+        loss = masked_token_loss_sum(net(input_ids, cp_handler=cp_handler, moe_handler=moe_handler), labels,
+                                     loss_mask) / global_token_count(loss_mask, count_group)
+        loss = loss + sum(moe_handler.aux_losses)
+        loss.backward()
+        return loss.detach()
+
+    loss = step(model, handler, moe, rows, dp_cp)
+    grads = {name: _whole(p.grad) for name, p in model.named_parameters()}
+    experts = {name for name in grads if ".experts." in name}
+    assert len(experts) == 2 * 3 * 8 // ep  # 2 layers x 3 matrices x this rank's experts
+    dist.all_reduce(loss, group=dp_cp)
+    for name, g in grads.items():  # dense: over the dp x cp ranks of this TP position; experts: over their replicas
+        dist.all_reduce(g, group=built.groups["edp"] if name in experts else dp_cp)
+    alone = build_cp_handler(ContextParallelConfig(), None)
+    want_loss = step(reference, alone, ExpertParallelHandler(num_experts=8), tokens, None)
+    want = {name: p.grad for name, p in reference.named_parameters() if name in grads}
+    assert_parity((loss, grads), (want_loss, want), f"MoE tp {tp} x cp {cp} ep {ep} {comm_type} rank {rank}")
+
+
+@pytest.mark.parametrize("world,tp,cp,ep,comm_type", [(4, 2, 2, 2, "p2p"), (8, 2, 2, 4, "a2a")],
+                         ids=["tp2-cp2-ep2", "dp2-tp2-cp2-ep4"])
+def test_moe_layers_under_tp_equal_one_process(world, tp, cp, ep, comm_type):
+    run_distributed(_moe_worker, world, tp, cp, ep, comm_type)
+
+
+def test_cp_train_moe_under_tp_resumes_at_another_expert_layout(tmp_path):
+    """``cp-train --tp-size 2 --moe-experts 4``: saved at dp 2 x tp 2 x cp 2 with the experts over ep 4 and resumed at
+    tp 2 x cp 2 over ep 2 (the same global batch): steps 3 and 4 have the uninterrupted run's losses (1e-6) and pass
+    --check-parity (loss, rank 0's gradients, the gradient norm against one process)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import HANG_GUARD_S
+
+    common = ["--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128", "--max-corpus-bytes", "2000000",
+              "--tp-size", "2", "--cp-size", "2", "--moe-experts", "4"]
+
+    def run(*flags):
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.json"
+        result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *common, *flags, "--metrics-out",
+                                 str(out)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [r["loss"] for r in json.loads(out.read_text())["steps"]], result.stderr
+
+    whole, _ = run("--nproc", "4", "--expert-parallel-size", "2", "--batch-size", "4", "--steps", "4")
+    run("--nproc", "8", "--expert-parallel-size", "4", "--batch-size", "2", "--steps", "2", "--cp-comm-type", "a2a",
+        "--save", str(tmp_path / "ck"))
+    resumed, log = run("--nproc", "4", "--expert-parallel-size", "2", "--batch-size", "4", "--steps", "4",
+                       "--resume", str(tmp_path / "ck"), "--check-parity")
+    assert "4 experts over ep 2" in log and "parity passed" in log, log[-2000:]
+    assert resumed == pytest.approx(whole[2:], rel=1e-6), (resumed, whole)
+
+
 def _hf_worker(rank, world, model_type, comm_type, extra=None):
     """A Hugging Face model split by transformers' own plan (``base_model_tp_plan``) at tp 2 x cp 2, its logits, loss
     and every gradient against the unmodified model on the whole sequence in one process (tests/hf_zoo.py's bounds:

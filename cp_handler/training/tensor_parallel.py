@@ -21,8 +21,14 @@ query heads, are summed over the TP group by the training step (:func:`apply_ten
 Context parallelism sees the TP rank's heads: the handler is built with the local attention shape
 (:func:`local_attention_shape`) and the model's attention reshapes by the local head count, so every CP pattern
 (a2a's head split included) runs on ``H / tp`` heads. Refused by name (:func:`check_tensor_parallel`): query heads or
-the MLP width that ``tp`` does not divide, key-value heads that neither divide nor are divided by it, MoE layers and
-linear-attention layers (their tensor-parallel plans are not built).
+the MLP width that ``tp`` does not divide, key-value heads that neither divide nor are divided by it, and
+linear-attention layers (their tensor-parallel plan is not built).
+
+MoE layers are not split by TP (Megatron-LM's expert tensor-parallel size 1): the row-wise all-reduce before them
+gives every TP rank the same tokens, so each TP rank runs its router and its experts whole on them, the experts
+sharded over the expert-parallel group of its TP position (the layout's ``ep`` groups: ranks of one TP rank). The
+experts' gradients are then the same on every TP rank and are summed over the expert-data-parallel ranks (``edp``)
+only; the gradient norm counts each expert once (summed over ``ep``, :func:`grad_norm`).
 
 The training step (:mod:`.trainer`): a split weight (a DTensor sharded over the TP group) holds this TP rank's rows or
 columns: its gradient is this rank's part of the whole gradient; a replicated weight (embedding, norms, output head)
@@ -40,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..models.gpt import GPTConfig
+from ..models.moe import MoEFeedForward
 from ..runtime.config import AttentionShape
 from ..runtime.reductions import all_reduce_flat
 
@@ -49,7 +56,8 @@ def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
 
     Raises:
         ValueError: ``tp`` below 1; ``num_attention_heads``, ``num_query_groups`` or ``ffn_hidden_size`` not divisible
-            by ``tp``; MoE (``num_moe_experts``) or linear-attention layers with ``tp > 1`` (each names the field).
+            by ``tp``; linear-attention layers with ``tp > 1`` (each names the field). MoE layers are allowed: they
+            stay whole on every TP rank (module doc).
     """
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size={tp!r} must be an integer >= 1")
@@ -63,9 +71,6 @@ def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
                      if field == "num_query_groups" else "")
             raise ValueError(f"tensor_parallel_size={tp}: {field}={value} is not divisible by it{extra}; each TP "
                              "rank holds an equal share")
-    if config.num_moe_experts:
-        raise ValueError(f"tensor_parallel_size={tp} with num_moe_experts={config.num_moe_experts}: the experts' "
-                         "tensor-parallel plan is not built (use expert parallelism, or tp 1)")
     if config.layer_types is not None and "linear_attention" in config.layer_types:
         raise ValueError(f"tensor_parallel_size={tp} with linear_attention layers: their tensor-parallel plan is "
                          "not built (tp 1)")
@@ -155,6 +160,8 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None) -> dict:
             plan[f"layers.{i}.self_attn.{name}"] = \
                 _replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
         plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        if isinstance(model.layers[i].mlp, MoEFeedForward):
+            continue  # the router and the experts stay whole on every TP rank (module doc)
         plan.update({f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")})
         plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
     return plan
@@ -183,11 +190,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | None, tp_group=None,
-                           tp_summed: list[str] = ()) -> None:
+                           tp_summed: list[str] = (), experts: set[int] = frozenset(), expert_group=None) -> None:
     """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce (``None``: FSDP2 reduced them
     already); a missing gradient counts as zero. The parameters named in ``tp_summed`` (a replicated weight applied
     to each TP rank's own heads: the replicated key-value projections, transformers' ``replicated_with_grad_allreduce``)
-    are summed over ``tp_group`` first."""
+    are summed over ``tp_group`` first. The parameters whose ``id`` is in ``experts`` (this rank's experts) are summed
+    over ``expert_group`` (the ranks holding the same experts, ``edp``) instead of ``group``."""
     named = dict(model.named_parameters())
     for p in named.values():
         if p.grad is None:
@@ -195,19 +203,28 @@ def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | No
     if tp_summed:
         all_reduce_flat([_local(named[name].grad) for name in tp_summed], tp_group)
     if group is not None:
-        all_reduce_flat([_local(p.grad) for p in named.values()], group)
+        all_reduce_flat([_local(p.grad) for p in named.values() if id(p) not in experts], group)
+    if experts:
+        all_reduce_flat([_local(p.grad) for p in named.values() if id(p) in experts], expert_group)
 
 
-def grad_norm(model: torch.nn.Module) -> float:
+def grad_norm(model: torch.nn.Module, experts: set[int] = frozenset(), ep_group=None) -> float:
     """The global gradient norm of a model whose weights are split (DTensors, over the TP mesh and, with FSDP2, the
     dp x cp one) or whole: each gradient's norm over its own mesh (one small collective per DTensor), every weight
-    counted once."""
-    total = torch.zeros((), dtype=torch.float64)
+    counted once. The parameters whose ``id`` is in ``experts`` (this rank's expert shard) are counted over
+    ``ep_group`` (each expert once)."""
+    total, sharded = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
         if p.grad is not None:
             norm = torch.linalg.vector_norm(p.grad.double())
-            total += (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu() ** 2
-    return float(total.sqrt())
+            square = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).cpu() ** 2
+            if id(p) in experts:
+                sharded += square
+            else:
+                total += square
+    if experts:
+        dist.all_reduce(sharded, group=ep_group)
+    return float((total + sharded).sqrt())
 
 
 def clip_grads(model: torch.nn.Module, max_norm: float, total_norm: float) -> None:

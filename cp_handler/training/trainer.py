@@ -18,6 +18,7 @@ consumes.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict
@@ -37,7 +38,7 @@ from . import tensor_parallel
 from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, report_eval_check
-from .experts import ExpertGroups
+from .experts import ExpertGroups, expert_parameters
 from .fsdp import shard_model, state_bytes
 from .loop import NonFiniteLoss, StepProgress, default_optimizer, local_grad_norm
 from .parity import parity_result
@@ -144,13 +145,19 @@ class Trainer:
         else:  # transformers' own plan; replicated weights applied per head summed over the TP group
             summed = apply_hf_tensor_parallel(model, tp_mesh)
         self.count_group, self.grad_norm = built.groups["dp_cp"], tensor_parallel.grad_norm
+        experts = set()
+        if self.experts:  # each TP rank runs its expert shard whole (tensor_parallel's module doc)
+            model.shard_experts(self.experts.handler().local_expert_ids)
+            experts = expert_parameters(model)
+            self.grad_norm = functools.partial(tensor_parallel.grad_norm, experts=experts,
+                                               ep_group=built.groups["ep"])
         if mesh is not None:
             self.trained, self.grad_scale = shard_model(model, mesh["dp_cp"]), float(world // tp)
         else:
             self.trained, self.grad_scale = model, 1.0
         dp_cp = None if mesh is not None else built.groups["dp_cp"]  # FSDP2 reduces over them itself
-        self.tp_reduce = lambda: tensor_parallel.all_reduce_local_grads(self.trained, dp_cp, tp_mesh.get_group(),
-                                                                         summed)
+        self.tp_reduce = functools.partial(tensor_parallel.all_reduce_local_grads, self.trained, dp_cp,
+                                           tp_mesh.get_group(), summed, experts, built.groups["edp"])
 
     def _build_dynamic(self) -> None:
         config, device = self.config, self.device
@@ -192,12 +199,12 @@ class Trainer:
         began = time.perf_counter()
         parts, total, tokens = self.batches.parts(step)
         loss = forward_backward(self.trained, parts, total, self.config, self.device, self.grad_scale, self.experts)
-        if self.experts:
+        if self.tp_reduce:
+            self.tp_reduce()
+        elif self.experts:
             self.experts.reduce_gradients(self.trained)
         elif self.config.dynamic:
             all_reduce_grads(list(self.trained.parameters()))
-        elif self.tp_reduce:
-            self.tp_reduce()
         dist.all_reduce(loss, group=self.count_group)  # every share of one TP position: the global batch's loss
         if not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
