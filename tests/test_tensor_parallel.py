@@ -336,27 +336,35 @@ def test_cp_train_moe_under_tp_resumes_at_another_expert_layout(tmp_path):
 
 
 def _hf_worker(rank, world, model_type, comm_type, extra=None):
-    """A Hugging Face model split by transformers' own plan (``base_model_tp_plan``) at tp 2 x cp 2, its logits, loss
-    and every gradient against the unmodified model on the whole sequence in one process (tests/hf_zoo.py's bounds:
-    logits 1e-5, loss rtol 1e-6, gradients atol 1e-6 + rtol 1e-4)."""
+    """A Hugging Face model split by transformers' own plan (``base_model_tp_plan``) at tp 2 x cp 2 (x dp 2 on 8 ranks:
+    one row per dp replica), its logits, loss and every gradient against the unmodified model on the whole batch in
+    one process (tests/hf_zoo.py's bounds: logits 1e-5, loss rtol 1e-6, gradients atol 1e-6 + rtol 1e-4)."""
     import hf_zoo
+    import torch.nn.functional as F
 
     from cp_handler import get_cp_handler_cls, register
     from cp_handler.integrations.hf_tensor_parallel import apply_hf_tensor_parallel
     from cp_handler.integrations.transformers import cp_model_inputs
 
     built = ParallelLayout(world, tensor_model_parallel_size=2, context_parallel_size=2).build("cpu")
-    groups = data_context_parallel_groups(built)
-    tokens = torch.randint(0, hf_zoo.VOCAB, (1, 32), generator=torch.Generator().manual_seed(5))
+    groups, dp_cp = data_context_parallel_groups(built), built.groups["dp_cp"]
+    dp = world // 4
+    tokens = torch.randint(0, hf_zoo.VOCAB, (dp, 32), generator=torch.Generator().manual_seed(5))
     config = hf_zoo.tiny_config(model_type, extra)
-    want = hf_zoo.reference(hf_zoo.build(config), tokens)
+    reference = hf_zoo.build(config)
+    whole = reference(tokens).logits
+    F.cross_entropy(whole[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    want = (whole.detach()[groups.dp_rank:groups.dp_rank + 1], F.cross_entropy(
+        whole.detach()[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()),
+            {n: p.grad for n, p in reference.named_parameters() if p.grad is not None})
+    tokens = tokens[groups.dp_rank:groups.dp_rank + 1]
     model = hf_zoo.build(config)
     register(model)
     summed = apply_hf_tensor_parallel(model, built.meshes["attention"]["tp"])
     handler = get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group, cp_comm_type=comm_type)
     input_ids, labels, loss_mask = next_token_batch(handler, tokens)
     logits = model(input_ids, **cp_model_inputs(handler, input_ids), cp_handler=handler).logits
-    loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, groups.cp_group)
+    loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, dp_cp)
     loss.backward()
     grads = {}
     for name, p in model.named_parameters():
@@ -365,9 +373,9 @@ def _hf_worker(rank, world, model_type, comm_type, extra=None):
             dist.all_reduce(grads[name], group=built.groups["tp"])
     loss = loss.detach().float()
     for t in [loss, *grads.values()]:
-        dist.all_reduce(t, group=groups.cp_group)
+        dist.all_reduce(t, group=dp_cp)
     problem = hf_zoo._compare((handler.combine(logits.detach(), 1), loss, grads), want)
-    assert problem is None, f"{model_type} tp 2 x cp 2 {comm_type} rank {rank}: {problem}"
+    assert problem is None, f"{model_type} dp {dp} x tp 2 x cp 2 {comm_type} rank {rank}: {problem}"
 
 
 @pytest.mark.parametrize("model_type,comm_type,extra", [("llama", "p2p", None), ("qwen3", "a2a", None),
@@ -376,6 +384,12 @@ def test_hf_model_by_transformers_plan_tp2_cp2_equals_one_process(model_type, co
     """Llama (GQA), Qwen3 (per-head q / k norms summed over TP), Gemma 2 (a sliding window of 8 on every other
     layer, soft-capped scores) on the TP rank's heads."""
     run_distributed(_hf_worker, 4, model_type, comm_type, extra)
+
+
+def test_hf_llama_dp2_tp2_cp2_equals_one_process():
+    """Llama (GQA) by transformers' plan on 8 ranks: dp 2 x tp 2 x cp 2, a row per dp replica, the loss counted and
+    the gradients summed over the dp x cp ranks of each TP position."""
+    run_distributed(_hf_worker, 8, "llama", "p2p")
 
 
 def test_hf_plans_cp_handler_does_not_apply_are_refused():
