@@ -379,10 +379,12 @@ def _hf_worker(rank, world, model_type, comm_type, extra=None):
 
 
 @pytest.mark.parametrize("model_type,comm_type,extra", [("llama", "p2p", None), ("qwen3", "a2a", None),
-                                                         ("gemma2", "p2p", {"sliding_window": 8})])
+                                                         ("gemma2", "p2p", {"sliding_window": 8}),
+                                                         ("deepseek_v3", "p2p", None)])
 def test_hf_model_by_transformers_plan_tp2_cp2_equals_one_process(model_type, comm_type, extra):
     """Llama (GQA), Qwen3 (per-head q / k norms summed over TP), Gemma 2 (a sliding window of 8 on every other
-    layer, soft-capped scores) on the TP rank's heads."""
+    layer, soft-capped scores), DeepSeek-V3 (multi-head latent attention: ``mla_kv_a_proj``, value heads narrower
+    than query / key heads; its MoE layer's experts whole on each TP rank) on the TP rank's heads."""
     run_distributed(_hf_worker, 4, model_type, comm_type, extra)
 
 
@@ -397,8 +399,8 @@ def test_hf_plans_cp_handler_does_not_apply_are_refused():
 
     from cp_handler.integrations.hf_tensor_parallel import hf_tp_plan
 
-    with pytest.raises(ValueError, match=r"styles cp_handler does not apply: .*mla_kv_a_proj"):
-        hf_tp_plan(hf_zoo.build("deepseek_v3"), 2)
+    with pytest.raises(ValueError, match=r"styles cp_handler does not apply: .*colwise_gather_output"):
+        hf_tp_plan(hf_zoo.build("phi3"), 2)
     with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible"):
         hf_tp_plan(hf_zoo.build("llama"), 4)
 
@@ -427,12 +429,12 @@ def test_the_trainers_refuse_tensor_parallelism_by_name(tmp_path):
 def test_cp_train_hf_model_tp_size_parity(tmp_path):
     """cp-train --hf-config (Qwen3: GQA, per-head q / k norms summed over the TP group) at tp 2 x cp 2: every step
     against the unmodified model in one process; a model whose plan has a style cp_handler does not apply
-    (DeepSeek-V3's ``mla_kv_a_proj``) is refused before any rank starts."""
+    (Phi-3's packed projections: ``colwise_gather_output``) is refused before any rank starts."""
     import subprocess
     import sys
 
     from conftest import HANG_GUARD_S
-    from transformers import DeepseekV3Config, Qwen3Config
+    from transformers import Phi3Config, Qwen3Config
 
     from cp_handler.cli.args import parse
 
@@ -444,11 +446,10 @@ def test_cp_train_hf_model_tp_size_parity(tmp_path):
                             timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
-    DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024
-                     ).save_pretrained(tmp_path / "dsv3")
-    with pytest.raises(SystemExit, match=r"styles cp_handler does not apply: .*mla_kv_a_proj"):
-        parse(["--nproc", "4", "--tp-size", "2", "--hf-config", str(tmp_path / "dsv3"), "--steps", "1"])
+    Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, max_position_embeddings=1024, pad_token_id=0).save_pretrained(tmp_path / "phi3")
+    with pytest.raises(SystemExit, match=r"styles cp_handler does not apply: .*colwise_gather_output"):
+        parse(["--nproc", "4", "--tp-size", "2", "--hf-config", str(tmp_path / "phi3"), "--steps", "1"])
 
 
 def _saved_worker(rank, world):

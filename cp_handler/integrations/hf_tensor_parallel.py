@@ -4,22 +4,30 @@ reads), applied with PyTorch's ``parallelize_module`` on the decoder (the model'
 
 Styles taken: ``"colwise"`` (``ColwiseParallel``), ``"rowwise"`` (``RowwiseParallel``) and
 ``"replicated_with_grad_allreduce"`` (a weight every TP rank holds whole and applies to its own heads, Qwen3's
-``q_norm`` / ``k_norm``: kept replicated, its gradient summed over the TP group by the training step). Any other style
-in the plan (MoE routers and experts, MLA's ``mla_kv_a_proj``, packed projections, sequence parallelism) is refused
-by name, as is a model without a plan. The output head and the embedding stay replicated (as the reference GPT's,
+``q_norm`` / ``k_norm``: kept replicated, its gradient summed over the TP group by the training step) and
+``"mla_kv_a_proj"`` (multi-head latent attention's ``kv_a_proj_with_mqa``, DeepSeek-V2 / V3: kept whole on every TP
+rank; the rotary part of its output, ``qk_rope_head_dim`` columns, goes to this rank's heads directly, so its gradient
+is summed over the TP group, as transformers' ``MlaKvAProjParallel`` does; the latent part reaches the heads through
+the column-wise ``kv_b_proj``, whose input gradient PyTorch's TP sums). Any other style in the plan (packed
+projections, sequence parallelism, ...) is refused by name, as is a model without a plan. MoE experts are not in
+transformers' TP plans (their own ``base_model_ep_plan``): they stay whole on every TP rank, as the reference GPT's.
+ The output head and the embedding stay replicated (as the reference GPT's,
 :mod:`cp_handler.training.tensor_parallel`). transformers' attention layers reshape by ``-1`` heads, so the CP
 attention (:mod:`.hf_attention`) sees the TP rank's ``H / tp`` query and ``Hkv / tp`` key-value heads.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
+import torch
 from torch import nn
 
+from ..runtime.reductions import sum_grad_over_group
 from .hf_inputs import text_config
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "mla_kv_a_proj")
 """The styles of transformers' plans this module applies (module doc)."""
 
 
@@ -30,7 +38,9 @@ def hf_tp_plan(model: nn.Module, tp: int) -> tuple[dict, list[str]]:
 
     Raises:
         ValueError: no ``base_model_tp_plan``; a style not in :data:`STYLES` (named with its module pattern); head
-            counts or the MLP width that ``tp`` does not divide; a pattern that matches no module.
+            counts or the MLP width that ``tp`` does not divide; a plan none of whose patterns matches a module (a
+            pattern matching none is skipped, as transformers does: the plans list alternatives, DeepSeek's
+            ``q_proj`` without a query LoRA and ``q_b_proj`` with one, dense and MoE layers' MLPs).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -55,15 +65,42 @@ def hf_tp_plan(model: nn.Module, tp: int) -> tuple[dict, list[str]]:
     for pattern, style in template.items():
         regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+") + "$")
         found = [name for name, _ in base.named_modules() if regex.match(name)]
-        if not found:
-            raise ValueError(f"tensor_parallel_size={tp}: {pattern!r} of {type(config).__name__}'s tensor-parallel "
-                             "plan matches no module of the model; refused")
         for name in found:
             if style == "replicated_with_grad_allreduce":
                 summed += [f"{prefix}{name}.{p}" for p, _ in base.get_submodule(name).named_parameters()]
+            elif style == "mla_kv_a_proj":
+                plan[prefix + name] = _mla_kv_a_proj()(config.qk_rope_head_dim)
             else:
                 plan[prefix + name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+    if not plan:
+        raise ValueError(f"tensor_parallel_size={tp}: no pattern of {type(config).__name__}'s tensor-parallel plan "
+                         f"matches a module of the model ({list(template)}); refused")
     return plan, summed
+
+
+@functools.cache
+def _mla_kv_a_proj():
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class MlaKvAProj(ParallelStyle):
+        """``"mla_kv_a_proj"`` (module doc): the weight whole on every TP rank; the last ``rope_dim`` output columns'
+        gradient summed over the TP group."""
+
+        def __init__(self, rope_dim: int):
+            super().__init__()
+            self.rope_dim = rope_dim
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            group, rope = device_mesh.get_group(), self.rope_dim
+
+            def hook(_, args, out):
+                latent, rotary = out.split([out.shape[-1] - rope, rope], dim=-1)
+                return torch.cat([latent, sum_grad_over_group(rotary, group)], dim=-1)
+
+            module.register_forward_hook(hook)
+            return module
+
+    return MlaKvAProj
 
 
 def apply_hf_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:

@@ -25,6 +25,26 @@ def all_reduce_flat(tensors: list[torch.Tensor], group: dist.ProcessGroup | None
         offset += t.numel()
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_grad_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` unchanged in the forward; its gradient summed over ``group`` in the backward (Megatron-LM's
+    ``copy_to_tensor_model_parallel_region``): the output of a replicated weight each TP rank applies to its own
+    heads, whose gradient each rank holds only its heads' part of."""
+    return _SumGradOverGroup.apply(x, group)
+
+
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
     """Sum the gradients of ``params`` over ``group`` (default: all ranks) in one flat all-reduce;
     a missing gradient counts as zero."""

@@ -48,7 +48,7 @@ from torch import nn
 from ..models.gpt import GPTConfig
 from ..models.moe import MoEFeedForward
 from ..runtime.config import AttentionShape
-from ..runtime.reductions import all_reduce_flat
+from ..runtime.reductions import all_reduce_flat, sum_grad_over_group
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
@@ -107,22 +107,6 @@ def local_attention_shape(shape: AttentionShape, tp: int) -> AttentionShape:
     return AttentionShape(shape.num_heads // tp, max(1, shape.num_kv_heads // tp), shape.head_dim, shape.v_head_dim)
 
 
-class _SumGradOverGroup(torch.autograd.Function):
-    """Identity forward; the gradient summed over ``group`` (Megatron-LM's ``copy_to_tensor_model_parallel_region``):
-    the input of a replicated projection each TP rank applies to its own heads."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 @functools.cache
 def _replicated_kv_heads():
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -139,7 +123,7 @@ def _replicated_kv_heads():
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             head = device_mesh.get_local_rank() // (device_mesh.size() // self.num_kv_heads)
             start, width, group = head * self.head_dim, self.head_dim, device_mesh.get_group()
-            module.register_forward_pre_hook(lambda _, args: (_SumGradOverGroup.apply(args[0], group), *args[1:]))
+            module.register_forward_pre_hook(lambda _, args: (sum_grad_over_group(args[0], group), *args[1:]))
             module.register_forward_hook(lambda _, args, out: out.narrow(-1, start, width))
             return module
 
