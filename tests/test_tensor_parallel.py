@@ -62,7 +62,9 @@ MLA = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_head
 
 
 def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG):
-    layout = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp)
+    levels = [2, cp // 2] if comm_type == "a2a+p2p" else None  # a2a inside pairs of CP ranks, p2p across them
+    layout = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp,
+                            hierarchical_context_parallel_sizes=levels)
     built = layout.build("cpu")
     groups = data_context_parallel_groups(built)
     dp_cp = built.groups["dp_cp"]
@@ -79,11 +81,13 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     summed = apply_tensor_parallel(model, built.meshes["attention"]["tp"], plan)
     tokens = _tokens(layout.data_parallel_size)
     rows = tokens[groups.dp_rank * ROWS:(groups.dp_rank + 1) * ROWS]
-    cp_config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format)
+    cp_config = ContextParallelConfig(context_parallel_size=cp, cp_comm_type=comm_type, qkv_format=qkv_format,
+                                      hierarchical_context_parallel_sizes=levels)
     batch = {"qkv_format": "thd", "cu_seqlens": _cu(ROWS)} if qkv_format == "thd" else {}
     local = rows.reshape(1, -1) if qkv_format == "thd" else rows
     shape = AttentionShape(config.num_attention_heads, config.num_query_groups, config.kv_channels, config.v_head_dim)
-    handler = build_cp_handler(cp_config, groups.cp_group, attn_shape=local_attention_shape(shape, tp), **batch)
+    handler = build_cp_handler(cp_config, groups.cp_group, groups.hierarchical_cp_groups or None,
+                               attn_shape=local_attention_shape(shape, tp), **batch)
     loss = _step(model, handler, local, dp_cp)
     grads = {name: _whole(p.grad) for name, p in model.named_parameters()}  # split weights: gathered over tp
     for name in summed:  # replicated key-value projections (Hkv < tp): each rank's share from its query heads
@@ -106,6 +110,12 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
                                                   ("p2p", "thd")])
 def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
     run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
+
+
+def test_tp2_with_hierarchical_cp4_equals_one_process():
+    """a2a+p2p on the TP rank's heads: tp 2 x cp 4 (8 ranks), a2a inside pairs of CP ranks over the 2 local heads
+    (GQA 4:2 split by tp, then by the a2a level) and p2p across the pairs, thd packs."""
+    run_distributed(_worker, 8, 2, 4, "a2a+p2p", "thd", "megatron")
 
 
 MQA = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=1,
