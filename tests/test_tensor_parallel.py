@@ -71,7 +71,7 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     torch.manual_seed(0)
     model = GPTModel(config)
     reference = copy.deepcopy(model)  # one process: the whole model, the whole global batch
-    plan = gpt_tp_plan(model, tp)
+    plan = gpt_tp_plan(model, tp, sequence_parallel=plan_name == "sequence parallel")
     if plan_name == "forgets the reduction":  # the row-wise outputs kept as partial sums: no all-reduce
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor.parallel import RowwiseParallel
@@ -110,6 +110,15 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
                                                   ("p2p", "thd")])
 def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
     run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
+
+
+@pytest.mark.parametrize("comm_type,qkv_format", [("p2p", "bshd"), ("a2a", "thd")])
+def test_sequence_parallel_tp2_cp2_equals_one_process(comm_type, qkv_format):
+    """Megatron-LM's sequence parallelism on the TP group (tensor_parallel's module doc): norms and residuals on each
+    TP rank's share of the CP rank's tokens (uneven for the thd packs: 32 tokens over cp 2 then tp 2, and bshd rows
+    of 16), gathered before the attention and the MLP, reduce-scattered after them; the norms' gradients summed over
+    the TP group."""
+    run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "sequence parallel")
 
 
 def test_tp2_with_hierarchical_cp4_equals_one_process():
@@ -192,13 +201,13 @@ def test_collectives_per_layer_follow_the_formula(comm_type):
     run_distributed(_count_worker, 4, comm_type)
 
 
-@pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1", "--cp-comm-type", "auto"]],
-                         ids=["allreduce", "fsdp2-mqa-auto"])
+@pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1", "--cp-comm-type", "auto",
+                                         "--sequence-parallel"]], ids=["allreduce", "fsdp2-mqa-auto-sp"])
 def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
-    degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP and
-    ``auto`` choosing the pattern on the local heads): every step against one process from the same parameters
-    (parity's float32 tolerance 1e-5)."""
+    degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP,
+    ``auto`` choosing the pattern on the local heads and sequence parallelism): every step against one process from
+    the same parameters (parity's float32 tolerance 1e-5)."""
     import json
     import subprocess
     import sys
@@ -215,6 +224,7 @@ def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
     assert ("FSDP2 over the 2 dp x cp ranks" in result.stderr) == bool(extra)
+    assert ("sequence parallel" in result.stderr) == bool(extra)
     metrics = json.loads(out.read_text())
     assert metrics["tp_size"] == 2 and metrics["parity"]["passed"] and "eval_loss" in metrics["steps"][-1]
 
@@ -226,6 +236,10 @@ def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     (["--nproc", "4", "--tp-size", "2", "--compile"], "--tp-size 2 with --compile: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--export-hf", "x"], "--tp-size 2 with --export-hf: not implemented"),
     (["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--eval-cp-size", "1"], "evaluation at another CP"),
+    (["--nproc", "4", "--sequence-parallel"], "--sequence-parallel splits the tokens over the TP group: it needs "
+                                              "--tp-size above 1"),
+    (["--nproc", "4", "--tp-size", "2", "--sequence-parallel", "--moe-experts", "4"],
+     "--sequence-parallel is built for the reference GPT's dense layers"),
 ])
 def test_cp_train_tp_rules_before_any_rank(flags, rule):
     from cp_handler.cli.args import parse

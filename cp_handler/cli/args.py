@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor_model_parallel_size: ranks one layer's heads and MLP are split over (PyTorch's tensor "
                         "parallelism; the reference GPT; default 1); world = tp x cp x dp, TP ranks adjacent "
                         "(docs/parallel_layout.md)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp-size: Megatron-LM's sequence parallelism: norms and residuals on each TP rank's "
+                        "share of the tokens (activations / tp there), gathered before attention and the MLP and "
+                        "reduce-scattered after them; the reference GPT (default off)")
     g.add_argument("--expert-parallel-size", type=int, default=1,
                    help="expert_model_parallel_size: ranks sharing one copy of the experts (divides dp x cp)")
     g.add_argument("--print-layout", action="store_true", help="print the rank layout of every group kind")
@@ -256,6 +260,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
     check_checkpoint_flags(args)
     config = TrainConfig(
         world_size=world, cp=config, eval_cp=evaluation, attn_shape=attn_shape, model=model, tensor_parallel_size=tp,
+        sequence_parallel=args.sequence_parallel,
         hf_source=args.hf_model or args.hf_config, hf_weights=bool(args.hf_model), dynamic=dynamic,
         expert_parallel_size=args.expert_parallel_size, print_layout=args.print_layout, timeout=args.timeout,
         data=tuple(args.data) if args.data else None, max_corpus_bytes=args.max_corpus_bytes, seq_len=args.seq_len,
@@ -278,6 +283,11 @@ def check_tp_flags(args: argparse.Namespace, world: int) -> int:
     """``--tp-size``: it divides the world, and what it does not combine with is refused by name. Raises
     ValueError."""
     tp = args.tp_size
+    if args.sequence_parallel and tp == 1:
+        raise ValueError("--sequence-parallel splits the tokens over the TP group: it needs --tp-size above 1")
+    if args.sequence_parallel and (args.hf_config or args.hf_model or args.moe_experts):
+        raise ValueError("--sequence-parallel is built for the reference GPT's dense layers: drop it with "
+                         "--hf-config / --hf-model / --moe-experts")
     if tp == 1:
         return tp
     if world % tp:

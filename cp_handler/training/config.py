@@ -44,6 +44,9 @@ class TrainConfig:
     tensor_parallel_size: int = 1
     """Ranks one layer's heads and MLP are split over (:mod:`cp_handler.models.tensor_parallel`); ``attn_shape`` is
     then one TP rank's (``H / tp`` heads)."""
+    sequence_parallel: bool = False
+    """With ``tensor_parallel_size`` above 1: Megatron-LM's sequence parallelism for the reference GPT (norms and
+    residuals on each TP rank's share of the tokens; :mod:`cp_handler.training.tensor_parallel`)."""
     print_layout: bool = False
     timeout: float = 300.0
     """Seconds a rank may go without progress (and the process groups' collective timeout)."""

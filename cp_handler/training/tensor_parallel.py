@@ -30,6 +30,16 @@ sharded over the expert-parallel group of its TP position (the layout's ``ep`` g
 experts' gradients are then the same on every TP rank and are summed over the expert-data-parallel ranks (``edp``)
 only; the gradient norm counts each expert once (summed over ``ep``, :func:`grad_norm`).
 
+Sequence parallelism (``gpt_tp_plan(..., sequence_parallel=True)``, ``cp-train --sequence-parallel``; Megatron-LM's
+``--sequence-parallel``, with PyTorch's ``SequenceParallel``, ``PrepareModuleInput`` / ``PrepareModuleOutput``): the
+norms and the residual stream run on each TP rank's share of the CP rank's tokens (DTensors sharded on the sequence
+dimension; uneven shares allowed), gathered over the TP group before the attention and the MLP and reduce-scattered
+after them (the row-wise projections' output) instead of all-reduced: the same bytes moved, and the activations of
+the norms, the residual stream and the embedding's output divided by tp. The attention and CP are unchanged: the
+gathered tokens are the CP rank's. The output head gathers the final norm's output (its loss is the same on every TP
+rank). The norms' gradients are partial sums over the TP group, made whole by the training step. The reference GPT's
+dense layers only (MoE layers and Hugging Face models: not built, refused by name).
+
 The training step (:mod:`.trainer`): a split weight (a DTensor sharded over the TP group) holds this TP rank's rows or
 columns: its gradient is this rank's part of the whole gradient; a replicated weight (embedding, norms, output head)
 gets the same whole gradient on every TP rank (the row-wise all-reduce makes the activations, and so their gradients,
@@ -130,24 +140,54 @@ def _replicated_kv_heads():
     return ReplicatedKVHeads
 
 
-def gpt_tp_plan(model: nn.Module, tp: int | None = None) -> dict:
+def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool = False) -> dict:
     """``{module path: ParallelStyle}`` for ``parallelize_module`` (module doc); ``tp`` above the key-value head
-    count replicates the key and value projections (:class:`ReplicatedKVHeads`)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    count replicates the key and value projections (:class:`ReplicatedKVHeads`). ``sequence_parallel``: Megatron-LM's
+    sequence parallelism (module doc, "Sequence parallelism").
+
+    Raises:
+        ValueError: ``sequence_parallel`` with MoE layers (not built).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     config = model.config
     replicate = tp is not None and config.num_query_groups < tp
     plan = {}
+    if sequence_parallel:
+        if config.num_moe_experts:
+            raise ValueError(f"sequence parallelism with num_moe_experts={config.num_moe_experts}: not built (the "
+                             "experts run whole on every TP rank's tokens); use tensor parallelism without it")
+        seq, whole = Shard(1), Replicate()
+        plan["embed_tokens"] = PrepareModuleOutput(output_layouts=whole, desired_output_layouts=seq,
+                                                   use_local_output=False)
+        plan["norm"] = SequenceParallel()
+        plan["lm_head"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,),
+                                             use_local_output=True)
+        for i in range(len(model.layers)):
+            plan[f"layers.{i}.input_layernorm"] = plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
+            plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
+                                                               desired_input_layouts=(whole, None, None),
+                                                               use_local_output=True)
+            plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,),
+                                                         use_local_output=True)
     for i in range(len(model.layers)):
         plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
         for name, width in (("k_proj", config.kv_channels), ("v_proj", config.v_head_dim)):
             plan[f"layers.{i}.self_attn.{name}"] = \
                 _replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
-        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        out = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel(**out)
         if isinstance(model.layers[i].mlp, MoEFeedForward):
             continue  # the router and the experts stay whole on every TP rank (module doc)
         plan.update({f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")})
-        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel(**out)
     return plan
 
 
@@ -178,12 +218,19 @@ def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | No
     """Sum every parameter's (local) gradient over ``group`` in one flat all-reduce (``None``: FSDP2 reduced them
     already); a missing gradient counts as zero. The parameters named in ``tp_summed`` (a replicated weight applied
     to each TP rank's own heads: the replicated key-value projections, transformers' ``replicated_with_grad_allreduce``)
-    are summed over ``tp_group`` first. The parameters whose ``id`` is in ``experts`` (this rank's experts) are summed
+    are summed over ``tp_group`` first, as is a gradient DTensor holds as a partial sum (sequence parallelism's norms).
+    The parameters whose ``id`` is in ``experts`` (this rank's experts) are summed
     over ``expert_group`` (the ranks holding the same experts, ``edp``) instead of ``group``."""
     named = dict(model.named_parameters())
     for p in named.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        elif any(placement.is_partial() for placement in getattr(p.grad, "placements", ())):
+            # a replicated weight applied to each TP rank's share of the tokens (sequence parallelism's norms):
+            # its gradient is a partial sum over the TP group, made whole here
+            from torch.distributed.tensor import Replicate
+
+            p.grad = p.grad.redistribute(placements=[Replicate()] * len(p.grad.placements))
     if tp_summed:
         all_reduce_flat([_local(named[name].grad) for name in tp_summed], tp_group)
     if group is not None:

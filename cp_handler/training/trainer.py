@@ -114,6 +114,7 @@ class Trainer:
         if config.fsdp:
             extra += f", FSDP2 over the {world // tp} dp x cp ranks of each TP position" if tp > 1 else \
                 f", FSDP2 over all {world} ranks"
+        extra += ", sequence parallel over the TP group" if config.sequence_parallel else ""
         extra += ", every layer recomputed in the backward" if config.recompute else ""
         sizes = f"{f'tp {tp} x ' if tp > 1 else ''}dp {groups.dp_size} x cp {groups.cp_size}"
         say(f"world {world} = {sizes}, backend {config.cp.backend}, cp_comm_type "
@@ -141,7 +142,8 @@ class Trainer:
             if config.fsdp else None
         tp_mesh = mesh["tp"] if mesh is not None else built.meshes["attention"]["tp"]
         if config.hf_source is None:
-            summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh)
+            plan = tensor_parallel.gpt_tp_plan(model, tp, config.sequence_parallel)
+            summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh, plan)
         else:  # transformers' own plan; replicated weights applied per head summed over the TP group
             summed = apply_hf_tensor_parallel(model, tp_mesh)
         self.count_group, self.grad_norm = built.groups["dp_cp"], tensor_parallel.grad_norm
