@@ -181,15 +181,8 @@ class ZigzagDocs:
 
     def gathered_index(self, real_only: bool) -> torch.Tensor:
         """For each token of the global sequence (padded, or ``real_only``), its row in the ranks'
-        local tensors concatenated rank by rank (int64)."""
-        parts = []
-        for i in range(self.num_docs):
-            c = self.chunk(i)
-            n_tokens = self.lengths[i] if real_only else self.padded_lengths[i]
-            for chunk_id in range(-(-n_tokens // c) if c else 0):
-                rank, row = self.chunk_owner_slot(i, chunk_id)
-                parts.append(_arange(rank * self.local_len + row, min(c, n_tokens - chunk_id * c)))
-        return torch.cat(parts)
+        local tensors concatenated rank by rank (int64; computed once per layout: read it, do not write into it)."""
+        return _gathered_index(self, real_only)
 
     def inner(self, a2a_size: int) -> ZigzagDocs:
         """The layout after an all-to-all over ``a2a_size`` adjacent ranks and the reorder of
@@ -206,6 +199,18 @@ class ZigzagDocs:
             parts += [_arange(a * self.local_len + start, c) for a in range(a2a_size)]
             parts += [_arange(a * self.local_len + start + c, c) for a in reversed(range(a2a_size))]
         return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=512)
+def _gathered_index(layout: ZigzagDocs, real_only: bool) -> torch.Tensor:
+    parts = []
+    for i in range(layout.num_docs):
+        c = layout.chunk(i)
+        n_tokens = layout.lengths[i] if real_only else layout.padded_lengths[i]
+        for chunk_id in range(-(-n_tokens // c) if c else 0):
+            rank, row = layout.chunk_owner_slot(i, chunk_id)
+            parts.append(_arange(rank * layout.local_len + row, min(c, n_tokens - chunk_id * c)))
+    return torch.cat(parts)
 
 
 @functools.lru_cache(maxsize=512)

@@ -66,10 +66,11 @@ def all_gather_blocks(layout: ZigzagDocs, rank: int, mask: AttentionMask) -> lis
     return check_plan(blocks)
 
 
-def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> list[slice]:
-    """Slices of KV heads gathered together (default: two chunks, or one per head if fewer)."""
+@functools.lru_cache(maxsize=256)
+def kv_head_chunks(kv_heads: int, kv_heads_per_chunk: int | None) -> tuple[slice, ...]:
+    """Slices of KV heads gathered together (default: two chunks, or one per head if fewer; memoised)."""
     per_chunk = kv_heads_per_chunk or math.ceil(kv_heads / 2)
-    return [slice(h, min(h + per_chunk, kv_heads)) for h in range(0, kv_heads, per_chunk)]
+    return tuple(slice(h, min(h + per_chunk, kv_heads)) for h in range(0, kv_heads, per_chunk))
 
 
 class _KVGather:
@@ -89,10 +90,6 @@ class _KVGather:
         return self.buffer.index_select(0, self.global_index).movedim(0, self.seq_dim)
 
 
-def _query_heads(kv_heads: slice, groups: int) -> slice:
-    return slice(kv_heads.start * groups, kv_heads.stop * groups)
-
-
 def all_gather_attn_forward(q, k, v, spec: AttnSpec, sinks=None):
     group, layout = spec.group, spec.layout
     blocks = all_gather_blocks(layout, dist.get_rank(group), spec.mask)
@@ -105,7 +102,7 @@ def all_gather_attn_forward(q, k, v, spec: AttnSpec, sinks=None):
         kv = pending.wait()
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
-        qh = _query_heads(heads, groups)
+        qh = slice(heads.start * groups, heads.stop * groups)  # their query heads
         blocks_forward_(out[:, qh], lse[:, qh], q[:, qh], *unpack_kv(kv, k.shape[-1]), blocks, spec, fresh=True)
     if sinks is not None:
         out, lse = fold_sinks(out, lse, sinks)
@@ -127,7 +124,7 @@ def all_gather_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
         kv = pending.wait()
         if i + 1 < len(chunks):
             pending = _KVGather(k, v, chunks[i + 1], group, global_index)
-        qh = _query_heads(heads, groups)
+        qh = slice(heads.start * groups, heads.stop * groups)  # their query heads
         dkv_global = torch.zeros(kv.shape, dtype=dtype, device=kv.device)
         blocks_backward_(dq[:, qh], *unpack_kv(dkv_global, k.shape[-1]), dout[:, qh], q[:, qh],
                          *unpack_kv(kv, k.shape[-1]), out[:, qh], lse[:, qh], blocks, spec)

@@ -24,14 +24,6 @@ import torch
 import torch.distributed as dist
 
 
-def _all_gather():
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 @dataclass
 class CommCounter:
     """Collective calls by kind and bytes sent by this rank."""
@@ -65,15 +57,19 @@ def record(op: str, nbytes: float) -> None:
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """Concatenate every rank's ``inp`` along dim 0 into ``out``."""
-    record("all_gather", inp.nbytes * (dist.get_world_size(group) - 1))
-    return _all_gather()(out, inp, group=group, async_op=async_op)
+    if _active:  # counting (the hot path tests the list: no call)
+        record("all_gather", inp.nbytes * (dist.get_world_size(group) - 1))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
     """Sum ``inp`` over ranks and keep this rank's dim-0 slice in ``out``."""
-    size = dist.get_world_size(group)
-    record("reduce_scatter", inp.nbytes * (size - 1) / size)
-    return _reduce_scatter()(out, inp, group=group, async_op=async_op)
+    if _active:  # counting (the hot path tests the list: no call)
+        size = dist.get_world_size(group)
+        record("reduce_scatter", inp.nbytes * (size - 1) / size)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(out, inp, group=group, async_op=async_op)
 
 
 def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False,
