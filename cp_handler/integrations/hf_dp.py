@@ -1,10 +1,11 @@
 """The data of a Trainer under context parallelism goes over the dp ranks only: every rank of a CP group loads the
-same batch, evaluation keeps one rank's results per CP group (:class:`~.hf_trainer.ContextParallelMixin`), and an RL
-trainer's bookkeeping sees the dp ranks as its processes (:func:`over_dp`)."""
+same batch, evaluation keeps one rank's results per CP group, and an RL trainer's bookkeeping sees the dp ranks as its
+processes, all through one adapter per trainer (:class:`DataParallelView`)."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 
 def gather_dp(accelerator, cp: int, tensors):
@@ -81,27 +82,57 @@ class DPAccelerator:
         return recursively_apply(reduced, tensor)
 
 
-@contextlib.contextmanager
-def over_dp(trainer, cp: int, modules=()):
-    """Inside the block, ``trainer.accelerator`` is a :class:`DPAccelerator` and the module-level ``gather`` /
-    ``gather_object`` that ``modules`` imported from ``accelerate.utils`` (TRL's trainer modules) keep one rank per
-    CP group; restored when the block ends. Nothing changes at ``cp = 1`` or inside another such block."""
-    if cp == 1 or isinstance(trainer.accelerator, DPAccelerator):
-        yield
-        return
-    accelerator = trainer.accelerator
-    replacements = {"gather": lambda tensor: gather_dp(accelerator, cp, tensor),
-                    "gather_object": lambda objects: gather_object_dp(cp, objects)}
-    saved = [(m, name, getattr(m, name)) for m in modules for name in replacements if hasattr(m, name)]
-    trainer.accelerator = DPAccelerator(accelerator, cp)
-    for module, name, _ in saved:
-        setattr(module, name, replacements[name])
-    try:
-        yield
-    finally:
-        trainer.accelerator = accelerator
-        for module, name, original in saved:
-            setattr(module, name, original)
+class DataParallelView:
+    """The one adapter between a trainer under CP and accelerate / TRL: the dp ranks (one per CP group) as their
+    processes. One per trainer (:class:`~.hf_trainer_base.ContextParallelMixin` makes it once its groups exist), with
+    three parts:
+
+    * :meth:`prepare_data_loader`: installed as the trainer's accelerator's ``prepare_data_loader`` for the trainer's
+      life (an attribute of that instance, accelerate's public object): every loader split over the dp ranks;
+    * :meth:`gather_for_metrics`: Trainer's ``gather_function`` inside its evaluation loop;
+    * :meth:`scope`: a block inside which ``trainer.accelerator`` is a :class:`DPAccelerator` and the module-level
+      ``gather`` / ``gather_object`` that TRL's trainer modules imported from ``accelerate.utils`` keep one rank per
+      CP group, restored when the block ends (TRL calls them directly: no public hook exists; the names are listed
+      in :mod:`.hf_upstream`). Nothing changes at ``cp = 1`` or inside another such block.
+    """
+
+    def __init__(self, trainer, cp: int, dp_size: int, dp_rank: int):
+        self.trainer, self.cp, self.dp_size, self.dp_rank = trainer, cp, dp_size, dp_rank
+        self.trl_modules = {sys.modules[c.__module__] for c in type(trainer).__mro__ if c.__module__.startswith("trl.")}
+
+    def install(self) -> None:
+        """The accelerator's data loaders over the dp ranks from now on."""
+        self.trainer.accelerator.prepare_data_loader = self.prepare_data_loader
+
+    def prepare_data_loader(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        """:func:`prepare_data_loader_over_dp` with the trainer's accelerator."""
+        return prepare_data_loader_over_dp(self.trainer.accelerator, self.dp_size, self.dp_rank, data_loader,
+                                           device_placement, slice_fn_for_dispatch)
+
+    def gather_for_metrics(self, tensors):
+        """:func:`gather_over_dp` with the trainer's accelerator."""
+        return gather_over_dp(self.trainer.accelerator, self.cp, tensors)
+
+    @contextlib.contextmanager
+    def scope(self):
+        """The block of the class doc's third part."""
+        trainer, cp = self.trainer, self.cp
+        if cp == 1 or isinstance(trainer.accelerator, DPAccelerator):
+            yield
+            return
+        accelerator = trainer.accelerator
+        replacements = {"gather": lambda tensor: gather_dp(accelerator, cp, tensor),
+                        "gather_object": lambda objects: gather_object_dp(cp, objects)}
+        saved = [(m, name, getattr(m, name)) for m in self.trl_modules for name in replacements if hasattr(m, name)]
+        trainer.accelerator = DPAccelerator(accelerator, cp)
+        for module, name, _ in saved:
+            setattr(module, name, replacements[name])
+        try:
+            yield
+        finally:
+            trainer.accelerator = accelerator
+            for module, name, original in saved:
+                setattr(module, name, original)
 
 
 def prepare_data_loader_over_dp(accelerator, dp_size: int, dp_rank: int, data_loader, device_placement=None,

@@ -21,8 +21,8 @@ sequence's forward and backward split over its CP group. What :class:`ContextPar
   returns TRL's whole-row outputs (:mod:`.hf_fused_head`): TRL's loss code then runs unchanged, with its
   temperature, its loss types and its per-sequence terms, on every rank of the group;
 * **TRL's bookkeeping over dp**: inside the trainer's generation-and-scoring, loss and reference-precompute methods,
-  TRL's collectives see the dp ranks (:func:`.hf_dp.over_dp`): rewards grouped by ``num_generations`` over the
-  distinct completions, each rank's slice by its dp index, the loss denominators (``num_items_in_batch``, the
+  TRL's collectives see the dp ranks (:meth:`.hf_dp.DataParallelView.scope`): rewards grouped by ``num_generations``
+  over the distinct completions, each rank's slice by its dp index, the loss denominators (``num_items_in_batch``, the
   process count) and every logged metric as with ``dp`` processes.
 
 Refused by name before TRL's ``__init__`` runs (from the constructor's arguments: TRL would act on some, set up vLLM,
@@ -36,13 +36,10 @@ launcher, a model loaded from its name) and a model whose left-padded forward is
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
 from ..core.install_hint import extra_hint
-from .hf_dp import over_dp
 from .hf_fused_head import install_cp_fused_head, left_padding_positions
 from .hf_trainer import OLDEST_TRL
 from .hf_trainer_base import ContextParallelTrainerBase
@@ -119,10 +116,6 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
                              f"({args.steps_per_generation}) = {args.generation_batch_size} is not a multiple of "
                              f"num_generations ({self.num_generations}): the groups would be split")
 
-    def _over_dp(self):
-        modules = {sys.modules[c.__module__] for c in type(self).__mro__ if c.__module__.startswith("trl.")}
-        return over_dp(self, self.get_cp_size(), modules)
-
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's generation on the CP group's first rank, with the model's own attention; the completions, and the
         random state sampling left on that rank, broadcast to the group (the group then shuffles its completions
@@ -142,11 +135,11 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         return result
 
     def _generate_and_score_completions(self, *args, **kwargs):
-        with self._over_dp():
+        with self.dp_view.scope():
             return super()._generate_and_score_completions(*args, **kwargs)
 
     def _compute_loss(self, *args, **kwargs):
-        with self._over_dp():
+        with self.dp_view.scope():
             return super()._compute_loss(*args, **kwargs)
 
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
@@ -157,7 +150,7 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         if not self.cp_ready:
             self.__dict__.setdefault("_deferred_precompute", []).append((name, batch_size))
             return dataset
-        with self._over_dp():
+        with self.dp_view.scope():
             return super()._precompute_ref_logps(dataset, name, batch_size)
 
     def _when_ready(self) -> None:

@@ -19,7 +19,7 @@ from ..runtime.groups import build_dp_cp_groups, destroy_process_groups
 from ..runtime.launch import rank_env
 from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
 from .hf_causal import check_causal, check_decoder_only
-from .hf_dp import gather_over_dp, prepare_data_loader_over_dp
+from .hf_dp import DataParallelView
 from .hf_inputs import text_config
 from .transformers import register
 
@@ -133,7 +133,9 @@ class ContextParallelTrainerBase:
         self._prepare_registered(model)
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
-        self.accelerator.prepare_data_loader = self._prepare_data_loader_over_dp
+        self.dp_view = DataParallelView(self, self.get_cp_size(), self.cp_groups.dp_size, self.cp_groups.dp_rank)
+        """The adapter showing accelerate and TRL the dp ranks as their processes (:class:`.hf_dp.DataParallelView`)."""
+        self.dp_view.install()
         self._check_releases()
         self.cp_ready = True
         self._when_ready()
@@ -187,15 +189,8 @@ class ContextParallelTrainerBase:
         return self.cp_config.context_parallel_size
 
     def evaluation_loop(self, *args, **kwargs):
-        """Trainer's loop with its gather over the dp ranks only (:func:`.hf_dp.gather_over_dp`)."""
+        """Trainer's loop with its gather over the dp ranks only (``DataParallelView.gather_for_metrics``)."""
         if self.args.eval_use_gather_object:
             raise ValueError("eval_use_gather_object=True is not implemented under context parallelism")
-        self.gather_function = self._gather_over_dp  # the loop resets it to gather_for_metrics when done
+        self.gather_function = self.dp_view.gather_for_metrics  # the loop resets it to gather_for_metrics when done
         return super().evaluation_loop(*args, **kwargs)
-
-    def _gather_over_dp(self, tensors):
-        return gather_over_dp(self.accelerator, self.get_cp_size(), tensors)
-
-    def _prepare_data_loader_over_dp(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
-        return prepare_data_loader_over_dp(self.accelerator, self.cp_groups.dp_size, self.cp_groups.dp_rank,
-                                           data_loader, device_placement, slice_fn_for_dispatch)

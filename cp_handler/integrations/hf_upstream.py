@@ -74,8 +74,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("transformers.PreTrainedConfig", "_attn_implementation", "called",
                 "transformers.register: set on a config without set_attn_implementation"),
     *(PrivateName(f"trl.trainer.{module}", name, "module global",
-                  "hf_dp.over_dp: TRL calls accelerate's gather / gather_object directly; inside the RL trainers' "
-                  "steps they keep one rank per CP group")
+                  "hf_dp.DataParallelView.scope: TRL calls accelerate's gather / gather_object directly; inside the "
+                  "RL trainers' steps they keep one rank per CP group")
       for module in ("grpo_trainer", "rloo_trainer") for name in ("gather", "gather_object")),
 )
 """The private names (module doc)."""
