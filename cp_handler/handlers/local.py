@@ -58,19 +58,43 @@ class LocalContextParallelHandler(ContextParallelHandler):
         cp_comm_profile: ``"auto"``'s cost profile: a name, a JSON file or a
             :class:`~cp_handler.auto.CostProfile`; ``None``: the device's default
             (:func:`~cp_handler.auto.catalog.default_profile`). Refused without ``"auto"``.
+        deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
+            ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): the Ulysses all-to-all only
+            (each rank computes whole heads over the whole sequence, the same blockwise computation as one process),
+            with the block kernel pinned (``cpu_flash``; cp = 1 runs it too instead of
+            ``F.scaled_dot_product_attention``). Refused by name: thd packs, another comm type at cp > 1, query
+            heads not more than the CP size (one head slot per rank), a group whose size does not divide the
+            key-value heads when they are fewer than the query heads (a key-value head's gradient would be summed
+            over ranks in the group's order), a device other than the CPU (not yet run on a GPU).
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
             not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group;
+            ``deterministic`` with another comm type than ``"a2a"`` at cp > 1 or another kernel than ``cpu_flash``;
             ``cp_comm_profile`` without ``"auto"``, unknown, or not covering the group (at the first call: its
             device or dtype).
     """
 
     cp_comm_types = (*CP_COMM_TYPES, AUTO)
 
-    def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, cp_comm_profile=None, **kwargs):
+    def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, cp_comm_profile=None,
+                 deterministic: bool = False, **kwargs):
         super().__init__(**kwargs)
+        self.deterministic = bool(deterministic)
+        if self.deterministic:
+            if self.cp_size > 1 and (others := sorted({t for t in self.comm_types if t != "a2a"})):
+                raise ValueError(f"deterministic=True runs the Ulysses all-to-all ('a2a') only, not {others}: its "
+                                 "heads see the whole sequence, computed as one process computes them; the other "
+                                 "patterns merge partial results and sum gradients in an order that follows the group")
+            if self.qkv_format == "thd":
+                raise ValueError("deterministic=True with qkv_format='thd': packed documents are padded to a "
+                                 "multiple of 2 x cp each, which changes the blocks the kernel runs (results 1 ulp "
+                                 "apart at cp 2, measured); use bshd / sbhd rows")
+            if attn_kernel not in (None, "cpu_flash"):
+                raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
+                                 "kernel to 'cpu_flash' (the one it is tested with)")
+            attn_kernel = "cpu_flash"
         if cp_comm_profile is not None and AUTO not in self.comm_types:
             raise ValueError(f"cp_comm_profile={cp_comm_profile!r} prices the patterns of cp_comm_type='auto'; "
                              f"cp_comm_type={self.cp_comm_type!r} has no 'auto' entry")
@@ -159,7 +183,23 @@ class LocalContextParallelHandler(ContextParallelHandler):
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.core.masks, ops.sinks)
 
     def check_call(self, call: AttnCall) -> None:
-        """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate)."""
+        """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate); the deterministic
+        mode's rules (the class doc's ``deterministic``)."""
+        if self.deterministic:
+            heads, kv_heads = call.q.shape[1], call.k.shape[1]
+            if call.q.device.type != "cpu":
+                raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
+                                 "GPU path is pending a GPU run)")
+            if self.cp_size > 1 and heads <= self.cp_size:
+                raise ValueError(f"deterministic=True with {heads} query heads over a CP group of {self.cp_size}: "
+                                 "each rank needs at least 2 query head slots (heads > cp; with one, the block "
+                                 "kernel's matrix products read a contiguous operand and take another path: results "
+                                 "1 ulp apart, measured)")
+            if heads != kv_heads and kv_heads % self.cp_size:
+                raise ValueError(f"deterministic=True with {kv_heads} key-value heads over a CP group of "
+                                 f"{self.cp_size}: a key-value head's query heads would sit on several ranks and its "
+                                 "gradient be summed over them in the group's order; use a CP size that divides the "
+                                 "key-value heads")
         if self.kv_cache is not None and not call.mask.causal:
             raise ValueError(f"kv_cache: layer {call.layer if call.layer is not None else '?'} attends bidirectionally "
                              "(attn_mask_type='no_mask'): a KV cache holds keys and values that later tokens do not "
