@@ -2,8 +2,9 @@
 
 Without DDP (each rank holds different experts): after backward, dense gradients are summed over
 every rank and expert gradients over the ranks holding the same experts (expert data parallel),
-each as one flat all-reduce. The loss is a share of the global loss on every rank, so sums (not
-means) give the single-process gradient.
+each as one flat all-reduce (the same reduction a tensor-parallel run makes: :mod:`.tensor_parallel`).
+The loss is a share of the global loss on every rank, so sums (not means) give the single-process
+gradient.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..models.moe import MoEFeedForward
 from ..runtime.moe import ExpertParallelHandler
 from ..runtime.parallel_layout import ParallelGroups
-from ..runtime.reductions import all_reduce_grads
+from .tensor_parallel import all_reduce_local_grads, grad_norm
 
 
 def expert_parameters(model: torch.nn.Module) -> set[int]:
@@ -44,24 +44,13 @@ class ExpertGroups:
                                      stats_group=self.groups.groups["dp_cp"])
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Sum dense gradients over dp x cp and expert gradients over expert data parallel ranks."""
-        if self.groups is None:
-            return
-        experts = expert_parameters(model)
-        params = list(model.parameters())
-        all_reduce_grads([p for p in params if id(p) not in experts], self.groups.groups["dp_cp"])
-        all_reduce_grads([p for p in params if id(p) in experts], self.groups.groups["edp"])
+        """Sum dense gradients over dp x cp and expert gradients over expert data parallel ranks (a missing gradient
+        counts as zero; :func:`~.tensor_parallel.all_reduce_local_grads`, which a TP run calls the same way)."""
+        if self.groups is not None:
+            all_reduce_local_grads(model, self.groups.groups["dp_cp"], experts=expert_parameters(model),
+                                   expert_group=self.groups.groups["edp"])
 
     def grad_norm(self, model: torch.nn.Module) -> float:
-        """Global gradient norm: dense gradients once, every expert shard once (summed over ep)."""
-        experts = expert_parameters(model)
-        dense, sharded = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-        for p in model.parameters():
-            if p.grad is not None:
-                square = p.grad.double().pow(2).sum()
-                if id(p) in experts:
-                    sharded += square
-                else:
-                    dense += square
-        dist.all_reduce(sharded, group=self.groups.groups["ep"])
-        return float((dense + sharded).sqrt())
+        """Global gradient norm: dense gradients once, every expert shard once (summed over ep;
+        :func:`~.tensor_parallel.grad_norm`)."""
+        return grad_norm(model, expert_parameters(model), self.groups.groups["ep"])
