@@ -1,6 +1,7 @@
 """The deterministic mode (``LocalContextParallelHandler(deterministic=True)``, issue 73's first step): attention's
 output and the gradients of q, k and v are ``torch.equal`` at cp 2, 3, 4, 6 and 8 to cp 1 on the same global inputs:
-fp32 and bf16, MHA and GQA, causal and full, a sliding window (bshd). The negative control: the default ring (p2p) on
+fp32 and bf16, MHA and GQA, causal and full, a sliding window (bshd); and the reference GPT's logits (so its per-token
+losses) at cp 2, 3, 4 and 6. The negative control: the default ring (p2p) on
 the same inputs differs in at least one bit at cp 2, so the comparison can fail. Its refusals by name: another comm
 type, one query-head slot per rank, key-value heads the CP size does not divide, thd packs, another kernel.
 
@@ -42,6 +43,18 @@ def _results(handler, case) -> list[torch.Tensor]:
     return [handler.combine(t, 1) for t in (out.detach(), *(t.grad for t in local))]
 
 
+def _gpt_logits(handler) -> torch.Tensor:
+    """The reference GPT's global logits (8 heads, 2 layers, fp32) of 384 tokens."""
+    from cp_handler.models import GPTConfig, GPTModel
+
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=8,
+                               num_query_groups=8, ffn_hidden_size=128))
+    tokens = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return handler.combine(model(handler.dispatch(tokens, 1), cp_handler=handler), 1)
+
+
 def _handler(group, comm_type="a2a", deterministic=True):
     return LocalContextParallelHandler(cp_group=group, cp_comm_type=comm_type, deterministic=deterministic)
 
@@ -56,6 +69,10 @@ def _worker(rank, world):
         got = _results(_handler(group), case)
         for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
+    if world < 8:  # the reference GPT (8 heads): its logits, so its per-token losses, bitwise cp 1's
+        want = _gpt_logits(_handler(None))
+        got = _gpt_logits(_handler(group))
+        assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
     if world == 2:  # the negative control: the default ring on the same inputs is not bitwise one process's
         case = CASES[0]
         want = _results(_handler(None), case)
