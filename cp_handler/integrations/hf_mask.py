@@ -237,7 +237,7 @@ def classify(mask_function, n: int) -> MaskSpec:
         last_row = f(torch.full((n,), n - 1, device=device), positions)  # the last query against every key
         step = f(positions[1:], positions[:-1])  # may each query see the position just before it?
     except Exception as err:  # noqa: BLE001 - any failure means the mask is not a function of positions alone
-        return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
+        return _unevaluable(err)
     candidates = [MaskSpec("causal"), MaskSpec("bidirectional")]  # the narrowest first: the first match returns
     window = int(last_row.flip(0).long().cumprod(0).sum())  # keys the last query sees up to its diagonal
     if 0 < window < n:
@@ -255,7 +255,7 @@ def classify(mask_function, n: int) -> MaskSpec:
     try:
         got = f(q, kv)
     except Exception as err:  # noqa: BLE001
-        return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
+        return _unevaluable(err)
     q, kv = torch.cat([q.cpu(), torch.full((n,), n - 1)]), torch.cat([kv.cpu(), torch.arange(n)])
     got = torch.cat([got, last_row])
     for spec in candidates:
@@ -274,6 +274,10 @@ def expected(spec: MaskSpec, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     if spec.kind == "chunked":
         return causal & (kv // spec.size == q // spec.size)
     return causal
+
+
+def _unevaluable(err: Exception) -> MaskSpec:
+    return MaskSpec("unknown", reason=f"evaluating it on positions failed ({type(err).__name__}: {err})")
 
 
 def _difference(q: torch.Tensor, kv: torch.Tensor, got: torch.Tensor) -> str:

@@ -219,8 +219,8 @@ def all_reduce_local_grads(model: torch.nn.Module, group: dist.ProcessGroup | No
     already); a missing gradient counts as zero. The parameters named in ``tp_summed`` (a replicated weight applied
     to each TP rank's own heads: the replicated key-value projections, transformers' ``replicated_with_grad_allreduce``)
     are summed over ``tp_group`` first, as is a gradient DTensor holds as a partial sum (sequence parallelism's norms).
-    The parameters whose ``id`` is in ``experts`` (this rank's experts) are summed
-    over ``expert_group`` (the ranks holding the same experts, ``edp``) instead of ``group``."""
+    The parameters whose ``id`` is in ``experts`` (this rank's experts) are summed over ``expert_group`` (the ranks
+    holding the same experts, ``edp``) instead of ``group``."""
     named = dict(model.named_parameters())
     for p in named.values():
         if p.grad is None:

@@ -146,13 +146,12 @@ class Trainer:
             summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh, plan)
         else:  # transformers' own plan; replicated weights applied per head summed over the TP group
             summed = apply_hf_tensor_parallel(model, tp_mesh)
-        self.count_group, self.grad_norm = built.groups["dp_cp"], tensor_parallel.grad_norm
         experts = set()
         if self.experts:  # each TP rank runs its expert shard whole (tensor_parallel's module doc)
             model.shard_experts(self.experts.handler().local_expert_ids)
             experts = expert_parameters(model)
-            self.grad_norm = functools.partial(tensor_parallel.grad_norm, experts=experts,
-                                               ep_group=built.groups["ep"])
+        self.count_group = built.groups["dp_cp"]
+        self.grad_norm = functools.partial(tensor_parallel.grad_norm, experts=experts, ep_group=built.groups["ep"])
         if mesh is not None:
             self.trained, self.grad_scale = shard_model(model, mesh["dp_cp"]), float(world // tp)
         else:
