@@ -23,7 +23,6 @@ from cp_handler import build_dp_cp_groups, get_cp_handler_cls
 from cp_handler.integrations.transformers import (
     CPCausalLM,
     check_transformers,
-    cp_attention,
     cp_attention_forward,
     cp_model_inputs,
     register,
@@ -132,8 +131,7 @@ def test_hf_models_match_the_unmodified_model(world):
 
 
 def test_handler_reaches_attention_per_batch_and_errors():
-    """The handler comes from the forward's kwargs or the context manager, and nothing stays active
-    after the block; no handler, an unchecked model and dropout are errors."""
+    """The handler comes from the forward's keyword; no handler, an unchecked model and dropout are errors."""
     model = build("llama", "sdpa")
     register(model)
     reference = build("llama", "sdpa")
@@ -142,8 +140,6 @@ def test_handler_reaches_attention_per_batch_and_errors():
     want = reference(tokens).logits
     inputs = cp_model_inputs(handler, tokens)
     torch.testing.assert_close(model(tokens, **inputs, cp_handler=handler).logits, want, atol=1e-6, rtol=1e-6)
-    with cp_attention(handler):
-        torch.testing.assert_close(model(tokens, **inputs).logits, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(RuntimeError, match=r"needs a handler: pass cp_handler=handler"):
         model(tokens)
     unchecked = build("llama", register())  # attn_implementation set, register(model) never called
@@ -153,15 +149,15 @@ def test_handler_reaches_attention_per_batch_and_errors():
     model.train()
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.1
-    with pytest.raises(ValueError, match=r"attention dropout=0.1 is not supported"), cp_attention(handler):
-        model(tokens, **inputs)
+    with pytest.raises(ValueError, match=r"attention dropout=0.1 is not supported"):
+        model(tokens, **inputs, cp_handler=handler)
 
 
 def _recompute_worker(rank, world):
     """Gradient checkpointing re-runs each decoder layer in the backward, after the forward (and its
-    handler's context) ended: two forwards with two handlers (bshd p2p through the keyword, thd a2a
-    through the context manager), one backward of the summed loss; each recomputed layer must use its
-    own forward's handler. Reference: the unmodified model, each batch alone, the same summed loss."""
+    handler's state) ended: two forwards with two handlers (bshd p2p, thd a2a), one backward of the summed loss;
+    each recomputed layer must use its own forward's handler. Reference: the unmodified model, each batch alone,
+    the same summed loss."""
     group = dist.new_group(list(range(world)))
     tokens = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(3))
     cu = torch.tensor([0, *torch.tensor(DOCUMENTS).cumsum(0).tolist()], dtype=torch.int32)
@@ -187,11 +183,7 @@ def _recompute_worker(rank, world):
         for handler, batch in ((first, tokens), (second, packed)):
             input_ids, labels, loss_mask = next_token_batch(handler, batch)
             inputs = cp_model_inputs(handler, input_ids)
-            if handler is first:
-                logits = model(input_ids, **inputs, cp_handler=handler, use_cache=False).logits
-            else:
-                with cp_attention(handler):
-                    logits = model(input_ids, **inputs, use_cache=False).logits
+            logits = model(input_ids, **inputs, cp_handler=handler, use_cache=False).logits
             loss = loss + masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, group)
         loss.backward()  # recomputes both forwards' layers, outside both
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -125,13 +125,12 @@ def test_attention_under_autocast_runs_in_the_autocast_dtype():
     bfloat16; the attention function casts them as autocast casts SDPA: the logits equal the unmodified model's
     under the same autocast (bfloat16 tolerance: 1.6e-2 relative, torch.testing's)."""
     from cp_handler.handlers.local import LocalContextParallelHandler
-    from cp_handler.integrations.transformers import cp_attention, cp_model_inputs, register
+    from cp_handler.integrations.transformers import cp_model_inputs, register
 
     plain, routed = cases.model("llama"), cases.model("llama")
     register(routed)
     handler, ids = LocalContextParallelHandler(), torch.randint(0, cases.VOCAB, (1, 16))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = plain(ids).logits
-        with cp_attention(handler):
-            got = routed(ids, **cp_model_inputs(handler, ids)).logits
+        got = routed(ids, **cp_model_inputs(handler, ids), cp_handler=handler).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)

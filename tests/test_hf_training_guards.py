@@ -16,7 +16,7 @@ import torch
 from cp_handler.handlers.local import LocalContextParallelHandler
 from cp_handler.integrations import hf_router_loss
 from cp_handler.integrations.hf_batch import shard_batch
-from cp_handler.integrations.transformers import cp_attention, cp_model_inputs, register
+from cp_handler.integrations.transformers import cp_model_inputs, register
 from cp_handler.runtime.config import ContextParallelConfig
 
 AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
@@ -41,11 +41,12 @@ def test_router_loss_through_the_handler_equals_transformers_with_padding():
     want = plain(ids, attention_mask=mask)
     sharded = shard_batch({"input_ids": ids, "attention_mask": mask}, ContextParallelConfig())
     scope = hf_router_loss.RouterLossScope(None, sharded.token_mask)
-    with cp_attention(sharded.handler), hf_router_loss.router_loss_scope(scope):
-        got = routed(**sharded.inputs)
+    with hf_router_loss.router_loss_scope(scope):
+        got = routed(**sharded.inputs, cp_handler=sharded.handler)
     torch.testing.assert_close(got.aux_loss, want.aux_loss, rtol=1e-6, atol=0)
-    with torch.no_grad(), cp_attention(sharded.handler):  # the control: padding rows counted
-        assert not torch.allclose(routed(**sharded.inputs).aux_loss, want.aux_loss, rtol=1e-5, atol=0)
+    with torch.no_grad():  # the control: padding rows counted
+        assert not torch.allclose(routed(**sharded.inputs, cp_handler=sharded.handler).aux_loss, want.aux_loss,
+                                  rtol=1e-5, atol=0)
     want.aux_loss.backward()
     got.aux_loss.backward()
     for (name, a), b in zip(plain.named_parameters(), routed.parameters(), strict=True):
@@ -68,8 +69,7 @@ def test_a_router_loss_cp_handler_does_not_know_is_refused(monkeypatch):
     register(model)  # the loss is off: the model runs
     handler, ids = LocalContextParallelHandler(), torch.randint(1, 100, (1, 8))
     with pytest.raises(ValueError, match=r"its forward returned an aux_loss that cp_handler did not compute"):
-        with cp_attention(handler):
-            model(ids, **cp_model_inputs(handler, ids), output_router_logits=True)
+        model(ids, **cp_model_inputs(handler, ids), output_router_logits=True, cp_handler=handler)
 
 
 def test_a_bidirectional_model_and_an_encoder_decoder_are_not_trained(tmp_path):
@@ -96,7 +96,5 @@ def test_a_forward_keeping_a_cache_names_the_remedy():
     register(model)
     handler, ids = LocalContextParallelHandler(), torch.randint(1, 100, (1, 8))
     with pytest.raises(ValueError, match=r"use_cache=True under context parallelism.*pass use_cache=False"):
-        with cp_attention(handler):
-            model(ids, **cp_model_inputs(handler, ids), use_cache=True)
-    with cp_attention(handler):
-        assert model(ids, **cp_model_inputs(handler, ids)).past_key_values is None
+        model(ids, **cp_model_inputs(handler, ids), use_cache=True, cp_handler=handler)
+    assert model(ids, **cp_model_inputs(handler, ids), cp_handler=handler).past_key_values is None

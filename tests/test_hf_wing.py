@@ -1,8 +1,8 @@
 """The Hugging Face wing's plumbing (issue 51): how the handler reaches the attention function, how often a mask
 is probed, and where hooks go.
 
-* The handler travels in the forward's keyword arguments (``cp_handler``) to the attention function, given as a
-  keyword or by ``cp_attention(handler)``; a model whose decoder layers drop them (StableLM) gets it from its mask.
+* The handler travels in the forward's keyword arguments (``cp_handler``, its one channel) to the attention
+  function; a model whose decoder layers drop them (StableLM) gets it from its mask; a forward without it raises.
 * Each mask is classified once per forward and never from another forward's answer: two batches with the same
   layout whose masks read other contents are classified apart (the negative case), a global or an object's state
   changed between calls is read as it is now; past 4,096 positions the probe stays within its bound and still
@@ -21,7 +21,7 @@ from test_hf_integration import build
 from cp_handler import get_cp_handler_cls
 from cp_handler.integrations import hf_attention, hf_mask
 from cp_handler.integrations.hf_model import recompute_hosts
-from cp_handler.integrations.transformers import cp_attention, cp_model_inputs, register
+from cp_handler.integrations.transformers import cp_model_inputs, register
 
 WINDOW = 4  # read as a global by _global_window_mask
 
@@ -68,8 +68,9 @@ def test_llama_decoder_layers_get_no_hooks_and_hybrid_mixers_one_pair():
 
 @pytest.mark.parametrize("name, source", [("llama", "keyword"), ("stablelm", "mask")])
 def test_attention_takes_the_handler_from_its_call(monkeypatch, name, source):
-    """Given as a keyword or by the context manager, the handler reaches the attention function in the
-    forward's keyword arguments; StableLM's decoder layers drop them, its mask carries the handler."""
+    """Given as the forward's keyword, the handler reaches the attention function in the forward's keyword
+    arguments; StableLM's decoder layers drop them, its mask carries the handler. A forward without the keyword
+    reaches no handler (no scope stands in for it) and raises."""
     seen = []
     call_handler = hf_attention.call_handler
 
@@ -84,9 +85,10 @@ def test_attention_takes_the_handler_from_its_call(monkeypatch, name, source):
     handler = _handler()
     with torch.no_grad():
         model(tokens, **cp_model_inputs(handler, tokens), cp_handler=handler)
-        with cp_attention(handler):
+        assert seen == [source] * model.config.num_hidden_layers
+        with pytest.raises(RuntimeError, match=r"needs a handler: pass cp_handler=handler"):
             model(tokens, **cp_model_inputs(handler, tokens))
-    assert seen == [source] * (2 * model.config.num_hidden_layers)
+    assert seen[model.config.num_hidden_layers:] == ["none"]
 
 
 def test_each_forward_probes_its_mask_once(probes):

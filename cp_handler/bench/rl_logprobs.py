@@ -55,7 +55,7 @@ def measure(tokens: int, shape: dict = SHAPE) -> list[dict]:
 
     from ..integrations.hf_batch import shard_batch
     from ..integrations.hf_fused_head import install_cp_fused_head
-    from ..integrations.transformers import cp_attention, register
+    from ..integrations.transformers import register
     from ..runtime.config import ContextParallelConfig
 
     cp = dist.get_world_size()
@@ -76,8 +76,7 @@ def measure(tokens: int, shape: dict = SHAPE) -> list[dict]:
     def plain():
         sharded = shard_batch({"input_ids": ids, "labels": labels}, config, dist.group.WORLD)
         inputs = {k: v for k, v in sharded.inputs.items() if k not in ("labels", "shift_labels")}
-        with cp_attention(sharded.handler):
-            logits = model(**inputs, use_cache=False).logits.float()
+        logits = model(**inputs, use_cache=False, cp_handler=sharded.handler).logits.float()
         local = sharded.inputs["shift_labels"]
         logp = torch.log_softmax(logits, -1).gather(-1, local.clamp(min=0)[..., None])[..., 0]
         return -(logp * (local != -100)).sum()

@@ -6,8 +6,10 @@ keyword arguments cannot be given it: the mask function (:mod:`.hf_mask`), the r
 the mixer routes (:mod:`.hf_mixers`) and the load-balancing loss function (:mod:`.hf_router_loss`). They read
 :class:`ForwardState`, the one context variable of the integration: the forward's handler, what its layers
 recorded (:class:`ForwardRecord`), how its router loss is computed, and whether a fused LM head's call runs on the
-shards. The model's forward hook sets it for the forward (:mod:`.hf_model`), :func:`forward_scope` for a block (the
-trainers, ``cp_attention``), and in a layer recomputed in the backward the recompute hook of a module inside it.
+shards. The model's forward hook sets it for the forward (:mod:`.hf_model`, from the ``cp_handler`` keyword: the
+handler's one channel into a model, never read back from this state), :func:`forward_scope` the router loss and
+fused-head fields for a block (the trainers, the fused head) and the handler for a mixer probed alone
+(:func:`handler_context`), and in a layer recomputed in the backward the recompute hook of a module inside it.
 The bottom of the integration: it imports nothing of it."""
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     handler = call_handler(cp_handler, attention_mask)
     if handler is None:
         raise RuntimeError("attn_implementation='cp_handler' needs a handler: pass cp_handler=handler to the "
-                           "model's forward or run it inside `with cp_attention(handler):`")
+                           "model's forward")
     if not getattr(module, "_cp_handler_prepared", False):
         raise ValueError(f"{type(module).__name__}: this model was not checked for context parallelism: call "
                          "cp_handler.integrations.transformers.register(model) once before running it")

@@ -10,7 +10,6 @@ from torch import nn
 
 from ..handlers.registry import build_cp_handler
 from ..runtime.config import ContextParallelConfig
-from .hf_active import handler_context
 from .hf_inputs import cp_model_inputs, text_config
 
 
@@ -40,8 +39,8 @@ def check_causal(model: nn.Module, tokens: int = 8) -> None:
     model.eval()
     try:
         # eager even when compiled: a compiled layer's attention records no layer (:mod:`.hf_model`)
-        with torch.no_grad(), handler_context(handler), torch.compiler.set_stance("force_eager"):
-            model(input_ids=ids, **cp_model_inputs(handler, ids), use_cache=False)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            model(input_ids=ids, **cp_model_inputs(handler, ids), use_cache=False, cp_handler=handler)
     finally:
         model.train(was_training)
     bidirectional = sorted(str(layer) for layer, kind in model.__dict__.get("_cp_mask_types", {}).items()

@@ -197,8 +197,8 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
                     "shift_labels": inputs["shift_labels"],
                     **{k: kwargs[k] for k in ("use_cache", "output_router_logits") if kwargs.get(k) is not None}}
     scope = RouterLossScope(cp_group, sharded.token_mask, "replicated")
-    with forward_scope(handler=handler, router_loss=scope, fused_head_on_shard=True):
-        out = model(fused_lm_head=True, **model_kwargs)
+    with forward_scope(router_loss=scope, fused_head_on_shard=True):
+        out = model(fused_lm_head=True, cp_handler=handler, **model_kwargs)
     # step 4: combined, back in the rows' places
     cp = handler.cp_size
     back = torch.arange(width_out, device=input_ids.device)[None] - first[:, None]

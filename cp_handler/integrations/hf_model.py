@@ -12,9 +12,10 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
   attention layer in a model without routed mixers is refused, naming the module or layer: such a mixer
   would see only this rank's shard.
 * **Every forward** (two hooks on the model, public ``register_forward_pre_hook`` / ``register_forward_hook``
-  APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword or from an active
-  ``cp_attention(handler)``, made the active handler for the forward (:mod:`.hf_active`), and kept in (or
-  put into) the forward's keyword arguments when the model's forward takes extra ones: transformers passes
+  APIs, no monkeypatching): the handler is taken from the ``cp_handler=`` keyword (its one channel: a forward
+  without it runs no CP, and its attention raises), made the active handler for the forward (:mod:`.hf_active`,
+  for the callbacks transformers makes without the keyword arguments), and kept in the forward's keyword
+  arguments when the model's forward takes extra ones: transformers passes
   them on through the decoder layers to the attention function (every model of tests/test_hf_zoo.py that runs
   but StableLM and Nemotron, whose decoder layers drop them: their attention takes the handler of the forward
   that built its mask). The attention calls are recorded, and when the forward ends every decoder layer must
@@ -166,8 +167,8 @@ def check_route_inputs(model: nn.Module, tokens: int = 16, gap: int = 5) -> None
                "cache_position": inputs["cache_position"] + gap * jump}
     model.eval()
     try:
-        with torch.no_grad(), handler_context(handler):
-            own, routed, moved = (model(input_ids=ids, **kwargs, use_cache=False).logits.float()
+        with torch.no_grad():
+            own, routed, moved = (model(input_ids=ids, **kwargs, use_cache=False, cp_handler=handler).logits.float()
                                   for kwargs in ({"attention_mask": inputs["attention_mask"]}, inputs, shifted))
         ignores_positions = torch.equal(moved, routed) and not _takes_no_positions(model, ids)  # bitwise: no change
     finally:
@@ -195,10 +196,9 @@ def _takes_no_positions(model: nn.Module, ids: torch.Tensor) -> bool:
     packed = _two_documents(ids.shape[1], first)
     alone, rest = build_cp_handler(ContextParallelConfig()), ids[:, first:]
     with torch.no_grad():
-        with handler_context(packed):
-            together = model(input_ids=ids, **cp_model_inputs(packed, ids), use_cache=False).logits[:, first:]
-        with handler_context(alone):
-            apart = model(input_ids=rest, **cp_model_inputs(alone, rest), use_cache=False).logits
+        together = model(input_ids=ids, **cp_model_inputs(packed, ids), use_cache=False,
+                         cp_handler=packed).logits[:, first:]
+        apart = model(input_ids=rest, **cp_model_inputs(alone, rest), use_cache=False, cp_handler=alone).logits
     return bool((together - apart).abs().max() <= 1e-4 * apart.abs().max())
 
 
@@ -267,14 +267,14 @@ def recompute_hosts(model: nn.Module, skip: frozenset = frozenset()) -> list[nn.
 
 
 def _model_pre_hook(model, args, kwargs, last: dict):
-    """The forward's handler (module doc): the ``cp_handler`` keyword, else the active one; made active for the
+    """The forward's handler (module doc): the ``cp_handler`` keyword, its one channel; made active for the
     forward (the mask function, rotary hooks, mixer routes and router loss read it) and, when the model's
     forward takes extra keyword arguments, left in them: transformers passes them on through the decoder
     layers to the attention function (a recomputed layer gets them again). Under a handler a cache is refused by
     its type, whatever the argument's name (:mod:`.hf_cache`), as is ``use_cache=True``; without ``use_cache`` the
     forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard). At cp > 1,
     ``labels`` without ``shift_labels`` are refused (the model would shift its shard's labels)."""
-    handler = kwargs.pop("cp_handler", None) or active_handler()
+    handler = kwargs.pop("cp_handler", None)
     last["running"] = last.get("running", 0) + 1
     if handler is None:
         return args, kwargs

@@ -44,8 +44,6 @@ the mixin relies on is probed when a trainer is built (:func:`check_token_count`
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -54,7 +52,6 @@ from .hf_batch import shard_batch
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .hf_trainer_base import LOSS_NORMALIZATIONS, ContextParallelArguments, ContextParallelTrainerBase
 from .hf_vlm import check_loss_kwargs, is_vision_language
-from .transformers import cp_attention
 
 __all__ = ["LOSS_NORMALIZATIONS", "OLDEST_TRL", "ContextParallelArguments", "ContextParallelMixin",
            "ContextParallelTrainerBase", "check_token_count"]
@@ -132,11 +129,14 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         return {**inputs, "num_items_in_batch": count / self.get_cp_size()}, None
 
     def _counted(self, sharded, num_items_in_batch, training: bool):
-        """The inputs and ``num_items_in_batch`` of Trainer's step under :attr:`loss_normalization`."""
+        """The inputs and ``num_items_in_batch`` of Trainer's step under :attr:`loss_normalization`; the inputs
+        carry the batch's handler as ``cp_handler`` (Trainer's and TRL's ``compute_loss`` call ``model(**inputs)``:
+        the keyword is the handler's one channel to the model)."""
+        inputs = {**sharded.inputs, "cp_handler": sharded.handler}
         if self.loss_normalization == "global_token_count" or sharded.shift_labels is None:
-            return sharded.inputs, num_items_in_batch
+            return inputs, num_items_in_batch
         count = (sharded.shift_labels != -100).sum().to(self.args.device)
-        return self._micro_batch_count(sharded.inputs, count, training)
+        return self._micro_batch_count(inputs, count, training)
 
     def _refused_arguments(self, args, arguments: dict) -> list[str]:
         refused = super()._refused_arguments(args, arguments)
@@ -166,13 +166,11 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
                            vision_language=self.vision_language)
 
-    @contextlib.contextmanager
     def _under(self, sharded):
-        """The batch's handler active, its real tokens known to the router loss (over the CP group:
-        :mod:`.hf_router_loss`) and to :meth:`compute_loss`."""
-        scope = RouterLossScope(self.cp_groups.cp_group, sharded.token_mask, self.router_loss_convention)
-        with cp_attention(sharded.handler), router_loss_scope(scope):
-            yield
+        """The batch's real tokens known to the router loss (over the CP group: :mod:`.hf_router_loss`) and to
+        :meth:`compute_loss` inside the block (the handler rides in the inputs: :meth:`_counted`)."""
+        return router_loss_scope(RouterLossScope(self.cp_groups.cp_group, sharded.token_mask,
+                                                 self.router_loss_convention))
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on this rank's shard of the batch, under its handler."""
@@ -215,7 +213,7 @@ class ContextParallelMixin(ContextParallelTrainerBase):
                     dist.all_reduce(loss, group=self.cp_groups.cp_group)
                 loss = loss / self.get_cp_size()
             else:
-                loss, outputs = None, model(**{k: v for k, v in sharded.inputs.items() if k != "labels"})
+                loss, outputs = None, model(**{k: v for k, v in local.items() if k != "labels"})
         if prediction_loss_only:
             return loss, None, None
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1 if has_labels else 0]

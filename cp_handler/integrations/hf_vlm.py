@@ -41,7 +41,7 @@ from torch import nn
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..runtime.config import ContextParallelConfig
-from .hf_active import active_handler, handler_context, set_forward_token_mask
+from .hf_active import active_handler, set_forward_token_mask
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
@@ -235,9 +235,9 @@ def check_loss_kwargs(model: nn.Module, tokens: int = 8) -> None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), handler_context(build_cp_handler(ContextParallelConfig())):
+        with torch.no_grad():
             out = model(input_ids=ids, labels=ids, shift_labels=shift, num_items_in_batch=count, use_cache=False,
-                        **router_off)
+                        cp_handler=build_cp_handler(ContextParallelConfig()), **router_off)
     finally:
         model.train(was_training)
     want = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), shift.flatten(), reduction="sum") / count

@@ -3,9 +3,9 @@
 ``register(model)`` adds an attention function and a mask function, ``"cp_handler"``, to
 transformers' ``AttentionInterface`` / ``AttentionMaskInterface`` (no monkeypatching), switches the
 model to them, checks it and watches its forwards (:mod:`.hf_model`). Every attention layer then runs
-through the forward's handler's ``core_attn``; the handler comes per batch: the ``cp_handler=`` keyword of
-the model's forward, or ``with cp_attention(handler):`` (transformers passes it on to the attention function
-in the forward's keyword arguments, :mod:`.hf_attention`). No handler is an error, never plain attention::
+through the forward's handler's ``core_attn``; the handler comes per batch, as the ``cp_handler=`` keyword of the
+model's forward, its one channel (transformers passes it on to the attention function in the forward's keyword
+arguments, :mod:`.hf_attention`). No handler is an error, never plain attention::
 
     model = AutoModelForCausalLM.from_config(config)
     register(model)
@@ -42,7 +42,6 @@ from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..handlers.requirements import release
 from ..runtime.config import ContextParallelConfig
-from .hf_active import handler_context
 from .hf_attention import cp_attention_forward
 from .hf_causal import check_causal
 from .hf_inputs import cp_model_inputs, text_config
@@ -148,13 +147,6 @@ def check_architecture(config) -> None:
 
 
 @contextlib.contextmanager
-def cp_attention(handler: ContextParallelHandler):
-    """Route the attention of ``"cp_handler"`` models through ``handler`` inside the block."""
-    with handler_context(handler):
-        yield handler
-
-
-@contextlib.contextmanager
 def own_attention(model: torch.nn.Module, implementation: str):
     """Inside the block, ``model`` (registered) runs its own attention ``implementation`` (``"sdpa"``, ``"eager"``...)
     instead of cp_handler's: generation of an RL trainer's completions, outside CP. Switched back to
@@ -215,8 +207,8 @@ class CPCausalLM(torch.nn.Module):
             cp_handler = build_cp_handler(ContextParallelConfig())
         if output is not None and not self.head_refusal:
             return output(self.head, self.hidden(input_ids, cp_handler))
-        with cp_attention(cp_handler):
-            logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False).logits
+        logits = self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False,
+                            cp_handler=cp_handler).logits
         return logits if output is None else output(_identity, logits)
 
     @property
@@ -234,8 +226,8 @@ class CPCausalLM(torch.nn.Module):
 
         handle = self.model.get_output_embeddings().register_forward_pre_hook(take)
         try:
-            with cp_attention(cp_handler):
-                self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False)
+            self.model(input_ids=input_ids, **cp_model_inputs(cp_handler, input_ids), use_cache=False,
+                       cp_handler=cp_handler)
         finally:
             handle.remove()
         return captured["hidden"]
