@@ -8,11 +8,18 @@ type, one query-head slot per rank, key-value heads the CP size does not divide,
 Tolerances: none (bitwise).
 """
 
+import json
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
+from conftest import HANG_GUARD_S
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler import LocalContextParallelHandler
+from cp_handler.cli.args import build_parser, validate
 
 S, D = 384, 16  # 384 tokens: a multiple of 2 x cp for every cp of the file (zigzag chunks)
 CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window, qkv_format)
@@ -107,3 +114,67 @@ def test_what_the_mode_does_not_make_bitwise_is_refused_by_name():
     with pytest.raises(ValueError, match="deterministic=True with qkv_format='thd': packed documents are padded"):
         LocalContextParallelHandler(cp_group=None, deterministic=True, qkv_format="thd",
                                     cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
+
+
+TRAIN = ["--steps", "3", "--seq-len", "128", "--hidden-size", "64", "--num-heads", "8", "--num-kv-heads", "8",
+         "--ffn-hidden-size", "128", "--max-corpus-bytes", "2000000"]
+
+
+def _losses(tmp_path, cp: int, *flags) -> list[float]:
+    """Every step's loss of ``cp-train`` at ``--cp-size cp`` (cp ranks), read from ``--metrics-out`` (a float64
+    written by ``repr``: every bit of the float32 loss survives JSON)."""
+    out = tmp_path / f"metrics-{cp}-{len(flags)}.json"
+    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--nproc", str(cp), "--cp-size", str(cp),
+                             *TRAIN, *flags, "--metrics-out", str(out)], capture_output=True, text=True,
+                            timeout=HANG_GUARD_S)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [step["loss"] for step in json.loads(out.read_text())["steps"]]
+
+
+def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
+    bitwise, the loss summed over the whole sequence in one order; the steps after the first start from parameters
+    whose gradients may differ by float32 reordering, equal here: measured). Negative control: the default mode at
+    cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so the comparison can fail."""
+    want = _losses(tmp_path, 1, "--deterministic")
+    assert _losses(tmp_path, 2, "--deterministic") == want
+    assert _losses(tmp_path, 4, "--deterministic") == want
+    default = _losses(tmp_path, 4)
+    assert default != want
+    assert max(abs(a - b) / b for a, b in zip(default, want, strict=True)) < 1e-5  # float32 reordering only
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a only"),
+    (["--packing", "thd"], "--deterministic with --packing thd"),
+    (["--tp-size", "2"], "--deterministic with --tp-size: not implemented"),
+    (["--num-heads", "2", "--num-kv-heads", "2"], "with --cp-size 2: deterministic=True with 2 query heads over a CP "
+                                                  "group of 2"),
+])
+def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
+    argv = ["--nproc", "2", "--cp-size", "2", *TRAIN[:-2], "--deterministic", *flags]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        validate(build_parser().parse_args(argv))
+
+
+def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
+    """``ContextParallelConfig(deterministic=True)``: the local handler in the mode; another comm type at cp > 1, thd,
+    a value that is not a bool and a backend without the mode refused by name."""
+    from cp_handler import ContextParallelConfig, build_cp_handler
+    from cp_handler.handlers.base import ContextParallelHandler
+
+    assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
+    assert not build_cp_handler(ContextParallelConfig()).deterministic
+    with pytest.raises(ValueError, match=r"deterministic=True runs cp_comm_type='a2a' only, not \['p2p'\]"):
+        ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
+    with pytest.raises(ValueError, match=r"deterministic=True with qkv_format='thd'"):
+        ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
+    with pytest.raises(ValueError, match=r"deterministic=1 must be True or False"):
+        ContextParallelConfig(deterministic=1)
+
+    class WithoutTheMode(ContextParallelHandler):
+        def attend(self, call):
+            raise AssertionError("never reached")
+
+    with pytest.raises(ValueError, match=r"backend 'local' \(WithoutTheMode\) does not implement the deterministic"):
+        WithoutTheMode.from_config(ContextParallelConfig(deterministic=True))

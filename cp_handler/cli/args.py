@@ -70,9 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto",
                    help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
                         "local, transformer_engine, magi, or any registered name")
-    g.add_argument("--cp-comm-type", default="p2p",
+    g.add_argument("--cp-comm-type", default=None,
                    help=f"one of {', '.join(CP_COMM_TYPES)}, auto (chosen per batch from --cp-comm-profile), or a "
-                        "comma-separated list with one per layer")
+                        "comma-separated list with one per layer; default p2p (a2a with --deterministic)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="attention, logits and loss bitwise the same at every --cp-size (docs/deterministic.md): "
+                        "the Ulysses all-to-all (--cp-comm-type a2a), bshd, --backend local, the reference GPT; "
+                        "parameter gradients within float32 reordering")
     g.add_argument("--cp-comm-profile", default=None, metavar="NAME_OR_JSON",
                    help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
                         "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")
@@ -204,6 +208,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         ValueError / TypeError / ImportError / RuntimeError: naming the flag and the rule.
     """
     check_positive(args)
+    check_deterministic(args)
     check_resume_folder(args)  # first: a missing folder is named at once, not after the data is read and hashed
     lr_decay_steps = check_lr_schedule(args)
     world = world_size_from(args)
@@ -229,6 +234,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         qkv_format=packing,
         num_layers=model.num_layers if model else hf_layers(args),
         cp_comm_profile=args.cp_comm_profile,
+        deterministic=args.deterministic,
     )
     check_seq_len(args.seq_len, cp_size, packing)
     check_moe_flags(args)
@@ -277,6 +283,38 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         export_hf=args.export_hf, allow_data_change=args.allow_data_change,
     )
     return check_checkpoints(args, config)
+
+
+DETERMINISTIC_REFUSED = {
+    "tp_size": "the row-parallel layers' all-reduce sums partial products in the TP group's order",
+    "dynamic_cp": "documents are packed (thd) and their CP groups change per micro-batch",
+    "hf_model": "the mode is tested with the reference GPT only",
+    "hf_config": "the mode is tested with the reference GPT only",
+    "moe_experts": "the mode is tested with dense layers only",
+}
+"""Flags ``--deterministic`` does not combine with, and why (each refused by name)."""
+
+
+def check_deterministic(args: argparse.Namespace) -> None:
+    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), ``--packing bshd``, and
+    none of :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
+    if not args.deterministic:
+        args.cp_comm_type = args.cp_comm_type or "p2p"
+        return
+    args.cp_comm_type = args.cp_comm_type or "a2a"
+    others = [t.strip() for t in args.cp_comm_type.split(",") if t.strip() != "a2a"]
+    if others and args.cp_size != 1:
+        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a only (the "
+                         "other patterns merge partial softmax results and sum dK / dV in an order that follows the "
+                         "CP group); drop --cp-comm-type or pass a2a")
+    if args.packing == "thd":
+        raise ValueError("--deterministic with --packing thd: packed documents are padded to a multiple of 2 x cp, "
+                         "which changes the blocks the kernel runs; use --packing bshd")
+    for name, why in DETERMINISTIC_REFUSED.items():
+        value = getattr(args, name, None)
+        if value and not (name == "tp_size" and value == 1):
+            raise ValueError(f"--deterministic with --{name.replace('_', '-')}: not implemented ({why}); drop one of "
+                             "them")
 
 
 def check_tp_flags(args: argparse.Namespace, world: int) -> int:

@@ -8,6 +8,7 @@ the identity or plain attention, so one model file runs alone and context-parall
 
 from __future__ import annotations
 
+import inspect
 from abc import ABCMeta, abstractmethod
 
 import torch
@@ -161,6 +162,11 @@ class ContextParallelHandler(metaclass=ABCMeta):
         :func:`~cp_handler.handlers.registry.build_cp_handler`); ``batch``: ``cu_seqlens`` (and
         ``qkv_format``, default the config's), and any argument this class takes."""
         batch.setdefault("qkv_format", config.qkv_format)
+        if config.deterministic:
+            if "deterministic" not in inspect.signature(cls.__init__).parameters:
+                raise ValueError(f"deterministic=True: backend {config.backend!r} ({cls.__name__}) does not implement "
+                                 "the deterministic mode (the 'local' backend does)")
+            batch["deterministic"] = True
         return cls(cp_group=cp_group, cp_comm_type=config.cp_comm_type, hierarchical_cp_groups=hierarchical_cp_groups,
                    **batch)
 

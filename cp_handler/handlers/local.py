@@ -179,6 +179,20 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 LOG.info("%s; profile %r", choice.describe(), profile.name)
         return choice.comm_type
 
+    @classmethod
+    def check_config(cls, config, attn_shape=None, dtype=None) -> None:
+        """The deterministic mode's head rules (:func:`deterministic_heads_refusal`), before any rank starts, when
+        the model's ``attn_shape`` is known (else at the first call).
+
+        Raises:
+            ValueError: naming the head counts and the CP size.
+        """
+        if config.deterministic and attn_shape is not None:
+            refusal = deterministic_heads_refusal(attn_shape.num_heads, attn_shape.num_kv_heads,
+                                                  config.context_parallel_size)
+            if refusal:
+                raise ValueError(refusal)
+
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.core.masks, ops.sinks)
 
@@ -190,16 +204,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if call.q.device.type != "cpu":
                 raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
                                  "GPU path is pending a GPU run)")
-            if self.cp_size > 1 and heads <= self.cp_size:
-                raise ValueError(f"deterministic=True with {heads} query heads over a CP group of {self.cp_size}: "
-                                 "each rank needs at least 2 query head slots (heads > cp; with one, the block "
-                                 "kernel's matrix products read a contiguous operand and take another path: results "
-                                 "1 ulp apart, measured)")
-            if heads != kv_heads and kv_heads % self.cp_size:
-                raise ValueError(f"deterministic=True with {kv_heads} key-value heads over a CP group of "
-                                 f"{self.cp_size}: a key-value head's query heads would sit on several ranks and its "
-                                 "gradient be summed over them in the group's order; use a CP size that divides the "
-                                 "key-value heads")
+            refusal = deterministic_heads_refusal(heads, kv_heads, self.cp_size)
+            if refusal:
+                raise ValueError(refusal)
         if self.kv_cache is not None and not call.mask.causal:
             raise ValueError(f"kv_cache: layer {call.layer if call.layer is not None else '?'} attends bidirectionally "
                              "(attn_mask_type='no_mask'): a KV cache holds keys and values that later tokens do not "
@@ -235,3 +242,17 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler
 """The name the local handler had when ``"a2a+p2p"`` was a class of its own; the same class."""
+
+
+def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:
+    """Why the deterministic mode refuses ``heads`` query and ``kv_heads`` key-value heads over a CP group of
+    ``cp_size`` (``None``: it runs them bitwise; the rules were measured, docs/deterministic.md)."""
+    if cp_size > 1 and heads <= cp_size:
+        return (f"deterministic=True with {heads} query heads over a CP group of {cp_size}: each rank needs at least "
+                "2 query head slots (heads > cp; with one, the block kernel's matrix products read a contiguous "
+                "operand and take another path: results 1 ulp apart, measured)")
+    if heads != kv_heads and kv_heads % cp_size:
+        return (f"deterministic=True with {kv_heads} key-value heads over a CP group of {cp_size}: a key-value head's "
+                "query heads would sit on several ranks and its gradient be summed over them in the group's order; "
+                "use a CP size that divides the key-value heads")
+    return None

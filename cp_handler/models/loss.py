@@ -32,10 +32,15 @@ def next_token_batch(
     return input_ids, labels, loss_mask
 
 
+def masked_token_losses(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy (float32) of every token, zero where ``loss_mask`` is 0: flat, ``(tokens,)``."""
+    losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+    return losses * loss_mask.flatten()
+
+
 def masked_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sum of cross-entropy (float32) over the tokens where ``loss_mask`` is 1."""
-    losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
-    return (losses * loss_mask.flatten()).sum()
+    return masked_token_losses(logits, labels, loss_mask).sum()
 
 
 AUTO_CHUNK_TOKENS = 4096
@@ -80,17 +85,46 @@ def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: 
     return sum(checkpointed_chunks(chunk_sum, chunk_tokens, flat, labels, loss_mask))
 
 
+def canonical_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor, handler,
+                       chunk_tokens: int | None = None) -> torch.Tensor:
+    """The float32 sum of the masked token losses of the whole sequence, bitwise the same on every rank of the CP
+    group and at every CP degree when the per-token losses are (the deterministic mode, docs/deterministic.md):
+    each rank's ``(B, S_local)`` losses are put in global order over the group (``handler.combine``, whose backward
+    keeps this rank's tokens) and summed one token after another in that order (a cumulative sum: an order that
+    depends on neither the group nor the thread count). One all-gather of ``B x S`` floats per call.
+
+    Args:
+        hidden / head / labels / loss_mask / chunk_tokens: as :func:`token_loss_sum`.
+        handler: the forward's CP handler (``combine`` over its group; the identity at cp = 1).
+
+    Returns:
+        float32 scalar: the whole sequence's sum (the group's, not this rank's share).
+    """
+    flat, rows = hidden.flatten(0, -2), labels.shape
+    if chunk_tokens is None:
+        losses = masked_token_losses(head(hidden), labels, loss_mask)
+    else:
+        losses = torch.cat(checkpointed_chunks(lambda h, lab, mask: masked_token_losses(head(h), lab, mask),
+                                               chunk_tokens, flat, labels.flatten(), loss_mask.flatten()))
+    return handler.combine(losses.view(rows), 1).flatten().cumsum(0)[-1]
+
+
 @dataclass(frozen=True)
 class TokenLoss:
     """A model's ``output`` (the model protocol: ``model(input_ids, cp_handler=..., output=TokenLoss(...))``): the
     float32 sum of the masked token losses, :func:`token_loss_sum` of the model's ``head`` and last hidden states,
-    the whole logits never held when ``chunk_tokens`` is set. ``labels`` / ``loss_mask``: ``(B, S_local)``."""
+    the whole logits never held when ``chunk_tokens`` is set. ``labels`` / ``loss_mask``: ``(B, S_local)``.
+    ``canonical``: the forward's handler in the deterministic mode: the whole sequence's sum on every rank of the
+    group, in one order at every CP degree (:func:`canonical_loss_sum`); ``None``: this rank's tokens' sum."""
 
     labels: torch.Tensor
     loss_mask: torch.Tensor
     chunk_tokens: int | None = None
+    canonical: object = None
 
     def __call__(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        if self.canonical is not None:
+            return canonical_loss_sum(hidden, head, self.labels, self.loss_mask, self.canonical, self.chunk_tokens)
         return token_loss_sum(hidden, head, self.labels, self.loss_mask, self.chunk_tokens)
 
 

@@ -111,10 +111,17 @@ class ContextParallelConfig:
     of ``cp-bench --calibrate``; ``None``: the device's default (:func:`cp_handler.auto.catalog.default_profile`).
     Only with ``"auto"``; refused when it does not cover ``context_parallel_size``."""
 
+    deterministic: bool = False
+    """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): the Ulysses
+    all-to-all (``cp_comm_type="a2a"``; any at cp 1) with bshd / sbhd, on a backend that implements the mode
+    (``"local"``); the loss summed in one order over the whole sequence. Parameter gradients stay within float32
+    reordering (not bitwise)."""
+
     def __post_init__(self) -> None:
         self._check_size()
         self._check_comm_types()
         self._check_hierarchy()
+        self._check_deterministic()
         if self.qkv_format not in QKV_FORMATS:
             raise ValueError(f"qkv_format={self.qkv_format!r} is not one of {QKV_FORMATS}")
         if not isinstance(self.backend, str) or not self.backend:
@@ -151,6 +158,20 @@ class ContextParallelConfig:
                              f"cp_comm_type ({', '.join(HIERARCHICAL_COMM_TYPES)}) or by "
                              f"'auto' (which may pick one); "
                              f"cp_comm_type={self.cp_comm_type!r} has none: drop it")
+
+    def _check_deterministic(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
+        if not self.deterministic:
+            return
+        others = [t for t in self.comm_types if t != "a2a"]
+        if self.context_parallel_size > 1 and others:
+            raise ValueError(f"deterministic=True runs cp_comm_type='a2a' only, not {others}: the other patterns merge "
+                             "partial softmax results and sum dK / dV in an order that follows the CP group "
+                             "(docs/deterministic.md)")
+        if self.qkv_format == "thd":
+            raise ValueError("deterministic=True with qkv_format='thd': packed documents are padded to a multiple of "
+                             "2 x cp, which changes the blocks the kernel runs; use bshd or sbhd")
 
     @property
     def comm_types(self) -> list[str]:

@@ -42,7 +42,8 @@ def eval_config(train: ContextParallelConfig, eval_context_parallel_size: int,
         sizes = list(train_sizes)
     return ContextParallelConfig(context_parallel_size=eval_context_parallel_size, cp_comm_type=train.cp_comm_type,
                                  hierarchical_context_parallel_sizes=sizes, backend=train.backend,
-                                 qkv_format=train.qkv_format, num_layers=train.num_layers)
+                                 qkv_format=train.qkv_format, num_layers=train.num_layers,
+                                 deterministic=train.deterministic)
 
 
 def check_eval_layout(world_size: int, config: ContextParallelConfig, seq_len: int) -> None:

@@ -102,7 +102,9 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
     FSDP2 average gradients over the world: the world size); gradients synchronised after the last part only
     (:func:`gradient_sync`). MoE models add each micro-batch's load-balancing loss divided by the number of parts
     (Megatron-LM's convention). Returns this rank's share of the step's loss (float64, detached; zero on ``device``
-    for a rank without parts)."""
+    for a rank without parts); in the deterministic mode (``config.cp.deterministic``) every rank of a CP group holds
+    the group's whole loss, summed in one order (:func:`~cp_handler.models.loss.canonical_loss_sum`; its backward
+    gives each rank its own tokens' gradient, as without the mode)."""
     chunk_of = loss_chunks(model, config)
     loss = None
     parts = list(parts) if experts else parts  # the load-balancing losses are averaged over the parts
@@ -113,8 +115,9 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
         handler, input_ids, labels, loss_mask = current
         with gradient_sync(model, following is None), activations_kept(config):
             moe = experts.handler() if experts else None
+            canonical = handler if config.cp.deterministic else None  # the group's whole sum, in one order
             share = model(input_ids, cp_handler=handler, moe_handler=moe,
-                          output=TokenLoss(labels, loss_mask, chunk_of(input_ids))) / total
+                          output=TokenLoss(labels, loss_mask, chunk_of(input_ids), canonical)) / total
             if moe:
                 share = share + sum(moe.aux_losses) / len(parts)
             (share * grad_scale).backward()

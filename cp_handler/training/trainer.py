@@ -207,6 +207,8 @@ class Trainer:
         elif self.config.dynamic:
             all_reduce_grads(list(self.trained.parameters()))
         dist.all_reduce(loss, group=self.count_group)  # every share of one TP position: the global batch's loss
+        if self.config.cp.deterministic:  # each CP rank held its group's whole loss: cp equal terms, exact in float64
+            loss = loss / self.config.cp.context_parallel_size
         if not math.isfinite(loss.item()):
             raise NonFiniteLoss(f"step {step + 1}: the loss is {loss.item()}; the run stops before the optimizer "
                                 "step (lower --lr, check the data or the model)")
