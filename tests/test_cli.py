@@ -240,7 +240,8 @@ def test_help_shows_every_default_and_the_groups():
     for group in ("layout (ranks and groups):", "context parallelism:", "model:", "data:", "training:", "checks:",
                   "output:"):
         assert group in text
-    for default in ("(default: p2p)", "(default: 512)", "(default: 0.003)", "(default: 300.0)", "(default: auto)"):
+    for default in ("(default: p2p; a2a with --deterministic)", "(default: 512)", "(default: 0.003)",
+                    "(default: 300.0)", "(default: auto)"):
         assert default in " ".join(text.split()), default
     assert "same parameters" in text and "loss curves" not in text  # --check-parity as it works today
 

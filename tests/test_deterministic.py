@@ -18,7 +18,7 @@ import torch
 from conftest import HANG_GUARD_S
 from dist_utils import new_cp_group, run_distributed
 
-from cp_handler import LocalContextParallelHandler
+from cp_handler import ContextParallelConfig, LocalContextParallelHandler
 from cp_handler.cli.args import build_parser, validate
 
 S, D = 384, 16  # 384 tokens: a multiple of 2 x cp for every cp of the file (zigzag chunks)
@@ -160,7 +160,7 @@ def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
 def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
     """``ContextParallelConfig(deterministic=True)``: the local handler in the mode; another comm type at cp > 1, thd,
     a value that is not a bool and a backend without the mode refused by name."""
-    from cp_handler import ContextParallelConfig, build_cp_handler
+    from cp_handler import build_cp_handler
     from cp_handler.handlers.base import ContextParallelHandler
 
     assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
@@ -178,3 +178,59 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
 
     with pytest.raises(ValueError, match=r"backend 'local' \(WithoutTheMode\) does not implement the deterministic"):
         WithoutTheMode.from_config(ContextParallelConfig(deterministic=True))
+
+
+def _rl_model():
+    """A tiny Llama (8 query, 4 key-value heads: 2 and 1 per rank at cp 4) with TRL's fused LM head."""
+    import transformers
+    from hf_trainer_cases import VOCAB
+    from trl.trainer.utils import add_fused_lm_head
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+                                      max_position_embeddings=128, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    return model
+
+
+def _rl_log_probs(cp: int, group, deterministic: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's per-token log-probs and entropies of GRPO's layout (tests/test_hf_fused_head.py's batch) through the
+    fused head under CP (what CPGRPOTrainer / CPRLOOTrainer / CPDPOTrainer score with), in the deterministic mode
+    (else the default ring)."""
+    from test_hf_fused_head import batch
+
+    from cp_handler.integrations.hf_fused_head import install_cp_fused_head
+    from cp_handler.integrations.transformers import register
+
+    model = _rl_model()
+    register(model)
+    install_cp_fused_head(model, ContextParallelConfig(context_parallel_size=cp, cp_comm_type="a2a" if deterministic
+                                                       else "p2p", deterministic=deterministic), group)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    return out.log_probs, out.entropy
+
+
+def _rl_worker(rank, world, out):
+    import torch.distributed as dist
+
+    got = [_rl_log_probs(world, dist.group.WORLD), _rl_log_probs(world, dist.group.WORLD, deterministic=False)]
+    if rank == 0:
+        torch.save(got, out)
+
+
+def test_rl_log_probs_and_entropies_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """The RL trainers' scores (TRL's fused head on shards, left-padded prompts and right-padded completions) in the
+    deterministic mode: ``torch.equal`` to cp 1 at cp 2 and 4 (rows padded to one length at every degree,
+    ``hf_batch.DETERMINISTIC_ROWS``: without it cp 4's padded rows gave results 2e-7 apart, measured). Negative
+    control: the default ring at cp 4 differs from cp 1 in at least one bit."""
+    want = _rl_log_probs(1, None)
+    for world in (2, 4):
+        run_distributed(_rl_worker, world, str(tmp_path / f"{world}.pt"))
+        got, default = torch.load(tmp_path / f"{world}.pt")
+        for name, a, b in zip(("log_probs", "entropy"), got, want, strict=True):
+            assert torch.equal(a, b), (world, name, (a - b).abs().max().item())
+    assert not all(torch.equal(a, b) for a, b in zip(default, want, strict=True))

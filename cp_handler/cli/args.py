@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "local, transformer_engine, magi, or any registered name")
     g.add_argument("--cp-comm-type", default=None,
                    help=f"one of {', '.join(CP_COMM_TYPES)}, auto (chosen per batch from --cp-comm-profile), or a "
-                        "comma-separated list with one per layer; default p2p (a2a with --deterministic)")
+                        "comma-separated list with one per layer (default: p2p; a2a with --deterministic)")
     g.add_argument("--deterministic", action="store_true",
                    help="attention, logits and loss bitwise the same at every --cp-size (docs/deterministic.md): "
                         "the Ulysses all-to-all (--cp-comm-type a2a), bshd, --backend local, the reference GPT; "

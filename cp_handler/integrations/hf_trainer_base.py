@@ -46,6 +46,9 @@ class ContextParallelArguments:
     loss_normalization: str | None = None
     """One of :data:`LOSS_NORMALIZATIONS`; ``None`` (default): the plain trainer's for this model, so a run equals the
     trainer the user would run without CP, gradient accumulation included."""
+    deterministic: bool = False
+    """The deterministic mode (``ContextParallelConfig.deterministic``, docs/deterministic.md): the logits, and the RL
+    trainers' per-token log-probabilities and entropies, bitwise the same at every CP degree; ``cp_comm_type="a2a"``."""
 
     def config(self) -> ContextParallelConfig:
         """The validated config; under torchrun, ``hierarchical_context_parallel_sizes`` default to the node boundary
@@ -60,7 +63,7 @@ class ContextParallelArguments:
             sizes = default_hierarchical_sizes(comm_type, layout, env.local_world_size)
         return ContextParallelConfig(context_parallel_size=self.context_parallel_size, cp_comm_type=comm_type,
                                      hierarchical_context_parallel_sizes=sizes, backend=self.backend,
-                                     cp_comm_profile=self.cp_comm_profile)
+                                     cp_comm_profile=self.cp_comm_profile, deterministic=self.deterministic)
 
 
 def _accelerate_refusals(parallelism_config, dispatch_batches, model=None) -> list[str]:
