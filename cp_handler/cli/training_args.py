@@ -155,3 +155,35 @@ def check_compile_mixers(config) -> None:
     if mixers:
         raise ValueError(f"--compile: {', '.join(mixers)} reach the handler through a context variable, which "
                          "torch.compile cannot trace (a layer would not compile whole); leave --compile out")
+
+
+DETERMINISTIC_REFUSED = {
+    "tp_size": "the row-parallel layers' all-reduce sums partial products in the TP group's order",
+    "dynamic_cp": "documents are packed (thd) and their CP groups change per micro-batch",
+    "hf_model": "the mode is tested with the reference GPT only",
+    "hf_config": "the mode is tested with the reference GPT only",
+    "moe_experts": "the mode is tested with dense layers only",
+}
+"""Flags ``--deterministic`` does not combine with, and why (each refused by name)."""
+
+
+def check_deterministic(args: argparse.Namespace) -> None:
+    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), ``--packing bshd``, and
+    none of :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
+    if not args.deterministic:
+        args.cp_comm_type = args.cp_comm_type or "p2p"
+        return
+    args.cp_comm_type = args.cp_comm_type or "a2a"
+    others = [t.strip() for t in args.cp_comm_type.split(",") if t.strip() != "a2a"]
+    if others and args.cp_size != 1:
+        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a only (the "
+                         "other patterns merge partial softmax results and sum dK / dV in an order that follows the "
+                         "CP group); drop --cp-comm-type or pass a2a")
+    if args.packing == "thd":
+        raise ValueError("--deterministic with --packing thd: packed documents are padded to a multiple of 2 x cp, "
+                         "which changes the blocks the kernel runs; use --packing bshd")
+    for name, why in DETERMINISTIC_REFUSED.items():
+        value = getattr(args, name, None)
+        if value and not (name == "tp_size" and value == 1):
+            raise ValueError(f"--deterministic with --{name.replace('_', '-')}: not implemented ({why}); drop one of "
+                             "them")
