@@ -1,6 +1,6 @@
 """cp-train's training flags: steps, the learning-rate schedule, gradient clipping, micro-batches
 (gradient accumulation), activation recomputation, per-block compilation and the memory flags (FSDP2, activation
-offload, loss and MLP chunks), with their rules. Every error names the flag."""
+offload, loss and MLP chunks), the deterministic mode, with their rules. Every error names the flag."""
 
 from __future__ import annotations
 
