@@ -7,14 +7,12 @@ order of the log-sum-exp merges differs from the one-process softmax).
 """
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import HANG_GUARD_S
 from dist_utils import run_distributed
+from test_cli import cp_train
 
 from cp_handler import ContextParallelConfig, build_dp_cp_groups
 from cp_handler.auto import (
@@ -288,8 +286,7 @@ def test_cp_train_auto_passes_parity(tmp_path):
     flags = ["--nproc", "2", "--cp-comm-type", "auto", "--check-parity", "--steps", "3", "--seq-len", "128",
              "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-layers", "2", "--num-heads", "4",
              "--num-kv-heads", "2", "--max-corpus-bytes", "2000000"]
-    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
+    result = cp_train(*flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parity passed" in result.stderr
     assert result.stderr.count("cp_comm_type='auto' -> ") == 1

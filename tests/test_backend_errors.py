@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from conftest import HANG_GUARD_S
+from test_cli import cp_train
 
 from cp_handler import MagiAttnContextParallelHandler, TEContextParallelHandler
 
@@ -34,8 +35,7 @@ def test_missing_cuda_raises_runtime_error():
 
 @pytest.mark.parametrize("backend, package", [("transformer_engine", "transformer_engine"), ("magi", "magi_attention")])
 def test_cp_train_gpu_backend_on_cpu_exits_with_the_reason(backend, package):
-    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--nproc", "2", "--backend", backend],
-                            capture_output=True, text=True, timeout=HANG_GUARD_S)
+    result = cp_train("--nproc", "2", "--backend", backend)
     assert result.returncode != 0
     assert f"cp-train: error: backend needs the '{package}' package" in result.stderr
     assert "cp-train: world" not in result.stderr

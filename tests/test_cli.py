@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import pytest
 import torch
 from conftest import HANG_GUARD_S
@@ -30,6 +31,18 @@ PLUGINS = {"CP_HANDLER_PLUGINS": "faulty_backends",
 
 
 def cp_train(*flags, env=None):
+    """cp-train with ``flags`` and this environment updated by ``env``, as a shell runs it, less the interpreter's
+    start (tests/commands.py)."""
+    return commands.run("cp_handler.cli.train", flags, {**os.environ, **(env or {})}, timeout=HANG_GUARD_S)
+
+
+def cp_generate(*flags, env=None):
+    """cp-generate with ``flags``, as :func:`cp_train` runs cp-train."""
+    return commands.run("cp_handler.cli.generate", flags, {**os.environ, **(env or {})}, timeout=HANG_GUARD_S)
+
+
+def cp_train_process(*flags, env=None):
+    """cp-train as its own interpreter (``python -m cp_handler.cli.train``): the entry point itself."""
     return subprocess.run(
         [sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
         timeout=HANG_GUARD_S, env={**os.environ, **(env or {})},
@@ -39,7 +52,7 @@ def cp_train(*flags, env=None):
 @pytest.mark.parametrize("layout", [["--nproc", "2", "--cp-size", "2"], ["--nproc", "4", "--cp-size", "2"]])
 def test_check_parity_passes_and_metrics_written(tmp_path, layout):
     out = tmp_path / "metrics.json"
-    result = cp_train(*layout, *SMALL, "--check-parity", "--metrics-out", str(out))
+    result = cp_train_process(*layout, *SMALL, "--check-parity", "--metrics-out", str(out))  # the entry point
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parity passed" in result.stderr
     metrics = json.loads(out.read_text())

@@ -8,12 +8,10 @@ import json
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S
+from test_cli import cp_generate
 
 
 def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
@@ -44,21 +42,17 @@ def test_cp_generate_continues_a_trained_checkpoint_with_parity(tmp_path):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("def main():\n    return ")
     for comm in ("p2p", "a2a"):
-        done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--cp-comm-type", comm,
-                               "--checkpoint", str(tmp_path / "ckpt"), "--prompt-file", str(prompt),
-                               "--max-new-tokens", "12", "--ignore-eos", "--check-parity", "--report-out",
-                               str(tmp_path / "r.json")],
-                              capture_output=True, text=True, timeout=HANG_GUARD_S)
+        done = cp_generate("--nproc", "2", "--cp-comm-type", comm, "--checkpoint", str(tmp_path / "ckpt"),
+                           "--prompt-file", str(prompt), "--max-new-tokens", "12", "--ignore-eos", "--check-parity",
+                           "--report-out", str(tmp_path / "r.json"))
         assert done.returncode == 0, done.stderr[-2000:]
         assert "cp-generate: parity passed (float32): same tokens True (0 near-ties)" in done.stderr
         report = json.loads((tmp_path / "r.json").read_text())
         assert len(report["tokens"][0]) == 12 and len(report["kv_cache_bytes_per_rank"]) == 2
         assert done.stdout == "def main():\n    return " + shown(tokens_for(None), report["tokens"][0]) + "\n"
     # sampled, stopped at and printed up to the first end-of-document token (bytes: NUL): the printed command
-    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", *printed[1:], "--nproc", "2",
-                           "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "2",
-                           "--check-parity", "--report-out", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    done = cp_generate(*printed[1:], "--nproc", "2", "--max-new-tokens", "12", "--temperature", "0.8", "--top-p",
+                       "0.9", "--seed", "2", "--check-parity", "--report-out", str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (float32): sampled tokens followed by the reference" in done.stderr
     ids = json.loads((tmp_path / "r.json").read_text())["tokens"][0]
@@ -128,8 +122,7 @@ def test_cp_generate_runs_a_model_in_the_dtype_it_was_saved_in(tmp_path, monkeyp
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     base = ["--nproc", "2", "--prompt-file", str(prompt), "--hf-model", str(tmp_path / "bf16")]
     assert parse(base)[0].dtype == "bfloat16" and parse([*base, "--dtype", "float32"])[0].dtype == "float32"
-    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", *base, "--max-new-tokens", "6",
-                           "--check-parity"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    done = cp_generate(*base, "--max-new-tokens", "6", "--check-parity")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (bfloat16)" in done.stderr and "atol = rtol = 0.02" in done.stderr
 

@@ -5,8 +5,7 @@ before any rank starts."""
 import re
 
 import pytest
-from conftest import HANG_GUARD_S
-from test_cli import cp_train
+from test_cli import cp_generate, cp_train
 
 from cp_handler.cli.args import parse
 
@@ -100,8 +99,6 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
     its tokens with --check-parity, --export-hf writes it beside the weights, cp-generate reads the prompt
     and prints the prompt and its continuation with it (parity with one process), and a resume fed bytes is refused."""
     import json
-    import subprocess
-    import sys
 
     from test_tokens import tiny_tokenizer
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -121,10 +118,8 @@ def test_a_model_folder_with_a_tokenizer_trains_exports_and_generates_with_it(tm
 
     text = "def main():\n    print("
     (tmp_path / "prompt.txt").write_text(text)
-    done = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--hf-model", str(exported),
-                           "--prompt-file", str(tmp_path / "prompt.txt"), "--max-new-tokens", "5", "--check-parity",
-                           "--report-out", str(tmp_path / "r.json")], capture_output=True, text=True,
-                          timeout=HANG_GUARD_S)
+    done = cp_generate("--nproc", "2", "--hf-model", str(exported), "--prompt-file", str(tmp_path / "prompt.txt"),
+                       "--max-new-tokens", "5", "--check-parity", "--report-out", str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr[-2000:]
     assert "parity passed (float32): same tokens True" in done.stderr
     report = json.loads((tmp_path / "r.json").read_text())

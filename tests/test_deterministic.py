@@ -10,13 +10,11 @@ Tolerances: none (bitwise).
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S
 from dist_utils import new_cp_group, run_distributed
+from test_cli import cp_train
 
 from cp_handler import ContextParallelConfig, LocalContextParallelHandler
 from cp_handler.cli.args import build_parser, validate
@@ -124,9 +122,7 @@ def _losses(tmp_path, cp: int, *flags) -> list[float]:
     """Every step's loss of ``cp-train`` at ``--cp-size cp`` (cp ranks), read from ``--metrics-out`` (a float64
     written by ``repr``: every bit of the float32 loss survives JSON)."""
     out = tmp_path / f"metrics-{cp}-{len(flags)}.json"
-    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--nproc", str(cp), "--cp-size", str(cp),
-                             *TRAIN, *flags, "--metrics-out", str(out)], capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
+    result = cp_train("--nproc", str(cp), "--cp-size", str(cp), *TRAIN, *flags, "--metrics-out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
     return [step["loss"] for step in json.loads(out.read_text())["steps"]]
 

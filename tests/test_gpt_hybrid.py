@@ -4,15 +4,12 @@ different comm type in every attention layer; thd also equals every document run
 gpt_reference.py (the linear layers' kernel computes in float32, as attention does).
 """
 
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import HANG_GUARD_S
 from dist_utils import run_distributed
 from gpt_reference import CONFIG, assert_parity, loss_and_grads
-from test_cli import SMALL, cp_train
+from test_cli import SMALL, cp_generate, cp_train
 from test_gpt_thd import documents_alone
 
 from cp_handler import build_dp_cp_groups, get_cp_handler_cls
@@ -55,7 +52,6 @@ def test_hybrid_layer_pattern_parity_checkpoint_and_generation_refused(tmp_path)
                       "--save", str(tmp_path / "ckpt"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parity passed" in result.stderr
-    generate = subprocess.run([sys.executable, "-m", "cp_handler.cli.generate", "--nproc", "2", "--checkpoint",
-                               str(tmp_path / "ckpt"), "--prompt", "hello", "--max-new-tokens", "2"],
-                              capture_output=True, text=True, timeout=HANG_GUARD_S)
+    generate = cp_generate("--nproc", "2", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "hello",
+                           "--max-new-tokens", "2")
     assert generate.returncode != 0 and "a hybrid model (linear-attention layers)" in generate.stderr, generate.stderr

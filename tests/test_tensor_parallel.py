@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 from gpt_reference import CONFIG, assert_parity
+from test_cli import cp_train
 
 from cp_handler import AttentionShape, ContextParallelConfig, ParallelLayout, build_cp_handler
 from cp_handler.models import GPTConfig, GPTModel
@@ -209,18 +210,13 @@ def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     ``auto`` choosing the pattern on the local heads and sequence parallelism): every step against one process from
     the same parameters (parity's float32 tolerance 1e-5)."""
     import json
-    import subprocess
-    import sys
-
-    from conftest import HANG_GUARD_S
 
     out = tmp_path / "metrics.json"
     flags = ["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--cp-comm-type", "a2a", "--packing", "thd",
              "--steps", "3", "--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128",
              "--max-corpus-bytes", "2000000", "--clip-grad", "0.5", "--eval-every", "3", "--check-parity",
              "--metrics-out", str(out), *extra]
-    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
+    result = cp_train(*flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
     assert ("FSDP2 over the 2 dp x cp ranks" in result.stderr) == bool(extra)
@@ -253,18 +249,13 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_another_tp(tmp_path):
     and at tp 2 x cp 2: steps 3 and 4 have the losses of the uninterrupted run (float32: the same to 1e-6), and the
     resumed steps pass --check-parity."""
     import json
-    import subprocess
-    import sys
-
-    from conftest import HANG_GUARD_S
 
     common = ["--steps", "4", "--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128",
               "--max-corpus-bytes", "2000000"]
 
     def run(*flags):
         out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.json"
-        result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *common, *flags, "--metrics-out",
-                                 str(out)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+        result = cp_train(*common, *flags, "--metrics-out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         return [r["loss"] for r in json.loads(out.read_text())["steps"]]
 
@@ -335,18 +326,13 @@ def test_cp_train_moe_under_tp_resumes_at_another_expert_layout(tmp_path):
     tp 2 x cp 2 over ep 2 (the same global batch): steps 3 and 4 have the uninterrupted run's losses (1e-6) and pass
     --check-parity (loss, rank 0's gradients, the gradient norm against one process)."""
     import json
-    import subprocess
-    import sys
-
-    from conftest import HANG_GUARD_S
 
     common = ["--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128", "--max-corpus-bytes", "2000000",
               "--tp-size", "2", "--cp-size", "2", "--moe-experts", "4"]
 
     def run(*flags):
         out = tmp_path / f"m{len(list(tmp_path.iterdir()))}.json"
-        result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *common, *flags, "--metrics-out",
-                                 str(out)], capture_output=True, text=True, timeout=HANG_GUARD_S)
+        result = cp_train(*common, *flags, "--metrics-out", str(out))
         assert result.returncode == 0, result.stderr[-3000:]
         return [r["loss"] for r in json.loads(out.read_text())["steps"]], result.stderr
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
+from test_cli import cp_train
 
 from cp_handler import ParallelLayout
 from cp_handler.models.loss import masked_token_loss_sum, next_token_batch
@@ -114,10 +115,7 @@ def test_cp_train_hf_model_tp_size_parity(tmp_path):
     """cp-train --hf-config (Qwen3: GQA, per-head q / k norms summed over the TP group) at tp 2 x cp 2: every step
     against the unmodified model in one process; a model whose plan has a style cp_handler does not apply
     (Phi-3's packed projections: ``colwise_gather_output``) is refused before any rank starts."""
-    import subprocess
-    import sys
 
-    from conftest import HANG_GUARD_S
     from transformers import Phi3Config, Qwen3Config
 
     from cp_handler.cli.args import parse
@@ -126,8 +124,7 @@ def test_cp_train_hf_model_tp_size_parity(tmp_path):
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=1024).save_pretrained(tmp_path / "qwen3")
     flags = ["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--hf-config", str(tmp_path / "qwen3"), "--steps",
              "2", "--seq-len", "64", "--max-corpus-bytes", "2000000", "--check-parity"]
-    result = subprocess.run([sys.executable, "-m", "cp_handler.cli.train", *flags], capture_output=True, text=True,
-                            timeout=HANG_GUARD_S)
+    result = cp_train(*flags)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
     Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

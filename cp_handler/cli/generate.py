@@ -21,7 +21,7 @@ from ..handlers.registry import load_plugins
 from ..inference.generate import check_hf_generation
 from ..inference.sampling import Sampling
 from ..runtime.config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
-from ..runtime.launch import prestart
+from ..runtime.launch import fresh_process
 from ..training.checkpoint import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for
@@ -231,8 +231,7 @@ def until_end(ids: list[int], end: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    hf = any(a.startswith("--hf-model") for a in (sys.argv[1:] if argv is None else argv))
-    prestart("cp_handler.cli.generate_rank", ("transformers", "cp_handler.integrations.transformers") if hf else ())
+    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
     config, report_out, ignore_eos = parse(argv)
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun

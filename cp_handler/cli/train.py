@@ -11,15 +11,14 @@ from __future__ import annotations
 import os
 import sys
 
-from ..runtime.launch import prestart
+from ..runtime.launch import fresh_process
 from ..training.run import run_training
 from .args import parse
 from .common import write_output
 
 
 def main(argv: list[str] | None = None) -> int:
-    hf = any(a.startswith(("--hf-model", "--hf-config")) for a in (sys.argv[1:] if argv is None else argv))
-    prestart("cp_handler.training.run", ("transformers", "cp_handler.integrations.transformers") if hf else ())
+    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
     config, metrics_out = parse(argv)
     metrics = run_training(config)
     if metrics is None:  # a non-zero rank under torchrun

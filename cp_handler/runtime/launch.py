@@ -9,11 +9,16 @@ job, and names that rank. Under torchrun the process groups' own timeout (the sa
 a collective that waits on a dead peer, and :func:`init_process_group_bounded` ends a rendezvous that
 does not complete (a peer that never comes, a port held by a program that never answers).
 
-Start-up: on a machine without CUDA the ranks are forked from one server process that imported torch and the
-entry point's module once (``forkserver`` with those modules preloaded): 4 ranks on 2 cores started in about 9 s
-instead of 17-21 s with ``spawn``, each re-importing torch. Each rank is still a new process; the server keeps the
-environment of its own start, so the launching process's environment and the heartbeat folder are passed to every
-rank explicitly (:func:`_rank_entry`). With CUDA the ranks are spawned (the start method GPU runs were made with).
+Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from the command itself (``fork``)
+when it declared itself fresh (:func:`fresh_process`: cp-train and cp-generate, which compute nothing before their
+ranks start) and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit
+broken), else from one server process that imported torch and the entry point's module once (``forkserver`` with
+those modules preloaded). ``spawn`` re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it,
+about 9 s from the fork server; forking from the command saves the server's start too (about 1 core-second and
+0.7 s of a 2-rank launch's 4.2 s on this project's 2-core VM, measured). Each rank is still a new process; the
+launching process's environment and the heartbeat folder are passed to every rank explicitly (:func:`_rank_entry`:
+a rank forked from the server would keep the server's). With CUDA the ranks are spawned (the start method GPU runs
+were made with).
 
 Why our own watchdog and not ``torch.distributed.elastic.timer`` (``FileTimerServer`` / ``expires``):
 that kills each rank whose own timer expires, so every rank waiting in a collective on a stalled one
@@ -35,7 +40,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -258,21 +262,37 @@ def _rank_entry(environ: dict[str, str], heartbeat_dir: str, entrypoint, *args):
     return entrypoint(*args)
 
 
+def _thread_count() -> int:
+    """The threads of this process (``/proc/self/task``; 0 where it cannot be read)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+_fork_baseline: int | None = None
+"""The threads the command had when it declared itself fresh (:func:`fresh_process`); ``None``: never forks."""
+
+
+def fresh_process() -> None:
+    """Declare this process fresh: a command's ``main`` that imported torch and ran no computation yet (cp-train,
+    cp-generate). :func:`launch` may then fork the ranks from it (:func:`start_method`)."""
+    global _fork_baseline
+    _fork_baseline = _thread_count()
+
+
 def start_method() -> str:
-    """``"forkserver"`` on a machine without CUDA (module doc), ``"spawn"`` with it."""
-    return "spawn" if torch.cuda.is_available() else "forkserver"
+    """How :func:`launch` starts the ranks (module doc): ``"spawn"`` with CUDA; without it ``"fork"`` from a command
+    that declared itself fresh (:func:`fresh_process`) and has started no thread since (no thread pool, OpenMP's
+    included: a forked rank would inherit it broken), else ``"forkserver"``."""
+    if torch.cuda.is_available():
+        return "spawn"
+    fresh = _fork_baseline is not None and 0 < _thread_count() <= _fork_baseline
+    return "fork" if fresh else "forkserver"
 
 
 def _preload(entrypoint_module: str, preload: tuple[str, ...]) -> list[str]:
     return ["torch", "torch.distributed", __name__, entrypoint_module, *preload]
-
-
-def prestart(entrypoint_module: str, preload: tuple[str, ...] = ()) -> None:
-    """Start the fork server now (on a machine without CUDA, outside torchrun), so that its imports run while the
-    command still checks its flags and reads its data; :func:`launch` then forks the ranks from it at once."""
-    if start_method() == "forkserver" and not under_torchrun():
-        multiprocessing.set_forkserver_preload(_preload(entrypoint_module, preload))
-        forkserver.ensure_running()
 
 
 def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: float | None = None,
