@@ -9,9 +9,9 @@ so outputs and gradients agree to float32 rounding of a few merges (atol 1e-5 on
 import gzip
 import json
 import statistics
-import subprocess
 import sys
 
+import commands
 import pytest
 import torch
 from attn_reference import single_process_attention, zigzag_shard
@@ -95,11 +95,9 @@ def test_parse_args_rejects_a_length_the_zigzag_cannot_split():
 
 def test_cp_bench_writes_json_table_and_plots(tmp_path):
     out = tmp_path / "bench"
-    result = subprocess.run(
-        [sys.executable, "-m", "cp_handler.bench.cli", "--quick", "--cp-sizes", "1", "2", "--seq-lens", "256",
-         "--reps", "1", "--e2e-seq-len", "128", "--e2e-steps", "2", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=HANG_GUARD_S,
-    )
+    result = commands.run("cp_handler.bench.cli", ["--quick", "--cp-sizes", "1", "2", "--seq-lens", "256", "--reps",
+                                                   "1", "--e2e-seq-len", "128", "--e2e-steps", "2", "--out-dir",
+                                                   str(out)], timeout=HANG_GUARD_S)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     rows = results["attention"]
@@ -381,7 +379,6 @@ def test_every_implementation_has_one_style_in_every_plot():
 def test_plots_without_matplotlib_name_the_extra_before_any_benchmark(monkeypatch, capsys):
     """matplotlib is the ``bench`` extra: without it cp-bench stops before measuring anything, naming the
     extra (or runs with ``--no-plots``)."""
-    import sys
 
     from cp_handler.bench import plots
     from cp_handler.bench.cli import parse_args

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import commands
 import pytest
 import torch
 from conformance_backends import PLANTED, BlockwiseRing, Contiguous, GQATrueDivide
@@ -44,6 +45,12 @@ class FakeMagi(MagiAttnContextParallelHandler):
     def __init__(self, **kwargs):
         _use_backend_fakes()
         super().__init__(**kwargs)
+
+
+def kit_command(*args):
+    """``python -m cp_handler.testing *args`` from the checkout's root (tests/commands.py: without the interpreter's
+    start)."""
+    return commands.run("cp_handler.testing.__main__", args, env=ENV, timeout=HANG_GUARD_S, cwd=str(ROOT))
 
 
 def _failures(report) -> str:
@@ -120,9 +127,9 @@ def test_the_example_backend_passes_and_declares_what_it_does_not_run():
 def test_the_command_line_takes_a_file_reports_the_culprit_and_what_it_did_not_check(tmp_path):
     """A file path, ``--quick``, the failure lines, the narrowing shown, the JSON, exit status 1."""
     out = tmp_path / "report.json"
-    args = [sys.executable, "-m", "cp_handler.testing", "tests/conformance_backends.py:GQATrueDivide", "--quick",
-            "--formats", "bshd", "--variants", "causal", "mha", "--lengths", "short", "--json", str(out)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=ROOT, env=ENV)
+    args = ["tests/conformance_backends.py:GQATrueDivide", "--quick", "--formats", "bshd", "--variants", "causal",
+            "mha", "--lengths", "short", "--json", str(out)]
+    done = kit_command(*args)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAIL          cp=2 all_gather bshd float32 short attention [causal]: every rank: core_attn raised " \
            "TypeError" in done.stdout, done.stdout
@@ -139,8 +146,7 @@ def test_the_command_line_takes_a_file_reports_the_culprit_and_what_it_did_not_c
 
 
 def test_help_explains_every_option_and_the_statuses():
-    done = subprocess.run([sys.executable, "-m", "cp_handler.testing", "--help"], capture_output=True, text=True,
-                          timeout=HANG_GUARD_S, cwd=ROOT, env=ENV)
+    done = kit_command("--help")
     assert done.returncode == 0, done.stderr
     for word in ("--comm-types", "--formats", "--dtypes", "--lengths", "--variants", "--world-sizes", "--checks",
                  "--quick", "--timeout", "--verbose", "--json", "PASS", "FAIL", "NOT-SUPPORTED", "NOT RUN",
@@ -157,7 +163,6 @@ def test_bad_arguments_are_named():
         check_handler(LocalContextParallelHandler, lengths=[])
     with pytest.raises(TypeError, match=r"handler_cls=<class 'int'> is not a ContextParallelHandler subclass"):
         check_handler(int)
-    done = subprocess.run([sys.executable, "-m", "cp_handler.testing", "no/such/file.py:X"], capture_output=True,
-                          text=True, timeout=HANG_GUARD_S, cwd=ROOT, env=ENV)
+    done = kit_command("no/such/file.py:X")
     assert done.returncode == 2 and "no file 'no/such/file.py'" in done.stderr, done.stderr
     assert GQATrueDivide.cp_comm_types == ("all_gather",)

@@ -57,6 +57,7 @@ import torch
 
 from ..cli.flag_names import FlagParser, HelpFormatter
 from ..runtime.config import CP_COMM_TYPES
+from ..runtime.launch import fresh_process
 from . import auto, compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
 from .attention import PASSES, run_attn
 from .defaults import default_help
@@ -215,6 +216,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.time()
