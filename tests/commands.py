@@ -27,6 +27,8 @@ import tempfile
 import traceback
 from multiprocessing.connection import Client, Listener
 
+from cp_handler.runtime.launch import fresh_process
+
 PRELOAD = ("torch", "torch.distributed", "cp_handler.cli.train", "cp_handler.cli.generate", "cp_handler.training.run",
            "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers")
 """What the server imports once (everything a command imports before its ranks start)."""
@@ -52,7 +54,9 @@ def _run_child(module: str, argv: list[str], env: dict, cwd: str, umask: int, ou
                 sys.path.insert(0, entry)
         sys.argv = [module, *argv]
         try:
-            result = importlib.import_module(module).main(argv)
+            command = importlib.import_module(module)
+            fresh_process()  # a fork of the server, which computed nothing: the command may fork its ranks
+            result = command.main(argv)
             code = 0 if result is None else int(result)
         except SystemExit as exit_:
             if exit_.code is None or isinstance(exit_.code, int):

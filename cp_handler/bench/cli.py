@@ -216,7 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
+    if argv is None:  # run as the command: nothing computed in this process yet (runtime/launch.py)
+        fresh_process()
     args = parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.time()

@@ -231,7 +231,8 @@ def until_end(ids: list[int], end: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
+    if argv is None:  # run as the command: nothing computed in this process yet (runtime/launch.py)
+        fresh_process()
     config, report_out, ignore_eos = parse(argv)
     report = run_generation(config)
     if report is None:  # a non-zero rank under torchrun

@@ -18,7 +18,8 @@ from .common import write_output
 
 
 def main(argv: list[str] | None = None) -> int:
-    fresh_process()  # the ranks may be forked from this process (runtime/launch.py)
+    if argv is None:  # run as the command: nothing computed in this process yet (runtime/launch.py)
+        fresh_process()
     config, metrics_out = parse(argv)
     metrics = run_training(config)
     if metrics is None:  # a non-zero rank under torchrun

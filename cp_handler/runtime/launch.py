@@ -10,8 +10,9 @@ a collective that waits on a dead peer, and :func:`init_process_group_bounded` e
 does not complete (a peer that never comes, a port held by a program that never answers).
 
 Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from the command itself (``fork``)
-when it declared itself fresh (:func:`fresh_process`: cp-train and cp-generate, which compute nothing before their
-ranks start) and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit
+when it declared itself fresh (:func:`fresh_process`: cp-train, cp-generate and cp-bench run as commands, which
+compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one) and
+has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit
 broken), else from one server process that imported torch and the entry point's module once (``forkserver`` with
 those modules preloaded). ``spawn`` re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it,
 about 9 s from the fork server; forking from the command saves the server's start too (about 1 core-second and
@@ -270,15 +271,17 @@ def _thread_count() -> int:
         return 0
 
 
-_fork_baseline: int | None = None
-"""The threads the command had when it declared itself fresh (:func:`fresh_process`); ``None``: never forks."""
+_fork_baseline: tuple[int, int] | None = None
+"""``(pid, threads)`` of the process that declared itself fresh (:func:`fresh_process`); ``None``: never forks."""
 
 
 def fresh_process() -> None:
-    """Declare this process fresh: a command's ``main`` that imported torch and ran no computation yet (cp-train,
-    cp-generate). :func:`launch` may then fork the ranks from it (:func:`start_method`)."""
+    """Declare this process fresh: a command started as one (``cp-train``, ``cp-generate``, ``cp-bench`` run as
+    commands: their ``main`` called without ``argv``) that imported torch and computed nothing yet. :func:`launch`
+    may then fork the ranks from it (:func:`start_method`). Only this process: a process forked from it (a rank) is
+    not fresh, nor is a caller of ``main(argv)`` (a test, a script), which may have computed already."""
     global _fork_baseline
-    _fork_baseline = _thread_count()
+    _fork_baseline = (os.getpid(), _thread_count())
 
 
 def start_method() -> str:
@@ -287,7 +290,8 @@ def start_method() -> str:
     included: a forked rank would inherit it broken), else ``"forkserver"``."""
     if torch.cuda.is_available():
         return "spawn"
-    fresh = _fork_baseline is not None and 0 < _thread_count() <= _fork_baseline
+    fresh = _fork_baseline is not None and _fork_baseline[0] == os.getpid() and \
+        0 < _thread_count() <= _fork_baseline[1]
     return "fork" if fresh else "forkserver"
 
 
