@@ -59,9 +59,9 @@ def loss_chunk_tokens(requested: int | None, rows: int, vocab_size: int) -> int 
     return requested if 0 < requested < rows else None
 
 
-def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor,
-                   chunk_tokens: int | None = None) -> torch.Tensor:
-    """:func:`masked_token_loss_sum` of ``head(hidden)`` without holding the rank's whole logits.
+def token_losses(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor,
+                 chunk_tokens: int | None = None) -> torch.Tensor:
+    """:func:`masked_token_losses` of ``head(hidden)`` without holding the rank's whole logits.
 
     Args:
         hidden: ``(B, S_local, H)`` the model's last hidden states; head: ``hidden -> logits (..., V)`` (the
@@ -73,40 +73,39 @@ def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: 
             one extra forward of the head (Liger's and TRL's chunked losses do the same with fused kernels).
 
     Returns:
-        float32 scalar: the sum over the masked tokens (equal to the whole loss up to float32 reordering).
+        float32 ``(B * S_local,)``: each token's loss, zero where ``loss_mask`` is 0.
     """
     if chunk_tokens is None:
-        return masked_token_loss_sum(head(hidden), labels, loss_mask)
-    flat, labels, loss_mask = hidden.flatten(0, -2), labels.flatten(), loss_mask.flatten()
+        return masked_token_losses(head(hidden), labels, loss_mask)
+    return torch.cat(checkpointed_chunks(lambda h, lab, mask: masked_token_losses(head(h), lab, mask), chunk_tokens,
+                                         hidden.flatten(0, -2), labels.flatten(), loss_mask.flatten()))
 
-    def chunk_sum(h, lab, mask):
-        return masked_token_loss_sum(head(h), lab, mask)
 
-    return sum(checkpointed_chunks(chunk_sum, chunk_tokens, flat, labels, loss_mask))
+def token_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor,
+                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """The float32 sum of :func:`token_losses` (arguments as there): this rank's masked tokens' loss (equal to the
+    whole loss up to float32 reordering)."""
+    return token_losses(hidden, head, labels, loss_mask, chunk_tokens).sum()
 
 
 def canonical_loss_sum(hidden: torch.Tensor, head, labels: torch.Tensor, loss_mask: torch.Tensor, handler,
                        chunk_tokens: int | None = None) -> torch.Tensor:
     """The float32 sum of the masked token losses of the whole sequence, bitwise the same on every rank of the CP
     group and at every CP degree when the per-token losses are (the deterministic mode, docs/deterministic.md):
-    each rank's ``(B, S_local)`` losses are put in global order over the group (``handler.combine``, whose backward
-    keeps this rank's tokens) and summed one token after another in that order (a cumulative sum: an order that
-    depends on neither the group nor the thread count). One all-gather of ``B x S`` floats per call.
+    each rank's ``(B, S_local)`` losses (:func:`token_losses`) are put in global order over the group
+    (``handler.combine``, whose backward keeps this rank's tokens) and summed one token after another in that order
+    (a cumulative sum: an order that depends on neither the group nor the thread count). One all-gather of ``B x S``
+    floats per call.
 
     Args:
-        hidden / head / labels / loss_mask / chunk_tokens: as :func:`token_loss_sum`.
+        hidden / head / labels / loss_mask / chunk_tokens: as :func:`token_losses`.
         handler: the forward's CP handler (``combine`` over its group; the identity at cp = 1).
 
     Returns:
         float32 scalar: the whole sequence's sum (the group's, not this rank's share).
     """
-    flat, rows = hidden.flatten(0, -2), labels.shape
-    if chunk_tokens is None:
-        losses = masked_token_losses(head(hidden), labels, loss_mask)
-    else:
-        losses = torch.cat(checkpointed_chunks(lambda h, lab, mask: masked_token_losses(head(h), lab, mask),
-                                               chunk_tokens, flat, labels.flatten(), loss_mask.flatten()))
-    return handler.combine(losses.view(rows), 1).flatten().cumsum(0)[-1]
+    losses = token_losses(hidden, head, labels, loss_mask, chunk_tokens).view(labels.shape)
+    return handler.combine(losses, 1).flatten().cumsum(0)[-1]
 
 
 @dataclass(frozen=True)
