@@ -6,6 +6,7 @@ Tolerances: float32 on CPU, atol = rtol = 1e-5 as tests/test_attn_patterns.py (t
 order of the log-sum-exp merges differs from the one-process softmax).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -27,6 +28,7 @@ from cp_handler.auto import (
     pattern_work,
     predict,
 )
+from cp_handler.auto.catalog import payload_links
 from cp_handler.auto.profile import ComputeFit
 from cp_handler.auto.workload import PatternWorkload
 from cp_handler.bench.calibrate import fit_compute, fit_patterns
@@ -107,10 +109,30 @@ def test_profile_round_trip_and_refusals(tmp_path):
         load_profile(str(path))
 
 
-def test_named_profiles_say_what_is_modelled():
-    for name in ("h100-nvlink", "h200-nvlink"):
+def test_named_profiles_say_what_is_modelled_and_price_every_pattern():
+    """Every named GPU profile is labelled modelled and prices each pattern (its compute fit has a weight per
+    feature: the H100 fit's five weights for seven features raised on every GPU prediction until 2026-12-05)."""
+    gpus = [name for name, p in NAMED_PROFILES.items() if p.device == "cuda"]
+    assert {"h100-nvlink", "h200-nvlink", "h800-nvlink", "a100-nvlink", "b200-nvlink", "gb200-nvl72"} <= set(gpus)
+    for name in gpus:
         assert NAMED_PROFILES[name].source.startswith("modelled")
+        case = AttnCase((8192,), 1, 32, 8, 128, 128, 2, CAUSAL, 8, (4, 2))
+        for comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"):
+            assert predict(comm_type, case, NAMED_PROFILES[name], "bfloat16").total_ms > 0
     assert NAMED_PROFILES["cpu-2core-gloo"].source.startswith("measured by cp-bench --calibrate")
+    with pytest.raises(ValueError, match=r"ComputeFit: weights=\(1.0, 2.0\) must be 7 values >= 0"):
+        ComputeFit((1.0, 2.0))
+
+
+def test_spec_links_price_the_bytes_each_collective_sends():
+    """A named profile's bandwidth is per direction per GPU: an all-gather of a payload sends (n - 1) of them, an
+    all-to-all (n - 1) / n, a ring step one (cp_handler.auto.catalog.payload_links)."""
+    links = payload_links(8, 0.0, 100.0)
+    payload = 10**9
+    assert links["p2p"].ms(payload) == pytest.approx(10.0)
+    assert links["all_gather"].ms(payload) == pytest.approx(70.0)
+    assert links["reduce_scatter"].ms(payload) == pytest.approx(70.0)
+    assert links["all_to_all"].ms(payload) == pytest.approx(8.75)
 
 
 def test_config_rules():
@@ -256,6 +278,10 @@ def _bytes_worker(rank, world):
             case = AttnCase(lengths, 1, h, hkv, d, dv, 2, CAUSAL, world, (2, 2) if levels else None)
             modelled = sum(t.bytes_sent for t in pattern_work(comm_type, case).transfers)
             assert counter.bytes_sent == modelled, (comm_type, lengths, counter.bytes_sent, modelled)
+            with count_comms() as counter, torch.no_grad():  # the forward alone (prefill): its transfers only
+                handler.core_attn(_Layer(), q, k, v)
+            forward = pattern_work(comm_type, dataclasses.replace(case, backward=False))
+            assert counter.bytes_sent == sum(t.bytes_sent for t in forward.transfers), (comm_type, lengths)
 
 
 def test_auto_on_ranks_equals_one_process():

@@ -455,7 +455,8 @@ def test_help_shows_every_modes_defaults_on_cpu_and_cuda(monkeypatch):
     for mode in DEFAULTS:
         args = _resolved(mode)
         where = "CPU and --device cuda" if DEFAULTS[mode].get("cuda") == DEFAULTS[mode]["cpu"] else "CPU"
-        assert f"{mode} ({where}): {flags({k: getattr(args, k) for k in defaults(mode)})}" in text, mode
+        sizes = flags({k: getattr(args, k) for k in defaults(mode)}) or "nothing to size"
+        assert f"{mode} ({where}): {sizes}" in text, mode
     cuda = _resolved("launches", "--device", "cuda")
     assert f"launches (--device cuda): {flags({k: getattr(cuda, k) for k in defaults('launches', 'cuda')})}" in text
     assert "launches: 4096 16384 65536 (--quick: 4096 16384) on CPU" in text  # in --plan-seq-lens' own help

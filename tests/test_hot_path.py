@@ -97,14 +97,14 @@ class SelfAttentionStub:
     layer_number = 1
 
 
-PYTHON_CALLS_PER_FORWARD = {"p2p": 91, "a2a": 97, "all_gather": 113}
+PYTHON_CALLS_PER_FORWARD = {"p2p": 91, "a2a": 97, "all_gather": 87}
 """The ceilings of :func:`test_python_calls_per_forward` (issue 52's target: 100, 40 per attention layer; measured
 2026-11-28: 278 / 390 before the pre-flight cache and the hot-loop work, 100 / 114 after, 90 / 96 after the a2a
 all-to-all, the resolved call's views and the local handler's output inline; 91 / 97 with the model protocol's
-``hidden`` a method of its own, issue 70). all_gather: 164 on 2026-12-01, 113 (rank 1: its zigzag chunks take
-more kernel blocks than rank 0's 105) after its gathered index and head chunks were memoised and the collectives'
-counting skipped when nothing counts (issue 72 asks 100: each of the two KV-head chunks of a layer's pipelined gather
-costs about 12 calls)."""
+``hidden`` a method of its own, issue 70). all_gather: 164 on 2026-12-01, 113 after its gathered index and head
+chunks were memoised and the collectives' counting skipped when nothing counts, 87 with one gather below
+``PIPELINE_MIN_BYTES`` (issue 72: each further KV-head chunk of a pipelined gather costs about 12 calls; at this
+size the two chunks' overlap saved nothing)."""
 
 
 def _python_calls_worker(rank, world, comm_type):
@@ -129,3 +129,15 @@ def test_python_calls_per_forward(comm_type):
     forward): the Python functions of cp_handler entered (``sys.setprofile``, as ``cp-bench --modes compile``
     counts them), the model's own code included, stay under :data:`PYTHON_CALLS_PER_FORWARD`."""
     run_distributed(_python_calls_worker, 2, comm_type)
+
+
+def test_all_gather_pipelines_its_kv_heads_only_above_the_threshold():
+    """Two KV-head chunks (one per head when fewer than 2 heads per chunk) from ``PIPELINE_MIN_BYTES`` of gathered
+    K/V, one gather below it; an explicit ``kv_heads_per_chunk`` is kept at any size."""
+    from cp_handler.ops.all_gather import PIPELINE_MIN_BYTES, kv_head_chunks
+
+    assert kv_head_chunks(8, None, PIPELINE_MIN_BYTES - 1) == (slice(0, 8),)
+    assert kv_head_chunks(8, None, PIPELINE_MIN_BYTES) == (slice(0, 4), slice(4, 8))
+    assert kv_head_chunks(3, None, PIPELINE_MIN_BYTES) == (slice(0, 2), slice(2, 3))
+    assert kv_head_chunks(1, None, PIPELINE_MIN_BYTES) == (slice(0, 1),)
+    assert kv_head_chunks(4, 1, 0) == tuple(slice(h, h + 1) for h in range(4))

@@ -4,38 +4,88 @@ Named profiles are **modelled**, and say so in their ``source``:
 
 * compute: the p2p ring plans of one H100 (FlashAttention-2 blocks, bf16, Llama-3-8B attention: 32 / 8 heads of
   128), measured 2026-11-24 (``docs/benchmarks/results/h100_ring_rank_times.csv``, its 34 rows with cp 2-32),
-  fitted to the plan features (:func:`~.calibrate.fit_compute`: median relative error 7%, max 40%); the H200 uses
-  the same fit (same SMs; its faster memory is not modelled);
-* links: public specifications, not measurements: NVLink 4 inside a node of 8 GPUs, 450 GB/s per direction per
-  GPU (H100 / H200 SXM datasheets: 900 GB/s bidirectional), and one 400 Gb/s InfiniBand NDR port per GPU across
-  nodes (50 GB/s); a latency of 10 us inside a node and 20 us across (typical NCCL small-message figures,
-  assumed); the ring's transfers fully overlapped (``overlap`` 1: NCCL runs on its own SMs).
+  fitted to the plan features (:func:`~.calibrate.fit_compute`: median relative error 7%, max 40%); other GPUs
+  scale that fit's milliseconds by a published kernel rate (:data:`GPUS`: H200 and H800 the same SMs, A100 the
+  FlashAttention-2 paper's rates, B200 / GB200 FlashAttention-4's);
+* links: public specifications, not measurements: NVLink per direction per GPU inside the NVLink domain (8 GPUs,
+  72 for GB200 NVL72), one 400 Gb/s InfiniBand NDR port per GPU across (50 GB/s); a latency of 10 us inside and
+  20 us across (typical NCCL small-message figures, assumed); the ring's transfers **not** hidden behind its
+  compute (``overlap`` 0): vllm-omni measured the ring's overlap net-negative on NVLink, the ring slower than an
+  all-gather of the same bytes (issue #5092, 2026-07), and the backtest agrees (docs/performance.md: the winner
+  in 91% of the published pairs at overlap 0, 83% at overlap 1).
 
-Groups of up to 8 ranks use the NVLink links, larger ones the InfiniBand links (the ring crosses nodes). A profile
-measured on the user's own machines (``cp-bench --calibrate``) replaces all of this.
+Groups up to the NVLink domain use the NVLink links, larger ones the InfiniBand links (the ring crosses nodes). A
+profile measured on the user's own machines (``cp-bench --calibrate``) replaces all of this; ``cp-bench --modes
+backtest`` compares these profiles' predictions with published GPU results (docs/performance.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
-from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit
+from .profile import LINK_KINDS, ComputeFit, CostProfile, GroupProfile, LinkFit
 
-H100_FA2_BF16 = ComputeFit((0.02390082152638741, 0.02353565953091095, 0.0, 0.2092794215386642, 0.20927942153866422),
-                           {"rows": 34, "median_rel": 0.0707, "max_rel": 0.4033})
-"""The H100 ring plans' fit (module doc); bf16 and fp16 run the same tensor cores."""
+H100_FA2_BF16 = ComputeFit((0.02390082152638741, 0.02353565953091095, 0.0, 0.0, 0.0, 0.2092794215386642,
+                            0.20927942153866422), {"rows": 34, "median_rel": 0.0707, "max_rel": 0.4033})
+"""The H100 ring plans' fit (module doc), one weight per :data:`~.pattern_work.FEATURES`: causal and full pairs and
+about 0.42 ms per ring step (a block and a step; no weight on the softmax, masked area or rows); bf16 and fp16 run
+the same tensor cores. (Its five weights of 2026-11-28 had not followed the features' growth to seven: every
+prediction with a named GPU profile raised until 2026-12-05; :class:`~.profile.ComputeFit` now checks.)"""
 
 
-def _gpu_profile(name: str, device_name: str) -> CostProfile:
-    nvlink = {k: LinkFit(0.01, 450.0) for k in ("p2p", "all_gather", "reduce_scatter", "all_to_all")}
-    infiniband = {k: LinkFit(0.02, 50.0) for k in ("p2p", "all_gather", "reduce_scatter", "all_to_all")}
-    compute = {"bfloat16": H100_FA2_BF16, "float16": H100_FA2_BF16}
-    groups = {size: GroupProfile(compute, nvlink if size <= 8 else infiniband) for size in (2, 4, 8, 16, 32, 64)}
-    source = (f"modelled: {device_name} compute fitted to one H100's measured ring plans (2026-11-24, FA2, bf16); "
-              "links from public specifications (NVLink 4 450 GB/s per direction inside 8 GPUs, InfiniBand NDR "
-              "50 GB/s per GPU across nodes), latencies and full overlap assumed")
-    return CostProfile(name, source, "cuda", 1.0, groups)
+@dataclass(frozen=True)
+class GpuSpec:
+    """A modelled GPU: ``compute_scale`` x the H100 fit's milliseconds, NVLink GB/s per direction inside a domain
+    of ``nvlink_domain`` GPUs, and where each number comes from."""
+
+    device_name: str
+    compute_scale: float
+    nvlink_gbps: float
+    nvlink_domain: int
+    source: str
+
+
+GPUS = {
+    "h100-nvlink": GpuSpec("H100 SXM", 1.0, 450.0, 8, "NVLink 4 900 GB/s bidirectional (datasheet)"),
+    "h200-nvlink": GpuSpec("H200 SXM", 1.0, 450.0, 8, "the H100's SMs (its faster memory not modelled); NVLink 4 "
+                           "900 GB/s bidirectional (datasheet)"),
+    "h800-nvlink": GpuSpec("H800 SXM", 1.0, 200.0, 8, "the H100's SMs; NVLink 400 GB/s bidirectional (datasheet; "
+                           "DeepSeek-V3 measured 160 GB/s per direction)"),
+    "a100-nvlink": GpuSpec("A100 SXM", 1.65, 300.0, 8, "FlashAttention-2 reaches up to 335 TFLOP/s forward + "
+                           "backward on an H100 and about 200 on an A100 (50-73% of 312: arXiv 2307.08691), so "
+                           "x 335 / 203; NVLink 3 600 GB/s bidirectional (datasheet)"),
+    "b200-nvlink": GpuSpec("B200 (HGX)", 0.236, 900.0, 8, "FlashAttention-4 causal, head dim 128: forward 1,418, "
+                           "backward 1,209 TFLOP/s (flash-attention #2280), i.e. 1,262 forward + backward against the "
+                           "H100 fit's ~298 (7 (D + Dv) FLOPs per visible pair and head at 0.0235 ms per 1e9); "
+                           "NVLink 5 1.8 TB/s bidirectional (datasheet)"),
+    "gb200-nvl72": GpuSpec("GB200 NVL72", 0.236, 900.0, 72, "the B200's kernel rates; NVLink 5 1.8 TB/s "
+                           "bidirectional across the 72-GPU NVLink domain (datasheet)"),
+}
+"""The modelled GPUs by profile name (module doc)."""
+
+
+def payload_links(size: int, latency_ms: float, gbps: float) -> dict[str, LinkFit]:
+    """Link fits of a group of ``size`` from a per-direction bandwidth per GPU: a fit prices one rank's payload
+    (:class:`~.pattern_work.Transfer`'s ``nbytes``), and a bandwidth-optimal collective sends ``(size - 1)``
+    payloads (all-gather, reduce-scatter) or ``(size - 1) / size`` of one (all-to-all) through that bandwidth."""
+    sent = {"p2p": 1.0, "all_gather": size - 1.0, "reduce_scatter": size - 1.0, "all_to_all": (size - 1.0) / size}
+    return {kind: LinkFit(latency_ms, gbps / sent[kind]) for kind in LINK_KINDS}
+
+
+def _gpu_profile(name: str, gpu: GpuSpec) -> CostProfile:
+    fit = H100_FA2_BF16 if gpu.compute_scale == 1.0 else \
+        ComputeFit(tuple(w * gpu.compute_scale for w in H100_FA2_BF16.weights), H100_FA2_BF16.fit_error)
+    compute = {"bfloat16": fit, "float16": fit}
+    sizes = sorted({2, 4, 8, 16, 32, 64, gpu.nvlink_domain})
+    groups = {size: GroupProfile(compute, payload_links(size, 0.01, gpu.nvlink_gbps) if size <= gpu.nvlink_domain
+                                 else payload_links(size, 0.02, 50.0)) for size in sizes}
+    source = (f"modelled: {gpu.device_name} compute from one H100's measured ring plans (2026-11-24, FA2, bf16) x "
+              f"{gpu.compute_scale:g} ({gpu.source}); links {gpu.nvlink_gbps:g} GB/s per direction inside "
+              f"{gpu.nvlink_domain} GPUs, InfiniBand NDR 50 GB/s per GPU across; latencies assumed; the ring's "
+              "transfers not overlapped (vllm-omni #5092)")
+    return CostProfile(name, source, "cuda", 0.0, groups)
 
 
 _DIR = os.path.join(os.path.dirname(__file__), "profiles")
@@ -46,10 +96,7 @@ def _measured(file: str) -> CostProfile:
         return CostProfile.from_json(json.load(f))
 
 
-NAMED_PROFILES: dict[str, CostProfile] = {
-    "h100-nvlink": _gpu_profile("h100-nvlink", "H100 SXM"),
-    "h200-nvlink": _gpu_profile("h200-nvlink", "H200 SXM"),
-}
+NAMED_PROFILES: dict[str, CostProfile] = {name: _gpu_profile(name, gpu) for name, gpu in GPUS.items()}
 """Profiles by name (module doc); ``cpu-2core-gloo`` (measured on this project's 2-core CI machine) is added below
 when its file is installed."""
 

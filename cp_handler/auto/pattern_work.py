@@ -22,6 +22,7 @@ ops' code and checked against :func:`~cp_handler.ops.collectives.count_comms` in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -51,6 +52,8 @@ class AttnCase:
         mask: the layer's :class:`~cp_handler.core.masks.AttentionMask`.
         cp: the CP group's size.
         hierarchical: ``(a2a, p2p)`` level sizes when the group has two levels (``a2a+p2p`` is a candidate then).
+        backward: forward + backward (training, the default); ``False``: the forward alone (prefill, inference):
+            the forward's transfers, and :data:`FORWARD_SHARE` of the compute a fit of forward + backward prices.
     """
 
     lengths: tuple[int, ...]
@@ -63,6 +66,7 @@ class AttnCase:
     mask: AttentionMask = CAUSAL
     cp: int = 2
     hierarchical: tuple[int, int] | None = None
+    backward: bool = True
 
     def __post_init__(self):
         if self.heads < 1 or self.kv_heads < 1 or self.heads % self.kv_heads:
@@ -113,6 +117,15 @@ class PlanWork:
         return PlanWork(*(a + b for a, b in zip(self.features(), other.features(), strict=True)))
 
 
+    def scaled(self, factor: float) -> PlanWork:
+        return PlanWork(*(f * factor for f in self.features()))
+
+
+FORWARD_SHARE = 0.26
+"""The forward's share of a FlashAttention forward + backward (time): the backward does 2.5x the forward's matmul
+FLOPs (5 matmuls to 2) at a lower rate. FA3 on an H100, head dim 128, 16k tokens: forward 648, backward 561
+TFLOP/s (the FA3 paper's figures), so the backward takes 2.5 x 648 / 561 = 2.89 forwards: 1 / 3.89 = 0.26."""
+
 FEATURES = ("causal_pairs", "full_pairs", "scores", "masked_area", "rows", "blocks", "steps")
 
 
@@ -129,6 +142,8 @@ class Transfer:
     overlapped: bool = False
     inner: bool = False
     """The all-to-all level of a hierarchical pattern (priced with the links of a group of its size)."""
+    backward: bool = False
+    """Posted by the backward (a forward-only case leaves it out)."""
 
     @property
     def bytes_sent(self) -> int:
@@ -198,6 +213,13 @@ def _ring_plan(layout: ZigzagDocs, mask: AttentionMask, rank: int, heads: int, k
     return RankPlan(layout.local_len, layout.local_len, heads, kv_heads, steps)
 
 
+def _kv_chunks(case: AttnCase) -> tuple[slice, ...]:
+    """all_gather's KV-head chunks for ``case`` (the default chunking, by the gathered bytes)."""
+    rows = case.batch * case.layout(case.cp).local_len * case.cp
+    return kv_head_chunks(case.kv_heads, None, rows * case.kv_heads * (case.head_dim + case.v_head_dim) *
+                          case.element_bytes)
+
+
 def _a2a_levels(comm_type: str, case: AttnCase) -> tuple[int, int]:
     if comm_type == "a2a":
         return case.cp, 1
@@ -219,7 +241,7 @@ def rank_plan(comm_type: str, case: AttnCase, rank: int) -> RankPlan:
     if case.cp == 1 or comm_type == "p2p":
         return _ring_plan(layout, case.mask, rank, case.heads, case.kv_heads)
     if comm_type == "all_gather":  # the plan once per chunk of KV heads (and their query heads)
-        chunks = len(kv_head_chunks(case.kv_heads, None))
+        chunks = len(_kv_chunks(case))
         kv_heads = -(-case.kv_heads // chunks)
         return RankPlan(layout.local_len, int(layout.cu_seqlens_padded[-1]), kv_heads * case.heads // case.kv_heads,
                         kv_heads, (tuple(all_gather_blocks(layout, rank, case.mask)),) * chunks)
@@ -245,19 +267,29 @@ def _ring_transfers(plans: list[RankPlan], size: int, kv_row_bytes: int, element
     local = plans[0].q_len
     if plans[0].kv_len != local:  # the halo exchange: the rows the busiest rank receives, both ways
         halo = max(p.kv_len - local for p in plans) * kv_row_bytes
-        return (Transfer("all_to_all", size, halo), Transfer("all_to_all", size, halo))
+        return (Transfer("all_to_all", size, halo), Transfer("all_to_all", size, halo, backward=True))
     shard = local * kv_row_bytes
-    return (Transfer("p2p", size, shard, True),) * (2 * (size - 1)) + \
-        (Transfer("p2p", size, shard * FP32_BYTES // element_bytes, True),) * (size - 1)
+    return (Transfer("p2p", size, shard, True),) * (size - 1) + (Transfer("p2p", size, shard, True, backward=True),) * \
+        (size - 1) + (Transfer("p2p", size, shard * FP32_BYTES // element_bytes, True, backward=True),) * (size - 1)
 
 
 @functools.lru_cache(maxsize=1024)
 def pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
-    """One rank's :class:`PatternWork` of ``comm_type`` for ``case`` (module doc).
+    """One rank's :class:`PatternWork` of ``comm_type`` for ``case`` (module doc); with ``case.backward`` False
+    the forward's transfers alone (the ring's first ``cp - 1`` K/V steps, each chunk's first gather, the a2a's
+    first two all-to-alls, the halo's first exchange) and :data:`FORWARD_SHARE` of each step's compute.
 
     Raises:
         ValueError: an unknown comm type, or ``a2a+p2p`` for a case without two levels.
     """
+    if case.backward:
+        return _pattern_work(comm_type, case)
+    work = pattern_work(comm_type, dataclasses.replace(case, backward=True))
+    return PatternWork(tuple(step.scaled(FORWARD_SHARE) for step in work.steps),
+                       tuple(t for t in work.transfers if not t.backward))
+
+
+def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     plans = [rank_plan(comm_type, case, r) for r in range(case.cp)]
     steps = _slowest(plans, case)
     e, width = case.element_bytes, case.head_dim + case.v_head_dim
@@ -267,16 +299,17 @@ def pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
         return PatternWork(steps, _ring_transfers(plans, case.cp, case.batch * case.kv_heads * width * e, e))
     if comm_type == "all_gather":  # per chunk of KV heads (the default chunks): gathered forward and backward
         transfers = []
-        for heads in kv_head_chunks(case.kv_heads, None):
+        for heads in _kv_chunks(case):
             shard = plans[0].q_len * case.batch * (heads.stop - heads.start) * width * e
-            transfers += [Transfer("all_gather", case.cp, shard)] * 2 + \
-                [Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e)]
+            transfers += [Transfer("all_gather", case.cp, shard), Transfer("all_gather", case.cp, shard, backward=True),
+                          Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, backward=True)]
         return PatternWork(steps, tuple(transfers))
     a2a, outer = _a2a_levels(comm_type, case)
     heads = a2a_head_plan(case.heads, case.kv_heads, a2a)
     rows = case.layout(case.cp).local_len * case.batch
     qkv = rows * (heads.padded_heads * case.head_dim + heads.padded_kv_heads * heads.replicas * width) * e
     out = rows * heads.padded_heads * case.v_head_dim * e
-    a2a_transfers = tuple(Transfer("all_to_all", a2a, n, inner=outer > 1) for n in (qkv, out, out, qkv))
+    a2a_transfers = tuple(Transfer("all_to_all", a2a, n, inner=outer > 1, backward=i > 1)
+                          for i, n in enumerate((qkv, out, out, qkv)))
     ring_row = case.batch * plans[0].kv_heads * width * e
     return PatternWork(steps, a2a_transfers + _ring_transfers(plans[::a2a], outer, ring_row, e))

@@ -31,6 +31,11 @@ class ComputeFit:
     weights: tuple[float, ...]
     fit_error: dict | None = None
 
+    def __post_init__(self):
+        if len(self.weights) != len(FEATURES) or any(w < 0 for w in self.weights):
+            raise ValueError(f"ComputeFit: weights={self.weights} must be {len(FEATURES)} values >= 0, one per feature "
+                             f"{list(FEATURES)}")
+
     def ms(self, work: PlanWork) -> float:
         return sum(w * f for w, f in zip(self.weights, work.features(), strict=True))
 

@@ -35,7 +35,9 @@ Modes (``--modes``, default both):
   profile (compute and links at ``--calibrate-cp-sizes``, under a minute on 2 CPU cores), written to
   ``<out-dir>/cost_profile.json`` (``--cp-comm-profile`` of cp-train, ``cp_comm_profile`` of the config);
 * ``auto`` (only when asked for): :mod:`.auto`: every pattern measured on CPU ranks over a grid beside the cost
-  model's prediction and ``cp_comm_type="auto"``'s pick.
+  model's prediction and ``cp_comm_type="auto"``'s pick;
+* ``backtest`` (only when asked for): :mod:`.backtest`: the cost model's named GPU profiles against published GPU
+  results (:mod:`.published`), every pair of rows a comparison of winner and ratio; no device, under a second.
 
 Each cp size runs as its own launch of ``cp`` ranks with ``max(1, cores // cp)`` threads each. Every mode's
 defaults (:mod:`.defaults`, shown by ``--help``) depend on ``--device`` and ``--quick``; on CPU each mode finishes
@@ -58,7 +60,22 @@ import torch
 from ..cli.flag_names import FlagParser, HelpFormatter
 from ..runtime.config import CP_COMM_TYPES
 from ..runtime.launch import fresh_process
-from . import auto, compiled, defaults, e2e, generation, hybrid, launches, masks, memory, plan, plots, report, whole
+from . import (
+    auto,
+    backtest,
+    compiled,
+    defaults,
+    e2e,
+    generation,
+    hybrid,
+    launches,
+    masks,
+    memory,
+    plan,
+    plots,
+    report,
+    whole,
+)
 from .attention import PASSES, run_attn
 from .defaults import default_help
 from .flag_rules import check_flags
@@ -67,7 +84,8 @@ from .torch_ring import check_available
 RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan", plan.run),
         "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
         "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run),
-        "calibrate": ("calibrate", auto.run_calibrate), "auto": ("auto", auto.run)}
+        "calibrate": ("calibrate", auto.run_calibrate), "auto": ("auto", auto.run),
+        "backtest": ("backtest", backtest.run)}
 """mode -> (its key in results.json, its run), in the order the modes run."""
 
 

@@ -58,6 +58,7 @@ DEFAULTS: dict[str, dict[str, dict[str, dict]]] = {
     "compile": {"cpu": _reps({"compile_seq_len": 1024}, {"compile_seq_len": 4096})},
     "calibrate": {"cpu": _reps({}, {})},
     "auto": {"cpu": _reps({"auto_grid": "quick"}, {"auto_grid": "full"})},
+    "backtest": {"cpu": _same({})},
 }
 """mode -> device (``"cpu"``, ``"cuda"``; a mode without ``"cuda"`` runs on CPU only) -> ``"quick"`` / ``"full"``
 -> flag dest -> value. Only flags whose default is ``None`` in the parser appear here (and in :data:`COMMON`)."""
@@ -79,7 +80,7 @@ def defaults(mode: str, device: str = "cpu", quick: bool = False) -> dict:
 
 _READS = {"attn": {"comm_types", "cp_sizes"}, "e2e": {"cp_sizes"}, "plan": {"comm_types"},
           "launches": {"comm_types"}, "masks": set(), "generate": set(), "hybrid": set(), "memory": set(),
-          "compile": set(), "calibrate": set(), "auto": set()}
+          "compile": set(), "calibrate": set(), "auto": set(), "backtest": set()}
 """The :data:`COMMON` flags each mode reads."""
 
 
@@ -154,7 +155,7 @@ def epilog(width: int = 100) -> str:
             full, quick = defaults(mode, device), defaults(mode, device, quick=True)
             changed = {k: v for k, v in quick.items() if full[k] != v}
             where = "CPU and --device cuda" if same else "CPU" if device == "cpu" else "--device cuda"
-            text = f"{mode} ({where}): {flags(full)}"
+            text = f"{mode} ({where}): {flags(full) or 'nothing to size'}"
             lines += textwrap.wrap(text + (f"; --quick: {flags(changed)}" if changed else ""), width,
                                    initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)

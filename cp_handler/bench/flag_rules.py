@@ -166,9 +166,15 @@ def check_auto(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--cost-profile: {err}")
 
 
+def check_backtest(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Nothing runs on a device: the model's predictions beside published results."""
+    if args.device == "cuda":
+        p.error("--modes backtest prices published GPU runs with the cost model (no device runs): drop --device cuda")
+
+
 RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
          "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile,
-         "calibrate": check_calibrate, "auto": check_auto}
+         "calibrate": check_calibrate, "auto": check_auto, "backtest": check_backtest}
 """Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
 
 TIMED_ON_DEVICE = ("attn", "plan", "masks")

@@ -129,7 +129,38 @@ def markdown(results: dict) -> str:
     if "auto" in results:
         parts += ["## Patterns measured vs the cost model, and auto's pick (auto mode)\n",
                   auto_table(results["auto"]), ""]
+    if "backtest" in results:
+        parts += ["## The cost model against published GPU results (backtest mode)\n",
+                  backtest_table(results["backtest"]), ""]
     return "\n".join(parts)
+
+
+def backtest_table(bt: dict) -> str:
+    """One row per published configuration (published and predicted ms), then the summary of the pairs."""
+    s = bt["summary"]
+    pairs = {}
+    for p in bt["pairs"]:
+        pairs.setdefault(p["group"], []).append(p)
+    rows = []
+    for r in bt["rows"]:
+        rows.append((r["group"], r["row"], f"{r['published_ms']:.3g}", f"{r['predicted_ms']:.3g}",
+                     f"{r['predicted_ms'] / r['published_ms']:.2f}"))
+    right = sum(1 for p in bt["pairs"] if p["winner_right"])
+    judged = s["pairs"] - s["ties"]
+    caption = (f"{s['rows']} published rows in {s['groups']} groups, {s['pairs']} pairs: the winner predicted in "
+               f"{right} of {judged} ({100 * s['winner_right']:.0f}%; target {100 * s['targets']['winner']:.0f}%; "
+               f"{s['ties']} ties within {100 * s['tie']:.0f}% left out), the ratio within "
+               f"{100 * s['ratio_tolerance']:.0f}% in {100 * s['ratio_right']:.0f}% (target "
+               f"{100 * s['targets']['ratio']:.0f}%). Sources: docs/performance.md; ms per call as published "
+               "(iter/s inverted) and as predicted")
+    table_rows = table(caption, ["group", "row", "published ms", "predicted ms", "predicted / published"], rows)
+    missed = [(p["group"], p["pair"], f"{p['published_ratio']:.3f}", f"{p['predicted_ratio']:.3f}",
+               "tie" if p["tie"] else ("right" if p["winner_right"] else "WRONG"),
+               "right" if p["ratio_right"] else "WRONG") for p in bt["pairs"]
+              if p["winner_right"] is False or not p["ratio_right"]]
+    return table_rows + "\n\n" + table("The pairs the model misses (winner or ratio)",
+                                         ["group", "pair", "published ratio", "predicted ratio", "winner", "ratio"],
+                                         missed)
 
 
 def calibrate_table(calibrated: dict) -> str:

@@ -64,7 +64,8 @@ class AttnSpec:
             a2a+p2p); ``None``: this rank alone.
         p2p_group: a2a+p2p's ring level (``None`` otherwise).
         sinks: ``(H,)`` learnable sink logits, or ``None``.
-        kv_heads_per_chunk: ``all_gather``: KV heads gathered at once (``None``: ``ceil(Hkv / 2)``).
+        kv_heads_per_chunk: ``all_gather``: KV heads gathered at once (``None``: ``ceil(Hkv / 2)``, or all
+            of them below :data:`~.all_gather.PIPELINE_MIN_BYTES` of gathered K/V).
         halves: the ring runs over its rows reordered (:mod:`.halves`: packed documents without per-step gathers);
             set by the ring itself.
     """
