@@ -23,6 +23,7 @@ from cp_handler.bench.attention import stdlib_document_lengths
 from cp_handler.bench.case_progress import each_case
 from cp_handler.bench.cli import build_parser, main, parse_args
 from cp_handler.bench.defaults import DEFAULTS, defaults, flags, resolve
+from cp_handler.bench.launches import ATTENTION_OPS, LaunchCounter
 from cp_handler.bench.plan import PlanCase, PlanShape, doc_lengths, plan_tiles, profile_case, rank_plan, whole_tiles
 from cp_handler.bench.plots import IMPLEMENTATIONS, style
 from cp_handler.bench.report import add_efficiency, attention_table
@@ -290,6 +291,23 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path, capsys):
     assert all(r["tile_ratio"] == 1.0 for r in results["rows"] if r["qkv_format"] == "bshd")
     assert rows["thd", "p2p"]["tile_ratio"] > 1.0  # documents of mean 64 cut into pieces of 8 rows
     assert "| thd | 2048 | p2p | 4 | 512 |" in (out / "results.md").read_text()
+    for r in results["rows"]:  # bytes outside the kernels: every operator's but the attention kernels'
+        for name, by_bytes in r["bytes_by_operator"].items():
+            assert not set(by_bytes) & ATTENTION_OPS and sum(by_bytes.values()) == r["bytes_outside"][name]
+    assert "MB moved outside the attention kernels" in (out / "results.md").read_text()
+
+
+def test_launch_counter_bytes_are_every_tensor_read_and_written():
+    """An out-of-place op reads its inputs and writes its result; an in-place op reads and writes its tensor; an
+    attention kernel is counted as a launch, its bytes are not."""
+    a, b = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")  # 128 bytes each (float32)
+    q = torch.empty(1, 2, 16, 8, device="meta", dtype=torch.bfloat16)
+    with LaunchCounter() as counter:
+        c = a + b
+        c.mul_(2.0)
+        torch.ops.aten._scaled_dot_product_efficient_attention(q, q, q, None, False)
+    assert counter.bytes_outside == {"add": 3 * 128, "mul_": 2 * 128}
+    assert counter.ops["_scaled_dot_product_efficient_attention"] == 1
 
 
 @pytest.mark.parametrize("flags, message", [

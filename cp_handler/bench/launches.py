@@ -8,7 +8,9 @@ and allocations left out. Every counted operator launches at least one CUDA kern
 launches several), so the count is a lower bound of a rank's launches, exact in what our code adds around the
 attention kernels; it does not depend on the machine.
 
-Beside the launches, each row's ``tile_ratio``: the 128 x 128 score tiles the rank's blocks visit
+Beside the launches, the bytes the operators outside the attention kernels move (every tensor they read and
+write: gathers, scatters, merges, casts, zero fills; :class:`LaunchCounter`), so thd and bshd can be compared at
+the same tokens. Beside both, each row's ``tile_ratio``: the 128 x 128 score tiles the rank's blocks visit
 (partly masked tiles count whole), times cp, over those of the whole-sequence reference
 (:func:`~.plan.plan_tiles`, :func:`~.plan.whole_tiles`): the padded work that splitting adds (1.0 for
 bshd; above 1 where packed documents are cut into pieces shorter than a tile). At one per-tile rate,
@@ -49,20 +51,48 @@ def hidden_copies(name: str, func, args, kwargs) -> int:
 DEFAULT_KERNELS = ("flash", "flash_gqa", "flash_varlen", "cudnn")
 
 
+ATTENTION_OPS = frozenset({
+    "_flash_attention_forward", "_flash_attention_backward", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_backward", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_cudnn_attention_backward"})
+"""The attention kernels themselves: their launches are counted, their bytes are not (``bytes_outside``)."""
+
+
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in ``value`` (a tensor, or a list / tuple of them; anything else 0)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
 class LaunchCounter(TorchDispatchMode):
-    """Counts the dispatched aten operators that launch device work (not views, not allocations)."""
+    """Counts the dispatched aten operators that launch device work (not views, not allocations) and the bytes the
+    ones outside the attention kernels move: every tensor argument read and every tensor result written (an
+    in-place op's tensor both), i.e. the memory traffic a device does around the kernels (a lower bound: an op
+    reading a broadcast tensor reads it once here)."""
 
     def __init__(self):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.bytes_outside: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if not func.is_view and name not in ALLOCATIONS:
             self.ops[name] += 1
+            if name not in ATTENTION_OPS:
+                self.bytes_outside[name] += _tensor_bytes(list(args) + list(kwargs.values())) + _tensor_bytes(out)
         if name in HIDDEN_COPIES:
-            self.ops["contiguous (inside the op)"] += hidden_copies(name, func, args, kwargs or {})
-        return func(*args, **(kwargs or {}))
+            copies = hidden_copies(name, func, args, kwargs)
+            self.ops["contiguous (inside the op)"] += copies
+            if copies:  # grad_out / out copied inside the op: read and written once each
+                self.bytes_outside["contiguous (inside the op)"] += 2 * copies * _tensor_bytes(args[0])
+        return out
 
 
 def meta_kernel(name: str) -> AttnKernel:
@@ -84,8 +114,9 @@ def check_kernels(names, shape: PlanShape | None = None) -> None:
                 raise ValueError(f"--launch-kernels: {name!r} cannot run this shape: {reason}")
 
 
-def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Counter[str]:
-    """Operators of one forward + backward of rank 0's plan in ``case`` with CUDA kernel ``kernel_name``.
+def count_launches(case, shape: PlanShape, kernel_name: str) -> LaunchCounter:
+    """The :class:`LaunchCounter` of one forward + backward of rank 0's plan in ``case`` with CUDA kernel
+    ``kernel_name`` (operators, and bytes outside the attention kernels).
 
     Raises:
         ValueError: ``kernel_name`` is not a CUDA kernel (:func:`check_kernels`).
@@ -97,7 +128,7 @@ def count_launches(case, shape: PlanShape, kernel_name: str) -> collections.Coun
     step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
     with LaunchCounter() as counter:
         step()
-    return counter.ops
+    return counter
 
 
 def run(args) -> dict:
@@ -115,7 +146,10 @@ def run(args) -> dict:
                   if not KERNELS[name].cannot_plan(plan.varying_shapes)}
         rows.append({**asdict(case), "blocks": sum(len(s) for s in plan.steps),
                      "tile_ratio": case.cp_size * plan_tiles(plan) / whole_tiles(case, shape),
-                     "ops": {name: sum(counts[name].values()) if name in counts else None
+                     "ops": {name: sum(counts[name].ops.values()) if name in counts else None
                              for name in args.launch_kernels},
-                     "by_operator": {name: dict(c.most_common()) for name, c in counts.items()}})
+                     "bytes_outside": {name: sum(counts[name].bytes_outside.values()) if name in counts else None
+                                       for name in args.launch_kernels},
+                     "by_operator": {name: dict(c.ops.most_common()) for name, c in counts.items()},
+                     "bytes_by_operator": {name: dict(c.bytes_outside.most_common()) for name, c in counts.items()}})
     return {"shape": asdict(shape), "kernels": list(args.launch_kernels), "rows": rows}

@@ -328,6 +328,26 @@ def launches_table(launches: dict) -> str:
     return table(caption, ["format", "S", "pattern", "cp", "tokens/rank", "blocks", "tiles x cp / whole", *names],
                  [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"], r["blocks"],
                    f"{r['tile_ratio']:.2f}", *("n/a" if r["ops"][n] is None else r["ops"][n] for n in names)]
+                  for r in launches["rows"]]) + "\n\n" + launch_bytes_table(launches)
+
+
+def launch_bytes_table(launches: dict) -> str:
+    """MB moved outside the attention kernels per rank-step, per CUDA kernel, and thd over bshd at the same case."""
+    names = launches["kernels"]
+    bshd = {(r["seq_len"], r["pattern"], r["cp_size"]): r["bytes_outside"] for r in launches["rows"]
+            if r["qkv_format"] == "bshd"}
+
+    def cell(r, n):
+        value = r["bytes_outside"][n]
+        if value is None:
+            return "n/a"
+        base = bshd.get((r["seq_len"], r["pattern"], r["cp_size"]), {}).get(n) if r["qkv_format"] == "thd" else None
+        return f"{value / 1e6:.0f}" + (f" ({value / base:.2f}x bshd)" if base else "")
+
+    return table("MB moved outside the attention kernels per rank-step (every other operator's tensors read and "
+                 "written), and thd over bshd at the same tokens",
+                 ["format", "S", "pattern", "cp", *names],
+                 [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], *(cell(r, n) for n in names)]
                   for r in launches["rows"]])
 
 
