@@ -6,14 +6,16 @@ profile's links for the group (the inner level of ``a2a+p2p`` on the links of a 
 transfers hide behind the ring's compute by the profile's ``overlap``; a measured profile then applies the
 pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
-    modelled = compute + exposed + ring - overlap * min(ring, compute)
+    modelled = compute + exposed + ring - overlap * min(ring, hideable)
     total = scale * modelled + fixed + per_element * (q, k, v elements of the rank)
 
-(``exposed``: the collectives nothing overlaps, the all-gathers, reduce-scatters and all-to-alls; ``ring``: the
-ring steps' transfers). :func:`choose_comm_type` returns the fastest candidate, ties going to the earlier one in
-:data:`~cp_handler.core.comm_types.CP_COMM_TYPES` order
-(``p2p`` first). The inputs are the same on every rank of a CP group
-(shapes, documents, the group's sizes, one profile), and so is the pick; the handler's agreement check compares it.
+(``exposed``: the collectives nothing overlaps, the all-to-alls, all_gather's first gathers and last
+reduce-scatter; ``ring``: the overlapped ones, the ring steps' transfers and all_gather's other chunks;
+``hideable``: the compute of every step but the last, the steps a transfer in flight runs under: measured on
+emulated links, ``cp-bench --modes links``). :func:`choose_comm_type` returns the fastest candidate, ties going
+to the earlier one in :data:`~cp_handler.core.comm_types.CP_COMM_TYPES` order (``p2p`` first). The inputs are
+the same on every rank of a CP group (shapes, documents, the group's sizes, one profile), and so is the pick; the
+handler's agreement check compares it.
 """
 
 from __future__ import annotations
@@ -47,7 +49,9 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
     group = profile.group(case.cp)
     if dtype not in group.compute:
         raise ValueError(f"cost profile {profile.name!r} has compute fits for {sorted(group.compute)}, not {dtype}")
-    compute = sum(group.compute[dtype].ms(step) for step in work.steps)
+    step_ms = [group.compute[dtype].ms(step) for step in work.steps]
+    compute = sum(step_ms)
+    hideable = compute - step_ms[-1]  # a transfer in flight runs under the steps before the last
     ring = exposed = 0.0
     for t in work.transfers:
         links = profile.group(t.group_size).links if t.inner else group.links
@@ -56,7 +60,7 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
             ring += ms
         else:
             exposed += ms
-    total = compute + exposed + ring - profile.overlap * min(ring, compute)
+    total = compute + exposed + ring - profile.overlap * min(ring, hideable)
     fit = group.patterns.get(comm_type)
     return Prediction(comm_type, compute, ring + exposed,
                       fit.ms(total, case.local_elements) if fit is not None else total)

@@ -14,7 +14,8 @@ ops' code and checked against :func:`~cp_handler.ops.collectives.count_comms` in
   rows, ``e`` the element size); backward the same K/V ring and ``cp - 1`` sends of an fp32 dK/dV shard; overlapped
   with the step's blocks. A window or chunks short enough: one uneven all-to-all of the halo rows instead, and its
   reverse for their gradients.
-* ``all_gather``: K/V all-gathered forward and again backward; dK/dV reduce-scattered in fp32.
+* ``all_gather``: K/V all-gathered forward and again backward, per chunk of KV heads; dK/dV reduce-scattered in
+  fp32; every chunk's gather but the first, and every reduce-scatter but the last, overlap a chunk's compute.
 * ``a2a`` / ``a2a+p2p``: q, k, v in one all-to-all and the output back in another, the same two backward; heads
   padded or KV heads replicated as :func:`~cp_handler.ops.ulysses.a2a_head_plan` does; then the ring (or the halo
   exchange) over the outer level on the inner layout, ``H' / A`` heads per rank.
@@ -299,10 +300,14 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
         return PatternWork(steps, _ring_transfers(plans, case.cp, case.batch * case.kv_heads * width * e, e))
     if comm_type == "all_gather":  # per chunk of KV heads (the default chunks): gathered forward and backward
         transfers = []
-        for heads in _kv_chunks(case):
+        chunks = _kv_chunks(case)
+        for i, heads in enumerate(chunks):  # the next chunk's gather and this chunk's reduce-scatter run under the
+            # compute of a chunk (the first gathers exposed, the last reduce-scatter after the last compute)
             shard = plans[0].q_len * case.batch * (heads.stop - heads.start) * width * e
-            transfers += [Transfer("all_gather", case.cp, shard), Transfer("all_gather", case.cp, shard, backward=True),
-                          Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, backward=True)]
+            transfers += [Transfer("all_gather", case.cp, shard, i > 0),
+                          Transfer("all_gather", case.cp, shard, i > 0, backward=True),
+                          Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, i + 1 < len(chunks),
+                                   backward=True)]
         return PatternWork(steps, tuple(transfers))
     a2a, outer = _a2a_levels(comm_type, case)
     heads = a2a_head_plan(case.heads, case.kv_heads, a2a)

@@ -36,6 +36,8 @@ Modes (``--modes``, default both):
   ``<out-dir>/cost_profile.json`` (``--cp-comm-profile`` of cp-train, ``cp_comm_profile`` of the config);
 * ``auto`` (only when asked for): :mod:`.auto`: every pattern measured on CPU ranks over a grid beside the cost
   model's prediction and ``cp_comm_type="auto"``'s pick;
+* ``links`` (only when asked for): :mod:`.links`: every pattern's exposed communication on emulated links (a timing
+  shim holds each collective to a bandwidth set against the ring step's compute), beside the cost model's;
 * ``backtest`` (only when asked for): :mod:`.backtest`: the cost model's named GPU profiles against published GPU
   results (:mod:`.published`), every pair of rows a comparison of winner and ratio; no device, under a second.
 
@@ -69,6 +71,7 @@ from . import (
     generation,
     hybrid,
     launches,
+    links,
     masks,
     memory,
     plan,
@@ -85,7 +88,7 @@ RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan
         "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
         "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run),
         "calibrate": ("calibrate", auto.run_calibrate), "auto": ("auto", auto.run),
-        "backtest": ("backtest", backtest.run)}
+        "backtest": ("backtest", backtest.run), "links": ("links", links.run)}
 """mode -> (its key in results.json, its run), in the order the modes run."""
 
 
@@ -180,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--auto-grid", choices=("full", "quick", "tiny"), default=None,
                    help=_default("--modes auto: the grid (full: 24 cases, about 20 min on 2 CPU cores; quick: 12 of "
                                  "at most 4k tokens; tiny: 4 of 256 tokens)", "auto_grid"))
+    g = p.add_argument_group("emulated links (--modes links: every pattern on CPU ranks, links held to a bandwidth)")
+    g.add_argument("--links-cp-sizes", type=int, nargs="+", default=[2, 4], help="CP sizes")
+    g.add_argument("--links-seq-len", type=int, default=None,
+                   help=_default("global sequence length (tokens; heads 8/8 of 64, float32)", "links_seq_len"))
     g = p.add_argument_group("hybrid layer (--modes hybrid: the reference Gated DeltaNet layer, float32, CPU ranks)")
     g.add_argument("--hybrid-seq-lens", type=int, nargs="+", default=None,
                    help=_default("global sequence lengths in tokens", "hybrid_seq_lens"))

@@ -172,9 +172,19 @@ def check_backtest(p: argparse.ArgumentParser, args: argparse.Namespace) -> None
         p.error("--modes backtest prices published GPU runs with the cost model (no device runs): drop --device cuda")
 
 
+def check_links(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """CPU ranks (the shim wraps gloo's collectives); a2a+p2p at even sizes of 4 and more."""
+    if args.device == "cuda":
+        p.error("--modes links emulates links between CPU ranks (gloo): drop --device cuda")
+    if any(c < 2 for c in args.links_cp_sizes):
+        p.error(f"--links-cp-sizes {' '.join(map(str, args.links_cp_sizes))}: a link needs groups of >= 2 ranks")
+    check_zigzag(p, "--links-cp-sizes", args.links_cp_sizes, "--links-seq-len", [args.links_seq_len])
+
+
 RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
          "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile,
-         "calibrate": check_calibrate, "auto": check_auto, "backtest": check_backtest}
+         "calibrate": check_calibrate, "auto": check_auto, "backtest": check_backtest,
+         "links": check_links}
 """Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
 
 TIMED_ON_DEVICE = ("attn", "plan", "masks")

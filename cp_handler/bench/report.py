@@ -129,10 +129,25 @@ def markdown(results: dict) -> str:
     if "auto" in results:
         parts += ["## Patterns measured vs the cost model, and auto's pick (auto mode)\n",
                   auto_table(results["auto"]), ""]
+    if "links" in results:
+        parts += ["## Exposed communication on emulated links (links mode)\n", links_table(results["links"]), ""]
     if "backtest" in results:
         parts += ["## The cost model against published GPU results (backtest mode)\n",
                   backtest_table(results["backtest"]), ""]
     return "\n".join(parts)
+
+
+def links_table(lk: dict) -> str:
+    """Per pattern, cp, link and pass: the compute, the emulated transfer, the exposure measured and modelled."""
+    rows = [(r["pattern"], r["cp"], r["tokens"], r["ratio"], r["pass"], f"{r['compute_ms']:.1f}",
+             f"{r['transfer_ms']:.1f}", f"{r['exposed_ms']:.1f}", f"{r['model_exposed_ms']:.1f}",
+             "yes" if r["agrees"] else "NO") for r in lk["rows"]]
+    caption = (f"ms of the slowest rank, median; links held to latency {lk['latency_s'] * 1e6:.0f} us + bytes / a "
+               "bandwidth set so that a ring step's compute is `ratio` x its K/V transfer; exposed = emulated - "
+               f"plain; the model's agrees with the measurement in {100 * lk['agreeing']:.0f}% of the rows (within "
+               "5% of the transfer or 3% of the pass)")
+    return table(caption, ["pattern", "cp", "S", "ratio", "pass", "compute", "transfer", "exposed", "model exposed",
+                           "agrees"], rows)
 
 
 def backtest_table(bt: dict) -> str:
