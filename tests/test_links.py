@@ -71,22 +71,37 @@ def test_the_emulator_restores_torch_distributed():
     assert dist.batch_isend_irecv is saved
 
 
-def test_the_model_hides_overlapped_transfers_under_every_step_but_the_last():
-    """predict with overlap 1: the ring's transfers hide under the compute of its steps but the last; an all-to-all
-    is exposed in full; predicted_exposed_ms applies the same rule to a measured compute."""
+def test_the_ring_s_transfers_run_under_the_slots_of_its_schedule():
+    """The ring's schedule (ops/ring.py): forward, step s + 1's K/V under step s; backward, step 1's K/V under the
+    head of the local step, step s + 1's K/V and step s - 1's partial under step s, the last partial under the tail.
+    predict with overlap 1 hides each slot's transfers up to its compute; an all-to-all hides under nothing."""
     compute = ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0))
-    links = {k: LinkFit(0.0, 1.0) for k in ("p2p", "all_gather", "reduce_scatter", "all_to_all")}
-    profile = CostProfile("toy", "test", "cpu", 1.0, {2: GroupProfile({"float32": compute}, links)})
-    case = AttnCase((256,), 1, 4, 4, 16, 16, 4, CAUSAL, 2)
+    links = {k: LinkFit(0.0, 0.05) for k in ("p2p", "all_gather", "reduce_scatter", "all_to_all")}
+    profile = CostProfile("toy", "test", "cpu", 1.0, {2: GroupProfile({"bfloat16": compute}, links)})
+    case = AttnCase((256,), 1, 4, 4, 16, 16, 2, CAUSAL, 2)  # bf16: the fp32 partials are twice the K/V
     work = pattern_work("p2p", case)
-    step_ms = [compute.ms(s) for s in work.steps]
-    ring = sum(links["p2p"].ms(t.nbytes) for t in work.transfers)
-    p = predict("p2p", case, profile, "float32")
-    assert p.total_ms == pytest.approx(sum(step_ms) + ring - min(ring, sum(step_ms) - step_ms[-1]))
+    kv, partial = (links["p2p"].ms(n) for n in sorted({t.nbytes for t in work.transfers}))
+    slots = {(t.backward, t.nbytes == work.transfers[0].nbytes): work.slots[t.slot] for t in work.transfers}
+    forward, head, tail = slots[False, True], slots[True, True], slots[True, False]
+    assert not forward.backward and head.backward and tail.backward
+    assert tail.share > 0 and head.share > tail.share  # the tail: the second chunk's diagonal only
+    total = sum(compute.ms(step) for step in work.steps)
+    hidden = min(kv, forward.share * total) + min(kv, head.share * total) + min(partial, tail.share * total)
+    plain = CostProfile("toy0", "test", "cpu", 0.0, profile.groups)
+    assert predict("p2p", case, plain, "bfloat16").total_ms - predict("p2p", case, profile, "bfloat16").total_ms == \
+        pytest.approx(hidden)
+    assert all(t.slot is None for t in pattern_work("a2a", case).transfers)
+    gather = pattern_work("all_gather", AttnCase((4096,), 1, 8, 8, 64, 64, 4, CAUSAL, 2))  # 2 chunks (>= 4 MiB)
+    exposed = [(t.kind, t.backward) for t in gather.transfers if t.slot is None]
+    assert exposed == [("all_gather", False), ("all_gather", True), ("reduce_scatter", True)]
+
+
+def test_predicted_exposure_of_a_measured_row():
+    """predicted_exposed_ms: an a2a's transfer is exposed in full; a long compute hides the ring's."""
     row = {"pattern": "a2a", "cp": 2, "tokens": 256, "heads": 4, "kv_heads": 4, "head_dim": 16, "pass": "forward",
            "gbps": 1.0, "compute_ms": 1e6}
     transfer, exposed = predicted_exposed_ms(row)
     assert transfer > 0 and exposed == pytest.approx(transfer)  # the a2a's all-to-alls: nothing hides them
     row.update(pattern="p2p")
-    assert predicted_exposed_ms(row)[1] == 0.0  # a long compute hides the ring's step
+    assert predicted_exposed_ms(row)[1] == pytest.approx(0.0)  # a long compute hides the ring's step
     assert LinkCase("p2p", 2, 256, 4, 4, 16).attn_case(backward=False).backward is False

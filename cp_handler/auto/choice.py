@@ -2,17 +2,18 @@
 
 :func:`predict` prices one pattern for one call (:class:`~.pattern_work.AttnCase`) on a profile: compute is the
 profile's compute fit of the slowest rank's plan; each collective is ``latency + bytes / bandwidth`` on the
-profile's links for the group (the inner level of ``a2a+p2p`` on the links of a group of its size); the ring's
-transfers hide behind the ring's compute by the profile's ``overlap``; a measured profile then applies the
+profile's links for the group (the inner level of ``a2a+p2p`` on the links of a group of its size); the overlapped
+transfers hide under their slots of compute by the profile's ``overlap``; a measured profile then applies the
 pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
-    modelled = compute + exposed + ring - overlap * min(ring, hideable)
+    modelled = compute + exposed + ring - overlap * hidden
     total = scale * modelled + fixed + per_element * (q, k, v elements of the rank)
 
 (``exposed``: the collectives nothing overlaps, the all-to-alls, all_gather's first gathers and last
-reduce-scatter; ``ring``: the overlapped ones, the ring steps' transfers and all_gather's other chunks;
-``hideable``: the compute of every step but the last, the steps a transfer in flight runs under: measured on
-emulated links, ``cp-bench --modes links``). :func:`choose_comm_type` returns the fastest candidate, ties going
+reduce-scatter; ``ring``: the overlapped ones, the ring's K/V and dK/dV and all_gather's other chunks; ``hidden``:
+per slot of the pattern's schedule (:class:`~.pattern_work.Slot`: a ring step, the backward's head and tail of the
+local step, a KV-head chunk), the transfers in flight under it up to its compute, summed: measured on emulated
+links, ``cp-bench --modes links``). :func:`choose_comm_type` returns the fastest candidate, ties going
 to the earlier one in :data:`~cp_handler.core.comm_types.CP_COMM_TYPES` order (``p2p`` first). The inputs are
 the same on every rank of a CP group (shapes, documents, the group's sizes, one profile), and so is the pick; the
 handler's agreement check compares it.
@@ -49,18 +50,19 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
     group = profile.group(case.cp)
     if dtype not in group.compute:
         raise ValueError(f"cost profile {profile.name!r} has compute fits for {sorted(group.compute)}, not {dtype}")
-    step_ms = [group.compute[dtype].ms(step) for step in work.steps]
-    compute = sum(step_ms)
-    hideable = compute - step_ms[-1]  # a transfer in flight runs under the steps before the last
-    ring = exposed = 0.0
+    compute = sum(group.compute[dtype].ms(step) for step in work.steps)
+    load = [0.0] * len(work.slots)  # the transfers in flight under each slot of compute
+    exposed = 0.0
     for t in work.transfers:
         links = profile.group(t.group_size).links if t.inner else group.links
         ms = links[t.kind].ms(t.nbytes)
-        if t.overlapped:
-            ring += ms
-        else:
+        if t.slot is None:
             exposed += ms
-    total = compute + exposed + ring - profile.overlap * min(ring, hideable)
+        else:
+            load[t.slot] += ms
+    ring = sum(load)
+    hidden = sum(min(ms, slot.share * compute) for ms, slot in zip(load, work.slots, strict=True))
+    total = compute + exposed + ring - profile.overlap * hidden
     fit = group.patterns.get(comm_type)
     return Prediction(comm_type, compute, ring + exposed,
                       fit.ms(total, case.local_elements) if fit is not None else total)

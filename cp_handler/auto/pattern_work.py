@@ -33,7 +33,7 @@ from ..core.masks import CAUSAL, AttentionMask
 from ..ops.all_gather import all_gather_blocks, kv_head_chunks
 from ..ops.halo import halo_applies, halo_plan
 from ..ops.patterns import PATTERNS
-from ..ops.ring import step_plans
+from ..ops.ring import local_blocks_split, step_plans
 from ..ops.ulysses import a2a_head_plan
 
 FP32_BYTES = 4
@@ -140,11 +140,17 @@ class Transfer:
     kind: str
     group_size: int
     nbytes: int
-    overlapped: bool = False
+    slot: int | None = None
+    """The :class:`Slot` of :attr:`PatternWork.slots` whose compute this transfer runs under (``None``: nothing
+    overlaps it)."""
     inner: bool = False
     """The all-to-all level of a hierarchical pattern (priced with the links of a group of its size)."""
     backward: bool = False
     """Posted by the backward (a forward-only case leaves it out)."""
+
+    @property
+    def overlapped(self) -> bool:
+        return self.slot is not None
 
     @property
     def bytes_sent(self) -> int:
@@ -160,12 +166,22 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """A stretch of compute that transfers in flight run under: ``share`` of the pattern's compute (forward +
+    backward, or the forward alone in a forward-only case), in the ``backward`` or the forward."""
+
+    share: float
+    backward: bool
+
+
+@dataclass(frozen=True)
 class PatternWork:
-    """One rank's cost of one pattern: the compute of the slowest rank's plan (per ring step, so overlap can be
-    priced step by step) and the transfers."""
+    """One rank's cost of one pattern: the compute of the slowest rank's plan (per ring step), the transfers, and
+    the slots of compute the overlapped transfers run under (the schedule of the pattern's code; module doc)."""
 
     steps: tuple[PlanWork, ...]
     transfers: tuple[Transfer, ...]
+    slots: tuple[Slot, ...] = ()
 
     @property
     def compute(self) -> PlanWork:
@@ -261,17 +277,46 @@ def _slowest(plans: list[RankPlan], case: AttnCase) -> tuple[PlanWork, ...]:
     return tuple(steps)
 
 
-def _ring_transfers(plans: list[RankPlan], size: int, kv_row_bytes: int, element_bytes: int) -> tuple[Transfer, ...]:
-    """The ring's K/V shards and dK/dV partials, or the halo exchange's all-to-all and its reverse."""
+def _shares(steps: tuple[PlanWork, ...]) -> list[float]:
+    """Each step's share of the score pairs (the compute a transfer can hide under, step by step)."""
+    pairs = [step.causal_pairs + step.full_pairs for step in steps]
+    total = sum(pairs) or 1.0
+    return [p / total for p in pairs]
+
+
+def _ring_transfers(plans: list[RankPlan], size: int, kv_row_bytes: int, element_bytes: int,
+                    steps: tuple[PlanWork, ...], tail: float) -> tuple[tuple[Transfer, ...], tuple[Slot, ...]]:
+    """The ring's K/V shards and dK/dV partials with the slots they run under, or the halo exchange's all-to-all
+    and its reverse (exposed). The ring's schedule (:mod:`cp_handler.ops.ring`): forward, step ``s + 1``'s K/V
+    under step ``s``'s blocks; backward, step 1's K/V under the head of the local step (its share ``1 - tail``),
+    step ``s + 1``'s K/V and step ``s - 1``'s dK/dV partial under step ``s``, the last partial under the tail."""
     if size == 1:
-        return ()
+        return (), ()
     local = plans[0].q_len
     if plans[0].kv_len != local:  # the halo exchange: the rows the busiest rank receives, both ways
         halo = max(p.kv_len - local for p in plans) * kv_row_bytes
-        return (Transfer("all_to_all", size, halo), Transfer("all_to_all", size, halo, backward=True))
+        return (Transfer("all_to_all", size, halo), Transfer("all_to_all", size, halo, backward=True)), ()
     shard = local * kv_row_bytes
-    return (Transfer("p2p", size, shard, True),) * (size - 1) + (Transfer("p2p", size, shard, True, backward=True),) * \
-        (size - 1) + (Transfer("p2p", size, shard * FP32_BYTES // element_bytes, True, backward=True),) * (size - 1)
+    partial = shard * FP32_BYTES // element_bytes
+    w = _shares(steps)
+    forward = [Slot(FORWARD_SHARE * w[s], False) for s in range(size - 1)]  # slots 0 .. size - 2
+    back = FORWARD_SHARE
+    backward = [Slot((1 - back) * w[0] * (1 - tail), True)] + \
+        [Slot((1 - back) * w[s], True) for s in range(1, size)] + [Slot((1 - back) * w[0] * tail, True)]
+    first_backward = len(forward)  # backward slot k (0: head, 1 .. size - 1: steps, size: tail) at first + k
+    transfers = [Transfer("p2p", size, shard, s) for s in range(size - 1)]
+    transfers += [Transfer("p2p", size, shard, first_backward + s, backward=True) for s in range(size - 1)]
+    transfers += [Transfer("p2p", size, partial, first_backward + s + 1, backward=True) for s in range(1, size)]
+    return tuple(transfers), tuple(forward + backward)
+
+
+def _tail_share(layout: ZigzagDocs, mask: AttentionMask) -> float:
+    """The share of the local step's score pairs the backward runs last (:func:`~cp_handler.ops.ring.
+    local_blocks_split`'s tail, rank 0)."""
+    head, tail = local_blocks_split(layout, 0, mask)
+    pairs = [sum((q.stop - q.start) * ((q.stop - q.start + 1) / 2 if kind is True else k.stop - k.start)
+                 for q, k, kind in blocks) for blocks in (head, tail)]
+    return pairs[1] / (sum(pairs) or 1.0)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -286,8 +331,9 @@ def pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     if case.backward:
         return _pattern_work(comm_type, case)
     work = pattern_work(comm_type, dataclasses.replace(case, backward=True))
+    slots = tuple(Slot(0.0 if slot.backward else slot.share / FORWARD_SHARE, slot.backward) for slot in work.slots)
     return PatternWork(tuple(step.scaled(FORWARD_SHARE) for step in work.steps),
-                       tuple(t for t in work.transfers if not t.backward))
+                       tuple(t for t in work.transfers if not t.backward), slots)
 
 
 def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
@@ -297,18 +343,23 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     if case.cp == 1:
         return PatternWork(steps, ())
     if comm_type == "p2p":
-        return PatternWork(steps, _ring_transfers(plans, case.cp, case.batch * case.kv_heads * width * e, e))
+        layout = case.layout(case.cp)
+        return PatternWork(steps, *_ring_transfers(plans, case.cp, case.batch * case.kv_heads * width * e, e, steps,
+                                                   _tail_share(layout, case.mask)))
     if comm_type == "all_gather":  # per chunk of KV heads (the default chunks): gathered forward and backward
         transfers = []
         chunks = _kv_chunks(case)
-        for i, heads in enumerate(chunks):  # the next chunk's gather and this chunk's reduce-scatter run under the
-            # compute of a chunk (the first gathers exposed, the last reduce-scatter after the last compute)
+        n = len(chunks)  # forward slot i: chunk i's blocks; backward slot n + i: chunk i's, which run chunk i + 1's
+        # gather and chunk i - 1's reduce-scatter; the first gathers are exposed, and the last reduce-scatter
+        slots = tuple(Slot(FORWARD_SHARE / n, False) for _ in range(n)) + \
+            tuple(Slot((1 - FORWARD_SHARE) / n, True) for _ in range(n))
+        for i, heads in enumerate(chunks):
             shard = plans[0].q_len * case.batch * (heads.stop - heads.start) * width * e
-            transfers += [Transfer("all_gather", case.cp, shard, i > 0),
-                          Transfer("all_gather", case.cp, shard, i > 0, backward=True),
-                          Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, i + 1 < len(chunks),
+            transfers += [Transfer("all_gather", case.cp, shard, i - 1 if i else None),
+                          Transfer("all_gather", case.cp, shard, n + i - 1 if i else None, backward=True),
+                          Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, n + i + 1 if i + 1 < n else None,
                                    backward=True)]
-        return PatternWork(steps, tuple(transfers))
+        return PatternWork(steps, tuple(transfers), slots)
     a2a, outer = _a2a_levels(comm_type, case)
     heads = a2a_head_plan(case.heads, case.kv_heads, a2a)
     rows = case.layout(case.cp).local_len * case.batch
@@ -317,4 +368,6 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     a2a_transfers = tuple(Transfer("all_to_all", a2a, n, inner=outer > 1, backward=i > 1)
                           for i, n in enumerate((qkv, out, out, qkv)))
     ring_row = case.batch * plans[0].kv_heads * width * e
-    return PatternWork(steps, a2a_transfers + _ring_transfers(plans[::a2a], outer, ring_row, e))
+    ring, slots = _ring_transfers(plans[::a2a], outer, ring_row, e, steps,
+                                  _tail_share(case.layout(case.cp).inner(a2a), case.mask) if outer > 1 else 0.0)
+    return PatternWork(steps, a2a_transfers + ring, slots)

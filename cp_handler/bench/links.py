@@ -16,8 +16,9 @@ bandwidth is set per case so that a ring step's compute over its K/V transfer is
 NVLink ring at 4k tokens per rank, Llama-3-8B attention: 0.34 ms of FA3 forward against 44 us for the step's
 16.8 MB at 380 GB/s), 123 (the same at 64k) and 0.5 (a link slower than the compute, where the model says the
 exposure is transfer - compute). The model (:func:`predicted_exposed_ms`, :func:`cp_handler.auto.predict`'s rule):
-the pass's transfers at that link; the overlapped ones (the ring's, all_gather's later chunks) hidden under the
-compute of every step but the last, every other collective exposed in full.
+the pass's transfers at that link, each overlapped one (the ring's K/V and dK/dV partials, all_gather's later
+chunks) under its slot of the pattern's schedule (:class:`~cp_handler.auto.pattern_work.Slot`), every other
+collective exposed in full.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..auto.pattern_work import AttnCase, pattern_work
+from ..auto.pattern_work import FORWARD_SHARE, AttnCase, pattern_work
 from ..core.masks import CAUSAL
 from ..runtime.config import ContextParallelConfig
 from ..runtime.groups import build_dp_cp_groups
@@ -247,25 +248,28 @@ def links_worker(cases: list[LinkCase], ratios, reps: int) -> list[dict] | None:
 
 
 def predicted_exposed_ms(row: dict) -> tuple[float, float]:
-    """The model's ``(transfer, exposed)`` milliseconds of a measured row, as :func:`~cp_handler.auto.choice.predict`
-    prices them with overlap 1 (:func:`~cp_handler.auto.pattern_work.pattern_work`'s transfers of the pass on the
-    row's link): the overlapped ones hidden under the compute of every step but the last (the measured compute,
-    split over the steps as the plan's score pairs are), the others exposed in full."""
+    """The model's ``(transfer, exposed)`` milliseconds of a measured row, priced as
+    :func:`~cp_handler.auto.choice.predict` prices them with overlap 1: the pass's transfers
+    (:func:`~cp_handler.auto.pattern_work.pattern_work`) on the row's link, each overlapped one under its slot of
+    the schedule, a slot's compute its share of the measured pass (a pass's slots share it as the plan's score
+    pairs do), the others exposed in full."""
     case = LinkCase(*(row[f.name] for f in dataclasses.fields(LinkCase)))
     backward = row["pass"] == "backward"
     work = pattern_work(case.pattern, case.attn_case())
-    ring = other = 0.0
+    load = [0.0] * len(work.slots)
+    other = 0.0
     for t in work.transfers:
         if t.backward != backward:
             continue
         seconds = LATENCY_S + t.bytes_sent / (row["gbps"] * 1e9)
-        if t.overlapped:
-            ring += seconds
-        else:
+        if t.slot is None:
             other += seconds
-    pairs = [step.causal_pairs + step.full_pairs for step in work.steps]
-    hideable = row["compute_ms"] / 1e3 * (1 - pairs[-1] / sum(pairs))
-    return 1e3 * (ring + other), 1e3 * (other + max(0.0, ring - hideable))
+        else:
+            load[t.slot] += seconds
+    pass_share = 1 - FORWARD_SHARE if backward else FORWARD_SHARE
+    compute = row["compute_ms"] / 1e3
+    hidden = sum(min(s, slot.share / pass_share * compute) for s, slot in zip(load, work.slots, strict=True))
+    return 1e3 * (sum(load) + other), 1e3 * (other + sum(load) - hidden)
 
 
 def run(args) -> dict:
