@@ -333,3 +333,43 @@ def test_cp_bench_auto_and_calibrate_flags(tmp_path):
     assert len(auto["rows"]) == 3 + 3 + 4 + 4  # cp 2: p2p, all_gather, a2a; cp 4: and a2a+p2p
     assert all(r["predicted_ms"] > 0 and r["median_ms"] > 0 for r in auto["rows"])
     assert {c["auto"] for c in auto["cases"]} <= {"p2p", "all_gather", "a2a", "a2a+p2p"}
+
+
+def test_a_layer_holds_its_pattern_until_another_is_predicted_5_percent_faster():
+    """PatternHold: the first call's best is held per (layer, cp); a later call switches only when its best beats
+    the held pattern by more than the margin, or when the held one is not a candidate; layers are independent."""
+    from cp_handler.auto import AutoChoice, PatternHold, Prediction
+
+    def choice(**ms):
+        predictions = tuple(Prediction(name, 0.0, 0.0, t)
+                            for name, t in ms.items())
+        return AutoChoice(min(predictions, key=lambda p: p.total_ms).comm_type, predictions)
+
+    hold = PatternHold()
+    assert hold.pick(1, 4, choice(p2p=100.0, a2a=104.0)) == "p2p"
+    assert hold.pick(1, 4, choice(p2p=100.0, a2a=96.0)) == "p2p"  # a2a 4% faster: held
+    assert hold.pick(2, 4, choice(p2p=100.0, a2a=96.0)) == "a2a"  # another layer: its own best
+    assert hold.pick(1, 4, choice(p2p=100.0, a2a=94.0)) == "a2a"  # 6% faster: switched
+    assert hold.pick(1, 2, choice(p2p=50.0, a2a=52.0)) == "p2p"  # another CP size: its own
+    assert hold.pick(1, 4, choice(p2p=90.0, all_gather=95.0)) == "p2p"  # a2a not a candidate any more
+    assert hold.switches == 2
+    assert PatternHold(margin=0.0).pick(1, 4, choice(p2p=100.0, a2a=99.0)) == "a2a"
+    with pytest.raises(ValueError, match=r"PatternHold: margin=-0.1 must be >= 0"):
+        PatternHold(margin=-0.1)
+
+
+def test_a_hold_is_refused_without_auto():
+    from cp_handler import LocalContextParallelHandler
+    from cp_handler.auto import PatternHold
+
+    with pytest.raises(ValueError, match=r"cp_comm_hold holds the patterns of cp_comm_type='auto'"):
+        LocalContextParallelHandler(cp_comm_type="p2p", cp_comm_hold=PatternHold())
+    with pytest.raises(TypeError, match=r"cp_comm_hold='x' is not a cp_handler.auto.PatternHold"):
+        LocalContextParallelHandler(cp_comm_type="auto", cp_comm_hold="x")
+    shared = PatternHold()
+    assert LocalContextParallelHandler(cp_comm_type="auto", cp_comm_hold=shared).cp_comm_hold is shared
+    from cp_handler.auto.hold import hold_for
+
+    assert hold_for(ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p")) == {}
+    assert isinstance(hold_for(ContextParallelConfig(context_parallel_size=2, cp_comm_type=["auto", "p2p"],
+                                                     num_layers=2))["cp_comm_hold"], PatternHold)

@@ -6,9 +6,10 @@ Layer 3 (cost models, docs/architecture.md "Layers"): imports only from its own 
 
 from .catalog import NAMED_PROFILES, load_profile
 from .choice import AutoChoice, Prediction, candidates, choose_comm_type, predict
+from .hold import PatternHold
 from .pattern_work import AttnCase, PatternWork, PlanWork, Transfer, pattern_work, rank_plan
 from .profile import ComputeFit, CostProfile, GroupProfile, LinkFit
 
 __all__ = ["NAMED_PROFILES", "AttnCase", "AutoChoice", "ComputeFit", "CostProfile", "GroupProfile", "LinkFit",
-           "PatternWork", "PlanWork", "Prediction", "Transfer", "candidates", "choose_comm_type", "load_profile",
-           "pattern_work", "predict", "rank_plan"]
+           "PatternHold", "PatternWork", "PlanWork", "Prediction", "Transfer", "candidates", "choose_comm_type",
+           "load_profile", "pattern_work", "predict", "rank_plan"]

@@ -40,8 +40,9 @@ DOCS = 8
 
 @dataclass(frozen=True)
 class GridCase:
-    """One attention layer of the grid: global tokens, cp, heads, head dim and the mask kind (``causal``,
-    ``window`` of :data:`WINDOW`, ``thd``: :data:`DOCS` packed documents)."""
+    """One attention layer of the grid: global tokens, cp, heads, head dim, the kind (``causal``, ``window`` of
+    :data:`WINDOW`, ``sinks``: causal with a sink logit per head, ``thd``: :data:`DOCS` packed documents) and
+    whether the group has two levels (``a2a+p2p`` a candidate; at cp >= 4)."""
 
     tokens: int
     cp: int
@@ -49,6 +50,7 @@ class GridCase:
     kv_heads: int
     head_dim: int
     kind: str
+    levels: bool = True
 
     def lengths(self) -> tuple[int, ...]:
         return documents(self.tokens, DOCS) if self.kind == "thd" else (self.tokens,)
@@ -56,10 +58,11 @@ class GridCase:
     def attn_case(self) -> AttnCase:
         mask = AttentionMask(window=WINDOW) if self.kind == "window" else CAUSAL
         return AttnCase(self.lengths(), 1, self.heads, self.kv_heads, self.head_dim, self.head_dim, 4, mask, self.cp,
-                        levels_of(self.cp))
+                        levels_of(self.cp) if self.levels else None)
 
     def describe(self) -> str:
-        return f"S={self.tokens} cp={self.cp} H={self.heads}/{self.kv_heads} D={self.head_dim} {self.kind}"
+        flat = "" if self.levels or self.cp < 4 else " flat"
+        return f"S={self.tokens} cp={self.cp} H={self.heads}/{self.kv_heads} D={self.head_dim} {self.kind}{flat}"
 
 
 _SHAPES = {"8/8/64": (8, 8, 64), "16/2/128": (16, 2, 128), "8/1/64": (8, 1, 64)}
@@ -67,14 +70,23 @@ _FULL = [(1024, "8/8/64", "causal"), (1024, "16/2/128", "causal"), (1024, "8/1/6
          (4096, "8/8/64", "causal"), (4096, "16/2/128", "causal"), (4096, "8/1/64", "causal"),
          (4096, "8/8/64", "window"), (16384, "8/1/64", "window"), (16384, "16/2/128", "window"),
          (4096, "8/8/64", "thd"), (16384, "8/1/64", "thd"), (8192, "16/2/128", "thd")]
+_REGRET_SHAPES = {"8/8/64": (8, 8, 64), "8/2/64": (8, 2, 64), "8/1/64": (8, 1, 64), "16/1/64": (16, 1, 64),
+                  "16/2/128": (16, 2, 128)}
+_KINDS = ("causal", "window", "sinks", "thd")
 GRIDS = {
+    "regret": [GridCase(4096, 2, *_REGRET_SHAPES[s], k) for s in _REGRET_SHAPES for k in _KINDS] +
+              [GridCase(1024, 2, *_REGRET_SHAPES[s], "causal") for s in ("8/8/64", "8/2/64", "8/1/64", "16/1/64")] +
+              [GridCase(4096, 4, *_REGRET_SHAPES[s], k, levels) for levels in (False, True)
+               for s in ("8/8/64", "8/1/64", "16/1/64") for k in _KINDS],
     "full": [GridCase(t, cp, *_SHAPES[s], k) for cp in (2, 4) for t, s, k in _FULL],
     "quick": [GridCase(t, cp, *_SHAPES[s], k) for cp in (2, 4) for t, s, k in _FULL if t <= 4096 and s != "16/2/128"],
     "tiny": [GridCase(256, cp, *_SHAPES[s], k) for cp in (2, 4) for s, k in (("8/8/64", "causal"),
                                                                             ("8/1/64", "thd"))],
 }
-"""The grids of ``--auto-grid``: ``full`` (24 cases, about 20 minutes on 2 CPU cores), ``quick`` (12 cases of at
-most 4k tokens), ``tiny`` (4 cases of 256 tokens: the test suite's)."""
+"""The grids of ``--auto-grid``: ``regret`` (48 cases, issue 72: cp 2 and 4, head ratios 1:1 to 16:1 with fewer KV
+heads than ranks, windows, sinks, thd packs, flat and two-level groups at cp 4), ``full`` (24 cases, about 20
+minutes on 2 CPU cores), ``quick`` (12 cases of at most 4k tokens), ``tiny`` (4 cases of 256 tokens: the test
+suite's)."""
 
 
 def _interleaved(runs: list, warmup: int, reps: int) -> list[list[float]]:
@@ -104,8 +116,8 @@ def auto_worker(cases: list[GridCase], warmup: int, reps: int) -> list[dict] | N
             bar.begin(case=case.describe())
             attn_case = case.attn_case()
             names = candidates(attn_case)
-            runs = [handler_step(name, attn_case, groups, torch.float32, torch.device("cpu"), seed=case.tokens)
-                    for name in names]
+            runs = [handler_step(name, attn_case, groups, torch.float32, torch.device("cpu"), seed=case.tokens,
+                                 sinks=case.kind == "sinks") for name in names]
             for name, times in zip(names, _interleaved(runs, warmup, reps), strict=True):
                 rows.append({**asdict(case), "pattern": name, "median_ms": statistics.median(times),
                              "times_ms": times})
@@ -118,7 +130,7 @@ def score(rows: list[dict], profile, dtype: str = "float32") -> dict:
     """Predictions and picks beside the measured rows; the summary of the issue's targets."""
     by_case: dict[tuple, list[dict]] = {}
     for row in rows:
-        case = GridCase(*(row[k] for k in ("tokens", "cp", "heads", "kv_heads", "head_dim", "kind")))
+        case = GridCase(*(row[k] for k in ("tokens", "cp", "heads", "kv_heads", "head_dim", "kind", "levels")))
         pred = predict(row["pattern"], case.attn_case(), profile, dtype)
         row.update(predicted_ms=pred.total_ms, predicted_compute_ms=pred.compute_ms, predicted_comm_ms=pred.comm_ms,
                    prediction_error=(pred.total_ms - row["median_ms"]) / row["median_ms"])
@@ -133,7 +145,8 @@ def score(rows: list[dict], profile, dtype: str = "float32") -> dict:
     ratios = [c["auto_over_fastest"] for c in cases]
     errors = [abs(r["prediction_error"]) for r in rows]
     return {"cases": cases, "summary": {
-        "cases": len(cases), "auto_within_5pct": sum(r <= 1.05 for r in ratios) / len(ratios),
+        "cases": len(cases), "regret_mean": statistics.fmean(ratios), "regret_worst": max(ratios),
+        "auto_within_5pct": sum(r <= 1.05 for r in ratios) / len(ratios),
         "auto_within_15pct": sum(r <= 1.15 for r in ratios) / len(ratios), "auto_worst_ratio": max(ratios),
         "pairs": len(rows), "prediction_within_25pct": sum(e <= 0.25 for e in errors) / len(errors),
         "prediction_median_abs_error": statistics.median(errors)}}

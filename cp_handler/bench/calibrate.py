@@ -66,19 +66,24 @@ def levels_of(cp: int) -> tuple[int, int] | None:
 
 
 class _Layer(torch.nn.Module):
-    """An attention module as a model's: a layer number (the ranks agree once per layer) and the case's window."""
+    """An attention module as a model's: a layer number (the ranks agree once per layer), the case's window and,
+    ``sinks``, a learnable sink logit per query head (gpt-oss)."""
 
-    def __init__(self, mask: AttentionMask):
+    def __init__(self, mask: AttentionMask, sinks: torch.Tensor | None = None):
         super().__init__()
         self.layer_number = 1
         if mask.window is not None:
             self.window_size = (mask.window - 1, 0)
+        if sinks is not None:
+            self.sinks = torch.nn.Parameter(sinks)
 
 
-def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, device: torch.device, seed: int = 0):
+def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                 sinks: bool = False):
     """A function running ``case`` forward + backward once through the local handler with ``comm_type`` on this
     rank (``groups``: :func:`~cp_handler.runtime.groups.build_dp_cp_groups` of the CP group, with the levels of
-    :func:`levels_of` for ``a2a+p2p``); thd when the case has several documents. Causal or a causal window."""
+    :func:`levels_of` for ``a2a+p2p``); thd when the case has several documents. Causal or a causal window; with
+    ``sinks``, a sink logit per query head (their gradient computed too)."""
     thd = len(case.lengths) > 1
     hierarchical = comm_type == "a2a+p2p"
     config = ContextParallelConfig(context_parallel_size=case.cp, cp_comm_type=comm_type,
@@ -97,7 +102,7 @@ def handler_step(comm_type: str, case: AttnCase, groups, dtype: torch.dtype, dev
                      for h, d in widths)
     for t in (q, k, v):
         t.requires_grad_(True)
-    layer = _Layer(case.mask)
+    layer = _Layer(case.mask, torch.randn(case.heads, generator=g, dtype=dtype).to(device) if sinks else None)
 
     def run():
         handler.core_attn(layer, q, k, v).backward(dout)

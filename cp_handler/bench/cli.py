@@ -180,9 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cost-profile", default=None, metavar="NAME_OR_JSON",
                    help="--modes auto: the profile to predict with (default: --calibrate's of this run, else the "
                         "device's named one)")
-    g.add_argument("--auto-grid", choices=("full", "quick", "tiny"), default=None,
-                   help=_default("--modes auto: the grid (full: 24 cases, about 20 min on 2 CPU cores; quick: 12 of "
-                                 "at most 4k tokens; tiny: 4 of 256 tokens)", "auto_grid"))
+    g.add_argument("--auto-grid", choices=("regret", "full", "quick", "tiny"), default=None,
+                   help=_default("--modes auto: the grid (regret: 48 cases with sinks, Hkv < cp, flat and two-level "
+                                 "groups; full: 24 cases, about 20 min on 2 CPU cores; quick: 12 of at most 4k tokens; "
+                                 "tiny: 4 of 256 tokens)", "auto_grid"))
     g = p.add_argument_group("emulated links (--modes links: every pattern on CPU ranks, links held to a bandwidth)")
     g.add_argument("--links-cp-sizes", type=int, nargs="+", default=[2, 4], help="CP sizes")
     g.add_argument("--links-seq-len", type=int, default=None,

@@ -193,18 +193,22 @@ def calibrate_table(calibrated: dict) -> str:
 
 def auto_table(auto: dict) -> str:
     """One row per case: each pattern measured / predicted, the fastest, auto's pick and its ratio; the summary."""
+    fields = ("tokens", "cp", "heads", "kv_heads", "head_dim", "kind", "levels")
     by_case: dict[tuple, dict] = {}
     for r in auto["rows"]:
-        key = (r["tokens"], r["cp"], r["heads"], r["kv_heads"], r["head_dim"], r["kind"])
-        by_case.setdefault(key, {})[r["pattern"]] = r
+        by_case.setdefault(tuple(r.get(k, True) for k in fields), {})[r["pattern"]] = r
     rows = []
     for c in auto["cases"]:
-        key = (c["tokens"], c["cp"], c["heads"], c["kv_heads"], c["head_dim"], c["kind"])
+        key = tuple(c.get(k, True) for k in fields)
         cells = " / ".join(f"{p} {r['median_ms']:.0f} ({r['predicted_ms']:.0f})" for p, r in by_case[key].items())
-        rows.append((c["tokens"], c["cp"], f"{c['heads']}/{c['kv_heads']}", c["head_dim"], c["kind"], cells,
+        kind = c["kind"] + ("" if c.get("levels", True) or c["cp"] < 4 else ", flat")
+        rows.append((c["tokens"], c["cp"], f"{c['heads']}/{c['kv_heads']}", c["head_dim"], kind, cells,
                      c["fastest"], c["auto"], f"{c['auto_over_fastest']:.2f}"))
     s = auto["summary"]
-    caption = (f"fwd+bwd ms per layer, measured (predicted by {auto['profile']}); auto within 5% of the fastest in "
+    regret = (f"regret (auto / fastest) mean {s['regret_mean']:.3f}, worst {s['regret_worst']:.2f}; "
+              if "regret_mean" in s else "")
+    caption = (f"fwd+bwd ms per layer, measured (predicted by {auto['profile']}); {regret}auto within 5% of the "
+               f"fastest in "
                f"{100 * s['auto_within_5pct']:.0f}% of {s['cases']} cases, within 15% in "
                f"{100 * s['auto_within_15pct']:.0f}%, worst {s['auto_worst_ratio']:.2f}x; predictions within 25% "
                f"in {100 * s['prediction_within_25pct']:.0f}% of {s['pairs']} (case, pattern) pairs, median error "

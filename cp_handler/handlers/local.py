@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..auto import AttnCase, choose_comm_type, load_profile
+from ..auto import AttnCase, PatternHold, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
 from ..core.masks import AttentionMask
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
@@ -31,7 +31,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
     ``"auto"``: a layer's first call of each shape picks the pattern with the lowest predicted time
     (:func:`cp_handler.auto.choose_comm_type`: its plans and transfers priced by ``cp_comm_profile``), among
-    p2p, all_gather, a2a, and a2a+p2p when ``hierarchical_cp_groups`` are given; the pick depends only on what
+    p2p, all_gather, a2a, and a2a+p2p when ``hierarchical_cp_groups`` are given, unless the layer holds another
+    pattern predicted within 5% of it (``cp_comm_hold``); the pick depends only on what
     every rank of the group shares (shapes, documents, group sizes, the profile), is compared across the ranks with
     the call's other properties, kept in :attr:`auto_choices` and logged once per process and distinct pick
     (logger ``cp_handler.auto``, CP rank 0).
@@ -58,6 +59,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
         cp_comm_profile: ``"auto"``'s cost profile: a name, a JSON file or a
             :class:`~cp_handler.auto.CostProfile`; ``None``: the device's default
             (:func:`~cp_handler.auto.catalog.default_profile`). Refused without ``"auto"``.
+        cp_comm_hold: ``"auto"``'s :class:`~cp_handler.auto.PatternHold` (each layer's pattern held until another
+            is predicted faster by its margin, 5%): one per run, shared by its handlers (``cp-train`` does so);
+            ``None``: this handler's own. Refused without ``"auto"``.
         deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
             ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): the Ulysses all-to-all only
             (each rank computes whole heads over the whole sequence, the same blockwise computation as one process),
@@ -79,7 +83,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
     cp_comm_types = (*CP_COMM_TYPES, AUTO)
 
     def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, cp_comm_profile=None,
-                 deterministic: bool = False, **kwargs):
+                 cp_comm_hold: PatternHold | None = None, deterministic: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.deterministic = bool(deterministic)
         if self.deterministic:
@@ -101,6 +105,14 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.cp_comm_profile = None if cp_comm_profile is None else load_profile(cp_comm_profile)
         if self.cp_comm_profile is not None:
             self.cp_comm_profile.group(self.cp_size)  # refused by name before any call
+        if cp_comm_hold is not None and AUTO not in self.comm_types:
+            raise ValueError(f"cp_comm_hold holds the patterns of cp_comm_type='auto'; cp_comm_type="
+                             f"{self.cp_comm_type!r} has no 'auto' entry")
+        if cp_comm_hold is not None and not isinstance(cp_comm_hold, PatternHold):
+            raise TypeError(f"cp_comm_hold={cp_comm_hold!r} is not a cp_handler.auto.PatternHold")
+        self.cp_comm_hold = cp_comm_hold if cp_comm_hold is not None else PatternHold()
+        """``"auto"``'s pattern per layer, held across calls (:class:`~cp_handler.auto.PatternHold`: given, shared by
+        a run's handlers, or this handler's own)."""
         self.auto_choices: dict[AttnCase, object] = {}
         """``"auto"``'s picks by call (:class:`~cp_handler.auto.AttnCase` -> :class:`~cp_handler.auto.AutoChoice`)."""
         if kv_cache is not None:
@@ -155,8 +167,10 @@ class LocalContextParallelHandler(ContextParallelHandler):
         return super().from_config(config, cp_group, hierarchical_cp_groups, attn_shape, **batch)
 
     def resolve_auto(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, mask: AttentionMask,
-                     layout) -> str:
-        """The pattern ``"auto"`` runs this call on (class doc); at cp=1 ``"p2p"`` (nothing is communicated).
+                     layout, layer: int | None = None) -> str:
+        """The pattern ``"auto"`` runs this call of ``layer`` on (class doc): the fastest predicted, unless the layer
+        holds another within the hold's margin (:attr:`cp_comm_hold`); at cp=1 ``"p2p"`` (nothing is
+        communicated).
 
         Raises:
             ValueError: the profile does not describe the inputs' device or dtype (named).
@@ -177,7 +191,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if self.cp_rank == 0 and logged not in _LOGGED:  # once per process and distinct pick, not per batch
                 _LOGGED.add(logged)
                 LOG.info("%s; profile %r", choice.describe(), profile.name)
-        return choice.comm_type
+        return self.cp_comm_hold.pick(layer, self.cp_size, choice)
 
     @classmethod
     def check_config(cls, config, attn_shape=None, dtype=None) -> None:

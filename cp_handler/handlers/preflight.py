@@ -148,9 +148,9 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
         scale = softmax_scale(attn_mod, q.shape[-1])
         mask, sinks = handler.attention_variant(attn_mod, attn_mask_type, q, q.shape[-2])
         comm_type = handler.comm_type_for(attn_mod)
-        if comm_type == AUTO:  # the pattern this call's shapes run fastest on (the same inputs on every rank)
-            comm_type = handler.resolve_auto(q, k, v, seq_dim, mask, layout)
         layer = getattr(attn_mod, "layer_number", None)
+        if comm_type == AUTO:  # the pattern this call's shapes run fastest on (the same inputs on every rank)
+            comm_type = handler.resolve_auto(q, k, v, seq_dim, mask, layout, layer)
         call = AttnCall(*(to_bhsd(t, handler.qkv_format) for t in (q, k, v)), mask, sinks, scale, comm_type,
                         layout, layer, handler.qkv_format, q, attn_mod)
         handler.check_call(call)

@@ -68,9 +68,10 @@ class ShardedBatch:
 
 
 def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hierarchical_cp_groups=None,
-                vision_language: bool = False) -> ShardedBatch:
+                vision_language: bool = False, cp_comm_hold=None) -> ShardedBatch:
     """The handler of ``batch`` and this rank's model inputs (module doc). Every rank of ``cp_group`` calls it
-    with the same batch. ``vision_language``: the batch of a vision-language model (module doc).
+    with the same batch. ``vision_language``: the batch of a vision-language model (module doc). ``cp_comm_hold``:
+    ``"auto"``'s :class:`~cp_handler.auto.PatternHold` shared by a run's batches (the trainers pass theirs).
 
     Raises:
         ValueError: an unknown key (the vision keys without ``vision_language``), left padding (or another mask than
@@ -99,6 +100,8 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
         meta = {"qkv_format": "bshd"}
     else:
         meta = {"qkv_format": "thd", "cu_seqlens": cu_seqlens}
+    if cp_comm_hold is not None:
+        meta["cp_comm_hold"] = cp_comm_hold
     handler = build_cp_handler(config, cp_group=cp_group, hierarchical_cp_groups=hierarchical_cp_groups, **meta)
     local_ids = handler.dispatch(input_ids, 1)
     if cu_seqlens is None:

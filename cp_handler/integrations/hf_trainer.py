@@ -44,9 +44,12 @@ the mixin relies on is probed when a trainer is built (:func:`check_token_count`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from ..auto.hold import hold_for
 from ..core.install_hint import extra_hint
 from .hf_batch import shard_batch
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
@@ -164,7 +167,12 @@ class ContextParallelMixin(ContextParallelTrainerBase):
 
     def _shard(self, inputs: dict):
         return shard_batch(inputs, self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
-                           vision_language=self.vision_language)
+                           vision_language=self.vision_language, **self._cp_hold)
+
+    @functools.cached_property
+    def _cp_hold(self) -> dict:
+        """``"auto"``'s pattern hold for the whole run (:func:`~cp_handler.auto.hold.hold_for`)."""
+        return hold_for(self.cp_config)
 
     def _under(self, sharded):
         """The batch's real tokens known to the router loss (over the CP group: :mod:`.hf_router_loss`) and to

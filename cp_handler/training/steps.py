@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..auto.catalog import default_profile, load_profile
+from ..auto.hold import hold_for
 from ..auto.workload import PatternWorkload
 from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
@@ -76,6 +77,7 @@ class StaticBatches:
     def __init__(self, config: TrainConfig, batches: SequenceBatches, groups, global_batch: int, count_group, device):
         self.config, self.batches, self.groups, self.global_batch = config, batches, groups, global_batch
         self.count_group, self.device = count_group, device
+        self.hold = hold_for(config.cp)
 
     def parts(self, step: int) -> tuple[list[tuple], torch.Tensor, int]:
         """``(parts, loss tokens, tokens)`` of global batch ``step``: each part ``(handler, input_ids, labels,
@@ -89,7 +91,7 @@ class StaticBatches:
                     if r // config.batch_size == groups.dp_rank]
             tokens, metadata = handler_inputs(batch.rows(rows), config.packing, self.device)
             handler = build_cp_handler(config.cp, groups.cp_group, groups.hierarchical_cp_groups, config.attn_shape,
-                                       **metadata)
+                                       **metadata, **self.hold)
             parts.append((handler, *next_token_batch(handler, tokens)))
         total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), self.count_group)
         return parts, total, self.global_batch * config.seq_len
@@ -174,6 +176,7 @@ class DynamicBatches:
     def __init__(self, config: TrainConfig, documents: DocumentBatches, pool: GroupPool, device):
         self.config, self.documents, self.pool, self.device = config, documents, pool, device
         self.workload = auto_workload(config, torch.device(device))
+        self.hold = hold_for(config.cp)
 
     def parts(self, step: int):
         """``(parts, loss tokens, tokens)`` of global batch ``step``: the parts (one per pack of this rank's groups,
@@ -190,7 +193,8 @@ class DynamicBatches:
                 for pack in group.packs:  # one forward/backward per pack, inside this rank's group
                     tokens, cu = _pack([docs[i] for i in pack], self.device)
                     handler = build_cp_handler(config.cp, self.pool.group(group.size, group.first),
-                                               attn_shape=config.attn_shape, qkv_format="thd", cu_seqlens=cu)
+                                               attn_shape=config.attn_shape, qkv_format="thd", cu_seqlens=cu,
+                                               **self.hold)
                     yield (handler, *next_token_batch(handler, tokens))
 
         return packs(), sum(n - 1 for n in lengths), sum(lengths)
