@@ -96,14 +96,19 @@ def _interleaved(runs: list, warmup: int, reps: int) -> list[list[float]]:
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(reps):
         for run, own in zip(runs, times, strict=True):
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            dist.barrier()
-            elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            own.append(elapsed.item() * 1e3)
+            own.append(slowest_rank_seconds(run) * 1e3)
     return times
+
+
+def slowest_rank_seconds(fn) -> float:
+    """The slowest rank's seconds of ``fn``, every rank starting it together (between two barriers)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
 def auto_worker(cases: list[GridCase], warmup: int, reps: int) -> list[dict] | None:

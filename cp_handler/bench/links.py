@@ -36,6 +36,7 @@ from ..core.masks import CAUSAL
 from ..runtime.config import ContextParallelConfig
 from ..runtime.groups import build_dp_cp_groups
 from ..runtime.launch import launch, rank_session
+from .auto import slowest_rank_seconds
 from .calibrate import levels_of
 from .case_progress import case_progress
 
@@ -185,17 +186,6 @@ def _passes(case: LinkCase, groups):
     return forward, backward
 
 
-def _timed(fn) -> float:
-    """The slowest rank's seconds of ``fn`` between two barriers."""
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item()
-
-
 def _ring_step_bytes(case: LinkCase) -> int:
     """Bytes of one ring step's K/V (the link is set against the p2p ring's step)."""
     ring = next(t for t in pattern_work("p2p", dataclasses.replace(case, pattern="p2p").attn_case()).transfers
@@ -218,7 +208,7 @@ def links_worker(cases: list[LinkCase], ratios, reps: int) -> list[dict] | None:
                 backward()
             forward_s = []
             for _ in range(reps):
-                forward_s.append(_timed(forward))
+                forward_s.append(slowest_rank_seconds(forward))
                 backward()
             step_s = statistics.median(forward_s) / case.cp
             for ratio in ratios:
@@ -227,13 +217,13 @@ def links_worker(cases: list[LinkCase], ratios, reps: int) -> list[dict] | None:
                 plain, emulated = {"forward": [], "backward": []}, {"forward": [], "backward": []}
                 links = EmulatedLinks(LATENCY_S, gbps)
                 for _ in range(reps):  # interleaved: plain forward and backward, then emulated
-                    plain["forward"].append(_timed(forward))
-                    plain["backward"].append(_timed(backward))
+                    plain["forward"].append(slowest_rank_seconds(forward))
+                    plain["backward"].append(slowest_rank_seconds(backward))
                     links.transfers.clear()
                     with links:
-                        emulated["forward"].append(_timed(forward))
+                        emulated["forward"].append(slowest_rank_seconds(forward))
                         forward_transfers = list(links.transfers)
-                        emulated["backward"].append(_timed(backward))
+                        emulated["backward"].append(slowest_rank_seconds(backward))
                     backward_transfers = links.transfers[len(forward_transfers):]
                 for name, transfers in (("forward", forward_transfers), ("backward", backward_transfers)):
                     compute, total = statistics.median(plain[name]), statistics.median(emulated[name])

@@ -105,35 +105,23 @@ def markdown(results: dict) -> str:
     parts = [f"# cp-bench results\n\nCommand: `{results['command']}`  \nMachine: {results['machine']}\n"]
     if results.get("peer_unavailable"):
         parts.append(f"PyTorch ring peer not run: {results['peer_unavailable']}\n")
-    if "attention" in results:
-        parts += ["## Attention\n", attention_table(results["attention"]), ""]
-    if "e2e" in results:
-        parts += ["## End to end (reference GPT)\n", e2e_tables(results["e2e"]), ""]
-    if "plan" in results:
-        parts += ["## Per-rank compute (plan mode)\n", plan_table(results["plan"]), ""]
-    if "launches" in results:
-        parts += ["## Kernel launches per rank-step (launches mode)\n", launches_table(results["launches"]), ""]
-    if "masks" in results:
-        parts += ["## Attention variants per rank (masks mode)\n", masks_table(results["masks"]), ""]
-    if "generate" in results:
-        parts += ["## Prefill and decode with a sharded KV cache (generate mode)\n",
-                  generate_table(results["generate"]), ""]
-    if "memory" in results:
-        parts += ["## Memory per rank (memory mode)\n", memory_tables(results["memory"]), ""]
-    if "hybrid" in results:
-        parts += ["## One hybrid layer per rank (hybrid mode)\n", hybrid_table(results["hybrid"]), ""]
-    if "compile" in results:
-        parts += ["## Compiled vs eager (compile mode)\n", compile_table(results["compile"]), ""]
-    if "calibrate" in results:
-        parts += ["## Cost profile (calibrate mode)\n", calibrate_table(results["calibrate"]), ""]
-    if "auto" in results:
-        parts += ["## Patterns measured vs the cost model, and auto's pick (auto mode)\n",
-                  auto_table(results["auto"]), ""]
-    if "links" in results:
-        parts += ["## Exposed communication on emulated links (links mode)\n", links_table(results["links"]), ""]
-    if "backtest" in results:
-        parts += ["## The cost model against published GPU results (backtest mode)\n",
-                  backtest_table(results["backtest"]), ""]
+    for key, title, render in (
+            ("attention", "Attention", attention_table),
+            ("e2e", "End to end (reference GPT)", e2e_tables),
+            ("plan", "Per-rank compute (plan mode)", plan_table),
+            ("launches", "Kernel launches per rank-step (launches mode)", launches_table),
+            ("masks", "Attention variants per rank (masks mode)", masks_table),
+            ("generate", "Prefill and decode with a sharded KV cache (generate mode)", generate_table),
+            ("memory", "Memory per rank (memory mode)", memory_tables),
+            ("hybrid", "One hybrid layer per rank (hybrid mode)", hybrid_table),
+            ("compile", "Compiled vs eager (compile mode)", compile_table),
+            ("calibrate", "Cost profile (calibrate mode)", calibrate_table),
+            ("auto", "Patterns measured vs the cost model, and auto's pick (auto mode)", auto_table),
+            ("links", "Exposed communication on emulated links (links mode)", links_table),
+            ("backtest", "The cost model against published GPU results (backtest mode)",
+             backtest_table)):
+        if key in results:
+            parts += [f"## {title}\n", render(results[key]), ""]
     return "\n".join(parts)
 
 
