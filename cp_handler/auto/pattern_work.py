@@ -149,10 +149,6 @@ class Transfer:
     """Posted by the backward (a forward-only case leaves it out)."""
 
     @property
-    def overlapped(self) -> bool:
-        return self.slot is not None
-
-    @property
     def bytes_sent(self) -> int:
         """What leaves the rank with a bandwidth-optimal collective (as :func:`~cp_handler.ops.collectives.count_comms`
         counts it): the payload of a ring step, ``(n - 1)`` payloads of an all-gather or reduce-scatter,

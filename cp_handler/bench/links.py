@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import threading
 import time
 
 import torch
@@ -78,14 +77,12 @@ class EmulatedLinks:
         self.busy_until = 0.0
         self.transfers: list[tuple[str, int, float]] = []
         self._saved: dict[str, object] = {}
-        self._lock = threading.Lock()
 
     def _done_at(self, kind: str, nbytes: float) -> float:
-        with self._lock:
-            seconds = self.latency_s + nbytes / (self.gbps * 1e9)
-            self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
-            self.transfers.append((kind, int(nbytes), seconds))
-            return self.busy_until
+        seconds = self.latency_s + nbytes / (self.gbps * 1e9)
+        self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
+        self.transfers.append((kind, int(nbytes), seconds))
+        return self.busy_until
 
     def _wrap(self, name: str, kind: str, sent):
         original = getattr(dist, name)
