@@ -30,7 +30,7 @@ from multiprocessing.connection import Client, Listener
 from cp_handler.runtime.launch import fresh_process
 
 PRELOAD = ("torch", "torch.distributed", "cp_handler.cli.train", "cp_handler.cli.generate", "cp_handler.training.run",
-           "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers")
+           "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers", "torch._dynamo")
 """What the server imports once (everything a command imports before its ranks start)."""
 
 _server: tuple | None = None  # (process, connection) of this test worker's server

@@ -40,13 +40,20 @@ import torch.multiprocessing as mp
 from cp_handler import destroy_process_groups
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
+RANK_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+                "transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama",
+                "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2")
+"""What the suite's ranks import most (timed per rank on 2026-12-05: 1,668 s of the suite's rank time went to imports,
+torch._dynamo 343 s in 244 ranks, torch.distributed.tensor 276 s in 202, the Llama modules 200 s): imported once by
+the fork server instead. Not transformers' and TRL's trainers (123 s in 30 ranks): they load pyarrow, whose jemalloc
+starts a background thread, and a process with another thread is not one to fork from."""
 PEER_GONE, PEER_GONE_DELAY_S = ("Connection closed by peer", "Connection reset by peer"), 5.0
 """A rank whose collective failed because a peer exited waits this long before failing: spawn reports the first
 failure it sees and terminates the rest, and the peer's own error is the one that says what went wrong."""
 STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
 """Seconds after which (and every as many after) each rank prints every thread's Python stack (unset: never)."""
 PRELOAD = ["torch", "torch.distributed", "hypothesis", "transformers", "cp_handler", "conftest", "host_staging",
-           "dist_utils"]
+           "dist_utils", *RANK_IMPORTS]
 """Modules the fork server imports once (a module that fails to import there is skipped by multiprocessing and
 imported by the rank itself, as under ``spawn``)."""
 

@@ -25,7 +25,7 @@ from ..inference.generate import compare_generations, generate, reference_genera
 from ..inference.sampling import Sampling
 from ..models import GPTConfig, GPTModel
 from ..runtime.groups import build_dp_cp_groups
-from ..runtime.launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
+from ..runtime.launch import RANK_IMPORTS, heartbeat, is_first_rank, launch, rank_session, under_torchrun
 from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits
@@ -136,6 +136,6 @@ def run_generation(config: GenerateConfig) -> dict | None:
     if is_first_rank() and not under_torchrun():
         print(f"cp-generate: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,
               flush=True)
-    preload = ("transformers", "cp_handler.integrations.transformers") if config.hf_model else ()
+    preload = RANK_IMPORTS + (("transformers", "cp_handler.integrations.transformers") if config.hf_model else ())
     return launch(generate_rank, config.world_size, config, program="cp-generate", timeout=config.timeout,
                   preload=preload).get(0)

@@ -221,7 +221,8 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
                                not_checked=_not_checked(handler_cls, requested, asked))
     method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.runtime.launch)
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", __name__, handler_cls.__module__])
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__,
+                                                handler_cls.__module__])
     for world in world_sizes:
         plan = _plan(world, run, formats, dtype_names, list(lengths), list(checks), list(variants))
         if not plan:
