@@ -37,9 +37,11 @@ def _grads(model):
 def _dynamic_worker(rank, world):
     pool = GroupPool()
     assert pool.group(1, rank) is None
-    assert dist.get_process_group_ranks(pool.group(2, rank // 2 * 2)) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    with pytest.raises(KeyError, match="GroupPool.prepare"):
+        pool.group(4, 0)
+    pool.prepare(schedule_sequences([300, 40, 40, 20, 500, 30], world, 200, 2))  # groups of 2 and 4
     assert dist.get_process_group_ranks(pool.group(4, 0)) == [0, 1, 2, 3]
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="is not in the group"):
         pool.group(2, (rank // 2 * 2 + 2) % 4)
     cp = ContextParallelConfig(context_parallel_size=world, qkv_format="thd")
     shape = AttentionShape(CONFIG.num_attention_heads, CONFIG.num_query_groups, CONFIG.kv_channels)

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 from ..cli.flag_names import FlagParser
 from ..dynamic import CostModel, Workload, schedule_sequences
-from ..dynamic.scheduler import cp_size_for
+from ..dynamic.scheduler import cp_size_for, group_sizes
 from ..training.data import stdlib_files
 from .megatron_peer import load_balanced_cp_scheduler, megatron_makespan, megatron_version
 
@@ -85,7 +85,7 @@ def scheduler_quality(draws: int) -> list[dict]:
 def simulate(model: CostModel, ranks_list: list[int], budget: int, docs_per_rank: int, draws: int) -> list[dict]:
     model = replace(model, budget=budget)
     sizes = stdlib_lengths(131072)
-    static_cp = cp_size_for(max(sizes), budget, 1, max(ranks_list))
+    static_cp = cp_size_for(max(sizes), budget, group_sizes(max(ranks_list), rule="powers_of_two"))
     rows = []
     for ranks in ranks_list:
         times = {"dynamic": [], "static": []}

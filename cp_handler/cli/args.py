@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from ..dynamic.scheduler import cp_size_for, schedule_sequences
+from ..dynamic.scheduler import cp_size_for, group_sizes
 from ..handlers import get_cp_handler_cls
 from ..handlers.registry import load_plugins
 from ..ops.patterns import PATTERNS
@@ -86,16 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "for a2a+p2p (and auto across nodes): the node boundary, a2a over a CP group's ranks on one "
                         "node (torchrun's LOCAL_WORLD_SIZE), p2p across nodes")
     g.add_argument("--dynamic-cp", action="store_true",
-                   help="each micro-batch gives every document the smallest CP group that fits it "
-                        "(documents = files, cut at --seq-len tokens; docs/dynamic_cp.md)")
+                   help="each global batch gives every document a CP group size (a divisor of the world or a power of "
+                        "two) from the cost model (documents = files, cut at --seq-len tokens; docs/dynamic_cp.md)")
     g.add_argument("--max-seqlen-per-rank", type=int, default=None,
                    help="--dynamic-cp: token budget of one rank in one micro-batch (max_seqlen_per_dp_cp_rank); "
                         "required with --dynamic-cp, no default")
     g.add_argument("--min-cp-size", type=int, default=1,
-                   help="--dynamic-cp: min_dynamic_context_parallel_size (a power of two)")
+                   help="--dynamic-cp: min_dynamic_context_parallel_size (a divisor of the world or a power of two)")
     g.add_argument("--max-cp-size", type=int, default=None,
-                   help="--dynamic-cp: max_dynamic_context_parallel_size (a power of two; equal to --min-cp-size: "
-                        "static CP; default: the largest power of two <= the world)")
+                   help="--dynamic-cp: max_dynamic_context_parallel_size (a divisor of the world or a power of two; "
+                        "equal to --min-cp-size: static CP; default: the world)")
     g.add_argument("--eval-cp-size", type=int, default=None,
                    help="CP size of evaluation (default: training's)")
     g.add_argument("--eval-hierarchical-cp-sizes", type=int, nargs="+", default=None, metavar="SIZE",
@@ -355,16 +355,14 @@ def check_dynamic(args: argparse.Namespace, world: int) -> DynamicCP:
         raise ValueError(f"--dynamic-cp builds groups of several sizes: a hierarchical --cp-comm-type "
                          f"({hierarchical or 'a2a+p2p'}) / --hierarchical-cp-sizes has no levels for them; use p2p, "
                          "all_gather or a2a")
-    largest = args.max_cp_size or world
-    cp_size_for(args.seq_len, args.max_seqlen_per_rank, args.min_cp_size, largest)  # the longest piece must fit
-    schedule_sequences([1], world, args.max_seqlen_per_rank, args.min_cp_size, None, args.max_cp_size)  # size rules
+    sizes = group_sizes(world, args.min_cp_size, args.max_cp_size)  # the size rules
+    cp_size_for(args.seq_len, args.max_seqlen_per_rank, sizes)  # the longest piece must fit
     return DynamicCP(args.max_seqlen_per_rank, args.min_cp_size, args.max_cp_size)
 
 
 def dynamic_sizes(dynamic: DynamicCP, world: int) -> list[int]:
-    """Every CP group size dynamic CP may build (powers of two from the smallest to the largest)."""
-    largest = dynamic.max_cp_size or 1 << (world.bit_length() - 1)
-    return [1 << k for k in range(largest.bit_length()) if dynamic.min_cp_size <= 1 << k <= largest]
+    """Every CP group size dynamic CP may build (the world's divisors and the powers of two up to it, ascending)."""
+    return group_sizes(world, dynamic.min_cp_size, dynamic.max_cp_size)
 
 
 def resolve_backend(backend: str) -> str:

@@ -4,9 +4,11 @@ balanced by a cost model (:class:`Workload`: ``L^2 / cp``; :class:`CostModel`: f
 Layer 3 (cost models, docs/architecture.md "Layers"): imports only from its own layer and the ones below.
 """
 
+from .bound import group_sizes, makespan_bound
 from .cost_model import CostModel
 from .groups import GroupPool
 from .scheduler import Group, MicroBatch, Schedule, schedule_sequences
 from .workload import Workload
 
-__all__ = ["CostModel", "Group", "GroupPool", "MicroBatch", "Schedule", "Workload", "schedule_sequences"]
+__all__ = ["CostModel", "Group", "GroupPool", "MicroBatch", "Schedule", "Workload", "group_sizes", "makespan_bound",
+           "schedule_sequences"]

@@ -74,6 +74,18 @@ class CostModel:
     def cost(self, seq_len: int, cp: int) -> float:
         return self.linear_ms_per_token * seq_len / cp + max(self.attention_ms(seq_len, cp), self.comm_ms(seq_len, cp))
 
+    def costs(self, lengths: list[int], sizes: list[int]) -> torch.Tensor:
+        """:meth:`cost` of every length (rows) at every size (columns), float64 (the same formulas, vectorised)."""
+        n = torch.tensor(lengths, dtype=torch.float64)[:, None]
+        c = torch.tensor(sizes, dtype=torch.float64)[None, :]
+        share = (n / c) / self.budget
+        attention = torch.where(c == 1, self.whole_overhead_ms * share + self.whole_quadratic_ms * n**2,
+                                self.step_overhead_ms * c * share + self.quadratic_ms * n**2 / c
+                                + self.linear_attention_ms * n / c)
+        gbps = torch.where(c <= self.gpus_per_node, self.intra_node_gbps, self.inter_node_gbps)
+        comm = (c - 1) * 4 * (n / c) * self.kv_bytes_per_token / (gbps * 1e9) * 1e3
+        return self.linear_ms_per_token * n / c + torch.maximum(attention, comm)
+
     def rank_plan_ms(self, seq_len: int, cp: int) -> float:
         """One sequence alone (its own pack): what the measured tables time."""
         return self.attention_ms(seq_len, cp, overhead_share=1.0)

@@ -1,42 +1,42 @@
-"""Group pool for dynamic CP: every aligned power-of-two group over the DP x CP ranks, built once.
+"""Group pool for dynamic CP: the process group of every ``(size, first rank)`` a schedule uses, built the first
+time a schedule needs it and kept for the run.
 
-For each size ``g`` (2, 4, ... up to the largest power of two <= world) the aligned blocks
-``[k*g, (k+1)*g)`` are the rows of a ``(world / g, g)`` DeviceMesh; where ``g`` does not divide the
-world size, the aligned blocks that fit are made with ``new_group``. Size 1 needs no group (a
-cp=1 handler). Every rank must build the pool (group creation is collective); each rank keeps
-its own groups, looked up by ``(size, first rank)``.
+A schedule's groups are contiguous blocks of ranks of any allowed size (:func:`~.scheduler.group_sizes`), not
+only aligned powers of two, so the pool builds them as schedules ask (``dist.new_group`` over the block). Group
+creation is collective over the world: every rank computes the same schedule from the same lengths and calls
+:meth:`GroupPool.prepare` with it, so every rank creates the same new groups in the same order. At most
+``sum over sizes c of (world - c + 1)`` groups exist (7 at 4 ranks with sizes 2 and 4); size 1 needs none (a cp=1
+handler).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 
 class GroupPool:
-    def __init__(self, device_type: str = "cpu"):
+    def __init__(self):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.groups: dict[int, dist.ProcessGroup] = {}
-        size = 2
-        while size <= self.world:
-            if self.world % size == 0:
-                mesh = init_device_mesh(device_type, (self.world // size, size), mesh_dim_names=("block", "cp"))
-                self.groups[size] = mesh.get_group("cp")
-            else:
-                for first in range(0, self.world - size + 1, size):
-                    group = dist.new_group(list(range(first, first + size)))
-                    if first <= self.rank < first + size:
-                        self.groups[size] = group
-            size *= 2
+        self.groups: dict[tuple[int, int], dist.ProcessGroup] = {}
+
+    def prepare(self, schedule) -> None:
+        """Build the groups of ``schedule`` (:meth:`~.scheduler.Schedule.groups`) not built yet: on every rank, with
+        the same schedule (collective)."""
+        for size, first in schedule.groups():
+            if (size, first) not in self.groups:
+                self.groups[(size, first)] = dist.new_group(list(range(first, first + size)))
 
     def group(self, size: int, first: int) -> dist.ProcessGroup | None:
         """This rank's group of ``size`` starting at rank ``first`` (``None`` for size 1).
 
         Raises:
-            KeyError: this rank is not in that block, or no such aligned group exists.
+            KeyError: this rank is not in that block, or no schedule prepared it (:meth:`prepare`).
         """
-        if not first <= self.rank < first + size or first % size:
-            raise KeyError(f"rank {self.rank} is not in the aligned group (size={size}, first={first})")
+        if not first <= self.rank < first + size:
+            raise KeyError(f"rank {self.rank} is not in the group of {size} ranks from rank {first}")
         if size == 1:
             return None
-        return self.groups[size]
+        if (size, first) not in self.groups:
+            raise KeyError(f"no group of {size} ranks from rank {first}: GroupPool.prepare(schedule) builds a "
+                           "schedule's groups, on every rank")
+        return self.groups[(size, first)]

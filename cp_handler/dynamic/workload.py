@@ -23,6 +23,11 @@ class Workload:
     def cost(self, seq_len: int, cp: int) -> float:
         return (self.quadratic * seq_len * seq_len + self.linear * seq_len) / cp
 
+    def costs(self, lengths: list[int], sizes: list[int]) -> torch.Tensor:
+        """:meth:`cost` of every length (rows) at every size (columns), float64."""
+        n = torch.tensor(lengths, dtype=torch.float64)[:, None]
+        return (self.quadratic * n * n + self.linear * n) / torch.tensor(sizes, dtype=torch.float64)[None, :]
+
     @classmethod
     def fit(cls, seq_lens: list[int], cp_sizes: list[int], times: list[float]) -> Workload:
         """Least-squares fit of the two coefficients to measured ``times`` (>= 2 distinct lengths).

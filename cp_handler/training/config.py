@@ -21,7 +21,7 @@ class DynamicCP:
     """Token budget of one rank in one micro-batch (``max_seqlen_per_dp_cp_rank``)."""
     min_cp_size: int = 1
     max_cp_size: int | None = None
-    """Largest group (a power of two); ``None``: the largest power of two <= the world."""
+    """Largest group (a divisor of the world or a power of two, as ``min_cp_size``); ``None``: the world."""
 
 
 @dataclass(frozen=True)

@@ -187,6 +187,7 @@ class DynamicBatches:
         lengths = [d.numel() for d in docs]
         schedule = schedule_sequences(lengths, world, config.dynamic.max_seqlen_per_rank, config.dynamic.min_cp_size,
                                       self.workload, max_dynamic_context_parallel_size=config.dynamic.max_cp_size)
+        self.pool.prepare(schedule)  # every rank the same schedule: the same new groups, in the same order
 
         def packs():
             for group in schedule.for_rank(rank):

@@ -172,7 +172,7 @@ class Trainer:
             f"{', every layer recomputed in the backward' if config.recompute else ''}")
         self.trained, self.experts, self.grad_scale, self.grad_norm = self.model, None, 1.0, None
         self.count_group, self.tp_reduce = dist.group.WORLD, None
-        self.batches = DynamicBatches(config, load_documents(config), GroupPool(device.type), device)
+        self.batches = DynamicBatches(config, load_documents(config), GroupPool(), device)
         self.reference_batch, self.layout_metrics = None, {"dp_size": None, "cp_size": "dynamic"}
         self.at_train = self.at_eval = None
         self.heldout = []

@@ -1,0 +1,142 @@
+"""Dynamic CP's solver against its lower bound (``python -m cp_handler.bench.dynamic_solver``): a table and JSON.
+
+For each length mix (:data:`MIXES`), rank count and batch size: the makespan of
+:func:`~cp_handler.dynamic.schedule_sequences` over its lower bound (:func:`~cp_handler.dynamic.scheduler.
+makespan_bound`, which counts compute and transfer through the same cost model), median and worst over seeded
+draws; the solver's milliseconds on one thread (median, the cost table already built: its one-off build time is
+reported apart); and against the same solver restricted to power-of-two groups, the ratio of the two bounds (what
+other group sizes can gain at most) and of the two makespans (what they gained).
+
+The cost model: :class:`~cp_handler.auto.workload.PatternWorkload` on a named profile (default ``h100-nvlink``:
+modelled, docs/auto_plan.md), Llama-3-8B attention (32 query, 8 key-value heads of 128, bf16) and its other layers'
+work per token (:data:`~cp_handler.dynamic.cost_model.LLAMA3_8B_LINEAR_MS_PER_TOKEN`, an assumption), one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from ..auto.catalog import load_profile
+from ..auto.workload import PatternWorkload
+from ..cli.flag_names import FlagParser
+from ..dynamic.cost_model import LLAMA3_8B_LINEAR_MS_PER_TOKEN
+from ..dynamic.scheduler import schedule_sequences
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, cap: int) -> int:
+    return max(1, min(cap, int(rng.lognormvariate(math.log(median), sigma))))
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    return int(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def longalign_like(rng: random.Random) -> int:
+    """A long tail: 10% long documents, log-uniform over 8k-64k tokens (LongAlign-10k's range, arXiv 2401.18058),
+    in a mix of short chat turns (log-normal, median 700 tokens, sigma 1, cut at 8k), as LongAlign trains."""
+    return _log_uniform(rng, 8192, 65536) if rng.random() < 0.1 else _lognormal(rng, 700, 1.0, 8192)
+
+
+def chatqa_like(rng: random.Random) -> int:
+    """A mix: 70% conversational QA with retrieved context (log-normal, median 1.5k, sigma 0.6, cut at 4k), 25%
+    4k-16k (uniform), 5% long-context SFT of 32k-128k (log-uniform), as ChatQA 2 mixes them (arXiv 2407.14482)."""
+    u = rng.random()
+    if u < 0.05:
+        return _log_uniform(rng, 32768, 131072)
+    return rng.randint(4096, 16384) if u < 0.3 else _lognormal(rng, 1500, 0.6, 4096)
+
+
+def sft_short(rng: random.Random) -> int:
+    """99.9% short SFT samples (log-normal, median 400, sigma 0.8, cut at 4k), 0.1% of 64k-128k (log-uniform)."""
+    return _log_uniform(rng, 65536, 131072) if rng.random() < 0.001 else _lognormal(rng, 400, 0.8, 4096)
+
+
+MIXES = {"longalign-like": longalign_like, "chatqa-like": chatqa_like, "sft-99.9%-short": sft_short}
+"""The length mixes (synthetic: their parameters are ours, modelled on the cited datasets' descriptions)."""
+LONGEST = 131072
+"""The longest document any mix draws."""
+
+
+def draw(mix: str, n: int, seed: int) -> list[int]:
+    """``n`` lengths of ``mix``, seeded."""
+    rng = random.Random(seed)
+    return [MIXES[mix](rng) for _ in range(n)]
+
+
+def workload(profile: str) -> PatternWorkload:
+    return PatternWorkload(load_profile(profile), "bfloat16", 32, 8, 128, 128, 2,
+                           linear_ms_per_token=LLAMA3_8B_LINEAR_MS_PER_TOKEN)
+
+
+def solver_rows(model: PatternWorkload, ranks_list: list[int], batches: list[int], budget: int, draws: int
+                ) -> list[dict]:
+    """One row per mix, rank count and batch size (documents per global batch; module doc)."""
+    rows = []
+    for mix in MIXES:
+        for ranks in ranks_list:
+            for n in batches:
+                over, ms, gain, room = [], [], [], []
+                for seed in range(draws):
+                    lengths = draw(mix, n, seed)
+                    schedule_sequences(lengths, ranks, budget, 1, model)  # the cost table, built once
+                    start = time.perf_counter()
+                    ours = schedule_sequences(lengths, ranks, budget, 1, model)
+                    ms.append(1e3 * (time.perf_counter() - start))
+                    over.append(ours.makespan / ours.bound)
+                    powers = schedule_sequences(lengths, ranks, budget, 1, model, sizes_rule="powers_of_two")
+                    gain.append(powers.makespan / ours.makespan)
+                    room.append(powers.bound / ours.bound)
+                rows.append({"mix": mix, "ranks": ranks, "documents": n, "budget": budget,
+                             "over_bound_median": statistics.median(over), "over_bound_worst": max(over),
+                             "solver_ms_median": statistics.median(ms), "powers_of_two_bound_ratio":
+                             statistics.median(room), "powers_of_two_makespan_ratio": statistics.median(gain)})
+                print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    return (f"| {r['mix']} | {r['ranks']} | {r['documents']} | {r['over_bound_median']:.4f}, "
+            f"{r['over_bound_worst']:.4f} | {r['solver_ms_median']:.1f} | {r['powers_of_two_bound_ratio']:.3f} | "
+            f"{r['powers_of_two_makespan_ratio']:.3f} |")
+
+
+HEADER = ("| mix | ranks | documents | makespan / bound (median, worst) | solver ms | power-of-two bound / ours "
+          "| power-of-two makespan / ours |\n|---|---|---|---|---|---|---|")
+
+
+def main(argv=None) -> int:
+    p = FlagParser(prog="python -m cp_handler.bench.dynamic_solver", description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="h100-nvlink", help="the cost profile (a name or a cp-bench --calibrate file)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64, 6, 12, 24, 48])
+    p.add_argument("--documents", type=int, nargs="+", default=[1024],
+                   help="documents per global batch (one table block each)")
+    p.add_argument("--budget", type=int, default=32768, help="max_seqlen_per_dp_cp_rank (tokens)")
+    p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--out", default="runs/bench_dynamic_solver.json")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # the solver's time on one core
+    model = workload(args.profile)
+    start = time.perf_counter()
+    model.costs([LONGEST], sorted({c for r in args.ranks for c in range(1, r + 1) if r % c == 0 or c & (c - 1) == 0}))
+    build_s = time.perf_counter() - start
+    print(f"cost table of {args.profile!r} built in {build_s:.1f} s (once per run)\n{HEADER}", flush=True)
+    rows = solver_rows(model, args.ranks, args.documents, args.budget, args.draws)
+    result = {"command": "python -m cp_handler.bench.dynamic_solver " + " ".join(sys.argv[1:] if argv is None
+                                                                                 else argv),
+              "profile": args.profile, "table_build_s": build_s, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
