@@ -19,7 +19,9 @@ import math
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -108,6 +110,71 @@ def _line(r: dict) -> str:
             f"{r['powers_of_two_makespan_ratio']:.3f} |")
 
 
+MEASURE_FLAGS = ["--nproc", "4", "--steps", "8", "--batch-size", "4", "--seq-len", "2048", "--hidden-size", "64",
+                 "--ffn-hidden-size", "128", "--max-corpus-bytes", "4000000"]
+"""The measured runs (``--measure``): 4 CPU ranks, 16 documents per step cut at 2,048 tokens."""
+
+
+def _cp_train(flags: list[str]) -> list[float]:
+    """Step times (s) of one ``cp-train --dynamic-cp`` run, the first (warm-up) step dropped."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "m.json")
+        subprocess.run([sys.executable, "-m", "cp_handler.cli.train", "--dynamic-cp", *MEASURE_FLAGS, *flags,
+                        "--metrics-out", out], check=True, capture_output=True)
+        with open(out) as f:
+            return [s["step_time_s"] for s in json.load(f)["steps"]][1:]
+
+
+def _step_features(sizes_of_step: list[tuple[list[int], list[int]]], allowed: list[int]) -> torch.Tensor:
+    """Per step: the tokens of its documents at each group size (the model's terms)."""
+    rows = []
+    for lengths, sizes in sizes_of_step:
+        rows.append([float(sum(n for n, c in zip(lengths, sizes, strict=True) if c == size)) for size in allowed])
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def measured_prediction() -> dict:
+    """``--measure``: the step time of a 4-rank CPU ``cp-train --dynamic-cp`` run against the model's prediction.
+
+    The model of this machine: 4 ranks share 2 cores, so a step takes the rank-time of its documents (each at its
+    schedule's size) over the cores: ``sum over documents of b_c L`` seconds, ``b_c`` the rank-time per token at
+    group size ``c`` (the ring's transfers and per-rank overheads grow with ``c``; at these lengths, 2,048 tokens
+    at most and a width of 64, a fitted ``L^2`` term came out at zero within the noise, and a fixed term per step
+    negative, so neither is kept). ``b_1, b_2, b_4`` are fitted by least squares to static runs at sizes 1, 2 and 4
+    (every document at one size), then predict the dynamic run (each document's size chosen by the solver) step by
+    step."""
+    from ..cli.train import parse
+    from ..training.steps import load_documents
+
+    config, _ = parse(["--dynamic-cp", "--max-seqlen-per-rank", "512", *MEASURE_FLAGS])
+    documents, world = load_documents(config), 4
+    allowed = [1, 2, 4]
+
+    def steps_of(budget, low, high):
+        out = []
+        for step in range(1, 8):
+            lengths = [d.numel() for d in documents.global_batch(step, config.batch_size * world)]
+            schedule = schedule_sequences(lengths, world, budget, low, None, high)
+            out.append((lengths, schedule.cp_sizes))
+        return out
+
+    # static: every document at size c (a budget of 2048 / c per rank holds the longest); dynamic: 512 per rank, so
+    # documents up to 512 tokens may stay local, up to 1,024 take 2 ranks or more, longer ones 4
+    static = {c: _cp_train(["--max-seqlen-per-rank", str(2048 // c), "--min-cp-size", str(c), "--max-cp-size",
+                            str(c)]) for c in allowed}
+    design = torch.cat([_step_features(steps_of(2048 // c, c, c), allowed) for c in allowed])
+    times = torch.tensor([t for c in allowed for t in static[c]], dtype=torch.float64)
+    coefficients = torch.linalg.lstsq(design, times[:, None]).solution[:, 0]
+    dynamic_steps = steps_of(512, 1, None)
+    measured = _cp_train(["--max-seqlen-per-rank", "512"])
+    predicted = (_step_features(dynamic_steps, allowed) @ coefficients).tolist()
+    return {"flags": MEASURE_FLAGS, "static_step_s": static, "coefficients": coefficients.tolist(),
+            "dynamic_sizes": [sorted(set(sizes)) for _, sizes in dynamic_steps],
+            "measured_step_s": measured, "predicted_step_s": predicted,
+            "measured_mean_s": statistics.mean(measured), "predicted_mean_s": statistics.mean(predicted),
+            "ratio": statistics.mean(predicted) / statistics.mean(measured)}
+
+
 HEADER = ("| mix | ranks | documents | makespan / bound (median, worst) | solver ms | power-of-two bound / ours "
           "| power-of-two makespan / ours |\n|---|---|---|---|---|---|---|")
 
@@ -120,6 +187,8 @@ def main(argv=None) -> int:
                    help="documents per global batch (one table block each)")
     p.add_argument("--budget", type=int, default=32768, help="max_seqlen_per_dp_cp_rank (tokens)")
     p.add_argument("--draws", type=int, default=3)
+    p.add_argument("--measure", action="store_true",
+                   help="also the 4-rank CPU cp-train run against the model's prediction (about 2 minutes)")
     p.add_argument("--out", default="runs/bench_dynamic_solver.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # the solver's time on one core
@@ -132,6 +201,10 @@ def main(argv=None) -> int:
     result = {"command": "python -m cp_handler.bench.dynamic_solver " + " ".join(sys.argv[1:] if argv is None
                                                                                  else argv),
               "profile": args.profile, "table_build_s": build_s, "rows": rows}
+    if args.measure:
+        m = result["measured"] = measured_prediction()
+        print(f"cp-train --dynamic-cp, 4 CPU ranks: step {m['measured_mean_s']:.3f} s measured, "
+              f"{m['predicted_mean_s']:.3f} s predicted ({m['ratio']:.2f}x)", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
