@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import replace
 
+from ..cli.common import write_output
 from ..cli.flag_names import FlagParser
 from ..dynamic import CostModel, Workload, schedule_sequences
 from ..dynamic.scheduler import cp_size_for, group_sizes
@@ -170,10 +171,7 @@ def main(argv=None) -> int:
     if args.steps:
         result["measured"] = measured(args)
     print(report(result))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    return 0
+    return 0 if write_output("python -m cp_handler.bench.dynamic_cp", "--out", args.out, result) else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 
 from ..auto.catalog import load_profile
 from ..auto.workload import PatternWorkload
+from ..cli.common import write_output
 from ..cli.flag_names import FlagParser
 from ..dynamic.cost_model import LLAMA3_8B_LINEAR_MS_PER_TOKEN
 from ..dynamic.scheduler import schedule_sequences
@@ -205,10 +206,7 @@ def main(argv=None) -> int:
         m = result["measured"] = measured_prediction()
         print(f"cp-train --dynamic-cp, 4 CPU ranks: step {m['measured_mean_s']:.3f} s measured, "
               f"{m['predicted_mean_s']:.3f} s predicted ({m['ratio']:.2f}x)", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
-    return 0
+    return 0 if write_output("python -m cp_handler.bench.dynamic_solver", "--out", args.out, result) else 1
 
 
 if __name__ == "__main__":

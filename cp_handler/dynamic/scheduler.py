@@ -22,7 +22,7 @@ included, and at size 1 the sequence alone on one rank, nothing communicated):
    least rank-time among those within ``T``); no schedule is faster. Each sequence takes the size the bound
    gives it (a short one stays on one rank when communication would cost more than splitting saves: local);
    sequences of one size form a class;
-3. micro-batches, as several plans, keeping the first within 1% of the bound (else the best): **shelves** (the
+3. micro-batches, as several plans, keeping the first within 2% of the bound (else the best): **shelves** (the
    split sequences' classes share micro-batches as below, with their left-over ranks in groups of the smallest
    class; the smallest class's sequences then fill every group's idle time up to its micro-batch's time, longest
    first, and what is left runs after on every rank), **shared** (classes into micro-batches first-fit decreasing,
@@ -209,6 +209,8 @@ def _fill(order: list[int], at_least: list[int], costs: list[list[float]], index
 
 REFINE_STEPS = 8
 """Apportionments tried per micro-batch: each next one weighs the class of the slowest group 10% more."""
+PLAN_TOLERANCE = 0.02
+"""The plans (module doc, step 3) stop at the first within this of the bound."""
 REFINE_TOLERANCE = 0.01
 """Refining stops once the slowest group is within this of the micro-batch's lower bound: every rank equally busy,
 or its slowest sequence on the largest group it may take there."""
@@ -332,7 +334,7 @@ def schedule_sequences(lengths: list[int], num_ranks: int, max_seqlen_per_dp_cp_
         candidate = attempt()
         if fills is None or sum(mb.time for mb, _ in candidate) < sum(mb.time for mb, _ in fills):
             fills = candidate
-        if sum(mb.time for mb, _ in fills) <= (1 + REFINE_TOLERANCE) * bound:
+        if sum(mb.time for mb, _ in fills) <= (1 + PLAN_TOLERANCE) * bound:
             break
     micro_batches, cp_sizes = [], list(at_least)
     for micro_batch, placed in fills:
