@@ -105,18 +105,14 @@ class PatternWorkload:
         return table[lower] + frac * (table[upper] - table[lower]), names
 
     def _table(self, cp: int, top: int) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-        if cp not in self.tables or self.tables[cp][0][-1] < top:
-            grid, _, _ = self.tables.get(cp, (torch.zeros(0), None, None))
-            known = len(grid)
-            old_rows = self.tables[cp][1].tolist() if known else []
-            lengths = length_grid(max(top, 2 * int(grid[-1]) if known else 1))
-            rows, names = old_rows, None
-            for length in lengths[known:]:
-                choice = self._choice(length, cp)
-                names = [p.comm_type for p in choice.predictions]
-                rows.append([p.total_ms for p in choice.predictions])
-            self.tables[cp] = (torch.tensor(lengths, dtype=torch.float64), torch.tensor(rows, dtype=torch.float64),
-                               names)
+        table = self.tables.get(cp)
+        if table is None or table[0][-1] < top:  # a grid to twice the old top at least; the known points are cached
+            choices = [(n, self._choice(n, cp)) for n in
+                       length_grid(top if table is None else max(top, 2 * int(table[0][-1])))]
+            self.tables[cp] = (torch.tensor([n for n, _ in choices], dtype=torch.float64),
+                               torch.tensor([[p.total_ms for p in c.predictions] for _, c in choices],
+                                            dtype=torch.float64),
+                               [p.comm_type for p in choices[0][1].predictions])
         return self.tables[cp]
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - frozen, hashable; the table asks each grid point once

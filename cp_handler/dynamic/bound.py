@@ -36,8 +36,8 @@ def group_sizes(num_ranks: int, min_size: int = 1, max_size: int | None = None,
     powers = {1 << k for k in range(num_ranks.bit_length())} if rule != "divisors" else set()
     every = sorted(divisors | powers)
     largest = every[-1] if max_size is None else max_size
-    what = {"divisors": "divisors of", "powers_of_two": "powers of two up to"}.get(rule, "divisors of and powers of "
-                                                                                          "two up to")
+    what = {"divisors": "divisors of", "powers_of_two": "powers of two up to"}.get(
+        rule, "divisors of and powers of two up to")
     for name, value in (("min_dynamic_context_parallel_size", min_size),
                         ("max_dynamic_context_parallel_size", largest)):
         if value not in every:

@@ -311,7 +311,7 @@ def schedule_sequences(lengths: list[int], num_ranks: int, max_seqlen_per_dp_cp_
                 left.append(i)
                 continue
             minus_room, k, g = rooms[0]
-            (micro_batch, placed), = fills[k:k + 1]
+            micro_batch, placed = fills[k]
             group = micro_batch.groups[g]
             cost = costs[i][index_of[group.size]]
             if cost > -minus_room:
@@ -329,12 +329,15 @@ def schedule_sequences(lengths: list[int], num_ranks: int, max_seqlen_per_dp_cp_
     tries = [lambda: plan(False), lambda: plan(True), lambda: plan(False, floor=False)]
     if len(by_class) > 1:
         tries = [shelves, *tries, lambda: shelves(floor=False)]
+    def makespan(fills) -> float:
+        return sum(micro_batch.time for micro_batch, _ in fills)
+
     fills = None
     for attempt in tries:  # the first plan within the tolerance of the bound, else the best
         candidate = attempt()
-        if fills is None or sum(mb.time for mb, _ in candidate) < sum(mb.time for mb, _ in fills):
+        if fills is None or makespan(candidate) < makespan(fills):
             fills = candidate
-        if sum(mb.time for mb, _ in fills) <= (1 + PLAN_TOLERANCE) * bound:
+        if makespan(fills) <= (1 + PLAN_TOLERANCE) * bound:
             break
     micro_batches, cp_sizes = [], list(at_least)
     for micro_batch, placed in fills:
