@@ -45,7 +45,7 @@ LINKS = ("p2p", "all_gather", "reduce_scatter", "all_to_all")
 
 def toy_profile(device="cpu", dtype="float32", sizes=(2, 4), latency=0.05, gbps=1.0, name="toy") -> CostProfile:
     """A profile with round numbers: 1 ms per unit of matmul pairs, nothing else in compute."""
-    compute = {dtype: ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0))}
+    compute = {dtype: ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))}
     links = {k: LinkFit(latency, gbps) for k in LINKS}
     return CostProfile(name, "test", device, 0.0, {s: GroupProfile(compute, links) for s in sizes})
 
@@ -120,7 +120,7 @@ def test_named_profiles_say_what_is_modelled_and_price_every_pattern():
         for comm_type in ("p2p", "all_gather", "a2a", "a2a+p2p"):
             assert predict(comm_type, case, NAMED_PROFILES[name], "bfloat16").total_ms > 0
     assert NAMED_PROFILES["cpu-2core-gloo"].source.startswith("measured by cp-bench --calibrate")
-    with pytest.raises(ValueError, match=r"ComputeFit: weights=\(1.0, 2.0\) must be 7 values >= 0"):
+    with pytest.raises(ValueError, match=r"ComputeFit: weights=\(1.0, 2.0\) must be 8 values >= 0"):
         ComputeFit((1.0, 2.0))
 
 
@@ -148,11 +148,11 @@ def test_config_rules():
 
 def test_fit_compute_recovers_weights():
     """The least-squares fit of calibration rows returns the weights that made them (exact rows)."""
-    weights = (2.0, 3.0, 0.5, 0.0, 0.25, 0.01, 0.1)
+    weights = (2.0, 3.0, 0.5, 0.0, 0.25, 0.01, 0.1, 0.3)
     rows = []
     for i in range(1, 30):
         features = (i * 0.1, (i % 7) * 0.2, (i % 5) * 0.3, (i % 3) * 0.1, i * 0.05 + (i % 4), float(i % 6 + 1),
-                    float(i % 4 + 1))
+                    float(i % 4 + 1), (i % 9) * 0.07 + (i % 2))
         rows.append((features, sum(w * f for w, f in zip(weights, features, strict=True))))
     fit = fit_compute(rows)
     assert fit.fit_error["max_rel"] < 1e-9
@@ -373,3 +373,17 @@ def test_a_hold_is_refused_without_auto():
     assert hold_for(ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p")) == {}
     assert isinstance(hold_for(ContextParallelConfig(context_parallel_size=2, cp_comm_type=["auto", "p2p"],
                                                      num_layers=2))["cp_comm_hold"], PatternHold)
+
+
+def test_key_value_heads_priced_where_they_run():
+    """The compute's key-value feature counts the KV heads a rank's kernel reads (the ring: all of them; the a2a at
+    cp 4 over one KV head: the head replicated, one per rank), and the a2a's copies count what its all-to-all
+    carries (the replicated KV head four times), so GQA is not priced as MHA."""
+    mha, gqa = (AttnCase((4096,), 1, 8, kv, 64, 64, 4, CAUSAL, 4) for kv in (8, 1))
+    ring_mha, ring_gqa = (pattern_work("p2p", c).compute for c in (mha, gqa))
+    assert ring_mha.causal_pairs == ring_gqa.causal_pairs and ring_mha.kv_pairs == 8 * ring_gqa.kv_pairs
+    a2a = pattern_work("a2a", gqa)
+    assert a2a.compute.kv_pairs * 2 == pytest.approx(a2a.compute.causal_pairs + a2a.compute.full_pairs)  # 2 q, 1 kv
+    rows = 4096 // 4
+    assert pattern_work("p2p", gqa).elements == gqa.local_elements == rows * (8 * 64 + 1 * 128)
+    assert a2a.elements == rows * (8 * 64 + 4 * 128)  # the KV head replicated to each of the 4 ranks

@@ -75,7 +75,7 @@ def test_the_ring_s_transfers_run_under_the_slots_of_its_schedule():
     """The ring's schedule (ops/ring.py): forward, step s + 1's K/V under step s; backward, step 1's K/V under the
     head of the local step, step s + 1's K/V and step s - 1's partial under step s, the last partial under the tail.
     predict with overlap 1 hides each slot's transfers up to its compute; an all-to-all hides under nothing."""
-    compute = ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+    compute = ComputeFit((1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
     links = {k: LinkFit(0.0, 0.05) for k in ("p2p", "all_gather", "reduce_scatter", "all_to_all")}
     profile = CostProfile("toy", "test", "cpu", 1.0, {2: GroupProfile({"bfloat16": compute}, links)})
     case = AttnCase((256,), 1, 4, 4, 16, 16, 2, CAUSAL, 2)  # bf16: the fp32 partials are twice the K/V

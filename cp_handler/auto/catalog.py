@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from .profile import LINK_KINDS, ComputeFit, CostProfile, GroupProfile, LinkFit
 
 H100_FA2_BF16 = ComputeFit((0.02390082152638741, 0.02353565953091095, 0.0, 0.0, 0.0, 0.2092794215386642,
-                            0.20927942153866422), {"rows": 34, "median_rel": 0.0707, "max_rel": 0.4033})
+                            0.20927942153866422, 0.0), {"rows": 34, "median_rel": 0.0707, "max_rel": 0.4033})
 """The H100 ring plans' fit (module doc), one weight per :data:`~.pattern_work.FEATURES`: causal and full pairs and
-about 0.42 ms per ring step (a block and a step; no weight on the softmax, masked area or rows); bf16 and fp16 run
+about 0.42 ms per ring step (a block and a step; no weight on the softmax, masked area, rows or the key-value
+heads' pairs: the fit's rows were all Llama-3-8B's 32 / 8 heads, so the GQA ratio did not vary); bf16 and fp16 run
 the same tensor cores. (Its five weights of 2026-11-28 had not followed the features' growth to seven: every
 prediction with a named GPU profile raised until 2026-12-05; :class:`~.profile.ComputeFit` now checks.)"""
 

@@ -7,7 +7,7 @@ transfers hide under their slots of compute by the profile's ``overlap``; a meas
 pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
     modelled = compute + exposed + ring - overlap * hidden
-    total = scale * modelled + fixed + per_element * (q, k, v elements of the rank)
+    total = scale * modelled + fixed + per_element * (q, k, v elements the pattern copies on the rank)
 
 (``exposed``: the collectives nothing overlaps, the all-to-alls, all_gather's first gathers and last
 reduce-scatter; ``ring``: the overlapped ones, the ring's K/V and dK/dV and all_gather's other chunks; ``hidden``:
@@ -65,7 +65,7 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
     total = compute + exposed + ring - profile.overlap * hidden
     fit = group.patterns.get(comm_type)
     return Prediction(comm_type, compute, ring + exposed,
-                      fit.ms(total, case.local_elements) if fit is not None else total)
+                      fit.ms(total, work.elements) if fit is not None else total)
 
 
 def candidates(case: AttnCase, runs: tuple[str, ...] | list[str] = tuple(PATTERNS)) -> list[str]:

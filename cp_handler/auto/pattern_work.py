@@ -100,7 +100,10 @@ class PlanWork:
     ``scores``: the same pairs times heads only (the softmax: exponentials do not grow with the head dim);
     ``masked_area``: score pairs of masked blocks, once (a mask is built per block, not per head); ``rows``: query
     plus key rows of every block, times heads and ``D + Dv`` (copies, merges); ``blocks``: block calls;
-    ``steps``: plans run one after another (ring steps)."""
+    ``steps``: plans run one after another (ring steps); ``kv_pairs``: the visible score pairs times the **key-value**
+    heads (x batch) and ``D + Dv``: the K/V side of the matmuls, which a kernel running several query heads per
+    key-value head (GQA) reads once per group (measured on CPU: 8 query heads over 1 key-value head ran the ring
+    ~20% faster than over 8, docs/performance.md)."""
 
     causal_pairs: float = 0.0
     full_pairs: float = 0.0
@@ -109,10 +112,11 @@ class PlanWork:
     rows: float = 0.0
     blocks: int = 0
     steps: int = 0
+    kv_pairs: float = 0.0
 
     def features(self) -> tuple[float, ...]:
         return (self.causal_pairs, self.full_pairs, self.scores, self.masked_area, self.rows, float(self.blocks),
-                float(self.steps))
+                float(self.steps), self.kv_pairs)
 
     def __add__(self, other: PlanWork) -> PlanWork:
         return PlanWork(*(a + b for a, b in zip(self.features(), other.features(), strict=True)))
@@ -127,7 +131,7 @@ FORWARD_SHARE = 0.26
 FLOPs (5 matmuls to 2) at a lower rate. FA3 on an H100, head dim 128, 16k tokens: forward 648, backward 561
 TFLOP/s (the FA3 paper's figures), so the backward takes 2.5 x 648 / 561 = 2.89 forwards: 1 / 3.89 = 0.26."""
 
-FEATURES = ("causal_pairs", "full_pairs", "scores", "masked_area", "rows", "blocks", "steps")
+FEATURES = ("causal_pairs", "full_pairs", "scores", "masked_area", "rows", "blocks", "steps", "kv_pairs")
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,11 @@ class PatternWork:
     steps: tuple[PlanWork, ...]
     transfers: tuple[Transfer, ...]
     slots: tuple[Slot, ...] = ()
+    elements: int = 0
+    """The q, k and v elements the pattern copies and reorders on the rank (a measured profile prices them,
+    :class:`~.profile.PatternFit`): the rank's own (:attr:`AttnCase.local_elements`), or for the all-to-all
+    patterns what the all-to-all carries (heads padded, key-value heads replicated: :func:`~cp_handler.ops.ulysses.
+    a2a_head_plan`)."""
 
     @property
     def compute(self) -> PlanWork:
@@ -187,8 +196,8 @@ class PatternWork:
         return total
 
 
-def _plan_work(blocks, heads: int, width: int) -> PlanWork:
-    """Features of one plan on ``heads`` heads (x batch) of width ``D + Dv``."""
+def plan_work(blocks, heads: int, kv_heads: int, width: int) -> PlanWork:
+    """Features of one plan on ``heads`` query and ``kv_heads`` key-value heads (x batch) of width ``D + Dv``."""
     causal = full = masked = rows = 0
     for q_rows, k_rows, kind in blocks:
         nq, nk = q_rows.stop - q_rows.start, k_rows.stop - k_rows.start
@@ -201,7 +210,7 @@ def _plan_work(blocks, heads: int, width: int) -> PlanWork:
         rows += nq + nk
     scale = heads * width
     return PlanWork(causal * scale / 1e9, full * scale / 1e9, (causal + full) * heads / 1e9, masked / 1e9,
-                    rows * scale / 1e6, len(blocks), 1)
+                    rows * scale / 1e6, len(blocks), 1, (causal + full) * kv_heads * width / 1e9)
 
 
 @dataclass(frozen=True)
@@ -268,7 +277,7 @@ def _slowest(plans: list[RankPlan], case: AttnCase) -> tuple[PlanWork, ...]:
     width = case.head_dim + case.v_head_dim
     steps = []
     for s in range(len(plans[0].steps)):
-        works = [_plan_work(p.steps[s], p.heads * case.batch, width) for p in plans]
+        works = [plan_work(p.steps[s], p.heads * case.batch, p.kv_heads * case.batch, width) for p in plans]
         steps.append(max(works, key=lambda w: w.causal_pairs + w.full_pairs))
     return tuple(steps)
 
@@ -329,7 +338,7 @@ def pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     work = pattern_work(comm_type, dataclasses.replace(case, backward=True))
     slots = tuple(Slot(0.0 if slot.backward else slot.share / FORWARD_SHARE, slot.backward) for slot in work.slots)
     return PatternWork(tuple(step.scaled(FORWARD_SHARE) for step in work.steps),
-                       tuple(t for t in work.transfers if not t.backward), slots)
+                       tuple(t for t in work.transfers if not t.backward), slots, work.elements)
 
 
 def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
@@ -337,11 +346,11 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     steps = _slowest(plans, case)
     e, width = case.element_bytes, case.head_dim + case.v_head_dim
     if case.cp == 1:
-        return PatternWork(steps, ())
+        return PatternWork(steps, (), (), case.local_elements)
     if comm_type == "p2p":
         layout = case.layout(case.cp)
         return PatternWork(steps, *_ring_transfers(plans, case.cp, case.batch * case.kv_heads * width * e, e, steps,
-                                                   _tail_share(layout, case.mask)))
+                                                   _tail_share(layout, case.mask)), case.local_elements)
     if comm_type == "all_gather":  # per chunk of KV heads (the default chunks): gathered forward and backward
         transfers = []
         chunks = _kv_chunks(case)
@@ -355,7 +364,7 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
                           Transfer("all_gather", case.cp, shard, n + i - 1 if i else None, backward=True),
                           Transfer("reduce_scatter", case.cp, shard * FP32_BYTES // e, n + i + 1 if i + 1 < n else None,
                                    backward=True)]
-        return PatternWork(steps, tuple(transfers), slots)
+        return PatternWork(steps, tuple(transfers), slots, case.local_elements)
     a2a, outer = _a2a_levels(comm_type, case)
     heads = a2a_head_plan(case.heads, case.kv_heads, a2a)
     rows = case.layout(case.cp).local_len * case.batch
@@ -366,4 +375,4 @@ def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     ring_row = case.batch * plans[0].kv_heads * width * e
     ring, slots = _ring_transfers(plans[::a2a], outer, ring_row, e, steps,
                                   _tail_share(case.layout(case.cp).inner(a2a), case.mask) if outer > 1 else 0.0)
-    return PatternWork(steps, a2a_transfers + ring, slots)
+    return PatternWork(steps, a2a_transfers + ring, slots, qkv // e)

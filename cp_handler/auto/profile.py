@@ -55,8 +55,9 @@ class LinkFit:
 class PatternFit:
     """One pattern as this machine runs it, fitted to the pattern's own measured calls: ``scale * modelled +
     fixed_ms + ms_per_melement * elements / 1e6``, ``modelled`` the compute and link fits' prediction and
-    ``elements`` the rank's q, k and v (:attr:`~.pattern_work.AttnCase.local_elements`). ``scale`` takes in what the
-    shared fits miss for this pattern in proportion to its work, ``ms_per_melement`` its copies and reorders (they
+    ``elements`` the q, k and v elements the pattern copies on the rank (:attr:`~.pattern_work.PatternWork.elements`).
+    ``scale`` takes in what the shared fits miss for this pattern in proportion to its work, ``ms_per_melement`` its
+    copies and reorders (they
     grow with the tensors, not with the work), ``fixed_ms`` what a call costs at any size (the handler's Python, the
     collectives' setup)."""
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..auto.choice import candidates, predict
-from ..auto.pattern_work import AttnCase, _plan_work, rank_plan
+from ..auto.pattern_work import AttnCase, pattern_work, plan_work, rank_plan
 from ..auto.profile import ComputeFit, CostProfile, GroupProfile, LinkFit, PatternFit
 from ..core.masks import CAUSAL, AttentionMask
 from ..core.progress import Progress
@@ -49,13 +49,15 @@ from ..runtime.launch import launch, rank_session
 CALIBRATION_TOKENS = (1024, 4096)
 """Sequence lengths of the calibration plans (each divisible by ``2 * cp`` for cp up to 8): the block sizes of
 layers of 1k to 16k tokens over 2 to 8 ranks."""
-CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128))
-"""``(heads, kv_heads, head_dim)`` of the calibration plans: MHA at 64, GQA at 128."""
+CALIBRATION_SHAPES = ((4, 4, 64), (8, 2, 128), (4, 1, 64))
+"""``(heads, kv_heads, head_dim)`` of the calibration plans: MHA at 64, GQA at 128, and one key-value head at 64 (the
+key-value heads' share of the work, :class:`~cp_handler.auto.pattern_work.PlanWork`, is told apart from the
+head dim's)."""
 LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
 """Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
 PATTERN_CASES = ((1024, (4, 4, 64), None, 1), (4096, (4, 4, 64), None, 1), (1024, (8, 2, 128), None, 1),
                  (4096, (8, 2, 128), None, 1), (1024, (16, 16, 32), None, 1), (4096, (4, 4, 64), 512, 1),
-                 (4096, (4, 4, 64), None, 8))
+                 (4096, (4, 4, 64), None, 8), (4096, (4, 1, 64), None, 1), (4096, (4, 1, 64), None, 8))
 """``(tokens, (heads, kv_heads, head_dim), window, documents)`` of the patterns' own runs."""
 
 
@@ -216,7 +218,8 @@ def calibrate_worker(dtype_name: str, device_type: str, reps: int) -> dict | Non
             progress.update(stage="compute")
             ms = _barrier_timed(plan_step(comm_type, case, rank, dtype, device), reps, device)
             plan = rank_plan(comm_type, case, rank)
-            work = [_plan_work(s, plan.heads * case.batch, case.head_dim + case.v_head_dim) for s in plan.steps]
+            work = [plan_work(s, plan.heads * case.batch, plan.kv_heads * case.batch, case.head_dim + case.v_head_dim)
+                    for s in plan.steps]
             rows.append((sum(work[1:], work[0]).features(), ms))
         patterns = []
         groups = build_dp_cp_groups(world, device.type, list(levels_of(world) or []) or None)
@@ -262,8 +265,8 @@ def fit_patterns(rows, group: GroupProfile, cp: int, dtype: str, device: str) ->
     bare = CostProfile("bare", "", device, 0.0, {cp: group})
     out = {}
     for comm_type in dict.fromkeys(name for name, _, _ in rows):
-        mine = [(predict(name, case, bare, dtype).total_ms, case.local_elements / 1e6, ms) for name, case, ms in rows
-                if name == comm_type]
+        mine = [(predict(name, case, bare, dtype).total_ms, pattern_work(name, case).elements / 1e6, ms)
+                for name, case, ms in rows if name == comm_type]
         scale, fixed, per_element = relative_lstsq([[modelled, 1.0, elements] for modelled, elements, _ in mine],
                                                    [ms for *_, ms in mine])
         out[comm_type] = PatternFit(scale, fixed, per_element)
