@@ -271,12 +271,12 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path, capsys):
     says none (plots on)."""
     out = tmp_path / "launches"
     assert main(["--modes", "launches", "--plan-seq-lens", "2048", "--plan-cp-sizes", "4", "--thd-mean-doc", "64",
-                 "--comm-types", "p2p", "all_gather", "--out-dir", str(out)]) == 0
+                 "--comm-types", "p2p", "all_gather", "a2a", "--out-dir", str(out)]) == 0
     err = capsys.readouterr().err
     assert "results.md in " in err and "plot" not in err.splitlines()[-1] and not list(out.glob("*.png"))
     results = json.loads((out / "results.json").read_text())["launches"]
     rows = {(r["qkv_format"], r["pattern"]): r for r in results["rows"]}
-    assert set(rows) == {(f, p) for f in ("bshd", "thd") for p in ("p2p", "all_gather")}
+    assert set(rows) == {(f, p) for f in ("bshd", "thd") for p in ("p2p", "all_gather", "a2a")}
     for (fmt, pattern), r in rows.items():
         ops, by_op = r["ops"], r["by_operator"]
         assert ops["flash_gqa"] < ops["flash"] and "sum" not in by_op["flash_gqa"]
@@ -295,6 +295,11 @@ def test_launches_mode_counts_each_kernels_operators(tmp_path, capsys):
         for name, by_bytes in r["bytes_by_operator"].items():
             assert not set(by_bytes) & ATTENTION_OPS and sum(by_bytes.values()) == r["bytes_outside"][name]
     assert "MB moved outside the attention kernels" in (out / "results.md").read_text()
+    # a2a over packed documents: the inner ring's reorder folded into the all-to-all's own, so its one causal call
+    # reads every real row as one range: no gather or scatter, bshd's bytes (issue 72, part 5)
+    thd_a2a = rows["thd", "a2a"]
+    assert not {"index_select", "index_add_", "index_copy_"} & set(thd_a2a["by_operator"]["flash_varlen"]), thd_a2a
+    assert thd_a2a["bytes_outside"]["flash_varlen"] <= 1.05 * rows["bshd", "a2a"]["bytes_outside"]["flash_varlen"]
 
 
 def test_launch_counter_bytes_are_every_tensor_read_and_written():

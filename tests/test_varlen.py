@@ -27,7 +27,7 @@ from cp_handler.core.layout import ZigzagDocs
 from cp_handler.core.masks import CAUSAL, AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
-from cp_handler.ops.halves import halves_order, halves_step_plans
+from cp_handler.ops.halves import halves_order, halves_step_plans, uses_halves
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from cp_handler.ops.packed_blocks import packed_calls, plan_key
 from cp_handler.ops.ring import ring_blocks
@@ -144,16 +144,23 @@ def _pairs(blocks, row_map_q, row_map_k):
 
 
 @settings(max_examples=40)
-@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=10), cp=st.sampled_from([2, 4]))
-def test_reordered_ring_steps_cover_the_same_pairs_in_contiguous_calls(lengths, cp):
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=10), cp=st.sampled_from([2, 4]),
+       a2a=st.sampled_from([1, 2, 4]))
+def test_reordered_ring_steps_cover_the_same_pairs_in_contiguous_calls(lengths, cp, a2a):
     """The ring over reordered rows (ops/halves.py, packed documents through a packed kernel): every step's
     plans hold exactly the (query, key) token pairs of :func:`ring_blocks`, and every packed call's query and key
-    rows are one range each (views: no gather, no scatter)."""
-    layout = ZigzagDocs.from_lengths(lengths, cp)
-    for rank in range(cp):
+    rows are one range each (views: no gather, no scatter). The ring of the whole group (``a2a`` 1) and the
+    all-to-all's inner ring (over ``cp / a2a`` ranks; over one rank for plain a2a, whose documents keep the
+    whole group's padding)."""
+    layout = ZigzagDocs.from_lengths(lengths, cp).inner(min(a2a, cp))
+    assert uses_halves(layout, True, CAUSAL) == (layout.lengths != layout.padded_lengths or
+                                                  (layout.size > 1 and len(lengths) > 1))
+    if not uses_halves(layout, True, CAUSAL):
+        return
+    for rank in range(layout.size):
         order = halves_order(layout, rank, torch.device("cpu"))[0].tolist()
-        for step in range(cp):
-            src = (rank - step) % cp
+        for step in range(layout.size):
+            src = (rank - step) % layout.size
             src_order = halves_order(layout, src, torch.device("cpu"))[0].tolist()
             plans = halves_step_plans(layout, step, rank)
             got = sorted(p for plan in plans for p in _pairs(plan, order, src_order))

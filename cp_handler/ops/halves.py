@@ -47,12 +47,14 @@ def _starts(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, ...], tuple[int, 
 
 @functools.lru_cache(maxsize=256)
 def uses_halves(layout: ZigzagDocs, packed: bool, mask) -> bool:
-    """Whether the ring reorders the rows: a packed kernel, the plain causal mask, and a layout with padding or
-    more than one document (bshd is one unpadded document: its rows are ranges already). Under the causal mask
-    a query chunk with real tokens always meets key chunks with real tokens, so no document drops out of a call
-    and the rows stay ranges; with no mask a document's keys on another rank may all be padding."""
-    return packed and mask.plain and mask.causal and layout.size > 1 and \
-        (layout.num_docs > 1 or layout.lengths != layout.padded_lengths)
+    """Whether the ring reorders the rows: a packed kernel, the plain causal mask, and a layout with padding, or
+    with more than one document over more than one rank (bshd is one unpadded document, and one rank's unpadded
+    documents are one range already). Under the causal mask a query chunk with real tokens always meets key chunks
+    with real tokens, so no document drops out of a call and the rows stay ranges; with no mask a document's keys
+    on another rank may all be padding. One rank with padding is the all-to-all's inner ring (every document
+    padded for the whole group): its one causal call then reads every real row as one range."""
+    return packed and mask.plain and mask.causal and \
+        (layout.lengths != layout.padded_lengths or (layout.size > 1 and layout.num_docs > 1))
 
 
 @functools.lru_cache(maxsize=256)

@@ -180,13 +180,26 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     direct one): the halo exchange when it applies to the spec's window or chunks, else the ring."""
     if spec.group is not None and halo_applies(spec.layout, spec.mask):
         return halo_attention(q, k, v, spec)
-    if spec.group is not None and uses_halves(spec.layout, spec.kernel.packed, spec.mask):
-        order, inverse = halves_order(spec.layout, dist.get_rank(spec.group), q.device)
+    if uses_halves(spec.layout, spec.kernel.packed, spec.mask):
+        order, inverse = halves_order(spec.layout, ring_rank(spec.group), q.device)
         q, k, v = (t.index_select(2, order) for t in (q, k, v))
-        out, lse = AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward,
-                                           replace(spec, halves=True))
+        out, lse = halves_ring_attention(q, k, v, spec)
         return out.index_select(2, inverse), lse.index_select(2, inverse)
     return AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward, spec)
+
+
+def ring_rank(group: dist.ProcessGroup | None) -> int:
+    """This rank's place in the ring over ``group`` (0 alone)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def halves_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ring_attention` of ``q, k, v`` already in :func:`~.halves.halves_order` of ``spec.layout`` (when
+    :func:`~.halves.uses_halves`), with ``out`` and ``lse`` in that order: for a caller that gathers its rows anyway
+    (the all-to-all) and folds the reorder into its own gather."""
+    return AttentionFunction.apply(q, k, v, spec.sinks, ring_attn_forward, ring_attn_backward,
+                                   replace(spec, halves=True))
 
 
 def ring_attn(

@@ -11,7 +11,9 @@ members; :meth:`~cp_handler.core.layout.ZigzagDocs.a2a_reorder_index` arranges t
 into the two super-chunks ``p`` and ``2P-1-p`` of a zigzag over the outer ranks, which is exactly
 the ring's layout (:meth:`~cp_handler.core.layout.ZigzagDocs.inner`). With
 ``P == 1`` the ring is local attention in global order (plain a2a); with ``A == 1`` there is no
-all-to-all (plain ring).
+all-to-all (plain ring). Packed documents through a packed kernel: the inner ring's own reorder (real rows
+first, padding last: :mod:`.halves`) is folded into that arrangement, one gather for both, so the ring's calls
+read ranges (plain a2a: one causal call over every real row, no gather of its own).
 
 GQA: KV heads are scattered like query heads when ``Hkv % A == 0``; when ``Hkv < A`` and
 ``A % Hkv == 0`` each KV head is replicated ``A / Hkv`` times before the all-to-all (the fewest
@@ -48,7 +50,8 @@ from einops import rearrange
 from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask
 from .collectives import _AllToAll
-from .ring import ring_attention
+from .halves import halves_order, uses_halves
+from .ring import halves_ring_attention, ring_attention
 from .spec import AttnSpec, attn_spec
 
 
@@ -207,11 +210,20 @@ def a2a_attn(q, k, v, *, a2a_group: dist.ProcessGroup, causal: bool, scale: floa
 
 
 @functools.lru_cache(maxsize=256)
-def _reordered(layout: ZigzagDocs, a2a_size: int, device: torch.device):
-    """``(order, inverse, inner layout)`` after the all-to-all over ``a2a_size`` ranks (computed once per layout)."""
-    order = layout.a2a_reorder_index(a2a_size).to(device)
+def _reordered(layout: ZigzagDocs, a2a_size: int, packed: bool, mask: AttentionMask, ring_rank: int,
+               device: torch.device):
+    """``(order, inverse, inner layout, halves)`` of the rows after the all-to-all over ``a2a_size`` ranks: the
+    inner layout's order (:meth:`~cp_handler.core.layout.ZigzagDocs.a2a_reorder_index`), with the inner ring's
+    own reorder on ``ring_rank`` folded in when it has one (``halves``: :func:`~.halves.uses_halves`, packed
+    documents), so one gather does both (computed once per layout)."""
+    inner = layout.inner(a2a_size)
+    halves = uses_halves(inner, packed, mask)
+    order = layout.a2a_reorder_index(a2a_size)
+    if halves:
+        order = order[halves_order(inner, ring_rank, torch.device("cpu"))[0]]
+    order = order.to(device)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=device))
-    return order, inverse, layout.inner(a2a_size)
+    return order, inverse, inner, halves
 
 
 def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
@@ -233,10 +245,12 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
         ring_spec = replace(ring_spec, sinks=sinks[rank * heads:(rank + 1) * heads])
     if plan.replicas > 1:
         k, v = k.repeat_interleave(plan.replicas, dim=1), v.repeat_interleave(plan.replicas, dim=1)
-    order, inverse, inner = _reordered(spec.layout, a2a_size, q.device)
+    ring_rank = 0 if spec.p2p_group is None else dist.get_rank(spec.p2p_group)
+    order, inverse, inner, halves = _reordered(spec.layout, a2a_size, spec.kernel.packed, spec.mask, ring_rank,
+                                               q.device)
     q, k, v = seq_to_heads((q, k, v), spec.group)
     q, k, v = q.index_select(2, order), k.index_select(2, order), v.index_select(2, order)
-    out, lse = ring_attention(q, k, v, replace(ring_spec, layout=inner))
+    out, lse = (halves_ring_attention if halves else ring_attention)(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
         lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), spec.group).squeeze(-1)
