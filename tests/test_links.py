@@ -56,8 +56,10 @@ def _shim_worker(rank, world):
     with links:
         buffer = torch.zeros(2 * 4)
         work = dist.all_gather_into_tensor(buffer, torch.ones(4), group=group, async_op=True)
+        waited_from = time.perf_counter()
         work.wait()
         assert time.perf_counter() >= links.busy_until  # held until its deadline (a lower bound, no upper one)
+        assert links.stalled_s >= links.busy_until - waited_from  # the blocked time counted, all of it
 
 
 def test_emulated_links_change_no_result_and_charge_the_counted_bytes():

@@ -46,15 +46,18 @@ LATENCY_S = 20e-6
 
 
 class _Held:
-    """A posted collective whose completion is held until ``done_at`` (``time.perf_counter`` seconds)."""
+    """A posted collective whose completion is held until ``done_at`` (``time.perf_counter`` seconds); the time its
+    ``wait()`` blocks (gloo's own wait, then the emulated link's) is added to ``links.stalled_s``."""
 
-    def __init__(self, works, done_at: float):
-        self.works, self.done_at = works, done_at
+    def __init__(self, works, done_at: float, links: EmulatedLinks):
+        self.works, self.done_at, self.links = works, done_at, links
 
     def wait(self, *args, **kwargs):
+        start = time.perf_counter()
         for work in self.works:
             work.wait(*args, **kwargs)
         _sleep_until(self.done_at)
+        self.links.stalled_s += time.perf_counter() - start
         return True
 
     def is_completed(self) -> bool:
@@ -70,11 +73,14 @@ def _sleep_until(deadline: float) -> None:
 class EmulatedLinks:
     """A context manager: within it, this process's collectives complete no sooner than ``latency_s + bytes /
     (gbps * 1e9)`` after they are posted, one transfer at a time per rank (module doc). ``transfers`` keeps each
-    one's ``(kind, bytes, seconds)``."""
+    one's ``(kind, bytes, seconds)``; ``stalled_s`` adds up the seconds the rank is blocked on its collectives (a
+    blocking call from its start, a posted one's ``wait()``: gloo's own transfer, then the emulated link's): its
+    exposed communication, measured directly rather than as a difference of two pass times."""
 
     def __init__(self, latency_s: float, gbps: float):
         self.latency_s, self.gbps = latency_s, gbps
         self.busy_until = 0.0
+        self.stalled_s = 0.0
         self.transfers: list[tuple[str, int, float]] = []
         self._saved: dict[str, object] = {}
 
@@ -89,14 +95,16 @@ class EmulatedLinks:
         self._saved[name] = original
 
         def wrapped(*args, **kwargs):
+            start = time.perf_counter()
             done_at = self._done_at(kind, sent(*args, **kwargs))
             result = original(*args, **kwargs)
             if isinstance(result, list):  # batch_isend_irecv: a work per op
-                return [_Held([w], done_at) for w in result]
+                return [_Held([w], done_at, self) for w in result]
             if result is None:  # a blocking collective: it returns when its transfer would have
                 _sleep_until(done_at)
+                self.stalled_s += time.perf_counter() - start
                 return None
-            return _Held([result], done_at)
+            return _Held([result], done_at, self)
         setattr(dist, name, wrapped)
 
     def __enter__(self) -> EmulatedLinks:
@@ -211,27 +219,41 @@ def links_worker(cases: list[LinkCase], ratios, reps: int) -> list[dict] | None:
             for ratio in ratios:
                 # the link: one ring step's compute (the forward's over cp) over the step's K/V transfer = ratio
                 gbps = _ring_step_bytes(case) / max(step_s / ratio - LATENCY_S, 1e-9) / 1e9
-                plain, emulated = {"forward": [], "backward": []}, {"forward": [], "backward": []}
-                links = EmulatedLinks(LATENCY_S, gbps)
+                times = {(kind, name): [] for kind in ("plain", "emulated") for name in ("forward", "backward")}
+                stalled = {key: [] for key in times}
+                # gloo's own speed, its blocked time measured the same way (a link of no latency, no bandwidth limit)
+                shims = {"plain": EmulatedLinks(0.0, float("inf")), "emulated": EmulatedLinks(LATENCY_S, gbps)}
+                links = shims["emulated"]
                 for _ in range(reps):  # interleaved: plain forward and backward, then emulated
-                    plain["forward"].append(slowest_rank_seconds(forward))
-                    plain["backward"].append(slowest_rank_seconds(backward))
                     links.transfers.clear()
-                    with links:
-                        emulated["forward"].append(slowest_rank_seconds(forward))
-                        forward_transfers = list(links.transfers)
-                        emulated["backward"].append(slowest_rank_seconds(backward))
+                    for kind, shim in shims.items():
+                        with shim:
+                            for name, fn in (("forward", forward), ("backward", backward)):
+                                shim.stalled_s = 0.0
+                                times[kind, name].append(slowest_rank_seconds(fn))
+                                stalled[kind, name].append(_max_over_ranks(shim.stalled_s))
+                                if shim is links and name == "forward":
+                                    forward_transfers = list(links.transfers)
                     backward_transfers = links.transfers[len(forward_transfers):]
                 for name, transfers in (("forward", forward_transfers), ("backward", backward_transfers)):
-                    compute, total = statistics.median(plain[name]), statistics.median(emulated[name])
+                    compute, total = (statistics.median(times[kind, name]) for kind in ("plain", "emulated"))
                     rows.append({**dataclasses.asdict(case), "ratio": ratio, "gbps": gbps, "pass": name,
                                  "compute_ms": 1e3 * compute, "emulated_ms": 1e3 * total,
                                  "exposed_ms": 1e3 * (total - compute),
+                                 "stalled_ms": 1e3 * statistics.median(stalled["emulated", name]),
+                                 "plain_stalled_ms": 1e3 * statistics.median(stalled["plain", name]),
                                  "transfer_ms": 1e3 * sum(seconds for _, _, seconds in transfers),
                                  "transfers": len(transfers)})
             bar.update(case=describe)
         bar.close()
         return rows if rank0 else None
+
+
+def _max_over_ranks(seconds: float) -> float:
+    """The largest of the ranks' ``seconds`` (every rank calls it)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def predicted_exposed_ms(row: dict) -> tuple[float, float]:

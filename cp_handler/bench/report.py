@@ -128,14 +128,16 @@ def markdown(results: dict) -> str:
 def links_table(lk: dict) -> str:
     """Per pattern, cp, link and pass: the compute, the emulated transfer, the exposure measured and modelled."""
     rows = [(r["pattern"], r["cp"], r["tokens"], r["ratio"], r["pass"], f"{r['compute_ms']:.1f}",
-             f"{r['transfer_ms']:.1f}", f"{r['exposed_ms']:.1f}", f"{r['model_exposed_ms']:.1f}",
-             "yes" if r["agrees"] else "NO") for r in lk["rows"]]
+             f"{r['transfer_ms']:.1f}", f"{r['exposed_ms']:.1f}", f"{r['stalled_ms']:.1f}",
+             f"{r['plain_stalled_ms']:.1f}", f"{r['model_exposed_ms']:.1f}", "yes" if r["agrees"] else "NO")
+            for r in lk["rows"]]
     caption = (f"ms of the slowest rank, median; links held to latency {lk['latency_s'] * 1e6:.0f} us + bytes / a "
                "bandwidth set so that a ring step's compute is `ratio` x its K/V transfer; exposed = emulated - "
-               f"plain; the model's agrees with the measurement in {100 * lk['agreeing']:.0f}% of the rows (within "
-               "5% of the transfer or 3% of the pass)")
-    return table(caption, ["pattern", "cp", "S", "ratio", "pass", "compute", "transfer", "exposed", "model exposed",
-                           "agrees"], rows)
+               "plain pass time; blocked = time the rank waits on its collectives, emulated and plain (gloo's own); "
+               f"the model's agrees with the measurement in {100 * lk['agreeing']:.0f}% of the rows (within 5% of "
+               "the transfer or 3% of the pass)")
+    return table(caption, ["pattern", "cp", "S", "ratio", "pass", "compute", "transfer", "exposed", "blocked",
+                           "blocked (plain)", "model exposed", "agrees"], rows)
 
 
 def backtest_table(bt: dict) -> str:
