@@ -13,7 +13,9 @@ import re
 
 import pytest
 import torch
-from dist_utils import new_cp_group, run_distributed
+from dist_utils import fails_fast, new_cp_group, run_distributed
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
 from test_cli import cp_train
 
 from cp_handler import ContextParallelConfig, LocalContextParallelHandler
@@ -25,7 +27,10 @@ CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window,
     ("gqa-bf16", 8, 4, torch.bfloat16, "causal", None, "bshd"),
     ("full-fp32", 8, 8, torch.float32, "no_mask", None, "bshd"),
     ("window-fp32", 8, 8, torch.float32, "causal", (37, 0), "bshd"),
+    ("thd-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
+    ("thd-gqa-bf16", 8, 4, torch.bfloat16, "causal", None, (5, 290, 89)),
 ]
+"""``qkv_format``: a tuple is a thd pack of those document lengths."""
 
 
 def _case_runs(name: str, cp: int) -> bool:
@@ -35,17 +40,27 @@ def _case_runs(name: str, cp: int) -> bool:
 
 def _results(handler, case) -> list[torch.Tensor]:
     """The global output and the gradients of q, k and v of one call (combined over the group)."""
-    _, heads, kv_heads, dtype, mask_type, window, _ = case
+    _, heads, kv_heads, dtype, mask_type, window, fmt = case
     g = torch.Generator().manual_seed(0)
-    shape = (1, S)
+    shape, dim = ((sum(fmt),), 0) if isinstance(fmt, tuple) else ((1, S), 1)
     q, dout = (torch.randn(*shape, heads, D, generator=g).to(dtype) for _ in range(2))
     k, v = (torch.randn(*shape, kv_heads, D, generator=g).to(dtype) for _ in range(2))
     module = torch.nn.Module()
     module.softmax_scale, module.window_size = 0.25, window
-    local = [handler.dispatch(t, 1).detach().requires_grad_() for t in (q, k, v)]
+    local = [handler.dispatch(t, dim).detach().requires_grad_() for t in (q, k, v)]
     out = handler.core_attn(module, *local, attn_mask_type=mask_type)
-    out.backward(handler.dispatch(dout, 1))
-    return [handler.combine(t, 1) for t in (out.detach(), *(t.grad for t in local))]
+    out.backward(handler.dispatch(dout, dim))
+    return [handler.combine(t, dim) for t in (out.detach(), *(t.grad for t in local))]
+
+
+def _case_handler(group, case):
+    """The deterministic handler of ``case`` (thd: built for its pack)."""
+    fmt = case[-1]
+    if not isinstance(fmt, tuple):
+        return _handler(group)
+    cu_seqlens = torch.tensor([0, *torch.tensor(fmt).cumsum(0).tolist()], dtype=torch.int32)
+    return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True, qkv_format="thd",
+                                       cu_seqlens=cu_seqlens)
 
 
 def _gpt_logits(handler) -> torch.Tensor:
@@ -70,8 +85,8 @@ def _worker(rank, world):
     for case in CASES:
         if not _case_runs(case[0], world):
             continue
-        want = _results(_handler(None), case)  # one process, on every rank: the same inputs
-        got = _results(_handler(group), case)
+        want = _results(_case_handler(None, case), case)  # one process, on every rank: the same inputs
+        got = _results(_case_handler(group, case), case)
         for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
     if world < 8:  # the reference GPT (8 heads): its logits, so its per-token losses, bitwise cp 1's
@@ -88,6 +103,34 @@ def _worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
 def test_attention_is_bitwise_the_same_at_every_cp_degree(world):
     run_distributed(_worker, world)
+
+
+def _thd_worker(rank, world):
+    group = new_cp_group()
+
+    @settings(max_examples=6, derandomize=True, deadline=None,  # every rank draws the same cases
+              phases=[Phase.explicit, Phase.generate])
+    @given(lengths=st.lists(st.one_of(st.just(0), st.integers(1, 5), st.integers(6, 70), st.integers(71, 200)),
+                            min_size=1, max_size=7).filter(lambda lengths: sum(lengths) > 0))
+    @example(lengths=[100, 37, 1, 180, 66])
+    @fails_fast  # a rank's failure ends the run with its message (no replay the other ranks do not make)
+    def run(lengths):
+        heads = (6, 6) if world == 3 else (8, 4)  # a key-value head's query heads on one rank (the mode's rule)
+        case = ("thd", *heads, torch.float32, "causal", None, tuple(lengths))
+        want = _results(_case_handler(None, case), case)
+        got = _results(_case_handler(group, case), case)
+        for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+            assert torch.equal(a, b), f"{lengths} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
+
+    run()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
+    """Packed documents of any lengths (hypothesis: zero-length, tiny and long documents, any split), fp32, 6 / 6 heads
+    at cp 3 and GQA 8 / 4 at cp 4: the output and dq, dk, dv ``torch.equal`` to cp 1 (every document padded to a
+    multiple of 48 at every degree, :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`)."""
+    run_distributed(_thd_worker, world)
 
 
 def _refusal_worker(rank, world):
@@ -109,9 +152,6 @@ def test_what_the_mode_does_not_make_bitwise_is_refused_by_name():
     run_distributed(_refusal_worker, 4)
     with pytest.raises(ValueError, match="pins the block kernel to 'cpu_flash'"):
         LocalContextParallelHandler(cp_group=None, deterministic=True, attn_kernel="flash")
-    with pytest.raises(ValueError, match="deterministic=True with qkv_format='thd': packed documents are padded"):
-        LocalContextParallelHandler(cp_group=None, deterministic=True, qkv_format="thd",
-                                    cu_seqlens=torch.tensor([0, 5, 12], dtype=torch.int32))
 
 
 TRAIN = ["--steps", "3", "--seq-len", "128", "--hidden-size", "64", "--num-heads", "8", "--num-kv-heads", "8",
@@ -130,19 +170,22 @@ def _losses(tmp_path, cp: int, *flags) -> list[float]:
 def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
     """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
     bitwise, the loss summed over the whole sequence in one order; the steps after the first start from parameters
-    whose gradients may differ by float32 reordering, equal here: measured). Negative control: the default mode at
-    cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so the comparison can fail."""
-    want = _losses(tmp_path, 1, "--deterministic")
-    assert _losses(tmp_path, 2, "--deterministic") == want
-    assert _losses(tmp_path, 4, "--deterministic") == want
+    whose gradients may differ by float32 reordering, equal here: measured), bshd and thd packs. Negative control: the
+    default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so the comparison can
+    fail."""
+    for packing in ("bshd", "thd"):
+        flags = ("--deterministic", "--packing", packing)
+        want = _losses(tmp_path, 1, *flags)
+        assert _losses(tmp_path, 2, *flags) == want, packing
+        assert _losses(tmp_path, 4, *flags) == want, packing
     default = _losses(tmp_path, 4)
+    want = _losses(tmp_path, 1, "--deterministic")
     assert default != want
     assert max(abs(a - b) / b for a, b in zip(default, want, strict=True)) < 1e-5  # float32 reordering only
 
 
 @pytest.mark.parametrize("flags, words", [
     (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a only"),
-    (["--packing", "thd"], "--deterministic with --packing thd"),
     (["--tp-size", "2"], "--deterministic with --tp-size: not implemented"),
     (["--num-heads", "2", "--num-kv-heads", "2"], "with --cp-size 2: deterministic=True with 2 query heads over a CP "
                                                   "group of 2"),
@@ -154,8 +197,8 @@ def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
 
 
 def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
-    """``ContextParallelConfig(deterministic=True)``: the local handler in the mode; another comm type at cp > 1, thd,
-    a value that is not a bool and a backend without the mode refused by name."""
+    """``ContextParallelConfig(deterministic=True)``: the local handler in the mode (thd too); another comm type at
+    cp > 1, a value that is not a bool and a backend without the mode refused by name."""
     from cp_handler import build_cp_handler
     from cp_handler.handlers.base import ContextParallelHandler
 
@@ -163,8 +206,7 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
     assert not build_cp_handler(ContextParallelConfig()).deterministic
     with pytest.raises(ValueError, match=r"deterministic=True runs cp_comm_type='a2a' only, not \['p2p'\]"):
         ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
-    with pytest.raises(ValueError, match=r"deterministic=True with qkv_format='thd'"):
-        ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
+    assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
     with pytest.raises(ValueError, match=r"deterministic=1 must be True or False"):
         ContextParallelConfig(deterministic=1)
 
@@ -221,7 +263,7 @@ def _rl_worker(rank, world, out):
 def test_rl_log_probs_and_entropies_are_bitwise_the_same_at_every_cp_degree(tmp_path):
     """The RL trainers' scores (TRL's fused head on shards, left-padded prompts and right-padded completions) in the
     deterministic mode: ``torch.equal`` to cp 1 at cp 2 and 4 (rows padded to one length at every degree,
-    ``hf_batch.DETERMINISTIC_ROWS``: without it cp 4's padded rows gave results 2e-7 apart, measured). Negative
+    ``core.layout.DETERMINISTIC_MULTIPLE``: without it cp 4's padded rows gave results 2e-7 apart, measured). Negative
     control: the default ring at cp 4 differs from cp 1 in at least one bit."""
     want = _rl_log_probs(1, None)
     for world in (2, 4):

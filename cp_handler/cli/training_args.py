@@ -168,8 +168,8 @@ DETERMINISTIC_REFUSED = {
 
 
 def check_deterministic(args: argparse.Namespace) -> None:
-    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), ``--packing bshd``, and
-    none of :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
+    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag) and none of
+    :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
     if not args.deterministic:
         args.cp_comm_type = args.cp_comm_type or "p2p"
         return
@@ -179,9 +179,6 @@ def check_deterministic(args: argparse.Namespace) -> None:
         raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a only (the "
                          "other patterns merge partial softmax results and sum dK / dV in an order that follows the "
                          "CP group); drop --cp-comm-type or pass a2a")
-    if args.packing == "thd":
-        raise ValueError("--deterministic with --packing thd: packed documents are padded to a multiple of 2 x cp, "
-                         "which changes the blocks the kernel runs; use --packing bshd")
     for name, why in DETERMINISTIC_REFUSED.items():
         value = getattr(args, name, None)
         if value and not (name == "tp_size" and value == 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -54,10 +55,19 @@ def check_cu_seqlens(cu_seqlens) -> None:
         raise ValueError(f"cu_seqlens={values[:8]} holds no token (every document has length 0)")
 
 
-def padded_length(seq_len: int, cp_size: int) -> int:
-    """Tokens of a sequence (document) padded to a multiple of ``2 * cp`` (none at cp=1): the one rule
-    of the zigzag padding (:class:`ZigzagDocs`, the dynamic CP scheduler's budgets)."""
+DETERMINISTIC_MULTIPLE = 48
+"""The deterministic mode pads every document (thd) and row (a Hugging Face batch) to a multiple of this too: 48 is a
+multiple of ``2 * cp`` for cp 1, 2, 3, 4, 6 and 8, so at those degrees each has one padded length and the kernel runs
+the same blocks (docs/deterministic.md)."""
+
+
+def padded_length(seq_len: int, cp_size: int, deterministic: bool = False) -> int:
+    """Tokens of a sequence (document) padded to a multiple of ``2 * cp`` (none at cp=1; in the deterministic mode
+    also of :data:`DETERMINISTIC_MULTIPLE`, at every cp): the one rule of the zigzag padding (:class:`ZigzagDocs`,
+    the dynamic CP scheduler's budgets, a Hugging Face batch's rows)."""
     multiple = 2 * cp_size if cp_size > 1 else 1
+    if deterministic:
+        multiple = math.lcm(multiple, DETERMINISTIC_MULTIPLE)
     return -(-seq_len // multiple) * multiple
 
 
@@ -84,8 +94,9 @@ class ZigzagDocs:
     size: int
 
     @classmethod
-    def from_lengths(cls, lengths, size: int) -> ZigzagDocs:
-        """Pad each document to a multiple of ``2 * size`` (none at ``size == 1``).
+    def from_lengths(cls, lengths, size: int, deterministic: bool = False) -> ZigzagDocs:
+        """Pad each document to a multiple of ``2 * size`` (none at ``size == 1``; :func:`padded_length`'s
+        ``deterministic`` rule).
 
         Raises:
             ValueError: an empty document list, a negative length, or no token at all.
@@ -94,17 +105,18 @@ class ZigzagDocs:
         if not lengths or min(lengths) < 0 or sum(lengths) == 0:
             raise ValueError(f"document lengths {list(lengths)[:8]}... must be >= 0 with at least one token (and at "
                              "least one document)")
-        return cls(lengths, tuple(padded_length(n, size) for n in lengths), size)
+        return cls(lengths, tuple(padded_length(n, size, deterministic) for n in lengths), size)
 
     @classmethod
-    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, size: int) -> ZigzagDocs:
-        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, non-decreasing).
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, size: int, deterministic: bool = False) -> ZigzagDocs:
+        """From real ``cu_seqlens`` (int32 ``[num_docs + 1]``, starting at 0, non-decreasing), padded as
+        :meth:`from_lengths`.
 
         Raises:
             TypeError / ValueError: :func:`check_cu_seqlens`.
         """
         check_cu_seqlens(cu_seqlens)
-        return cls.from_lengths(torch.diff(cu_seqlens.cpu()).tolist(), size)
+        return cls.from_lengths(torch.diff(cu_seqlens.cpu()).tolist(), size, deterministic)
 
     @classmethod
     def uniform(cls, seq_len: int, size: int) -> ZigzagDocs:

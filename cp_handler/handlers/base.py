@@ -61,6 +61,9 @@ class ContextParallelHandler(metaclass=ABCMeta):
 
     token_layout_cls: type[TokenLayout] = ZigzagLayout
     """Where the tokens sit on the ranks (:mod:`.token_layout`); the mixers follow from it."""
+    deterministic: bool = False
+    """The deterministic mode (docs/deterministic.md): set by a backend that implements it (``"local"``), before this
+    class's ``__init__`` builds the token layout (thd documents are then padded to one length at every CP degree)."""
     cp_comm_types: tuple[str, ...] = CP_COMM_TYPES
     """The comm types this class runs (a handler built with another is refused by name; ``register_cp_handler``
     registers the class for these by default). A backend that plans its own communication declares one."""

@@ -66,7 +66,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
             ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): the Ulysses all-to-all only
             (each rank computes whole heads over the whole sequence, the same blockwise computation as one process),
             with the block kernel pinned (``cpu_flash``; cp = 1 runs it too instead of
-            ``F.scaled_dot_product_attention``). Refused by name: thd packs, another comm type at cp > 1, query
+            ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
+            cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
+            another comm type at cp > 1, query
             heads not more than the CP size (one head slot per rank), a group whose size does not divide the
             key-value heads when they are fewer than the query heads (a key-value head's gradient would be summed
             over ranks in the group's order), a device other than the CPU (not yet run on a GPU).
@@ -84,17 +86,13 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
     def __init__(self, *, attn_kernel: str | None = None, kv_cache=None, cp_comm_profile=None,
                  cp_comm_hold: PatternHold | None = None, deterministic: bool = False, **kwargs):
+        self.deterministic = bool(deterministic)  # before the base builds the token layout (thd padding)
         super().__init__(**kwargs)
-        self.deterministic = bool(deterministic)
         if self.deterministic:
             if self.cp_size > 1 and (others := sorted({t for t in self.comm_types if t != "a2a"})):
                 raise ValueError(f"deterministic=True runs the Ulysses all-to-all ('a2a') only, not {others}: its "
                                  "heads see the whole sequence, computed as one process computes them; the other "
                                  "patterns merge partial results and sum gradients in an order that follows the group")
-            if self.qkv_format == "thd":
-                raise ValueError("deterministic=True with qkv_format='thd': packed documents are padded to a "
-                                 "multiple of 2 x cp each, which changes the blocks the kernel runs (results 1 ulp "
-                                 "apart at cp 2, measured); use bshd / sbhd rows")
             if attn_kernel not in (None, "cpu_flash"):
                 raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
                                  "kernel to 'cpu_flash' (the one it is tested with)")

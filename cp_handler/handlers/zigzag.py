@@ -37,8 +37,14 @@ class ZigzagLayout(TokenLayout):
         self.global_seq_len: int | None = None
         """bshd/sbhd: the sequence length this handler dispatched (a handler is per batch); thd: from cu_seqlens."""
         if self.qkv_format == "thd":
-            self.thd_layout = ZigzagDocs.from_cu_seqlens(handler.cu_seqlens, self.cp_size)
+            self.thd_layout = ZigzagDocs.from_cu_seqlens(handler.cu_seqlens, self.cp_size, handler.deterministic)
             self.global_seq_len = sum(self.thd_layout.lengths)
+
+    @property
+    def pads_alone(self) -> bool:
+        """Whether thd documents are padded at cp = 1 too (the deterministic mode): dispatch and combine are then no
+        identity at cp = 1 (they insert and drop the padding)."""
+        return self.thd_layout is not None and self.thd_layout.padded_lengths != self.thd_layout.lengths
 
     @property
     def cu_seqlens_padded(self) -> torch.Tensor | None:
@@ -134,7 +140,7 @@ class ZigzagLayout(TokenLayout):
 
         self.checked("dispatch", tensor.device, ("global_len",), local_checks, every_call=True)
         seq_dim = seq_dim % tensor.dim()
-        if self.cp_size == 1:  # the identity: a handler alone may take any length
+        if self.cp_size == 1 and not self.pads_alone:  # the identity: a handler alone may take any length
             return tensor
         if self.thd_layout is None:
             length = tensor.shape[seq_dim]
@@ -153,8 +159,11 @@ class ZigzagLayout(TokenLayout):
         the same computation on every CP rank).
         """
         if self.cp_size == 1:
-            check_dim("seq_dim", seq_dim, tensor.dim())
-            return tensor
+            dim = check_dim("seq_dim", seq_dim, tensor.dim())
+            if not self.pads_alone:
+                return tensor
+            return tensor.index_select(dim, self.layout(tensor.shape[dim]).gathered_index(real_only=True).to(
+                tensor.device))
 
         def local_checks():
             if self.global_seq_len is None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.layout import DETERMINISTIC_MULTIPLE
 from ..handlers.base import ContextParallelHandler
 from ..handlers.registry import build_cp_handler
 from ..runtime.config import ContextParallelConfig
@@ -96,7 +97,7 @@ def shard_batch(batch: dict, config: ContextParallelConfig, cp_group=None, hiera
                          "position_ids") + ": not implemented under context parallelism (the model computes its "
                          "positions from each whole row, e.g. Qwen's 3-D mRoPE); pass padded rows without position_ids")
     if cu_seqlens is None:
-        input_ids, shift_labels = _padded_rows(batch, input_ids, shift_labels, row_multiple(config))
+        input_ids, shift_labels = _padded_rows(batch, input_ids, shift_labels, config)
         meta = {"qkv_format": "bshd"}
     else:
         meta = {"qkv_format": "thd", "cu_seqlens": cu_seqlens}
@@ -147,21 +148,9 @@ def packed_cu_seqlens(batch: dict) -> torch.Tensor | None:
     return cu
 
 
-DETERMINISTIC_ROWS = 48
-"""The deterministic mode pads rows to a multiple of this (and of ``2 * cp``): 48 is a multiple of ``2 * cp`` for
-cp 1, 2, 3, 4, 6 and 8, so at those degrees every row has one padded length and the kernel runs the same blocks."""
-
-
-def row_multiple(config) -> int:
-    """What a row's length is padded to a multiple of: ``2 * cp`` (the zigzag's chunks), in the deterministic mode
-    also :data:`DETERMINISTIC_ROWS` (one length at every CP degree)."""
-    chunks = 2 * config.context_parallel_size
-    return math.lcm(chunks, DETERMINISTIC_ROWS) if config.deterministic else chunks
-
-
-def _padded_rows(batch: dict, input_ids: torch.Tensor, shift_labels, multiple: int):
-    """bshd: the right-padding check, then ``S`` padded on the right to a multiple of ``multiple``
-    (:func:`row_multiple`)."""
+def _padded_rows(batch: dict, input_ids: torch.Tensor, shift_labels, config):
+    """bshd: the right-padding check, then ``S`` padded on the right to a multiple of ``2 * cp`` (in the deterministic
+    mode also of :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`: one padded length at every CP degree)."""
     mask = batch.get("attention_mask")
     if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
         raise ValueError("attention_mask has padding before real tokens (left padding, or holes): under context "
@@ -172,6 +161,9 @@ def _padded_rows(batch: dict, input_ids: torch.Tensor, shift_labels, multiple: i
         if not torch.equal(positions, want):
             raise ValueError("position_ids of padded rows must be 0..S-1 (positions come from the handler's layout); "
                              "other positions (left padding) are refused")
+    multiple = 2 * config.context_parallel_size
+    if config.deterministic:
+        multiple = math.lcm(multiple, DETERMINISTIC_MULTIPLE)
     pad = -input_ids.shape[1] % multiple
     if pad:
         input_ids = F.pad(input_ids, (0, pad))

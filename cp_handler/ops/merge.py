@@ -10,6 +10,12 @@ Neither form exponentiates a large number, so both are stable for any lse gap (t
 ring-flash-attn and Transformer Engine). ``logaddexp`` also takes an empty accumulator
 (``lse1 = -inf``, ``o1 = 0``), which the first merge replaces exactly. Accumulators are float32
 (float64 for float64 inputs): merging in bf16 would lose digits at every step.
+
+An element's bits do not depend on how many heads the call holds (the deterministic mode relies on it: a rank holds
+``H / cp`` heads): the sigmoid's weights are written with each head's rows a run of their own (a row stride rounded
+up to 64), so a CPU vector loop never runs across heads, where the number of heads would decide which elements fall
+in its scalar tail (the tail computes ``exp`` otherwise than the vector body: 1 ulp apart, measured on a block of 36
+rows at 8 and 4 heads).
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ def merge_attn_out_(
     elementwise kernels (subtract, sigmoid, lerp, logaddexp), five when ``block_out`` needs a cast
     to the accumulator dtype: small shards on CUDA are bound by kernel launches.
     """
-    weight = torch.sub(block_lse, lse).sigmoid_().unsqueeze(-1)
+    rows = block_lse.shape[-1]
+    padded = -(-rows // 64) * 64  # each head's weights a row of their own: not one run across heads (module doc)
+    weight = torch.sub(block_lse, lse, out=block_lse.new_empty((*block_lse.shape[:-1], padded))[..., :rows])
+    weight = weight.sigmoid_().unsqueeze(-1)
     out.lerp_(block_out.to(out.dtype), weight)  # out + weight * (block_out - out), one kernel
     torch.logaddexp(lse, block_lse, out=lse)

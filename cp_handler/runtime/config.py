@@ -113,9 +113,9 @@ class ContextParallelConfig:
 
     deterministic: bool = False
     """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): the Ulysses
-    all-to-all (``cp_comm_type="a2a"``; any at cp 1) with bshd / sbhd, on a backend that implements the mode
-    (``"local"``); the loss summed in one order over the whole sequence. Parameter gradients stay within float32
-    reordering (not bitwise)."""
+    all-to-all (``cp_comm_type="a2a"``; any at cp 1), bshd / sbhd or thd (thd documents padded to a multiple of 48
+    at every degree), on a backend that implements the mode (``"local"``); the loss summed in one order over the
+    whole sequence. Parameter gradients stay within float32 reordering (not bitwise)."""
 
     def __post_init__(self) -> None:
         self._check_size()
@@ -169,9 +169,6 @@ class ContextParallelConfig:
             raise ValueError(f"deterministic=True runs cp_comm_type='a2a' only, not {others}: the other patterns merge "
                              "partial softmax results and sum dK / dV in an order that follows the CP group "
                              "(docs/deterministic.md)")
-        if self.qkv_format == "thd":
-            raise ValueError("deterministic=True with qkv_format='thd': packed documents are padded to a multiple of "
-                             "2 x cp, which changes the blocks the kernel runs; use bshd or sbhd")
 
     @property
     def comm_types(self) -> list[str]:
