@@ -1,9 +1,10 @@
 """The deterministic mode (``LocalContextParallelHandler(deterministic=True)``, issue 73's first step): attention's
 output and the gradients of q, k and v are ``torch.equal`` at cp 2, 3, 4, 6 and 8 to cp 1 on the same global inputs:
-fp32 and bf16, MHA and GQA, causal and full, a sliding window (bshd); and the reference GPT's logits (so its per-token
-losses) at cp 2, 3, 4 and 6. The negative control: the default ring (p2p) on
+fp32 and bf16, MHA and GQA, causal and full, a sliding window, one query head per rank and fewer (bshd), thd packs;
+and the reference GPT's logits (so its per-token losses) at cp 2, 3, 4, 6 and 8. The negative control: the default
+ring (p2p) on
 the same inputs differs in at least one bit at cp 2, so the comparison can fail. Its refusals by name: another comm
-type, one query-head slot per rank, key-value heads the CP size does not divide, thd packs, another kernel.
+type, key-value heads the CP size does not divide (fewer than the query heads), another kernel.
 
 Tolerances: none (bitwise).
 """
@@ -27,6 +28,7 @@ CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window,
     ("gqa-bf16", 8, 4, torch.bfloat16, "causal", None, "bshd"),
     ("full-fp32", 8, 8, torch.float32, "no_mask", None, "bshd"),
     ("window-fp32", 8, 8, torch.float32, "causal", (37, 0), "bshd"),
+    ("four-heads-fp32", 4, 4, torch.float32, "causal", None, "bshd"),  # one head per rank at cp 4, padded at 6 and 8
     ("thd-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
     ("thd-gqa-bf16", 8, 4, torch.bfloat16, "causal", None, (5, 290, 89)),
 ]
@@ -35,7 +37,7 @@ CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window,
 
 def _case_runs(name: str, cp: int) -> bool:
     _, heads, kv_heads, *_ = next(c for c in CASES if c[0] == name)
-    return heads > cp and (heads == kv_heads or kv_heads % cp == 0)
+    return heads == kv_heads or kv_heads % cp == 0
 
 
 def _results(handler, case) -> list[torch.Tensor]:
@@ -89,10 +91,10 @@ def _worker(rank, world):
         got = _results(_case_handler(group, case), case)
         for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
-    if world < 8:  # the reference GPT (8 heads): its logits, so its per-token losses, bitwise cp 1's
-        want = _gpt_logits(_handler(None))
-        got = _gpt_logits(_handler(group))
-        assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
+    # the reference GPT (8 heads; one per rank at cp 8): its logits, so its per-token losses, bitwise cp 1's
+    want = _gpt_logits(_handler(None))
+    got = _gpt_logits(_handler(group))
+    assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
     if world == 2:  # the negative control: the default ring on the same inputs is not bitwise one process's
         case = CASES[0]
         want = _results(_handler(None), case)
@@ -137,8 +139,7 @@ def _refusal_worker(rank, world):
     group = new_cp_group()
     with pytest.raises(ValueError, match=r"runs the Ulysses all-to-all \('a2a'\) only, not \['p2p'\]"):
         LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True)
-    for heads, kv_heads, rule in ((4, 4, "each rank needs at least 2 query head slots"),
-                                  (8, 2, "a key-value head's query heads would sit on several ranks")):
+    for heads, kv_heads, rule in ((8, 2, "a key-value head's query heads would sit on several ranks"),):
         handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True)
         q = torch.zeros(1, 2 * S // world, heads, D)
         kv = torch.zeros(1, 2 * S // world, kv_heads, D)
@@ -187,8 +188,8 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
 @pytest.mark.parametrize("flags, words", [
     (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a only"),
     (["--tp-size", "2"], "--deterministic with --tp-size: not implemented"),
-    (["--num-heads", "2", "--num-kv-heads", "2"], "with --cp-size 2: deterministic=True with 2 query heads over a CP "
-                                                  "group of 2"),
+    (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
+                                                  "CP group of 2"),
 ])
 def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
     argv = ["--nproc", "2", "--cp-size", "2", *TRAIN[:-2], "--deterministic", *flags]

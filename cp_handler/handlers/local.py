@@ -68,8 +68,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             with the block kernel pinned (``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
-            another comm type at cp > 1, query
-            heads not more than the CP size (one head slot per rank), a group whose size does not divide the
+            another comm type at cp > 1, a group whose size does not divide the
             key-value heads when they are fewer than the query heads (a key-value head's gradient would be summed
             over ranks in the group's order), a device other than the CPU (not yet run on a GPU).
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
@@ -259,10 +258,6 @@ HierarchicalContextParallelHandler = LocalContextParallelHandler
 def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:
     """Why the deterministic mode refuses ``heads`` query and ``kv_heads`` key-value heads over a CP group of
     ``cp_size`` (``None``: it runs them bitwise; the rules were measured, docs/deterministic.md)."""
-    if cp_size > 1 and heads <= cp_size:
-        return (f"deterministic=True with {heads} query heads over a CP group of {cp_size}: each rank needs at least "
-                "2 query head slots (heads > cp; with one, the block kernel's matrix products read a contiguous "
-                "operand and take another path: results 1 ulp apart, measured)")
     if heads != kv_heads and kv_heads % cp_size:
         return (f"deterministic=True with {kv_heads} key-value heads over a CP group of {cp_size}: a key-value head's "
                 "query heads would sit on several ranks and its gradient be summed over them in the group's order; "
