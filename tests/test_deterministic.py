@@ -1,6 +1,7 @@
 """The deterministic mode (``LocalContextParallelHandler(deterministic=True)``, issue 73's first step): attention's
 output and the gradients of q, k and v are ``torch.equal`` at cp 2, 3, 4, 6 and 8 to cp 1 on the same global inputs:
-fp32 and bf16, MHA and GQA, causal and full, a sliding window, one query head per rank and fewer (bshd), thd packs;
+fp32 and bf16, MHA and GQA, causal and full, a sliding window, chunks, a soft-cap, sinks (their gradient too),
+multi-head latent attention's widths, one query head per rank and fewer (bshd), sbhd, thd packs;
 and the reference GPT's logits (so its per-token losses) at cp 2, 3, 4, 6 and 8. The negative control: the default
 ring (p2p) on
 the same inputs differs in at least one bit at cp 2, so the comparison can fail. Its refusals by name: another comm
@@ -31,8 +32,18 @@ CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window,
     ("four-heads-fp32", 4, 4, torch.float32, "causal", None, "bshd"),  # one head per rank at cp 4, padded at 6 and 8
     ("thd-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
     ("thd-gqa-bf16", 8, 4, torch.bfloat16, "causal", None, (5, 290, 89)),
+    ("chunks-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
+    ("softcap-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
+    ("sinks-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
+    ("mla-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
+    ("sbhd-fp32", 8, 8, torch.float32, "causal", None, "sbhd"),
 ]
 """``qkv_format``: a tuple is a thd pack of those document lengths."""
+VARIANTS = {"chunks-fp32": {"attention_chunk_size": 48}, "softcap-fp32": {"softcap": 2.0},
+            "sinks-fp32": {"sinks": 0.5}}
+"""Attributes of the attention module per case (Llama 4's chunks, Gemma 2's soft-cap, gpt-oss's sinks: a learnable
+logit per query head, its gradient compared too); ``mla``: a value head dim of 24 against 16 (multi-head latent
+attention's widths)."""
 
 
 def _case_runs(name: str, cp: int) -> bool:
@@ -41,23 +52,38 @@ def _case_runs(name: str, cp: int) -> bool:
 
 
 def _results(handler, case) -> list[torch.Tensor]:
-    """The global output and the gradients of q, k and v of one call (combined over the group)."""
-    _, heads, kv_heads, dtype, mask_type, window, fmt = case
+    """The global output and the gradients of q, k and v of one call (combined over the group); with sinks, their
+    gradient too (summed over the group: each rank's heads' share)."""
+    name, heads, kv_heads, dtype, mask_type, window, fmt = case
     g = torch.Generator().manual_seed(0)
-    shape, dim = ((sum(fmt),), 0) if isinstance(fmt, tuple) else ((1, S), 1)
-    q, dout = (torch.randn(*shape, heads, D, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(*shape, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    shape, dim = (((sum(fmt),), 0) if isinstance(fmt, tuple) else ((S, 1), 0) if fmt == "sbhd" else ((1, S), 1))
+    dv = 24 if name.startswith("mla") else D
+    q = torch.randn(*shape, heads, D, generator=g).to(dtype)
+    dout = torch.randn(*shape, heads, dv, generator=g).to(dtype)
+    k = torch.randn(*shape, kv_heads, D, generator=g).to(dtype)
+    v = torch.randn(*shape, kv_heads, dv, generator=g).to(dtype)
     module = torch.nn.Module()
     module.softmax_scale, module.window_size = 0.25, window
+    for attr, value in VARIANTS.get(name, {}).items():
+        setattr(module, attr, torch.nn.Parameter(torch.full((heads,), value) + torch.arange(heads) / heads)
+                if attr == "sinks" else value)
     local = [handler.dispatch(t, dim).detach().requires_grad_() for t in (q, k, v)]
     out = handler.core_attn(module, *local, attn_mask_type=mask_type)
     out.backward(handler.dispatch(dout, dim))
-    return [handler.combine(t, dim) for t in (out.detach(), *(t.grad for t in local))]
+    got = [handler.combine(t, dim) for t in (out.detach(), *(t.grad for t in local))]
+    if hasattr(module, "sinks"):
+        grad = module.sinks.grad.clone()
+        if handler.cp_size > 1:
+            torch.distributed.all_reduce(grad, group=handler.cp_group)
+        got.append(grad)
+    return got
 
 
 def _case_handler(group, case):
     """The deterministic handler of ``case`` (thd: built for its pack)."""
     fmt = case[-1]
+    if fmt == "sbhd":
+        return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True, qkv_format="sbhd")
     if not isinstance(fmt, tuple):
         return _handler(group)
     cu_seqlens = torch.tensor([0, *torch.tensor(fmt).cumsum(0).tolist()], dtype=torch.int32)
@@ -84,12 +110,15 @@ def _handler(group, comm_type="a2a", deterministic=True):
 def _worker(rank, world):
     torch.manual_seed(0)
     group = new_cp_group()
+    plain = _results(_handler(None), CASES[0])[0]
     for case in CASES:
+        if case[0] in VARIANTS:  # the variant's attribute took effect (else its case would test the plain mask)
+            assert not torch.equal(_results(_handler(None), case)[0], plain), case[0]
         if not _case_runs(case[0], world):
             continue
         want = _results(_case_handler(None, case), case)  # one process, on every rank: the same inputs
         got = _results(_case_handler(group, case), case)
-        for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+        for what, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=False):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
     # the reference GPT (8 heads; one per rank at cp 8): its logits, so its per-token losses, bitwise cp 1's
     want = _gpt_logits(_handler(None))
