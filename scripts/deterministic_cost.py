@@ -1,7 +1,8 @@
-"""The deterministic mode's cost on this machine's CPU: ``core_attn`` forward + backward at cp 2 (gloo, 2 ranks forked
-from a preloaded server), bshd, causal, H = 8, D = 64, fp32, of the default ring (``p2p``), the default Ulysses
-(``a2a``) and ``deterministic=True`` (Ulysses with the block kernel pinned). Each timed call builds its handler (as a
-batch does); the three run interleaved, 5 rounds after a warm-up, medians per rank 0.
+"""The deterministic mode's cost on this machine's CPU: ``core_attn`` forward + backward at cp 2 (gloo, 2 spawned
+ranks), bshd, causal, H = 8, D = 64, fp32, of the default ring (``p2p``), the default Ulysses (``a2a``),
+``deterministic=True`` with Ulysses (the block kernel pinned), the default KV all-gather and ``deterministic=True``
+with the all-gather (canonical tiles, ``ops/canonical.py``). Each timed call builds its handler (as a batch does);
+the modes run one after another per round, 5 rounds after a warm-up, medians per rank 0.
 
     PYTHONPATH=. python scripts/deterministic_cost.py --seq-lens 4096 8192 --out runs/deterministic_cost.json
 
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = {"default p2p": ("p2p", False), "default a2a": ("a2a", False), "deterministic a2a": ("a2a", True)}
+MODES = {"default p2p": ("p2p", False), "default a2a": ("a2a", False), "deterministic a2a": ("a2a", True),
+         "default all_gather": ("all_gather", False), "deterministic all_gather": ("all_gather", True)}
 
 
 def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
@@ -45,7 +47,11 @@ def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str)
 
     for mode in MODES.values():
         once(*mode)
-    times = {name: sorted(once(*mode) for _ in range(rounds)) for name, mode in MODES.items()}
+    times = {name: [] for name in MODES}
+    for _ in range(rounds):  # interleaved: each round runs every mode once
+        for name, mode in MODES.items():
+            times[name].append(once(*mode))
+    times = {name: sorted(t) for name, t in times.items()}
     if rank == 0:
         with open(out, "w") as f:
             json.dump({name: t[len(t) // 2] * 1e3 for name, t in times.items()}, f)
@@ -67,11 +73,13 @@ def main(argv: list[str] | None = None) -> None:
                                nprocs=2, start_method="spawn")
             with open(result) as f:
                 rows.append({"seq_len": seq_len, "cp": 2, **json.load(f)})
-    print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | deterministic / default p2p |")
-    print("|---" * (len(MODES) + 3) + "|")
+    print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | deterministic a2a / default p2p | "
+          "deterministic all_gather / default all_gather |")
+    print("|---" * (len(MODES) + 4) + "|")
     for row in rows:
         times = " | ".join(f"{row[m]:.1f}" for m in MODES)
-        print(f"| {row['seq_len']} | 2 | {times} | {row['deterministic a2a'] / row['default p2p']:.3f} |")
+        print(f"| {row['seq_len']} | 2 | {times} | {row['deterministic a2a'] / row['default p2p']:.3f} | "
+              f"{row['deterministic all_gather'] / row['default all_gather']:.3f} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}, f, indent=1)

@@ -51,12 +51,13 @@ def _case_runs(name: str, cp: int) -> bool:
     return heads == kv_heads or kv_heads % cp == 0
 
 
-def _results(handler, case) -> list[torch.Tensor]:
+def _results(handler, case, seq_len: int = S) -> list[torch.Tensor]:
     """The global output and the gradients of q, k and v of one call (combined over the group); with sinks, their
     gradient too (summed over the group: each rank's heads' share)."""
     name, heads, kv_heads, dtype, mask_type, window, fmt = case
     g = torch.Generator().manual_seed(0)
-    shape, dim = (((sum(fmt),), 0) if isinstance(fmt, tuple) else ((S, 1), 0) if fmt == "sbhd" else ((1, S), 1))
+    shape, dim = (((sum(fmt),), 0) if isinstance(fmt, tuple) else ((seq_len, 1), 0) if fmt == "sbhd" else
+                  ((1, seq_len), 1))
     dv = 24 if name.startswith("mla") else D
     q = torch.randn(*shape, heads, D, generator=g).to(dtype)
     dout = torch.randn(*shape, heads, dv, generator=g).to(dtype)
@@ -136,6 +137,54 @@ def test_attention_is_bitwise_the_same_at_every_cp_degree(world):
     run_distributed(_worker, world)
 
 
+AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type): the KV all-gather on canonical tiles
+    ("ag-mha-fp32", 8, 8, torch.float32, "causal"),
+    ("ag-gqa-bf16", 8, 2, torch.bfloat16, "causal"),  # fewer key-value heads than ranks from cp 3: heads stay whole
+    ("ag-full-fp32", 4, 4, torch.float32, "no_mask"),
+]
+
+
+def _ag_results(handler, case, seq_len: int) -> list[torch.Tensor]:
+    name, heads, kv_heads, dtype, mask_type = case
+    return _results(handler, (name, heads, kv_heads, dtype, mask_type, None, "bshd"), seq_len)
+
+
+def _ag_handler(group, deterministic=True):
+    return LocalContextParallelHandler(cp_group=group, cp_comm_type="all_gather", deterministic=deterministic)
+
+
+def _all_gather_worker(rank, world):
+    group = new_cp_group()
+    seq_len = 2 * world * 64  # zigzag chunks of one canonical tile (ops/canonical.tile_size: 64 at these lengths)
+    for case in AG_CASES:
+        want = _ag_results(_ag_handler(None), case, seq_len)  # one process's canonical tiles, on every rank
+        got = _ag_results(_ag_handler(group), case, seq_len)
+        for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+            assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
+    if world == 2:  # the negative control: the default all-gather on the same inputs is not bitwise cp 1's
+        want = _ag_results(_ag_handler(None), AG_CASES[0], seq_len)
+        got = _ag_results(_ag_handler(group, deterministic=False), AG_CASES[0], seq_len)
+        assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    handler = _ag_handler(group)  # refused by name: chunks that are not whole tiles, a window
+    module = torch.nn.Module()
+    module.softmax_scale = 0.25
+    q = torch.zeros(1, 2 * 48, 8, D)  # a sequence of 2 x cp x 48 tokens: chunks of 48
+    with pytest.raises(ValueError, match=r"the mode.s tiles \(64 tokens for this length\) need chunks"):
+        handler.core_attn(module, q, q, q, attn_mask_type="causal")
+    module.window_size = (31, 0)
+    q = torch.zeros(1, 2 * 64, 8, D)
+    with pytest.raises(ValueError, match="its canonical tiles run the plain causal or full mask without sinks"):
+        _ag_handler(group).core_attn(module, q, q, q, attn_mask_type="causal")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_all_gather_is_bitwise_the_same_at_every_cp_degree(world):
+    """The KV all-gather in the mode (ops/canonical.py): output, dq, dk, dv ``torch.equal`` to one process's canonical
+    tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2 key-value heads, full attention); the default all-gather
+    differs (the control); chunks that are not whole tiles and a window refused by name."""
+    run_distributed(_all_gather_worker, world)
+
+
 def _thd_worker(rank, world):
     group = new_cp_group()
 
@@ -166,7 +215,7 @@ def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
 
 def _refusal_worker(rank, world):
     group = new_cp_group()
-    with pytest.raises(ValueError, match=r"runs the Ulysses all-to-all \('a2a'\) only, not \['p2p'\]"):
+    with pytest.raises(ValueError, match=r"\('all_gather', on canonical tiles\) only, not \['p2p'\]"):
         LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True)
     for heads, kv_heads, rule in ((8, 2, "a key-value head's query heads would sit on several ranks"),):
         handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True)
@@ -234,7 +283,7 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
 
     assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
     assert not build_cp_handler(ContextParallelConfig()).deterministic
-    with pytest.raises(ValueError, match=r"deterministic=True runs cp_comm_type='a2a' only, not \['p2p'\]"):
+    with pytest.raises(ValueError, match=r"runs cp_comm_type='a2a' and 'all_gather' only, not \['p2p'\]"):
         ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
     with pytest.raises(ValueError, match=r"deterministic=1 must be True or False"):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from ..auto import AttnCase, PatternHold, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
 from ..core.masks import AttentionMask
+from ..ops.canonical import canonical_attention, tiles_refusal
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
@@ -88,10 +89,13 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.deterministic = bool(deterministic)  # before the base builds the token layout (thd padding)
         super().__init__(**kwargs)
         if self.deterministic:
-            if self.cp_size > 1 and (others := sorted({t for t in self.comm_types if t != "a2a"})):
-                raise ValueError(f"deterministic=True runs the Ulysses all-to-all ('a2a') only, not {others}: its "
-                                 "heads see the whole sequence, computed as one process computes them; the other "
-                                 "patterns merge partial results and sum gradients in an order that follows the group")
+            if self.cp_size > 1 and (others := sorted(set(self.comm_types) - set(DETERMINISTIC_COMM_TYPES))):
+                raise ValueError(f"deterministic=True runs the Ulysses all-to-all ('a2a') and the KV all-gather "
+                                 f"('all_gather', on canonical tiles) only, not {others}: the ring patterns merge "
+                                 "partial results and sum gradients in an order that follows the group")
+            if "all_gather" in self.comm_types and self.qkv_format == "thd":
+                raise ValueError("deterministic=True with cp_comm_type='all_gather' and qkv_format='thd': its "
+                                 "canonical tiles run bshd / sbhd rows (packed documents: use 'a2a')")
             if attn_kernel not in (None, "cpu_flash"):
                 raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
                                  "kernel to 'cpu_flash' (the one it is tested with)")
@@ -198,7 +202,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
         Raises:
             ValueError: naming the head counts and the CP size.
         """
-        if config.deterministic and attn_shape is not None:
+        if config.deterministic and attn_shape is not None and "a2a" in config.comm_types:
             refusal = deterministic_heads_refusal(attn_shape.num_heads, attn_shape.num_kv_heads,
                                                   config.context_parallel_size)
             if refusal:
@@ -215,7 +219,14 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if call.q.device.type != "cpu":
                 raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
                                  "GPU path is pending a GPU run)")
-            refusal = deterministic_heads_refusal(heads, kv_heads, self.cp_size)
+            if call.comm_type == "all_gather":  # heads stay whole on every rank
+                refusal = tiles_refusal(call.layout.local_len * self.cp_size, self.cp_size)
+                if not call.mask.plain or call.sinks is not None:
+                    refusal = refusal or ("deterministic=True with cp_comm_type='all_gather': its canonical tiles run "
+                                          "the plain causal or full mask without sinks (windows, chunks, soft-caps and "
+                                          "sinks: use 'a2a')")
+            else:
+                refusal = deterministic_heads_refusal(heads, kv_heads, self.cp_size)
             if refusal:
                 raise ValueError(refusal)
         if self.kv_cache is not None and not call.mask.causal:
@@ -230,6 +241,10 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
+        elif self.deterministic and call.comm_type == "all_gather":  # canonical tiles, one process too
+            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
+                            group=self.cp_group if self.cp_size > 1 else None)
+            out = canonical_attention(q, k, v, spec)[0]
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
             comm_type = call.comm_type if self.cp_size > 1 else "p2p"
             entry = self._patterns.get(comm_type)
@@ -253,6 +268,10 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler
 """The name the local handler had when ``"a2a+p2p"`` was a class of its own; the same class."""
+
+
+DETERMINISTIC_COMM_TYPES = ("a2a", "all_gather")
+"""The comm types the deterministic mode runs at cp > 1 (docs/deterministic.md)."""
 
 
 def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:

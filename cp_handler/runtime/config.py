@@ -164,11 +164,11 @@ class ContextParallelConfig:
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.deterministic:
             return
-        others = [t for t in self.comm_types if t != "a2a"]
+        others = [t for t in self.comm_types if t not in ("a2a", "all_gather")]
         if self.context_parallel_size > 1 and others:
-            raise ValueError(f"deterministic=True runs cp_comm_type='a2a' only, not {others}: the other patterns merge "
-                             "partial softmax results and sum dK / dV in an order that follows the CP group "
-                             "(docs/deterministic.md)")
+            raise ValueError(f"deterministic=True runs cp_comm_type='a2a' and 'all_gather' only, not {others}: the "
+                             "ring patterns merge partial softmax results and sum dK / dV in an order that follows the "
+                             "CP group (docs/deterministic.md)")
 
     @property
     def comm_types(self) -> list[str]:
