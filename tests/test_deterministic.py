@@ -48,6 +48,11 @@ attention's widths)."""
 
 def _case_runs(name: str, cp: int) -> bool:
     _, heads, kv_heads, *_ = next(c for c in CASES if c[0] == name)
+    return _case_runs_heads(heads, kv_heads, cp)
+
+
+def _case_runs_heads(heads: int, kv_heads: int, cp: int) -> bool:
+    """Whether the mode's ``a2a`` runs these heads at ``cp`` (a key-value head's query heads on one rank)."""
     return heads == kv_heads or kv_heads % cp == 0
 
 
@@ -92,14 +97,14 @@ def _case_handler(group, case):
                                        cu_seqlens=cu_seqlens)
 
 
-def _gpt_logits(handler) -> torch.Tensor:
-    """The reference GPT's global logits (8 heads, 2 layers, fp32) of 384 tokens."""
+def _gpt_logits(handler, seq_len: int = S) -> torch.Tensor:
+    """The reference GPT's global logits (8 heads, 2 layers, fp32) of ``seq_len`` tokens."""
     from cp_handler.models import GPTConfig, GPTModel
 
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=8,
                                num_query_groups=8, ffn_hidden_size=128))
-    tokens = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 256, (1, seq_len), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         return handler.combine(model(handler.dispatch(tokens, 1), cp_handler=handler), 1)
 
@@ -161,6 +166,15 @@ def _all_gather_worker(rank, world):
         got = _ag_results(_ag_handler(group), case, seq_len)
         for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
+        if _case_runs_heads(case[1], case[2], world):  # across patterns: a2a's heads on the same canonical tiles
+            got = _ag_results(_handler(group), case, seq_len)
+            for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+                assert torch.equal(a, b), f"{case[0]} a2a cp {world} {what}: {(a - b).abs().max().item():.3e}"
+    # the reference GPT through either pattern: its logits, so its per-token losses, bitwise one process's
+    want = _gpt_logits(_handler(None), seq_len)
+    for handler in (_ag_handler(group), _handler(group)):
+        got = _gpt_logits(handler, seq_len)
+        assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
     if world == 2:  # the negative control: the default all-gather on the same inputs is not bitwise cp 1's
         want = _ag_results(_ag_handler(None), AG_CASES[0], seq_len)
         got = _ag_results(_ag_handler(group, deterministic=False), AG_CASES[0], seq_len)
@@ -180,8 +194,9 @@ def _all_gather_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
 def test_all_gather_is_bitwise_the_same_at_every_cp_degree(world):
     """The KV all-gather in the mode (ops/canonical.py): output, dq, dk, dv ``torch.equal`` to one process's canonical
-    tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2 key-value heads, full attention); the default all-gather
-    differs (the control); chunks that are not whole tiles and a window refused by name."""
+    tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2 key-value heads, full attention), and so is ``a2a`` where
+    it runs the heads (the same bits across patterns), and the reference GPT's logits through either; the default
+    all-gather differs (the control); chunks that are not whole tiles and a window refused by name."""
     run_distributed(_all_gather_worker, world)
 
 

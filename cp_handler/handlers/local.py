@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..auto import AttnCase, PatternHold, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
 from ..core.masks import AttentionMask
-from ..ops.canonical import canonical_attention, tiles_refusal
+from ..ops.canonical import canonical_applies, canonical_attention, tiles_refusal
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
@@ -241,7 +241,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        elif self.deterministic and call.comm_type == "all_gather":  # canonical tiles, one process too
+        elif self.deterministic and (call.comm_type == "all_gather" or self.cp_size == 1 and
+                                     canonical_applies(call.layout, mask, call.sinks)):  # canonical tiles
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None)
             out = canonical_attention(q, k, v, spec)[0]
@@ -257,7 +258,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if not mask.plain:  # a forced masked kernel that cannot run this mask: refused before communicating
                 check_masked_override(mask, q, kernel, v.shape[-1])
             spec = AttnSpec(mask, call.scale, call.layout, kernel, self.kernel_choice.packed_calls, sinks=call.sinks,
-                            **groups)
+                            canonical=self.deterministic, **groups)
             out = attention(q, k, v, spec)[0]
         if self.kv_cache is not None:
             self.kv_cache.store_prefill(call.layer or 0, call.in_format(k), call.in_format(v), call.layout)

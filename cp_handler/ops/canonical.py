@@ -1,4 +1,7 @@
-"""Canonical tiles: the KV all-gather (``"all_gather"``) in the deterministic mode, bitwise the same at every CP degree.
+"""Canonical tiles: the deterministic mode's attention, bitwise the same at every CP degree and across patterns.
+
+The KV all-gather (``"all_gather"``) runs on them, and so do one process (cp 1) and each rank's heads after the
+Ulysses all-to-all (``"a2a"``) where :func:`canonical_applies`; all three give the same bits.
 
 Every rank computes what one process computes, in the same pieces and the same order, so nothing depends on the
 group (docs/deterministic.md). The pieces are fixed by the global sequence before any rank assignment: key tiles of
@@ -115,11 +118,13 @@ def canonical_forward(q, k, v, spec: AttnSpec, sinks=None):
 
 
 def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
-    """``(dq, dk, dv)`` of :func:`canonical_forward` (module doc)."""
+    """``(dq, dk, dv)`` of :func:`canonical_forward` (module doc); one process (``spec.group`` None): one pass."""
     group, layout, kernel, scale = spec.group, spec.layout, spec.kernel, spec.scale
     rank = dist.get_rank(group) if group is not None else 0
     dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)
+    if group is None:
+        return _one_pass_backward(dout, q, k, v, out, lse, spec)
     k_all, v_all = _gather(k, group, layout), _gather(v, group, layout)
     ranges, size = _ranges(layout, rank), tile_size(k_all.shape[2])
     dq = torch.zeros_like(q, dtype=dtype)
@@ -142,6 +147,37 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
             dk[:, :, mine].add_(grads[1])
             dv[:, :, mine].add_(grads[2])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
+    """One process holds every query and key: one call per (query tile, key tile) pair gives both canonical partials
+    (a row's dq from a tile pair is its dq from any call over that key tile; a key row's dk / dv from a tile pair is
+    theirs from any call over that query tile: module doc), dq summed over key tiles in ascending order, dk / dv over
+    query tiles in ascending order; the same bits as the two passes of a group."""
+    dtype = acc_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+    size = tile_size(k.shape[2])
+    tiles = k.shape[2] // size
+    for query_tile in range(tiles):  # outer: each key tile's sum runs over query tiles in ascending order
+        rows = slice(query_tile * size, (query_tile + 1) * size)
+        saved = (out[:, :, rows], lse[:, :, rows].contiguous())
+        for key_tile in range(query_tile + 1 if spec.mask.causal else tiles):  # each row's in ascending key tiles
+            keys = slice(key_tile * size, (key_tile + 1) * size)
+            grads = spec.kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], *saved,
+                                         causal=spec.mask.causal and key_tile == query_tile, scale=spec.scale)
+            dq[:, :, rows].add_(grads[0])
+            dk[:, :, keys].add_(grads[1])
+            dv[:, :, keys].add_(grads[2])
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:
+    """Whether a call runs on canonical tiles in the deterministic mode (every pattern's cp 1 and ``a2a``): one
+    unpadded sequence (bshd / sbhd), the plain causal or full mask, no sinks, a length the tiles divide. A function
+    of the global call alone, so every degree and pattern decides alike."""
+    seq_len = layout.local_len * layout.size
+    return (mask.plain and sinks is None and layout.num_docs == 1 and layout.lengths == layout.padded_lengths
+            and seq_len % tile_size(seq_len) == 0)
 
 
 def _key_calls(ranges, tile: int, size: int, causal: bool):

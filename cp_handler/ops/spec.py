@@ -68,6 +68,8 @@ class AttnSpec:
             of them below :data:`~.all_gather.PIPELINE_MIN_BYTES` of gathered K/V).
         halves: the ring runs over its rows reordered (:mod:`.halves`: packed documents without per-step gathers);
             set by the ring itself.
+        canonical: the deterministic mode: ``a2a`` computes its heads on canonical tiles where they apply
+            (:func:`~.canonical.canonical_applies`), as one process and ``all_gather`` do.
     """
 
     mask: AttentionMask
@@ -80,6 +82,7 @@ class AttnSpec:
     sinks: torch.Tensor | None = None
     kv_heads_per_chunk: int | None = None
     halves: bool = False
+    canonical: bool = False
 
 
 def attn_spec(q: torch.Tensor, *, causal: bool, scale: float, layout: ZigzagDocs, attn_kernel=None,

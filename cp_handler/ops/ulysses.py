@@ -49,6 +49,7 @@ from einops import rearrange
 
 from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask
+from .canonical import canonical_applies, canonical_attention
 from .collectives import _AllToAll
 from .halves import halves_order, uses_halves
 from .ring import halves_ring_attention, ring_attention
@@ -250,7 +251,10 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
                                                q.device)
     q, k, v = seq_to_heads((q, k, v), spec.group)
     q, k, v = q.index_select(2, order), k.index_select(2, order), v.index_select(2, order)
-    out, lse = (halves_ring_attention if halves else ring_attention)(q, k, v, replace(ring_spec, layout=inner))
+    if spec.canonical and spec.p2p_group is None and canonical_applies(spec.layout, spec.mask, spec.sinks):
+        out, lse = canonical_attention(q, k, v, replace(ring_spec, layout=inner))  # the deterministic mode
+    else:
+        out, lse = (halves_ring_attention if halves else ring_attention)(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
     if return_lse:
         lse = heads_to_seq(lse.index_select(2, inverse).unsqueeze(-1), spec.group).squeeze(-1)
