@@ -264,7 +264,8 @@ def _losses(tmp_path, cp: int, *flags) -> list[float]:
 def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
     """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
     bitwise, the loss summed over the whole sequence in one order; the steps after the first start from parameters
-    whose gradients may differ by float32 reordering, equal here: measured), bshd and thd packs. Negative control: the
+    whose gradients may differ by float32 reordering, equal here: measured), bshd and thd packs, and bshd through the
+    KV all-gather on canonical tiles at cp 2 (256 tokens). Negative control: the
     default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so the comparison can
     fail."""
     for packing in ("bshd", "thd"):
@@ -272,6 +273,10 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
         want = _losses(tmp_path, 1, *flags)
         assert _losses(tmp_path, 2, *flags) == want, packing
         assert _losses(tmp_path, 4, *flags) == want, packing
+    # the KV all-gather on canonical tiles (rows of 256 tokens: chunks of whole 64-token tiles at cp 2): the same
+    # losses as one process, which are a2a's (the same bits across patterns)
+    flags = ("--deterministic", "--seq-len", "256")
+    assert _losses(tmp_path, 2, *flags, "--cp-comm-type", "all_gather") == _losses(tmp_path, 1, *flags)
     default = _losses(tmp_path, 4)
     want = _losses(tmp_path, 1, "--deterministic")
     assert default != want
@@ -279,7 +284,10 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a only"),
+    (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a and all_gather only"),
+    (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
+                                                          "cp_comm_type='all_gather': a sequence of 96 tokens"),
+    (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
     (["--tp-size", "2"], "--deterministic with --tp-size: not implemented"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),

@@ -76,8 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "comma-separated list with one per layer (default: p2p; a2a with --deterministic)")
     g.add_argument("--deterministic", action="store_true",
                    help="attention, logits and loss bitwise the same at every --cp-size (docs/deterministic.md): "
-                        "the Ulysses all-to-all (--cp-comm-type a2a), bshd, --backend local, the reference GPT; "
-                        "parameter gradients within float32 reordering")
+                        "the Ulysses all-to-all (--cp-comm-type a2a; bshd or thd) or the KV all-gather on canonical "
+                        "tiles (all_gather; bshd), --backend local, the reference GPT; parameter gradients within "
+                        "float32 reordering")
     g.add_argument("--cp-comm-profile", default=None, metavar="NAME_OR_JSON",
                    help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
                         "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")

@@ -8,6 +8,7 @@ import argparse
 
 import torch
 
+from ..ops.canonical import tiles_refusal
 from ..training.schedule import DECAY_STYLES
 
 
@@ -168,17 +169,26 @@ DETERMINISTIC_REFUSED = {
 
 
 def check_deterministic(args: argparse.Namespace) -> None:
-    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag) and none of
+    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag) or all_gather (on canonical
+    tiles: bshd packing and a ``--seq-len`` whose zigzag chunks are whole tiles) and none of
     :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
     if not args.deterministic:
         args.cp_comm_type = args.cp_comm_type or "p2p"
         return
     args.cp_comm_type = args.cp_comm_type or "a2a"
-    others = [t.strip() for t in args.cp_comm_type.split(",") if t.strip() != "a2a"]
+    types = [t.strip() for t in args.cp_comm_type.split(",")]
+    others = [t for t in types if t not in ("a2a", "all_gather")]
     if others and args.cp_size != 1:
-        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a only (the "
-                         "other patterns merge partial softmax results and sum dK / dV in an order that follows the "
-                         "CP group); drop --cp-comm-type or pass a2a")
+        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a and all_gather "
+                         "only (the ring patterns merge partial softmax results and sum dK / dV in an order that "
+                         "follows the CP group); drop --cp-comm-type or pass a2a or all_gather")
+    if "all_gather" in types:
+        if args.packing == "thd":
+            raise ValueError("--deterministic with --cp-comm-type all_gather and --packing thd: its canonical tiles "
+                             "run bshd rows (packed documents: --cp-comm-type a2a)")
+        refusal = tiles_refusal(args.seq_len, args.cp_size)
+        if refusal:
+            raise ValueError(f"--seq-len {args.seq_len}: {refusal}")
     for name, why in DETERMINISTIC_REFUSED.items():
         value = getattr(args, name, None)
         if value and not (name == "tp_size" and value == 1):
