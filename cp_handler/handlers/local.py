@@ -241,8 +241,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        elif self.deterministic and (call.comm_type == "all_gather" or self.cp_size == 1 and
-                                     canonical_applies(call.layout, mask, call.sinks)):  # canonical tiles
+        elif self.deterministic and (call.comm_type == "all_gather" or
+                                     (self.cp_size == 1 and canonical_applies(call.layout, mask, call.sinks))):
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None)
             out = canonical_attention(q, k, v, spec)[0]

@@ -119,12 +119,12 @@ def canonical_forward(q, k, v, spec: AttnSpec, sinks=None):
 
 def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     """``(dq, dk, dv)`` of :func:`canonical_forward` (module doc); one process (``spec.group`` None): one pass."""
-    group, layout, kernel, scale = spec.group, spec.layout, spec.kernel, spec.scale
-    rank = dist.get_rank(group) if group is not None else 0
-    dtype = acc_dtype(q.dtype)
     dout = seq_major(dout)
-    if group is None:
+    if spec.group is None:
         return _one_pass_backward(dout, q, k, v, out, lse, spec)
+    group, layout, kernel, scale = spec.group, spec.layout, spec.kernel, spec.scale
+    rank = dist.get_rank(group)
+    dtype = acc_dtype(q.dtype)
     k_all, v_all = _gather(k, group, layout), _gather(v, group, layout)
     ranges, size = _ranges(layout, rank), tile_size(k_all.shape[2])
     dq = torch.zeros_like(q, dtype=dtype)
