@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from ..core.layout import ZigzagDocs, zigzag_chunk_ids
 from .blocks import new_accumulators
-from .collectives import all_gather_single
 from .kernels.base import seq_major
 from .merge import acc_dtype, merge_attn_out_
+from .seq_gather import all_gather_seq_raw
 from .spec import AttentionFunction, AttnSpec
 
 TILES = (512, 256, 128, 64)
@@ -91,10 +91,7 @@ def _gather(t: torch.Tensor, group, layout: ZigzagDocs, dim: int = 2) -> torch.T
     """Every rank's ``t`` along ``dim`` (the sequence), in global order (``group`` None: ``t``)."""
     if group is None:
         return t
-    rows = t.movedim(dim, 0).contiguous()
-    buffer = rows.new_empty((layout.size * rows.shape[0], *rows.shape[1:]))
-    all_gather_single(buffer, rows, group)
-    return buffer.index_select(0, layout.gathered_index(real_only=False).to(t.device)).movedim(0, dim)
+    return all_gather_seq_raw(t, dim, group).index_select(dim, layout.gathered_index(real_only=False).to(t.device))
 
 
 def canonical_forward(q, k, v, spec: AttnSpec, sinks=None):
