@@ -27,7 +27,7 @@ from cp_handler.core.layout import ZigzagDocs
 from cp_handler.core.masks import CAUSAL, AttentionMask
 from cp_handler.ops.all_gather import all_gather_blocks
 from cp_handler.ops.blocks import blocks_backward_, blocks_forward_, new_accumulators, tile_causal
-from cp_handler.ops.halves import halves_order, halves_step_plans, uses_halves
+from cp_handler.ops.halves import docs_rows, halves_order, halves_step_plans, uses_halves
 from cp_handler.ops.kernels import ATTN_KERNEL_ENV, KERNELS
 from cp_handler.ops.packed_blocks import packed_calls, plan_key
 from cp_handler.ops.ring import ring_blocks
@@ -149,7 +149,8 @@ def _pairs(blocks, row_map_q, row_map_k):
 def test_reordered_ring_steps_cover_the_same_pairs_in_contiguous_calls(lengths, cp, a2a):
     """The ring over reordered rows (ops/halves.py, packed documents through a packed kernel): every step's
     plans hold exactly the (query, key) token pairs of :func:`ring_blocks`, and every packed call's query and key
-    rows are one range each (views: no gather, no scatter). The ring of the whole group (``a2a`` 1) and the
+    rows are one range each (views: no gather, no scatter); a block from a later rank, which arrives in docs order,
+    is one call. The ring of the whole group (``a2a`` 1) and the
     all-to-all's inner ring (over ``cp / a2a`` ranks; over one rank for plain a2a, whose documents keep the
     whole group's padding)."""
     layout = ZigzagDocs.from_lengths(lengths, cp).inner(min(a2a, cp))
@@ -161,12 +162,16 @@ def test_reordered_ring_steps_cover_the_same_pairs_in_contiguous_calls(lengths, 
         order = halves_order(layout, rank, torch.device("cpu"))[0].tolist()
         for step in range(layout.size):
             src = (rank - step) % layout.size
-            src_order = halves_order(layout, src, torch.device("cpu"))[0].tolist()
+            src_order = halves_order(layout, src, torch.device("cpu"))[0]
+            if src > rank:  # the block arrives in docs order (it passed the ring's wrap)
+                src_order = src_order[docs_rows(layout, src, torch.device("cpu"))]
+            src_order = src_order.tolist()
             plans = halves_step_plans(layout, step, rank)
             got = sorted(p for plan in plans for p in _pairs(plan, order, src_order))
             identity = list(range(layout.local_len))
             assert got == _pairs(ring_blocks(layout, step, rank, CAUSAL), identity, identity)
             assert step > 0 or len(plans) <= 1  # step 0 is one plan: its first call writes fresh
+            assert src <= rank or len(plans) <= 1  # a block from a later rank: one call (keys in docs order)
             for plan in plans:
                 for call in packed_calls(plan_key(plan), torch.device("cpu")):
                     assert call.q_span is not None and call.kv_span is not None, (lengths, cp, rank, step)

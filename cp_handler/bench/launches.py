@@ -1,12 +1,12 @@
 """Kernel launches of one rank's plan, counted without a GPU (``cp-bench --modes launches``).
 
-Small shards on CUDA are bound by launches, not by math (measured: docs/performance.md). This mode runs rank
-0's plan of every pattern (:func:`~.plan.rank_plan`, forward + backward, exactly the code ``--modes plan``
-times) on ``meta`` tensors through a CUDA kernel's own Python code (the kernel re-labelled for ``meta``; the
-aten ops' meta kernels give every shape, so no GPU is needed) and counts the aten operators dispatched, views
-and allocations left out. Every counted operator launches at least one CUDA kernel (the flash backward
-launches several), so the count is a lower bound of a rank's launches, exact in what our code adds around the
-attention kernels; it does not depend on the machine.
+Small shards on CUDA are bound by launches, not by math (measured: docs/performance.md). This mode runs the plan of
+the busier end of the ring (rank 0 or the last rank, whichever moves more bytes: :func:`_busiest`) of every pattern
+(:func:`~.plan.rank_plan`, forward + backward, the code ``--modes plan`` times) on ``meta`` tensors through a CUDA
+kernel's own Python code (the kernel re-labelled for ``meta``; the aten ops' meta kernels give every shape, so no
+GPU is needed) and counts the aten operators dispatched, views and allocations left out. Every counted operator
+launches at least one CUDA kernel (the flash backward launches several), so the count is a lower bound of a rank's
+launches, exact in what our code adds around the attention kernels; it does not depend on the machine.
 
 Beside the launches, the bytes the operators outside the attention kernels move (every tensor they read and
 write: gathers, scatters, merges, casts, zero fills; :class:`LaunchCounter`), so thd and bshd can be compared at
@@ -114,8 +114,8 @@ def check_kernels(names, shape: PlanShape | None = None) -> None:
                 raise ValueError(f"--launch-kernels: {name!r} cannot run this shape: {reason}")
 
 
-def count_launches(case, shape: PlanShape, kernel_name: str) -> LaunchCounter:
-    """The :class:`LaunchCounter` of one forward + backward of rank 0's plan in ``case`` with CUDA kernel
+def count_launches(case, shape: PlanShape, kernel_name: str, rank: int = 0) -> LaunchCounter:
+    """The :class:`LaunchCounter` of one forward + backward of ``rank``'s plan in ``case`` with CUDA kernel
     ``kernel_name`` (operators, and bytes outside the attention kernels).
 
     Raises:
@@ -124,11 +124,21 @@ def count_launches(case, shape: PlanShape, kernel_name: str) -> LaunchCounter:
     check_kernels([kernel_name])
     meta_shape = dataclasses.replace(shape, device="meta", kernel=None)
     kernel = meta_kernel(kernel_name)
-    step = rank_step(rank_plan(case, meta_shape, kernel.packed), meta_shape, kernel)
+    step = rank_step(rank_plan(case, meta_shape, kernel.packed, rank), meta_shape, kernel)
     step()  # first call builds what later steps reuse (packed index tensors), as a training run's first step does
     with LaunchCounter() as counter:
         step()
     return counter
+
+
+def _busiest(case, shape: PlanShape, names) -> tuple[int, dict[str, LaunchCounter]]:
+    """``(rank, {kernel: its count})`` of rank 0 or the last rank, whichever moves more bytes outside the kernels
+    (summed over ``names``): the ring's two ends. Rank 0 meets the most steps from later ranks (second-chunk queries
+    against whole blocks), the last rank the most from earlier ones, and it gathers the blocks it sends over the
+    ring's wrap (:mod:`cp_handler.ops.halves`); under zigzag the ranks between do a mix of the two."""
+    counts = {rank: {name: count_launches(case, shape, name, rank) for name in names}
+              for rank in sorted({0, case.cp_size - 1})}
+    return max(counts.items(), key=lambda item: sum(sum(c.bytes_outside.values()) for c in item[1].values()))
 
 
 def run(args) -> dict:
@@ -140,11 +150,12 @@ def run(args) -> dict:
     todo = [c for c in cases(args.plan_seq_lens, args.plan_cp_sizes, args.comm_types, args.formats)
             if c.pattern != "whole"]
     for case in each_case(todo, "launches", PlanCase.describe):
-        plan = rank_plan(case, shape)
         # a kernel that builds a plan per block shape does not run packed documents (select_kernel refuses it)
-        counts = {name: count_launches(case, shape, name) for name in args.launch_kernels
-                  if not KERNELS[name].cannot_plan(plan.varying_shapes)}
-        rows.append({**asdict(case), "blocks": sum(len(s) for s in plan.steps),
+        names = [name for name in args.launch_kernels
+                 if not KERNELS[name].cannot_plan(rank_plan(case, shape).varying_shapes)]
+        rank, counts = _busiest(case, shape, names)
+        plan = rank_plan(case, shape, rank=rank)
+        rows.append({**asdict(case), "rank": rank, "blocks": sum(len(s) for s in plan.steps),
                      "tile_ratio": case.cp_size * plan_tiles(plan) / whole_tiles(case, shape),
                      "ops": {name: sum(counts[name].ops.values()) if name in counts else None
                              for name in args.launch_kernels},

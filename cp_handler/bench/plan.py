@@ -31,6 +31,7 @@ from ..core.masks import CAUSAL
 from ..ops.blocks import LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from ..ops.kernels import AttnKernel, select_kernel
 from ..ops.kernels.work import block_tiles
+from ..ops.kv import kv_seq_dim, pack_kv
 from ..ops.patterns import PATTERNS
 from ..ops.spec import AttnSpec
 from ..ops.ulysses import a2a_head_plan
@@ -73,8 +74,9 @@ def doc_lengths(seq_len: int, mean: int, seed: int = 0) -> list[int]:
 
 @dataclass
 class RankPlan:
-    """One rank's work: query/KV lengths and heads, the block plans of its steps (first step fresh), and
-    whether they come from packed documents (a new block shape per document pair)."""
+    """One rank's work: query/KV lengths and heads, the block plans of its steps (first step fresh),
+    whether they come from packed documents (a new block shape per document pair), and the K/V blocks it
+    gathers into another row order per pass (:attr:`~cp_handler.ops.patterns.RankSteps.kv_gathers`)."""
 
     q_len: int
     kv_len: int
@@ -82,6 +84,7 @@ class RankPlan:
     kv_heads: int
     steps: list
     varying_shapes: bool = False
+    kv_gathers: int = 0
 
 
 def hierarchical_sizes(cp_size: int) -> list[int]:
@@ -90,21 +93,22 @@ def hierarchical_sizes(cp_size: int) -> list[int]:
     return [2, cp_size // 2] if cp_size % 2 == 0 else [cp_size, 1]
 
 
-def rank_plan(case: PlanCase, shape: PlanShape, packed: bool = False) -> RankPlan:
-    """Rank 0's work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`), as a
+def rank_plan(case: PlanCase, shape: PlanShape, packed: bool = False, rank: int = 0) -> RankPlan:
+    """``rank``'s work in ``case`` (the pattern's :attr:`~cp_handler.ops.patterns.CommPattern.rank_steps`), as a
     packed kernel (``packed``) or a block kernel runs it; an all-to-all's heads per rank are those of its head plan
     (:func:`~cp_handler.ops.ulysses.a2a_head_plan`: ``ceil``-like, padded heads included)."""
     lengths = [case.seq_len] if case.qkv_format == "bshd" else doc_lengths(case.seq_len, shape.thd_mean_doc)
     layout = ZigzagDocs.from_lengths(lengths, case.cp_size)
     pattern = PATTERNS[case.pattern]
-    plan = pattern.rank_steps(layout, 0, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1,
+    plan = pattern.rank_steps(layout, rank, pattern.a2a_size(case.cp_size, hierarchical_sizes(case.cp_size)) or 1,
                               packed)
     if plan.head_divisor > 1:  # the a2a's heads per rank, padded when the a2a size does not split them
         split = a2a_head_plan(shape.num_heads, shape.num_kv_heads, plan.head_divisor)
         heads = (split.heads_per_rank, split.kv_heads_per_rank)
     else:
         heads = (shape.num_heads, shape.num_kv_heads)
-    return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd")
+    return RankPlan(plan.q_len, plan.kv_len, *heads, plan.steps, varying_shapes=case.qkv_format == "thd",
+                    kv_gathers=plan.kv_gathers)
 
 
 TILE = 128
@@ -163,13 +167,21 @@ def rank_step(plan: RankPlan, shape: PlanShape, kernel: AttnKernel | None = None
     # a kernel that cannot run fails here; the spec as a handler's call gives it (the layout is not read)
     spec = AttnSpec(CAUSAL, scale, None, select_kernel(q, kernel or shape.kernel, varying_shapes=plan.varying_shapes))
 
+    kv, rows = pack_kv(k, v), torch.arange(plan.kv_len, device=q.device)
+
+    def gathers():  # the K/V blocks this rank sends in another row order (the ring's wrap)
+        for _ in range(plan.kv_gathers):
+            kv.index_select(kv_seq_dim(kv), rows)
+
     def run():
         out, lse = new_accumulators(q)
+        gathers()
         for i, blocks in enumerate(plan.steps):
             blocks_forward_(out, lse, q, k, v, blocks, spec, fresh=i == 0)
         out = out.to(q.dtype)
         dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         lse_rows = LseRows(lse)  # shared by the steps, as the ring's backward shares it
+        gathers()
         for blocks in plan.steps:
             blocks_backward_(dq, dk, dv, out, q, k, v, out, lse_rows, blocks, spec)
     return run

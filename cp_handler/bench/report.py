@@ -330,12 +330,15 @@ def plan_table(plan: dict) -> str:
 
 
 def launches_table(launches: dict) -> str:
-    """Operators (kernel launches, a lower bound) of one rank's fwd+bwd, per CUDA kernel."""
+    """Operators (kernel launches, a lower bound) of one rank's fwd+bwd (the busier end of the ring, named), per
+    CUDA kernel."""
     s, names = launches["shape"], launches["kernels"]
     caption = (f"meta tensors, {s['dtype']}, H={s['num_heads']} Hkv={s['num_kv_heads']} D={s['head_dim']}, causal "
                f"fwd+bwd, thd mean document {s['thd_mean_doc']}")
-    return table(caption, ["format", "S", "pattern", "cp", "tokens/rank", "blocks", "tiles x cp / whole", *names],
-                 [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r["seq_len"] // r["cp_size"], r["blocks"],
+    return table(caption, ["format", "S", "pattern", "cp", "rank", "tokens/rank", "blocks", "tiles x cp / whole",
+                           *names],
+                 [[r["qkv_format"], r["seq_len"], r["pattern"], r["cp_size"], r.get("rank", 0),  # before: rank 0
+                   r["seq_len"] // r["cp_size"], r["blocks"],
                    f"{r['tile_ratio']:.2f}", *("n/a" if r["ops"][n] is None else r["ops"][n] for n in names)]
                   for r in launches["rows"]]) + "\n\n" + launch_bytes_table(launches)
 

@@ -11,14 +11,21 @@ all the padding. Every step's blocks then group into calls whose query and key r
   the second chunks against the first (one full call);
 * from a rank ``src < rank``: all queries against ``src``'s first chunks, as two calls (first-chunk queries,
   second-chunk queries), each over ``src``'s first half;
-* from ``src > rank``: the second-chunk queries against ``src``'s first and then its second chunks (two calls).
+* from ``src > rank``: the second-chunk queries against all of ``src``'s rows (one call). Its keys are needed
+  per document (first chunk, then second), so such a block travels in another order, **docs order**: every
+  document's real rows (first chunk, then second), then all the padding (:func:`docs_rows`). A block reaches
+  the ranks after its owner (``src < rank``) first and those before it (``src > rank``) after the ring's wrap
+  from the last rank to rank 0, so the last rank sends every block in docs order (one gather of K/V per step
+  it sends, forward and backward) and every other rank passes blocks on as they came. A dK/dV partial computed
+  in docs order goes home in docs order and is added by index (:func:`docs_rows`) into its owner's rows.
 
 A document whose keys are on a rank but whose queries are not (a short document) keeps an empty query segment
 in its call, so the keys stay one range: packed kernels skip empty segments (a block kernel could not run
 them; these plans are for packed kernels only). The same pairs of query and key tokens as
 :func:`~.ring.ring_blocks`, so the same result; the token layout
 outside the ring (``dispatch``: Megatron-LM's THD sharding, exactly) does not change. The reorder costs one
-gather of q, k, v and one of the output per attention call instead of gathers in every ring step. Only the
+gather of q, k, v and one of the output per attention call, plus the last rank's docs-order gathers, instead
+of gathers in every ring step. Only the
 plain causal / full masks (windows and chunks plan their own blocks) and only with a packed kernel (a block
 kernel would run twice the blocks).
 """
@@ -76,14 +83,30 @@ def halves_order(layout: ZigzagDocs, rank: int, device: torch.device) -> tuple[t
     return order.to(device), inverse.to(device)
 
 
+@functools.lru_cache(maxsize=256)
+def docs_rows(layout: ZigzagDocs, rank: int, device: torch.device) -> torch.Tensor:
+    """int64 ``[local_len]`` on ``device``: ``rank``'s rows in docs order (every document's real rows, first chunk
+    then second, then all the padding; module doc) as rows of its :func:`halves_order`: docs row ``i`` is
+    reordered row ``index[i]``. ``kv.index_select(seq_dim, index)`` puts a reordered block in docs order, and
+    ``dkv.index_add_(seq_dim, index, partial)`` adds a docs-order partial into reordered rows."""
+    real = [torch.arange(row, row + count) for i in range(layout.num_docs)
+            for _, row, count in layout.rank_chunks(i, rank)]
+    kept = torch.cat(real)
+    padding = torch.ones(layout.local_len, dtype=torch.bool)
+    padding[kept] = False
+    docs = torch.cat([kept, padding.nonzero().flatten()])
+    return halves_order(layout, rank, torch.device("cpu"))[1][docs].to(device)
+
+
 def _span(start: int, length: int) -> slice:
     return slice(start, start + length)
 
 
 @functools.lru_cache(maxsize=512)
 def halves_step_plans(layout: ZigzagDocs, step: int, rank: int) -> tuple[list[Block], ...]:
-    """The causal plans of ring step ``step`` on ``rank`` over the reordered rows: one plan at step 0 (its first
-    calls write every row), two afterwards (module doc); empty blocks dropped."""
+    """The causal plans of ring step ``step`` on ``rank`` over the reordered rows (keys in docs order from a
+    ``src > rank``): one plan at step 0 (its first calls write every row), two from ``src < rank``, one from
+    ``src > rank`` (module doc); empty blocks dropped."""
     src = (rank - step) % layout.size
     q_first, q_second, q_real = _starts(layout, rank)
     k_first, k_second, k_real = _starts(layout, src)
@@ -99,8 +122,10 @@ def halves_step_plans(layout: ZigzagDocs, step: int, rank: int) -> tuple[list[Bl
                  + pairs(q_second, 1, k_first, 0, False),)
     elif src < rank:
         plans = (pairs(q_first, 0, k_first, 0, False), pairs(q_second, 1, k_first, 0, False))
-    else:
-        plans = (pairs(q_second, 1, k_first, 0, False), pairs(q_second, 1, k_second, 1, False))
+    else:  # src's rows arrive in docs order (module doc): a document's keys are one range
+        k_docs = tuple(itertools.accumulate((a + b for a, b in k_real), initial=0))
+        plans = ([(_span(q_second[i], q_real[i][1]), _span(k_docs[i], sum(k_real[i])), False) for i in docs
+                  if sum(k_real[i])],)
     return tuple(check_plan(plan, empty_queries=True) for plan in plans if any(q.stop > q.start for q, _, _ in plan))
 
 

@@ -26,12 +26,15 @@ from .ulysses import a2a_attention
 @dataclass(frozen=True)
 class RankSteps:
     """One rank's compute under a pattern: local query and K/V lengths (rows), the factor its heads
-    are divided by (all-to-all over heads), and the block plan of each step (the first one fresh)."""
+    are divided by (all-to-all over heads), the block plan of each step (the first one fresh), and the K/V
+    blocks it gathers into another row order per pass (forward; the backward the same: the ring's last rank
+    over reordered rows, :mod:`.halves`)."""
 
     q_len: int
     kv_len: int
     head_divisor: int
     steps: list[list[Block]]
+    kv_gathers: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,8 +81,15 @@ def _ring_plans(layout: ZigzagDocs, rank: int, packed: bool) -> list[list[Block]
     return [ring_blocks(layout, s, rank, CAUSAL) for s in range(layout.size)]
 
 
+def _wrap_gathers(layout: ZigzagDocs, rank: int, packed: bool) -> int:
+    """K/V blocks ``rank`` of a ring over ``layout`` gathers per pass: the last rank puts every block it sends
+    over the ring's wrap in docs order (:mod:`.halves`)."""
+    return layout.size - 1 if uses_halves(layout, packed, CAUSAL) and rank == layout.size - 1 else 0
+
+
 def _ring_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
-    return RankSteps(layout.local_len, layout.local_len, 1, _ring_plans(layout, rank, packed))
+    return RankSteps(layout.local_len, layout.local_len, 1, _ring_plans(layout, rank, packed),
+                     _wrap_gathers(layout, rank, packed))
 
 
 def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
@@ -88,7 +98,9 @@ def _all_gather_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool
 
 def _a2a_steps(layout: ZigzagDocs, rank: int, a2a_size: int, packed: bool = False) -> RankSteps:
     inner = layout.inner(a2a_size)  # after the all-to-all: a ring over the outer ranks (rank 0's position)
-    return RankSteps(inner.local_len, inner.local_len, a2a_size, _ring_plans(inner, rank // a2a_size, packed))
+    ring_rank = rank // a2a_size
+    return RankSteps(inner.local_len, inner.local_len, a2a_size, _ring_plans(inner, ring_rank, packed),
+                     _wrap_gathers(inner, ring_rank, packed))
 
 
 PATTERNS: dict[str, CommPattern] = {p.name: p for p in (

@@ -38,12 +38,12 @@ from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask, mask_blocks
 from .blocks import Block, LseRows, blocks_backward_, blocks_forward_, new_accumulators
 from .halo import halo_applies, halo_attention
-from .halves import halves_local_split, halves_order, halves_step_plans, uses_halves
+from .halves import docs_rows, halves_local_split, halves_order, halves_step_plans, uses_halves
 from .kernels import check_plan
 from .kernels.base import seq_major
-from .kv import pack_kv, unpack_kv
+from .kv import kv_seq_dim, pack_kv, unpack_kv
 from .merge import acc_dtype
-from .p2p import RingComm, exchange
+from .p2p import PendingRecv, RingComm, exchange
 from .sinks import fold_sinks
 from .spec import AttentionFunction, AttnSpec, attn_spec
 
@@ -83,6 +83,12 @@ def default_layout(q: torch.Tensor, group) -> ZigzagDocs:
     return ZigzagDocs.uniform(q.shape[2] * size, size)
 
 
+def _in_docs_order(kv: torch.Tensor, spec: AttnSpec, comm: RingComm, step: int) -> torch.Tensor:
+    """The reordered K/V block this rank holds at ``step`` in docs order (:func:`~.halves.docs_rows`): how the last
+    rank sends a block over the ring's wrap to rank 0 when the rows are reordered (:mod:`.halves`)."""
+    return kv.index_select(kv_seq_dim(kv), docs_rows(spec.layout, (comm.rank - step) % comm.size, kv.device))
+
+
 def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None):
     """Forward ring over ``spec.group``: ``q (B,H,S,D)``, ``k, v (B,Hkv,S,D)`` local -> ``out (B,H,S,D)`` in q's
     dtype, ``lse (B,H,S)`` (with ``sinks``: folded in, :mod:`.sinks`)."""
@@ -90,8 +96,11 @@ def ring_attn_forward(q, k, v, spec: AttnSpec, sinks: torch.Tensor | None = None
     steps = comm.size
     kv = pack_kv(k, v)  # one message per step; K and V with their own widths (MLA)
     out, lse = new_accumulators(q, v.shape[-1])
+    wraps = spec.halves and comm.rank == steps - 1  # sends over the ring's wrap in docs order (:mod:`.halves`)
     for step in range(steps):
-        pending = comm.send_recv(kv) if step + 1 < steps else None
+        pending = None
+        if step + 1 < steps:
+            pending = comm.send_recv(_in_docs_order(kv, spec, comm, step) if wraps else kv)
         for i, plan in enumerate(step_plans(spec.layout, spec.mask, spec.halves, step, comm.rank)):
             blocks_forward_(out, lse, q, *unpack_kv(kv, k.shape[-1]), plan, spec, fresh=step == 0 and i == 0)
         if pending is not None:
@@ -153,25 +162,45 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     head, tail = (halves_local_split(layout, comm.rank) if spec.halves else
                   local_blocks_split(layout, comm.rank, mask))
     lse_rows = LseRows(lse)  # every step's blocks share the row copies of lse
-    kv_pending = comm.send_recv(pack_kv(k, v)) if steps > 1 else None
+    wraps = spec.halves and comm.rank == steps - 1  # as in the forward
+    kv_pending = None
+    if steps > 1:
+        kv_pending = comm.send_recv(_in_docs_order(pack_kv(k, v), spec, comm, 0) if wraps else pack_kv(k, v))
     blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, head, spec)
     partial = None
     for step in range(1, steps):
         kv_remote = kv_pending.wait()[0]
-        kv_pending = comm.send_recv(kv_remote) if step + 1 < steps else None
+        if step + 1 < steps:
+            kv_pending = comm.send_recv(_in_docs_order(kv_remote, spec, comm, step) if wraps else kv_remote)
         dkv_remote = torch.zeros_like(dkv)
         for plan in step_plans(spec.layout, spec.mask, spec.halves, step, comm.rank):
             blocks_backward_(dq, *unpack_kv(dkv_remote, k.shape[-1]), dout, q, *unpack_kv(kv_remote, k.shape[-1]),
                              out, lse_rows, plan, spec)
         if partial is not None:
-            dkv += partial.wait()[0]
+            if spec.halves:
+                _add_partial(dkv, partial, spec, comm, step - 1)
+            else:
+                dkv += partial.wait()[0]
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
     blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, tail, spec)
     if partial is not None:
-        dkv += partial.wait()[0]
+        if spec.halves:
+            _add_partial(dkv, partial, spec, comm, steps - 1)
+        else:
+            dkv += partial.wait()[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _add_partial(dkv: torch.Tensor, partial: PendingRecv, spec: AttnSpec, comm: RingComm, step: int) -> None:
+    """Adds the dK/dV partial of this rank's reordered K/V that the rank ``step`` ahead computed: in docs order when
+    that rank held the block after the ring's wrap (:mod:`.halves`), added by index."""
+    received = partial.wait()[0]
+    if comm.rank + step >= comm.size:
+        dkv.index_add_(kv_seq_dim(dkv), docs_rows(spec.layout, comm.rank, dkv.device), received)
+    else:
+        dkv += received
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec
