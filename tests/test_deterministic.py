@@ -283,6 +283,65 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
     assert max(abs(a - b) / b for a, b in zip(default, want, strict=True)) < 1e-5  # float32 reordering only
 
 
+def _hf_losses(tmp_path, folder, cp: int, *flags) -> list[float]:
+    """Every step's loss of ``cp-train --hf-config folder`` at ``--cp-size cp`` (as :func:`_losses`)."""
+    out = tmp_path / f"metrics-hf-{cp}-{len(flags)}.json"
+    result = cp_train("--nproc", str(cp), "--cp-size", str(cp), "--hf-config", str(folder), "--steps", "3",
+                      "--seq-len", "192", "--max-corpus-bytes", "2000000", *flags, "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [step["loss"] for step in json.loads(out.read_text())["steps"]]
+
+
+def test_cp_train_deterministic_hugging_face_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """``cp-train --deterministic --hf-config``: an unmodified transformers model (Qwen2: q/k/v biases, RMSNorm,
+    4 query and 4 key-value heads; Mixtral: a MoE of 4 experts, 2 per token, routed locally on each rank) trains
+    with the first step's loss ``==`` at cp 1, 2 and 4 (Qwen2 bshd), at cp 1 and 2 (Qwen2 thd packs, Mixtral bshd):
+    the logits are bitwise. The later steps start from parameters whose gradients were summed over the ranks in
+    another order (docs/deterministic.md): equal within float32 reordering (relative 1e-6; measured: the third step
+    of Qwen2 at cp 2 differed by 6e-8 relative), not bitwise. Negative control: the default mode at cp 2 differs from
+    cp 1's mode at the first step (measured: 11.326793730571008 against 11.326794369682592)."""
+    from transformers import MixtralConfig, Qwen2Config
+
+    dense, moe = tmp_path / "qwen2", tmp_path / "mixtral"
+    # weights drawn wide (std 0.5): logits far from uniform, so a last-bit change in them reaches the loss (with
+    # the default 0.02 every mode's first loss rounds to the same float: a comparison that could not fail)
+    Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.5).save_pretrained(dense)
+    MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                  initializer_range=0.5).save_pretrained(moe)
+
+    def same(got, want):
+        return got[0] == want[0] and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want, strict=True))
+
+    want = _hf_losses(tmp_path, dense, 1, "--deterministic")
+    assert same(_hf_losses(tmp_path, dense, 2, "--deterministic"), want)
+    assert same(_hf_losses(tmp_path, dense, 4, "--deterministic"), want)
+    assert _hf_losses(tmp_path, dense, 2)[0] != want[0]  # the control
+    packed = ("--deterministic", "--packing", "thd")
+    assert same(_hf_losses(tmp_path, dense, 2, *packed), _hf_losses(tmp_path, dense, 1, *packed))
+    assert same(_hf_losses(tmp_path, moe, 2, "--deterministic"), _hf_losses(tmp_path, moe, 1, "--deterministic"))
+
+
+def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
+    """Token mixers other than attention (a halo convolution, state passing between ranks) are not bitwise the same
+    at every CP degree (1e-7 to 4e-6 apart at cp 2 and 4, measured): cp-train refuses a Hugging Face model that has
+    one before any rank starts, and the handler's mixer methods refuse in the mode whatever calls them (the
+    Trainer integrations)."""
+    import hf_zoo
+
+    hf_zoo.tiny_config("qwen3_next", {"vocab_size": 256, "layer_types": ["linear_attention", "full_attention"]}
+                       ).save_pretrained(tmp_path)
+    argv = ["--nproc", "2", "--cp-size", "2", "--hf-config", str(tmp_path), "--seq-len", "192", "--deterministic"]
+    with pytest.raises(ValueError, match=re.escape("--deterministic: Qwen3NextGatedDeltaNet mix tokens other than by "
+                                                   "attention")):
+        validate(build_parser().parse_args(argv))
+    handler = LocalContextParallelHandler(cp_group=None, cp_comm_type="a2a", deterministic=True)
+    x, weight = torch.randn(1, 4, 96), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"causal_conv1d: deterministic=True: token mixers other than attention"):
+        handler.causal_conv1d(x, weight)
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a and all_gather only"),
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "

@@ -14,7 +14,7 @@ from ..models import GPTConfig
 from ..models.tiling import tile_mlps
 from ..runtime.config import AttentionShape
 from ..training.tokens import BYTE_VOCAB_SIZE, has_tokenizer, tokens_for
-from .training_args import check_compile_mixers
+from .training_args import check_compile_mixers, check_deterministic_mixers
 
 
 def check_moe_flags(args: argparse.Namespace) -> None:
@@ -116,6 +116,8 @@ def check_hf_training(args: argparse.Namespace, config) -> None:
             check_gradient_checkpointing(config)
         if args.compile:
             check_compile_mixers(config)
+        if args.deterministic:
+            check_deterministic_mixers(config)
         if args.mlp_chunk_tokens:
             from transformers import AutoModelForCausalLM
 

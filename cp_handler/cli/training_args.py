@@ -142,27 +142,41 @@ def check_compile(args: argparse.Namespace, gpt_config, backend: str, handler_cl
     return True
 
 
-def check_compile_mixers(config) -> None:
-    """``--compile`` with a Hugging Face config: no token mixer routed through the handler (gated delta rule,
-    Mamba, short convolutions: the routes find the forward's handler in a context variable, which Dynamo cannot
-    trace, so the layer would not compile whole). Raises ValueError."""
+def routed_mixers(config) -> list[str]:
+    """The classes of the token mixers (gated delta rule, Mamba, short convolutions) that a Hugging Face ``config``'s
+    model routes through the handler (:func:`~cp_handler.integrations.hf_mixers.kernel_names`; built on ``meta``)."""
     from transformers import AutoModelForCausalLM
 
     from ..integrations.hf_mixers import kernel_names
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    mixers = sorted({type(m).__name__ for m in model.modules() if kernel_names(m)})  # kernels, or helpers to them
+    return sorted({type(m).__name__ for m in model.modules() if kernel_names(m)})  # kernels, or helpers to them
+
+
+def check_compile_mixers(config) -> None:
+    """``--compile`` with a Hugging Face config: no token mixer routed through the handler (the routes find the
+    forward's handler in a context variable, which Dynamo cannot trace, so the layer would not compile whole).
+    Raises ValueError."""
+    mixers = routed_mixers(config)
     if mixers:
         raise ValueError(f"--compile: {', '.join(mixers)} reach the handler through a context variable, which "
                          "torch.compile cannot trace (a layer would not compile whole); leave --compile out")
 
 
+def check_deterministic_mixers(config) -> None:
+    """``--deterministic`` with a Hugging Face config: no token mixer other than attention (their halo convolution
+    and state passing compute in pieces that follow the CP group; the handler refuses them in the mode too).
+    Raises ValueError."""
+    mixers = routed_mixers(config)
+    if mixers:
+        raise ValueError(f"--deterministic: {', '.join(mixers)} mix tokens other than by attention, which is not "
+                         "bitwise the same at every CP degree (docs/deterministic.md); leave --deterministic out")
+
+
 DETERMINISTIC_REFUSED = {
     "tp_size": "the row-parallel layers' all-reduce sums partial products in the TP group's order",
     "dynamic_cp": "documents are packed (thd) and their CP groups change per micro-batch",
-    "hf_model": "the mode is tested with the reference GPT only",
-    "hf_config": "the mode is tested with the reference GPT only",
     "moe_experts": "the mode is tested with dense layers only",
 }
 """Flags ``--deterministic`` does not combine with, and why (each refused by name)."""

@@ -114,6 +114,11 @@ class ZigzagMixers(Mixers):
         options = {}
 
         def local_checks():
+            if self.handler.deterministic:
+                raise ValueError(f"{name}: deterministic=True: token mixers other than attention are not bitwise the "
+                                 "same at every CP degree (the halo convolution and the state passing compute in "
+                                 "pieces that follow the CP group: 1e-7 to 4e-6 apart at cp 2 and 4, measured); "
+                                 "refused (docs/deterministic.md)")
             if getattr(self.handler, "kv_cache", None) is not None:
                 raise ValueError(f"{name}: generation (a KV cache) of a model with token mixers other than attention "
                                  "is not implemented: a decode step would need each sequence's convolution and "
