@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", action="store_true",
                    help="attention, logits and loss bitwise the same at every --cp-size (docs/deterministic.md): "
                         "the Ulysses all-to-all (--cp-comm-type a2a; bshd or thd) or the KV all-gather on canonical "
-                        "tiles (all_gather; bshd), --backend local, the reference GPT or a Hugging Face model without "
-                        "token mixers other than attention; parameter gradients within float32 reordering")
+                        "tiles (all_gather; bshd), --backend local, the reference GPT (--tp-size 1 or 2) or a "
+                        "Hugging Face model without token mixers other than attention; parameter gradients within "
+                        "float32 reordering")
     g.add_argument("--cp-comm-profile", default=None, metavar="NAME_OR_JSON",
                    help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
                         "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")

@@ -175,9 +175,9 @@ def check_deterministic_mixers(config) -> None:
 
 
 DETERMINISTIC_REFUSED = {
-    "tp_size": "the row-parallel layers' all-reduce sums partial products in the TP group's order",
     "dynamic_cp": "documents are packed (thd) and their CP groups change per micro-batch",
-    "moe_experts": "the mode is tested with dense layers only",
+    "moe_experts": "the load-balancing loss adds each rank's share of the router probabilities, a sum over its own "
+                   "tokens, not one order over the sequence",
 }
 """Flags ``--deterministic`` does not combine with, and why (each refused by name)."""
 
@@ -203,8 +203,12 @@ def check_deterministic(args: argparse.Namespace) -> None:
         refusal = tiles_refusal(args.seq_len, args.cp_size)
         if refusal:
             raise ValueError(f"--seq-len {args.seq_len}: {refusal}")
+    if getattr(args, "tp_size", 1) > 2:
+        raise ValueError(f"--deterministic with --tp-size {args.tp_size}: the mode runs a TP size of 1 or 2 (an "
+                         "all-reduce over more ranks may add a value's partial products in an order that depends on "
+                         "the buffer's size, which the CP degree changes); pass --tp-size 2 or leave it out")
     for name, why in DETERMINISTIC_REFUSED.items():
         value = getattr(args, name, None)
-        if value and not (name == "tp_size" and value == 1):
+        if value:
             raise ValueError(f"--deterministic with --{name.replace('_', '-')}: not implemented ({why}); drop one of "
                              "them")
