@@ -25,9 +25,8 @@ them; these plans are for packed kernels only). The same pairs of query and key 
 :func:`~.ring.ring_blocks`, so the same result; the token layout
 outside the ring (``dispatch``: Megatron-LM's THD sharding, exactly) does not change. The reorder costs one
 gather of q, k, v and one of the output per attention call, plus the last rank's docs-order gathers, instead
-of gathers in every ring step. Only the
-plain causal / full masks (windows and chunks plan their own blocks) and only with a packed kernel (a block
-kernel would run twice the blocks).
+of gathers in every ring step. Only the plain causal / full masks (windows and chunks plan their own blocks) and
+only with a packed kernel (a block kernel would run twice the blocks).
 """
 
 from __future__ import annotations
@@ -75,10 +74,7 @@ def halves_order(layout: ZigzagDocs, rank: int, device: torch.device) -> tuple[t
         if second:
             _, second_row, second_real = second[0]
             seconds.append(torch.arange(second_row, second_row + second_real))
-    kept = torch.cat(firsts + seconds)
-    padding = torch.ones(layout.local_len, dtype=torch.bool)
-    padding[kept] = False
-    order = torch.cat([kept, padding.nonzero().flatten()])
+    order = _then_padding(torch.cat(firsts + seconds), layout.local_len)
     inverse = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel()))
     return order.to(device), inverse.to(device)
 
@@ -91,11 +87,16 @@ def docs_rows(layout: ZigzagDocs, rank: int, device: torch.device) -> torch.Tens
     ``dkv.index_add_(seq_dim, index, partial)`` adds a docs-order partial into reordered rows."""
     real = [torch.arange(row, row + count) for i in range(layout.num_docs)
             for _, row, count in layout.rank_chunks(i, rank)]
-    kept = torch.cat(real)
-    padding = torch.ones(layout.local_len, dtype=torch.bool)
-    padding[kept] = False
-    docs = torch.cat([kept, padding.nonzero().flatten()])
+    docs = _then_padding(torch.cat(real), layout.local_len)
     return halves_order(layout, rank, torch.device("cpu"))[1][docs].to(device)
+
+
+def _then_padding(kept: torch.Tensor, local_len: int) -> torch.Tensor:
+    """``kept`` (local rows of real tokens, in the order wanted) followed by every other row of ``local_len`` (the
+    padding) in local order."""
+    padding = torch.ones(local_len, dtype=torch.bool)
+    padding[kept] = False
+    return torch.cat([kept, padding.nonzero().flatten()])
 
 
 def _span(start: int, length: int) -> slice:

@@ -177,27 +177,21 @@ def ring_attn_backward(dout, q, k, v, out, lse, spec: AttnSpec):
             blocks_backward_(dq, *unpack_kv(dkv_remote, k.shape[-1]), dout, q, *unpack_kv(kv_remote, k.shape[-1]),
                              out, lse_rows, plan, spec)
         if partial is not None:
-            if spec.halves:
-                _add_partial(dkv, partial, spec, comm, step - 1)
-            else:
-                dkv += partial.wait()[0]
+            _add_partial(dkv, partial, spec, comm, step - 1)
         owner, holder = (comm.rank - step) % comm.size, (comm.rank + step) % comm.size
         tag = step  # K/V use tag 0: a partial and a K/V message between the same two ranks stay apart
         partial = exchange(group, [(dkv_remote, owner, tag)], [(torch.empty_like(dkv_remote), holder, tag)])
     blocks_backward_(dq, dk, dv, dout, q, k, v, out, lse_rows, tail, spec)
     if partial is not None:
-        if spec.halves:
-            _add_partial(dkv, partial, spec, comm, steps - 1)
-        else:
-            dkv += partial.wait()[0]
+        _add_partial(dkv, partial, spec, comm, steps - 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _add_partial(dkv: torch.Tensor, partial: PendingRecv, spec: AttnSpec, comm: RingComm, step: int) -> None:
-    """Adds the dK/dV partial of this rank's reordered K/V that the rank ``step`` ahead computed: in docs order when
-    that rank held the block after the ring's wrap (:mod:`.halves`), added by index."""
+    """Adds the dK/dV partial of this rank's K/V that the rank ``step`` ahead computed: over reordered rows
+    (:mod:`.halves`) in docs order when that rank held the block after the ring's wrap, added by index."""
     received = partial.wait()[0]
-    if comm.rank + step >= comm.size:
+    if spec.halves and comm.rank + step >= comm.size:
         dkv.index_add_(kv_seq_dim(dkv), docs_rows(spec.layout, comm.rank, dkv.device), received)
     else:
         dkv += received

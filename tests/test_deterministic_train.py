@@ -1,0 +1,185 @@
+"""The deterministic mode in training (docs/deterministic.md): ``cp-train --deterministic``'s step losses ``==`` at
+every CP degree for the reference GPT (bshd, thd packs, the KV all-gather on canonical tiles), Hugging Face models
+(Qwen2, Mixtral) and tensor parallelism of 2 (the GPT's logits ``torch.equal`` at cp 1, 2 and 4 over 2 TP ranks);
+what the mode does not make bitwise refused by name before any rank starts (ring patterns, a TP size above 2, the
+GPT's MoE, token mixers other than attention; the handler's mixer methods refuse too). Negative controls: the
+default mode differs in each comparison.
+
+Tolerances: none (bitwise), except the Hugging Face steps after the first (relative 1e-6: their parameters were
+updated with gradients summed over the ranks in another order).
+"""
+
+import json
+import re
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from test_cli import cp_train
+
+from cp_handler import ContextParallelConfig, LocalContextParallelHandler
+from cp_handler.cli.args import build_parser, validate
+
+TRAIN = ["--steps", "3", "--seq-len", "128", "--hidden-size", "64", "--num-heads", "8", "--num-kv-heads", "8",
+         "--ffn-hidden-size", "128", "--max-corpus-bytes", "2000000"]
+
+
+def _losses(tmp_path, cp: int, *flags) -> list[float]:
+    """Every step's loss of ``cp-train`` at ``--cp-size cp`` (cp ranks), read from ``--metrics-out`` (a float64
+    written by ``repr``: every bit of the float32 loss survives JSON)."""
+    out = tmp_path / f"metrics-{cp}-{len(flags)}.json"
+    result = cp_train("--nproc", str(cp), "--cp-size", str(cp), *TRAIN, *flags, "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [step["loss"] for step in json.loads(out.read_text())["steps"]]
+
+
+def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
+    bitwise, the loss summed over the whole sequence in one order; the steps after the first start from parameters
+    whose gradients may differ by float32 reordering, equal here: measured), bshd and thd packs, and bshd through the
+    KV all-gather on canonical tiles at cp 2 (256 tokens). Negative control: the
+    default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so the comparison can
+    fail."""
+    for packing in ("bshd", "thd"):
+        flags = ("--deterministic", "--packing", packing)
+        want = _losses(tmp_path, 1, *flags)
+        assert _losses(tmp_path, 2, *flags) == want, packing
+        assert _losses(tmp_path, 4, *flags) == want, packing
+    # the KV all-gather on canonical tiles (rows of 256 tokens: chunks of whole 64-token tiles at cp 2): the same
+    # losses as one process, which are a2a's (the same bits across patterns)
+    flags = ("--deterministic", "--seq-len", "256")
+    assert _losses(tmp_path, 2, *flags, "--cp-comm-type", "all_gather") == _losses(tmp_path, 1, *flags)
+    default = _losses(tmp_path, 4)
+    want = _losses(tmp_path, 1, "--deterministic")
+    assert default != want
+    assert max(abs(a - b) / b for a, b in zip(default, want, strict=True)) < 1e-5  # float32 reordering only
+
+
+def _hf_losses(tmp_path, folder, cp: int, *flags) -> list[float]:
+    """Every step's loss of ``cp-train --hf-config folder`` at ``--cp-size cp`` (as :func:`_losses`)."""
+    out = tmp_path / f"metrics-hf-{cp}-{len(flags)}.json"
+    result = cp_train("--nproc", str(cp), "--cp-size", str(cp), "--hf-config", str(folder), "--steps", "3",
+                      "--seq-len", "192", "--max-corpus-bytes", "2000000", *flags, "--metrics-out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [step["loss"] for step in json.loads(out.read_text())["steps"]]
+
+
+def test_cp_train_deterministic_hugging_face_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """``cp-train --deterministic --hf-config``: an unmodified transformers model (Qwen2: q/k/v biases, RMSNorm,
+    4 query and 4 key-value heads; Mixtral: a MoE of 4 experts, 2 per token, routed locally on each rank) trains
+    with the first step's loss ``==`` at cp 1, 2 and 4 (Qwen2 bshd), at cp 1 and 2 (Qwen2 thd packs, Mixtral bshd):
+    the logits are bitwise. The later steps start from parameters whose gradients were summed over the ranks in
+    another order (docs/deterministic.md): equal within float32 reordering (relative 1e-6; measured: the third step
+    of Qwen2 at cp 2 differed by 6e-8 relative), not bitwise. Negative control: the default mode at cp 2 differs from
+    cp 1's mode at the first step (measured: 11.326793730571008 against 11.326794369682592)."""
+    from transformers import MixtralConfig, Qwen2Config
+
+    dense, moe = tmp_path / "qwen2", tmp_path / "mixtral"
+    # weights drawn wide (std 0.5): logits far from uniform, so a last-bit change in them reaches the loss (with
+    # the default 0.02 every mode's first loss rounds to the same float: a comparison that could not fail)
+    Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.5).save_pretrained(dense)
+    MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                  initializer_range=0.5).save_pretrained(moe)
+
+    def same(got, want):
+        return got[0] == want[0] and all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, want, strict=True))
+
+    want = _hf_losses(tmp_path, dense, 1, "--deterministic")
+    assert same(_hf_losses(tmp_path, dense, 2, "--deterministic"), want)
+    assert same(_hf_losses(tmp_path, dense, 4, "--deterministic"), want)
+    assert _hf_losses(tmp_path, dense, 2)[0] != want[0]  # the control
+    packed = ("--deterministic", "--packing", "thd")
+    assert same(_hf_losses(tmp_path, dense, 2, *packed), _hf_losses(tmp_path, dense, 1, *packed))
+    assert same(_hf_losses(tmp_path, moe, 2, "--deterministic"), _hf_losses(tmp_path, moe, 1, "--deterministic"))
+
+
+def _tp_logits_worker(rank, world, out, deterministic):
+    """The reference GPT split over 2 TP ranks (PyTorch's ColwiseParallel / RowwiseParallel) with the CP handler on
+    each TP rank's heads at cp ``world / 2``: the whole batch's logits in global order, on rank 0."""
+    from cp_handler import AttentionShape, ParallelLayout, build_cp_handler
+    from cp_handler.models import GPTConfig, GPTModel
+    from cp_handler.runtime.groups import data_context_parallel_groups
+    from cp_handler.training.tensor_parallel import apply_tensor_parallel, gpt_tp_plan, local_attention_shape
+
+    tp, cp = 2, world // 2
+    built = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp).build("cpu")
+    groups = data_context_parallel_groups(built)
+    config = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=16, num_query_groups=8,
+                       ffn_hidden_size=128)  # 8 query over 4 key-value heads per TP rank: a2a splits them at cp 4
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    apply_tensor_parallel(model, built.meshes["attention"]["tp"], gpt_tp_plan(model, tp))
+    handler = build_cp_handler(ContextParallelConfig(context_parallel_size=cp, cp_comm_type="a2a" if deterministic
+                                                     else "p2p", deterministic=deterministic), groups.cp_group,
+                               attn_shape=local_attention_shape(AttentionShape(16, 8, 4), tp))
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(handler.dispatch(tokens, 1), cp_handler=handler)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        logits = handler.combine(logits, 1)
+    if rank == 0:
+        torch.save(logits, out)
+
+
+def test_tensor_parallel_logits_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """TP x CP in the mode: the reference GPT over 2 TP ranks, its logits ``torch.equal`` at cp 1, 2 and 4 (2, 4
+    and 8 ranks): each token's partial products are added over the same two TP ranks at every CP degree (an
+    all-reduce of two is ``a + b`` whatever its algorithm; the mode is bitwise across CP degrees at one TP size, not
+    across TP sizes). Control: the default ring at tp 2 x cp 2 differs."""
+    for world, deterministic in ((2, True), (4, True), (8, True), (4, False)):
+        run_distributed(_tp_logits_worker, world, str(tmp_path / f"{world}{deterministic}.pt"), deterministic)
+    want = torch.load(tmp_path / "2True.pt")
+    assert torch.equal(torch.load(tmp_path / "4True.pt"), want)
+    assert torch.equal(torch.load(tmp_path / "8True.pt"), want)
+    assert not torch.equal(torch.load(tmp_path / "4False.pt"), want)
+
+
+def test_cp_train_deterministic_with_tensor_parallel(tmp_path):
+    """``cp-train --deterministic --tp-size 2``: each step's loss ``==`` at cp 1 and 2 (2 and 4 ranks; the logits'
+    equality is the test above: this run's loss alone would not tell a last-bit change, see the Hugging Face test)."""
+    def losses(cp):
+        out = tmp_path / f"tp-{cp}.json"
+        result = cp_train("--nproc", str(2 * cp), "--tp-size", "2", "--cp-size", str(cp), *TRAIN, "--deterministic",
+                          "--metrics-out", str(out))
+        assert result.returncode == 0, result.stderr[-2000:]
+        return [step["loss"] for step in json.loads(out.read_text())["steps"]]
+
+    assert losses(2) == losses(1)
+
+
+def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
+    """Token mixers other than attention (a halo convolution, state passing between ranks) are not bitwise the same
+    at every CP degree (1e-7 to 4e-6 apart at cp 2 and 4, measured): cp-train refuses a Hugging Face model that has
+    one before any rank starts, and the handler's mixer methods refuse in the mode whatever calls them (the
+    Trainer integrations)."""
+    import hf_zoo
+
+    hf_zoo.tiny_config("qwen3_next", {"vocab_size": 256, "layer_types": ["linear_attention", "full_attention"]}
+                       ).save_pretrained(tmp_path)
+    argv = ["--nproc", "2", "--cp-size", "2", "--hf-config", str(tmp_path), "--seq-len", "192", "--deterministic"]
+    with pytest.raises(ValueError, match=re.escape("--deterministic: Qwen3NextGatedDeltaNet mix tokens other than by "
+                                                   "attention")):
+        validate(build_parser().parse_args(argv))
+    handler = LocalContextParallelHandler(cp_group=None, cp_comm_type="a2a", deterministic=True)
+    x, weight = torch.randn(1, 4, 96), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"causal_conv1d: deterministic=True: token mixers other than attention"):
+        handler.causal_conv1d(x, weight)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a and all_gather only"),
+    (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
+                                                          "cp_comm_type='all_gather': a sequence of 96 tokens"),
+    (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
+    (["--nproc", "4", "--tp-size", "4", "--cp-size", "1"], "--deterministic with --tp-size 4: the mode runs a TP size "
+                                                            "of 1 or 2"),
+    (["--moe-experts", "4"], "--deterministic with --moe-experts: not implemented (the load-balancing loss"),
+    (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
+                                                  "CP group of 2"),
+])
+def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
+    argv = ["--nproc", "2", "--cp-size", "2", *TRAIN[:-2], "--deterministic", *flags]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        validate(build_parser().parse_args(argv))
