@@ -1,8 +1,8 @@
 """The deterministic mode in training (docs/deterministic.md): ``cp-train --deterministic``'s step losses ``==`` at
 every CP degree for the reference GPT (bshd, thd packs, the KV all-gather on canonical tiles), Hugging Face models
-(Qwen2, Mixtral) and tensor parallelism of 2 (the GPT's logits ``torch.equal`` at cp 1, 2 and 4 over 2 TP ranks);
-what the mode does not make bitwise refused by name before any rank starts (ring patterns, a TP size above 2, the
-GPT's MoE, token mixers other than attention; the handler's mixer methods refuse too). Negative controls: the
+(Qwen2, Mixtral), the GPT's MoE layers and tensor parallelism of 2 (the GPT's logits ``torch.equal`` at cp 1, 2 and
+4 over 2 TP ranks); what the mode does not make bitwise refused by name before any rank starts (ring patterns, a TP
+size above 2, token mixers other than attention; the handler's mixer methods refuse too). Negative controls: the
 default mode differs in each comparison.
 
 Tolerances: none (bitwise), except the Hugging Face steps after the first (relative 1e-6: their parameters were
@@ -149,6 +149,20 @@ def test_cp_train_deterministic_with_tensor_parallel(tmp_path):
     assert losses(2) == losses(1)
 
 
+def test_cp_train_deterministic_moe_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """``cp-train --deterministic --moe-experts 4``: the reference GPT's MoE layers (its load-balancing loss summed
+    over the CP group's tokens in one order, ``ExpertParallelHandler.probs_sum``), each of 2 steps' loss ``==`` at cp 1,
+    2 (experts over 2 ranks) and 4 (the same), and with thd packs at cp 1 and 2. Negative control: the default mode
+    at cp 2 differs."""
+    moe = ("--moe-experts", "4", "--steps", "2")
+    want = _losses(tmp_path, 1, "--deterministic", *moe)
+    assert _losses(tmp_path, 2, "--deterministic", "--expert-parallel-size", "2", *moe) == want
+    assert _losses(tmp_path, 4, "--deterministic", "--expert-parallel-size", "2", *moe) == want
+    assert _losses(tmp_path, 2, *moe) != want
+    packed = ("--deterministic", "--packing", "thd", *moe)
+    assert _losses(tmp_path, 2, *packed) == _losses(tmp_path, 1, *packed)
+
+
 def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
     """Token mixers other than attention (a halo convolution, state passing between ranks) are not bitwise the same
     at every CP degree (1e-7 to 4e-6 apart at cp 2 and 4, measured): cp-train refuses a Hugging Face model that has
@@ -175,7 +189,6 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
     (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
     (["--nproc", "4", "--tp-size", "4", "--cp-size", "1"], "--deterministic with --tp-size 4: the mode runs a TP size "
                                                             "of 1 or 2"),
-    (["--moe-experts", "4"], "--deterministic with --moe-experts: not implemented (the load-balancing loss"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),
 ])

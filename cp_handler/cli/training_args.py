@@ -176,8 +176,6 @@ def check_deterministic_mixers(config) -> None:
 
 DETERMINISTIC_REFUSED = {
     "dynamic_cp": "documents are packed (thd) and their CP groups change per micro-batch",
-    "moe_experts": "the load-balancing loss adds each rank's share of the router probabilities, a sum over its own "
-                   "tokens, not one order over the sequence",
 }
 """Flags ``--deterministic`` does not combine with, and why (each refused by name)."""
 

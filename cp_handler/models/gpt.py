@@ -171,7 +171,7 @@ class GPTModel(nn.Module):
         its ``aux_losses`` receive each MoE layer's load-balancing loss for the caller to add."""
         handler = cp_handler if cp_handler is not None else LocalContextParallelHandler(cp_group=None)
         if self.config.num_moe_experts and moe_handler is None:
-            moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts)
+            moe_handler = ExpertParallelHandler(num_experts=self.config.num_moe_experts, cp_handler=handler)
         rotary_len = handler.get_rotary_seq_len(input_ids.shape[1])
         freqs = rotary_freqs(rotary_len, self.config.kv_channels, self.config.rotary_base, input_ids.device)
         freqs = handler.get_emb_on_this_cp_rank(freqs)  # (S_local, D) angles of the local tokens

@@ -50,21 +50,23 @@ class MoEFeedForward(nn.Module):
         for key in [k for k in self.experts if int(k) not in expert_ids]:
             del self.experts[key]
 
-    def route(self, tokens: torch.Tensor, moe_handler: ExpertParallelHandler):
-        """``tokens (N, h)`` -> ``gates (N, k)`` float32, ``expert_ids (N, k)`` int64; records the aux loss."""
-        probs = torch.softmax(self.router(tokens).float(), dim=-1)  # (N, E)
-        gates, expert_ids = probs.topk(self.top_k, dim=-1)
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.num_experts)
-        global_counts, global_tokens = moe_handler.router_stats(counts, tokens.shape[0])
+    def route(self, x: torch.Tensor, moe_handler: ExpertParallelHandler):
+        """``x (B, S_local, h)`` -> ``gates (N, k)`` float32, ``expert_ids (N, k)`` int64 (``N = B S_local``);
+        records the aux loss over the batch's tokens (a CP layout's padding is routed, not counted)."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)  # (B, S_local, E)
+        gates, expert_ids = probs.flatten(0, 1).topk(self.top_k, dim=-1)
+        counted = moe_handler.real_rows(expert_ids.view(*x.shape[:2], self.top_k))
+        counts = torch.bincount(counted.flatten(), minlength=self.num_experts)
+        global_counts, global_tokens = moe_handler.router_stats(counts, counted.shape[0])
         fraction = global_counts / (global_tokens * self.top_k)  # f_i over the whole batch
-        mean_prob_share = probs.sum(0) / global_tokens  # this rank's share of P_i
+        mean_prob_share = moe_handler.probs_sum(probs) / global_tokens  # this rank's (its CP group's) share of P_i
         moe_handler.add_aux_loss(self.aux_loss_coeff * self.num_experts * (fraction * mean_prob_share).sum())
         return gates / gates.sum(-1, keepdim=True), expert_ids
 
     def forward(self, x: torch.Tensor, moe_handler: ExpertParallelHandler) -> torch.Tensor:
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        gates, expert_ids = self.route(tokens, moe_handler)
+        gates, expert_ids = self.route(x, moe_handler)
         pairs = tokens.repeat_interleave(self.top_k, dim=0)  # (N*k, h): one row per (token, expert)
         expert_in, counts, state = moe_handler.token_dispatch(pairs, expert_ids.flatten())
         chunks = expert_in.split(counts)

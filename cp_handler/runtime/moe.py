@@ -13,7 +13,12 @@ swapped). Experts are laid out contiguously: rank ``r`` of the expert-parallel g
 Router statistics for the load-balancing loss (Switch Transformer, Fedus et al. 2021) are summed
 over ``stats_group`` (the data x context parallel ranks that share one global batch), so the loss
 equals the one of a single process holding the whole batch; each rank adds its share to
-``aux_losses`` and the shares sum to the global loss.
+``aux_losses`` and the shares sum to the global loss. Only the batch's tokens count: the padding a CP layout adds
+(thd documents padded to multiples of ``2 cp``) is routed but left out of the statistics, its rows named by the CP
+handler's layout (``token_layout.real_token_mask()``), never by a tensor's shape. In the deterministic mode (a CP
+handler with ``deterministic``, docs/deterministic.md) the router probabilities are summed over the CP group's tokens
+in one order (:meth:`ExpertParallelHandler.probs_sum`), so every rank of a CP group holds its group's share, bitwise
+the same at every CP degree.
 """
 
 from __future__ import annotations
@@ -32,14 +37,17 @@ class ExpertParallelHandler:
         ep_group: expert-parallel group (``None``: this rank holds every expert).
         stats_group: ranks whose router statistics are summed for the load-balancing loss
             (``None``: this rank alone).
+        cp_handler: the batch's CP handler (its real tokens and its mode: module doc); ``None``: every row a token.
 
     Raises:
         ValueError: ``num_experts`` < 1 or not divisible by the expert-parallel size.
     """
 
     def __init__(self, *, num_experts: int, ep_group: dist.ProcessGroup | None = None,
-                 stats_group: dist.ProcessGroup | None = None):
+                 stats_group: dist.ProcessGroup | None = None, cp_handler=None):
         self.ep_group, self.stats_group = ep_group, stats_group
+        self.real = None if cp_handler is None else cp_handler.token_layout.real_token_mask()  # (S_local,) or None
+        self.canonical = cp_handler if getattr(cp_handler, "deterministic", False) else None
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         if num_experts < 1 or num_experts % self.ep_size:
@@ -61,6 +69,20 @@ class ExpertParallelHandler:
         if self.stats_group is not None:
             dist.all_reduce(stats, group=self.stats_group)
         return stats[:-1], stats[-1]
+
+    def real_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows of ``rows (B, S_local, ...)`` that hold the batch's tokens, flattened to ``(N_real, ...)``."""
+        return (rows if self.real is None else rows[:, self.real.to(rows.device)]).flatten(0, 1)
+
+    def probs_sum(self, probs: torch.Tensor) -> torch.Tensor:
+        """``probs (B, S_local, E)`` float32 summed over the batch's tokens (padding left out), ``(E,)``: this rank's;
+        in the deterministic mode the CP group's, put in global order by the CP handler's ``combine`` (which drops
+        the padding; its backward keeps this rank's tokens) and added one token after another (a cumulative sum: an
+        order that depends on neither the group nor the thread count, as
+        :func:`~cp_handler.models.loss.canonical_loss_sum`)."""
+        if self.canonical is None:
+            return self.real_rows(probs).sum(0)
+        return self.canonical.combine(probs, 1).flatten(0, 1).cumsum(0)[-1]
 
     def add_aux_loss(self, loss: torch.Tensor) -> None:
         """Keep a layer's share of the load-balancing loss (the training loop adds their sum)."""

@@ -36,12 +36,13 @@ class ExpertGroups:
     def local(cls, num_experts: int) -> ExpertGroups:
         return cls(num_experts, None)
 
-    def handler(self) -> ExpertParallelHandler:
-        """A fresh per-step handler: tokens over the ep group, router statistics over dp x cp."""
+    def handler(self, cp_handler=None) -> ExpertParallelHandler:
+        """A fresh per-step handler: tokens over the ep group, router statistics over dp x cp, the batch's tokens
+        and mode from its ``cp_handler`` (:class:`~cp_handler.runtime.moe.ExpertParallelHandler`)."""
         if self.groups is None:
-            return ExpertParallelHandler(num_experts=self.num_experts)
+            return ExpertParallelHandler(num_experts=self.num_experts, cp_handler=cp_handler)
         return ExpertParallelHandler(num_experts=self.num_experts, ep_group=self.groups.groups["ep"],
-                                     stats_group=self.groups.groups["dp_cp"])
+                                     stats_group=self.groups.groups["dp_cp"], cp_handler=cp_handler)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum dense gradients over dp x cp and expert gradients over expert data parallel ranks (a missing gradient

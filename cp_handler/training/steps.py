@@ -116,7 +116,7 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
         following = next(pending, None)  # parts may be built lazily (dynamic CP): one looked ahead
         handler, input_ids, labels, loss_mask = current
         with gradient_sync(model, following is None), activations_kept(config):
-            moe = experts.handler() if experts else None
+            moe = experts.handler(handler) if experts else None
             canonical = handler if config.cp.deterministic else None  # the group's whole sum, in one order
             share = model(input_ids, cp_handler=handler, moe_handler=moe,
                           output=TokenLoss(labels, loss_mask, chunk_of(input_ids), canonical)) / total
