@@ -47,7 +47,7 @@ class ExpertParallelHandler:
                  stats_group: dist.ProcessGroup | None = None, cp_handler=None):
         self.ep_group, self.stats_group = ep_group, stats_group
         self.real = None if cp_handler is None else cp_handler.token_layout.real_token_mask()  # (S_local,) or None
-        self.canonical = cp_handler if getattr(cp_handler, "deterministic", False) else None
+        self.canonical = cp_handler if cp_handler is not None and cp_handler.deterministic else None
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
         if num_experts < 1 or num_experts % self.ep_size:
