@@ -1,8 +1,9 @@
 """The deterministic mode in training (docs/deterministic.md): ``cp-train --deterministic``'s step losses ``==`` at
 every CP degree for the reference GPT (bshd, thd packs, the KV all-gather on canonical tiles), Hugging Face models
-(Qwen2, Mixtral), the GPT's MoE layers and tensor parallelism of 2 (the GPT's logits ``torch.equal`` at cp 1, 2 and
-4 over 2 TP ranks); what the mode does not make bitwise refused by name before any rank starts (ring patterns, a TP
-size above 2, token mixers other than attention; the handler's mixer methods refuse too). Negative controls: the
+(Qwen2, Mixtral), the GPT's MoE layers and tensor parallelism (the GPT's logits ``torch.equal`` at cp 1, 2 and 4
+over 2 TP ranks, at cp 1 and 2 over 4); what the mode does not make bitwise refused by name before any rank starts
+(ring patterns, sequence parallelism above 2 TP ranks, token mixers other than attention; the handler's mixer
+methods refuse too). Negative controls: the
 default mode differs in each comparison.
 
 Tolerances: none (bitwise), except the Hugging Face steps after the first (relative 1e-6: their parameters were
@@ -95,22 +96,24 @@ def test_cp_train_deterministic_hugging_face_losses_are_bitwise_the_same_at_ever
     assert same(_hf_losses(tmp_path, moe, 2, "--deterministic"), _hf_losses(tmp_path, moe, 1, "--deterministic"))
 
 
-def _tp_logits_worker(rank, world, out, deterministic):
-    """The reference GPT split over 2 TP ranks (PyTorch's ColwiseParallel / RowwiseParallel) with the CP handler on
-    each TP rank's heads at cp ``world / 2``: the whole batch's logits in global order, on rank 0."""
+def _tp_logits_worker(rank, world, out, deterministic, tp=2):
+    """The reference GPT split over ``tp`` TP ranks (PyTorch's ColwiseParallel / RowwiseParallel; above 2 in the mode
+    the row-wise sums in TP-rank order, as cp-train's) with the CP handler on each TP rank's heads at cp
+    ``world / tp``: the whole batch's logits in global order, on rank 0."""
     from cp_handler import AttentionShape, ParallelLayout, build_cp_handler
     from cp_handler.models import GPTConfig, GPTModel
     from cp_handler.runtime.groups import data_context_parallel_groups
     from cp_handler.training.tensor_parallel import apply_tensor_parallel, gpt_tp_plan, local_attention_shape
 
-    tp, cp = 2, world // 2
+    cp = world // tp
     built = ParallelLayout(world, tensor_model_parallel_size=tp, context_parallel_size=cp).build("cpu")
     groups = data_context_parallel_groups(built)
     config = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=16, num_query_groups=8,
                        ffn_hidden_size=128)  # 8 query over 4 key-value heads per TP rank: a2a splits them at cp 4
     torch.manual_seed(0)
     model = GPTModel(config)
-    apply_tensor_parallel(model, built.meshes["attention"]["tp"], gpt_tp_plan(model, tp))
+    apply_tensor_parallel(model, built.meshes["attention"]["tp"], gpt_tp_plan(model, tp,
+                                                                            ordered=deterministic and tp > 2))
     handler = build_cp_handler(ContextParallelConfig(context_parallel_size=cp, cp_comm_type="a2a" if deterministic
                                                      else "p2p", deterministic=deterministic), groups.cp_group,
                                attn_shape=local_attention_shape(AttentionShape(16, 8, 4), tp))
@@ -136,17 +139,59 @@ def test_tensor_parallel_logits_are_bitwise_the_same_at_every_cp_degree(tmp_path
     assert not torch.equal(torch.load(tmp_path / "4False.pt"), want)
 
 
+def _ordered_sum_worker(rank, world):
+    import torch.distributed as dist
+
+    from cp_handler.runtime.reductions import ordered_sum_over_group
+
+    parts = torch.randn(world, 65536, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 65536)
+    want = parts[0].clone()
+    for part in parts[1:]:
+        want += part
+    group = dist.group.WORLD
+    for n in (7, 4096, 65536):
+        assert torch.equal(ordered_sum_over_group(parts[rank, :n], group), want[:n]), n
+    short, long = parts[rank, :4096].clone(), parts[rank].clone()
+    dist.all_reduce(short)
+    dist.all_reduce(long)
+    assert not torch.equal(short, long[:4096])  # the control: gloo's all-reduce adds by the buffer's size
+
+
+def test_ordered_sum_is_the_same_bits_whatever_the_buffer_size():
+    """Why the mode adds TP partial sums itself above 2 ranks: over 4 ranks gloo's all-reduce gives the same
+    elements other bits in a buffer of 4096 than in one of 65536 (1332 of 4096 differ, measured), so a row-wise
+    projection's output would change with the tokens a CP rank holds; ``ordered_sum_over_group`` gives
+    ``((p0 + p1) + p2) + p3`` at every size (``torch.equal`` to the sum computed in one process)."""
+    run_distributed(_ordered_sum_worker, 4)
+
+
+def test_tensor_parallel_of_4_logits_are_bitwise_the_same_at_every_cp_degree(tmp_path):
+    """TP 4 x CP in the mode: the row-wise projections add their partial sums in TP-rank order
+    (``ordered_rowwise_parallel``, as ``cp-train --deterministic --tp-size 4`` does), so the logits are
+    ``torch.equal`` at cp 1 and 2 (4 and 8 ranks; 4 query over 2 key-value heads per TP rank, a2a splits them at cp
+    2). Control: the default ring at tp 4 x cp 2 differs. (PyTorch's plain ``RowwiseParallel`` happened to give equal
+    logits at cp 1 and 2 here too, at 96 to 1536 tokens, measured: gloo's all-reduce added these buffers in one order;
+    the test above shows sizes where it does not, and the ordered sum changes the logits' bits against it.)"""
+    for world, deterministic in ((4, True), (8, True), (8, False)):
+        run_distributed(_tp_logits_worker, world, str(tmp_path / f"{world}{deterministic}.pt"), deterministic, 4)
+    want = torch.load(tmp_path / "4True.pt")
+    assert torch.equal(torch.load(tmp_path / "8True.pt"), want)
+    assert not torch.equal(torch.load(tmp_path / "8False.pt"), want)
+
+
 def test_cp_train_deterministic_with_tensor_parallel(tmp_path):
-    """``cp-train --deterministic --tp-size 2``: each step's loss ``==`` at cp 1 and 2 (2 and 4 ranks; the logits'
-    equality is the test above: this run's loss alone would not tell a last-bit change, see the Hugging Face test)."""
-    def losses(cp):
-        out = tmp_path / f"tp-{cp}.json"
-        result = cp_train("--nproc", str(2 * cp), "--tp-size", "2", "--cp-size", str(cp), *TRAIN, "--deterministic",
-                          "--metrics-out", str(out))
+    """``cp-train --deterministic --tp-size 2`` and ``--tp-size 4`` (row-wise sums in TP-rank order): each step's loss
+    ``==`` at cp 1 and 2 (2 and 4, 4 and 8 ranks; the logits' equality is the tests above: this run's loss alone
+    would not tell a last-bit change, see the Hugging Face test)."""
+    def losses(tp, cp):
+        out = tmp_path / f"tp-{tp}-{cp}.json"
+        result = cp_train("--nproc", str(tp * cp), "--tp-size", str(tp), "--cp-size", str(cp), *TRAIN,
+                          "--deterministic", "--metrics-out", str(out))
         assert result.returncode == 0, result.stderr[-2000:]
         return [step["loss"] for step in json.loads(out.read_text())["steps"]]
 
-    assert losses(2) == losses(1)
+    assert losses(2, 2) == losses(2, 1)
+    assert losses(4, 2) == losses(4, 1)
 
 
 def test_cp_train_deterministic_moe_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
@@ -187,8 +232,8 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
                                                           "cp_comm_type='all_gather': a sequence of 96 tokens"),
     (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
-    (["--nproc", "4", "--tp-size", "4", "--cp-size", "1"], "--deterministic with --tp-size 4: the mode runs a TP size "
-                                                            "of 1 or 2"),
+    (["--nproc", "4", "--tp-size", "4", "--cp-size", "1", "--sequence-parallel"],
+     "--deterministic with --tp-size 4 and --sequence-parallel"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),
 ])

@@ -72,7 +72,7 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     torch.manual_seed(0)
     model = GPTModel(config)
     reference = copy.deepcopy(model)  # one process: the whole model, the whole global batch
-    plan = gpt_tp_plan(model, tp, sequence_parallel=plan_name == "sequence parallel")
+    plan = gpt_tp_plan(model, tp, sequence_parallel=plan_name == "sequence parallel", ordered=plan_name == "ordered")
     if plan_name == "forgets the reduction":  # the row-wise outputs kept as partial sums: no all-reduce
         from torch.distributed.tensor import Partial
         from torch.distributed.tensor.parallel import RowwiseParallel
@@ -126,6 +126,13 @@ def test_tp2_with_hierarchical_cp4_equals_one_process():
     """a2a+p2p on the TP rank's heads: tp 2 x cp 4 (8 ranks), a2a inside pairs of CP ranks over the 2 local heads
     (GQA 4:2 split by tp, then by the a2a level) and p2p across the pairs, thd packs."""
     run_distributed(_worker, 8, 2, 4, "a2a+p2p", "thd", "megatron")
+
+
+def test_row_wise_sums_in_tp_rank_order_equal_one_process():
+    """The deterministic mode's row-wise style above 2 TP ranks (``ordered_rowwise_parallel``: an all-gather of the
+    partial sums, added in TP-rank order): tp 4 x cp 1, the loss and every gradient against one process (its
+    backward passes the output's gradient to each rank's partial once, as the all-reduce's does)."""
+    run_distributed(_worker, 4, 4, 1, "a2a", "bshd", "ordered")
 
 
 MQA = GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=1,

@@ -31,10 +31,12 @@ STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "mla_kv_a_proj
 """The styles of transformers' plans this module applies (module doc)."""
 
 
-def hf_tp_plan(model: nn.Module, tp: int) -> tuple[dict, list[str]]:
+def hf_tp_plan(model: nn.Module, tp: int, ordered: bool = False) -> tuple[dict, list[str]]:
     """``(plan, summed)`` for ``model`` (a :class:`~.transformers.CPCausalLM`, or the Hugging Face model itself):
     ``plan`` maps module paths of ``model`` to ``ColwiseParallel`` / ``RowwiseParallel``; ``summed`` names the
-    parameters whose gradients the TP group sums (``replicated_with_grad_allreduce``).
+    parameters whose gradients the TP group sums (``replicated_with_grad_allreduce``). ``ordered``: ``"rowwise"``
+    adds its partial sums in TP-rank order (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`;
+    the deterministic mode).
 
     Raises:
         ValueError: no ``base_model_tp_plan``; a style not in :data:`STYLES` (named with its module pattern); head
@@ -43,6 +45,10 @@ def hf_tp_plan(model: nn.Module, tp: int) -> tuple[dict, list[str]]:
             ``q_proj`` without a query LoRA and ``q_b_proj`` with one, dense and MoE layers' MLPs).
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from ..runtime.reductions import ordered_rowwise_parallel
+
+    rowwise = ordered_rowwise_parallel() if ordered else RowwiseParallel
 
     hf = getattr(model, "model", model) if not hasattr(model, "base_model") else model
     config = text_config(hf)
@@ -71,7 +77,7 @@ def hf_tp_plan(model: nn.Module, tp: int) -> tuple[dict, list[str]]:
             elif style == "mla_kv_a_proj":
                 plan[prefix + name] = _mla_kv_a_proj()(config.qk_rope_head_dim)
             else:
-                plan[prefix + name] = ColwiseParallel() if style == "colwise" else RowwiseParallel()
+                plan[prefix + name] = ColwiseParallel() if style == "colwise" else rowwise()
     if not plan:
         raise ValueError(f"tensor_parallel_size={tp}: no pattern of {type(config).__name__}'s tensor-parallel plan "
                          f"matches a module of the model ({list(template)}); refused")
@@ -103,11 +109,12 @@ def _mla_kv_a_proj():
     return MlaKvAProj
 
 
-def apply_hf_tensor_parallel(model: nn.Module, tp_mesh) -> list[str]:
-    """Split ``model`` over the 1-D ``tp_mesh`` with :func:`hf_tp_plan`; returns the names of the parameters whose
-    gradients the TP group sums. Raises ValueError: :func:`hf_tp_plan`."""
+def apply_hf_tensor_parallel(model: nn.Module, tp_mesh, ordered: bool = False) -> list[str]:
+    """Split ``model`` over the 1-D ``tp_mesh`` with :func:`hf_tp_plan` (``ordered``: its row-wise sums in TP-rank
+    order); returns the names of the parameters whose gradients the TP group sums. Raises ValueError:
+    :func:`hf_tp_plan`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan, summed = hf_tp_plan(model, tp_mesh.size())
+    plan, summed = hf_tp_plan(model, tp_mesh.size(), ordered)
     parallelize_module(model, tp_mesh, plan)
     return summed

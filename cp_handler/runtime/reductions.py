@@ -1,10 +1,15 @@
 """The sums over process groups a training loop makes around the loss (:mod:`cp_handler.models.loss`): the global
-count of loss tokens, and gradients summed over ranks in one flat all-reduce."""
+count of loss tokens, gradients summed over ranks in one flat all-reduce, and a tensor-parallel row-wise linear's
+partial sums added in one order (the deterministic mode)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+
+from ..ops.collectives import all_gather_single
 
 
 def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -43,6 +48,64 @@ def sum_grad_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     ``copy_to_tensor_model_parallel_region``): the output of a replicated weight each TP rank applies to its own
     heads, whose gradient each rank holds only its heads' part of."""
     return _SumGradOverGroup.apply(x, group)
+
+
+class _OrderedSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
+        size = dist.get_world_size(group)
+        gathered = partial.new_empty(size * partial.numel())
+        all_gather_single(gathered, partial.reshape(-1), group)
+        gathered = gathered.view(size, *partial.shape)
+        total = gathered[0].clone()
+        for part in gathered[1:]:
+            total += part
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def ordered_sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum over ``group`` of each rank's ``partial`` (any shape and dtype), added in group-rank order:
+    ``((p0 + p1) + p2) + ...`` elementwise, the same bits on every rank and whatever the tensor's size (an
+    all-reduce may add an element's partials in an order that depends on where the element falls in the buffer:
+    a ring all-reduce's chunks). One all-gather of ``size x partial`` instead of an all-reduce: ``size / 2`` times its
+    bytes and a ``size x`` buffer. The gradient of each rank's partial is the output's (the output is replicated:
+    every rank computes the same thing from it), as a row-parallel linear's all-reduce (Megatron-LM's
+    ``reduce_from_tensor_model_parallel_region``)."""
+    return _OrderedSum.apply(partial, group)
+
+
+@functools.cache
+def ordered_rowwise_parallel():
+    """``RowwiseParallel`` whose partial sums are added in TP-rank order (the deterministic mode's row-wise style).
+
+    PyTorch's ``RowwiseParallel`` all-reduces each token's partial products over the TP group; over more than two
+    ranks an all-reduce may add them in an order that depends on the buffer's size, which the CP degree changes.
+    This style adds them with :func:`~cp_handler.runtime.reductions.ordered_sum_over_group` instead (an all-gather,
+    then ``((p0 + p1) + p2) + ...``), so a token's output is the same bits at every CP degree at one TP size. Its
+    output is the local, replicated tensor (``use_local_output``); a sharded output (sequence parallelism's
+    reduce-scatter) is refused."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class OrderedRowwiseParallel(RowwiseParallel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            if not self.use_local_output or not self.output_layouts[0].is_replicate():
+                raise ValueError(f"OrderedRowwiseParallel: output_layouts={self.output_layouts}, use_local_output="
+                                 f"{self.use_local_output}: it returns the replicated local output only")
+
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            if not outputs.placements[0].is_partial():
+                raise ValueError(f"OrderedRowwiseParallel: the output's placement is {outputs.placements}, not a "
+                                 "partial sum")
+            return ordered_sum_over_group(outputs.to_local(grad_placements=(Replicate(),)), device_mesh.get_group())
+
+    return OrderedRowwiseParallel
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:

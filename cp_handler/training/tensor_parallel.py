@@ -58,7 +58,7 @@ from torch import nn
 from ..models.gpt import GPTConfig
 from ..models.moe import MoEFeedForward
 from ..runtime.config import AttentionShape
-from ..runtime.reductions import all_reduce_flat, sum_grad_over_group
+from ..runtime.reductions import all_reduce_flat, ordered_rowwise_parallel, sum_grad_over_group
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
@@ -140,14 +140,21 @@ def _replicated_kv_heads():
     return ReplicatedKVHeads
 
 
-def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool = False) -> dict:
+def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool = False,
+                ordered: bool = False) -> dict:
     """``{module path: ParallelStyle}`` for ``parallelize_module`` (module doc); ``tp`` above the key-value head
     count replicates the key and value projections (:class:`ReplicatedKVHeads`). ``sequence_parallel``: Megatron-LM's
-    sequence parallelism (module doc, "Sequence parallelism").
+    sequence parallelism (module doc, "Sequence parallelism"). ``ordered``: the row-wise projections add their
+    partial sums in TP-rank order (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`;
+    the deterministic mode).
 
     Raises:
-        ValueError: ``sequence_parallel`` with MoE layers (not built).
+        ValueError: ``sequence_parallel`` with MoE layers (not built), or with ``ordered`` (its reduce-scatter is
+            not ordered).
     """
+    if ordered and sequence_parallel:
+        raise ValueError("gpt_tp_plan: sequence_parallel=True with ordered=True: the sequence-parallel "
+                         "reduce-scatter does not add the partial sums in one order (not built)")
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -183,11 +190,12 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
             plan[f"layers.{i}.self_attn.{name}"] = \
                 _replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
         out = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
-        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel(**out)
+        rowwise = ordered_rowwise_parallel() if ordered else RowwiseParallel
+        plan[f"layers.{i}.self_attn.o_proj"] = rowwise(**out)
         if isinstance(model.layers[i].mlp, MoEFeedForward):
             continue  # the router and the experts stay whole on every TP rank (module doc)
         plan.update({f"layers.{i}.mlp.{name}": ColwiseParallel() for name in ("gate_proj", "up_proj")})
-        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel(**out)
+        plan[f"layers.{i}.mlp.down_proj"] = rowwise(**out)
     return plan
 
 

@@ -141,11 +141,14 @@ class Trainer:
         mesh = init_device_mesh(self.device.type, (world // tp, tp), mesh_dim_names=("dp_cp", "tp")) \
             if config.fsdp else None
         tp_mesh = mesh["tp"] if mesh is not None else built.meshes["attention"]["tp"]
+        # the deterministic mode above 2 TP ranks: row-wise sums in TP-rank order, the same bits at every CP degree
+        # (an all-reduce of two is a + b whatever its algorithm)
+        ordered = config.cp.deterministic and tp > 2
         if config.hf_source is None:
-            plan = tensor_parallel.gpt_tp_plan(model, tp, config.sequence_parallel)
+            plan = tensor_parallel.gpt_tp_plan(model, tp, config.sequence_parallel, ordered)
             summed = tensor_parallel.apply_tensor_parallel(model, tp_mesh, plan)
         else:  # transformers' own plan; replicated weights applied per head summed over the TP group
-            summed = apply_hf_tensor_parallel(model, tp_mesh)
+            summed = apply_hf_tensor_parallel(model, tp_mesh, ordered)
         experts = set()
         if self.experts:  # each TP rank runs its expert shard whole (tensor_parallel's module doc)
             model.shard_experts(self.experts.handler().local_expert_ids)
