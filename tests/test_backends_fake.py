@@ -319,9 +319,13 @@ def _magi_worker(rank, world, version):
                                                  1))
     weights = torch.randn_like(x)
     (local * handler.dispatch(weights, 1)).sum().backward()  # contract: this rank's tokens only
+    real = handler.token_layout.real_token_mask()  # the slots not padded by MagiAttention: this rank's tokens
+    assert real.shape == (local.shape[1],)
     mine = torch.zeros(int(cu[-1]), dtype=torch.bool)
-    positions = handler.token_layout.positions[handler.token_layout.positions < int(cu[-1])]
-    mine[positions] = True
+    mine[handler.token_layout.positions[real]] = True
+    count = real.sum()
+    dist.all_reduce(count, group=group)
+    assert int(count) == int(cu[-1])  # every token of the batch in exactly one rank's real slots
     assert torch.equal(x.grad[0][~mine], torch.zeros_like(x.grad[0][~mine]))
     total = x.grad.clone()
     dist.all_reduce(total, group=group)

@@ -66,7 +66,8 @@ class _Dispatch(torch.autograd.Function):
 
 class MagiLayout(TokenLayout):
     """MagiAttention's token layout (module doc): the runtime key built at the first dispatch, tokens placed by
-    ``magi_attention.api.dispatch``; every mixer method refused by name."""
+    ``magi_attention.api.dispatch`` (its padding told apart by :meth:`real_token_mask`); every mixer method refused
+    by name."""
 
     def __init__(self, handler):
         super().__init__(handler)
@@ -138,11 +139,26 @@ class MagiLayout(TokenLayout):
         tokens = self.handler.api.undispatch(tensor.movedim(seq_dim, 1)[0], self.key)
         return tokens.unflatten(0, self.batch_shape).movedim(1, seq_dim)
 
+    def _documents(self) -> torch.Tensor:
+        """``cu_seqlens`` of the documents the key placed (thd: the batch's, non-empty; bshd: one per sequence)."""
+        if self.handler.qkv_format == "thd":
+            return self._thd_cu_seqlens()
+        return torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])
+
+    def real_token_mask(self) -> torch.Tensor | None:
+        """bool ``(T_local,)``: this rank's slots that hold tokens of the batch. MagiAttention pads the global
+        tokens at their end (the key's ``pad_size``) before it places them, so a slot is real when its global
+        position (``get_position_ids``) is below the batch's token count; cp 1: ``None`` (``dispatch`` returns the
+        batch as it is). Raises RuntimeError before the first ``dispatch`` (no key yet)."""
+        if self.handler.cp_size == 1:
+            return None
+        self.require_key()
+        return self.positions < int(self._documents()[-1])
+
     def _doc_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For each local token: position inside its document and the document's length (0 for padding)."""
         position = self.positions
-        cu = (self._thd_cu_seqlens() if self.handler.qkv_format == "thd" else
-              torch.arange(0, self.batch_shape[0] * self.batch_shape[1] + 1, self.batch_shape[1])).to(position.device)
+        cu = self._documents().to(position.device)
         doc = (torch.searchsorted(cu, position, right=True) - 1).clamp(max=cu.numel() - 2)
         inside = position < cu[-1]
         return torch.where(inside, position - cu[doc], 0), torch.where(inside, cu[doc + 1] - cu[doc], 0)
