@@ -294,17 +294,26 @@ def test_modelled_bytes_equal_counted_bytes():
 
 
 def test_fit_patterns_recovers_scale_fixed_and_per_element():
-    """A pattern's calls measured as 1.3 x the model + 4 ms + 2 ms per million elements of q, k, v give those back
-    (exact rows of several shapes)."""
+    """A pattern's calls measured as 1.3 x the model + 4 ms + 2 ms per million elements of q, k, v, and packed
+    documents 5 ms more per million query-side elements, give those back (exact rows of several shapes); the
+    prediction of a thd case then adds the packed term. Rows whose best fit would need a negative packed cost get
+    0 for it, not a negative one."""
     profile = toy_profile()
     group = profile.group(4)
     rows = []
-    for tokens, heads in ((128, 4), (256, 4), (512, 2), (256, 16)):
-        case = AttnCase((tokens,), heads=heads, kv_heads=heads, head_dim=16, v_head_dim=16, cp=4)
+    for lengths, heads in (((128,), 4), ((256,), 4), ((512,), 2), ((256,), 16), ((96, 160), 4), ((300, 212), 8)):
+        case = AttnCase(lengths, heads=heads, kv_heads=heads, head_dim=16, v_head_dim=16, cp=4)
+        work = pattern_work("p2p", case)
+        assert work.packed_elements == (0 if len(lengths) == 1 else
+                                        case.layout(4).local_len * heads * 32)  # q and out rows x heads x (D + Dv)
         modelled = predict("p2p", case, profile, "float32").total_ms
-        rows.append(("p2p", case, 1.3 * modelled + 4.0 + 2.0 * case.local_elements / 1e6))
+        rows.append(("p2p", case, 1.3 * modelled + 4.0 + 2.0 * work.elements / 1e6 + 5.0 * work.packed_elements / 1e6))
     (fit,) = fit_patterns(rows, group, 4, "float32", "cpu").values()
-    assert (fit.scale, fit.fixed_ms, fit.ms_per_melement) == pytest.approx((1.3, 4.0, 2.0), rel=1e-6)
+    assert (fit.scale, fit.fixed_ms, fit.ms_per_melement, fit.ms_per_packed_melement) == \
+        pytest.approx((1.3, 4.0, 2.0, 5.0), rel=1e-6)
+    cheaper = [(name, case, ms - (8.0 * pattern_work(name, case).packed_elements / 1e6)) for name, case, ms in rows]
+    (fit,) = fit_patterns(cheaper, group, 4, "float32", "cpu").values()
+    assert fit.ms_per_packed_melement == 0.0 and min(fit.scale, fit.fixed_ms, fit.ms_per_melement) >= 0
 
 
 def test_cp_train_auto_passes_parity(tmp_path):

@@ -8,6 +8,7 @@ pattern's fit to its own calls (:class:`~.profile.PatternFit`)::
 
     modelled = compute + exposed + ring - overlap * hidden
     total = scale * modelled + fixed + per_element * (q, k, v elements the pattern copies on the rank)
+            + per_packed_element * (thd only: the query-side elements its kernels run over)
 
 (``exposed``: the collectives nothing overlaps, the all-to-alls, all_gather's first gathers and last
 reduce-scatter; ``ring``: the overlapped ones, the ring's K/V and dK/dV and all_gather's other chunks; ``hidden``:
@@ -65,7 +66,7 @@ def predict(comm_type: str, case: AttnCase, profile: CostProfile, dtype: str) ->
     total = compute + exposed + ring - profile.overlap * hidden
     fit = group.patterns.get(comm_type)
     return Prediction(comm_type, compute, ring + exposed,
-                      fit.ms(total, work.elements) if fit is not None else total)
+                      fit.ms(total, work.elements, work.packed_elements) if fit is not None else total)
 
 
 def candidates(case: AttnCase, runs: tuple[str, ...] | list[str] = tuple(PATTERNS)) -> list[str]:

@@ -187,6 +187,13 @@ class PatternWork:
     :class:`~.profile.PatternFit`): the rank's own (:attr:`AttnCase.local_elements`), or for the all-to-all
     patterns what the all-to-all carries (heads padded, key-value heads replicated: :func:`~cp_handler.ops.ulysses.
     a2a_head_plan`)."""
+    packed_elements: int = 0
+    """Packed documents (thd) only, else 0: the query-side elements the rank's kernels run over (query rows times
+    its query heads, after the all-to-all for ``a2a`` / ``a2a+p2p``, times ``D + Dv``: q and the output). Per
+    document the ring patterns reorder and merge these rows (:mod:`cp_handler.ops.halves`, the all-to-all's inner
+    order); a measured profile prices them per pattern (:class:`~.profile.PatternFit`): on this project's CPU the
+    features alone under-priced thd packs under ``p2p``, ``a2a`` and ``a2a+p2p`` by 10-22% and under ``all_gather``
+    by 3-7% (docs/performance.md)."""
 
     @property
     def compute(self) -> PlanWork:
@@ -338,10 +345,21 @@ def pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
     work = pattern_work(comm_type, dataclasses.replace(case, backward=True))
     slots = tuple(Slot(0.0 if slot.backward else slot.share / FORWARD_SHARE, slot.backward) for slot in work.slots)
     return PatternWork(tuple(step.scaled(FORWARD_SHARE) for step in work.steps),
-                       tuple(t for t in work.transfers if not t.backward), slots, work.elements)
+                       tuple(t for t in work.transfers if not t.backward), slots, work.elements,
+                       work.packed_elements)
 
 
 def _pattern_work(comm_type: str, case: AttnCase) -> PatternWork:
+    work = _transfers_and_steps(comm_type, case)
+    if len(case.lengths) == 1:
+        return work
+    plan = rank_plan(comm_type, case, 0)  # all_gather's plan holds a chunk of the heads; it runs them all
+    heads = plan.heads if comm_type in ("a2a", "a2a+p2p") else case.heads
+    packed = case.batch * plan.q_len * heads * (case.head_dim + case.v_head_dim)
+    return dataclasses.replace(work, packed_elements=packed)
+
+
+def _transfers_and_steps(comm_type: str, case: AttnCase) -> PatternWork:
     plans = [rank_plan(comm_type, case, r) for r in range(case.cp)]
     steps = _slowest(plans, case)
     e, width = case.element_bytes, case.head_dim + case.v_head_dim

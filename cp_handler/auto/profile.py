@@ -54,19 +54,23 @@ class LinkFit:
 @dataclass(frozen=True)
 class PatternFit:
     """One pattern as this machine runs it, fitted to the pattern's own measured calls: ``scale * modelled +
-    fixed_ms + ms_per_melement * elements / 1e6``, ``modelled`` the compute and link fits' prediction and
-    ``elements`` the q, k and v elements the pattern copies on the rank (:attr:`~.pattern_work.PatternWork.elements`).
-    ``scale`` takes in what the shared fits miss for this pattern in proportion to its work, ``ms_per_melement`` its
-    copies and reorders (they
-    grow with the tensors, not with the work), ``fixed_ms`` what a call costs at any size (the handler's Python, the
-    collectives' setup)."""
+    fixed_ms + ms_per_melement * elements / 1e6 + ms_per_packed_melement * packed_elements / 1e6``, ``modelled`` the
+    compute and link fits' prediction, ``elements`` the q, k and v elements the pattern copies on the rank
+    (:attr:`~.pattern_work.PatternWork.elements`) and ``packed_elements`` the query side's with packed documents
+    (:attr:`~.pattern_work.PatternWork.packed_elements`, 0 in bshd). ``scale`` takes in what the shared fits miss for
+    this pattern in proportion to its work, ``ms_per_melement`` its copies and reorders (they grow with the tensors,
+    not with the work), ``fixed_ms`` what a call costs at any size (the handler's Python, the collectives' setup)."""
 
     scale: float
     fixed_ms: float
     ms_per_melement: float = 0.0
+    ms_per_packed_melement: float = 0.0
+    """Packed documents (thd): per million query-side elements (:attr:`~.pattern_work.PatternWork.packed_elements`),
+    the per-document reorders and merges the features do not count."""
 
-    def ms(self, modelled_ms: float, elements: int) -> float:
-        return self.scale * modelled_ms + self.fixed_ms + self.ms_per_melement * elements / 1e6
+    def ms(self, modelled_ms: float, elements: int, packed_elements: int = 0) -> float:
+        return (self.scale * modelled_ms + self.fixed_ms + self.ms_per_melement * elements / 1e6
+                + self.ms_per_packed_melement * packed_elements / 1e6)
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ LINK_BYTES = (1 << 14, 1 << 18, 1 << 22)
 """Payloads per rank of the link measurements: 16 KiB, 256 KiB, 4 MiB."""
 PATTERN_CASES = ((1024, (4, 4, 64), None, 1), (4096, (4, 4, 64), None, 1), (1024, (8, 2, 128), None, 1),
                  (4096, (8, 2, 128), None, 1), (1024, (16, 16, 32), None, 1), (4096, (4, 4, 64), 512, 1),
-                 (4096, (4, 4, 64), None, 8), (4096, (4, 1, 64), None, 1), (4096, (4, 1, 64), None, 8))
+                 (4096, (4, 4, 64), None, 8), (4096, (4, 1, 64), None, 1), (4096, (4, 1, 64), None, 8),
+                 (4096, (16, 2, 32), None, 8))
 """``(tokens, (heads, kv_heads, head_dim), window, documents)`` of the patterns' own runs."""
 
 
@@ -261,16 +262,35 @@ def fit_compute(rows: list[tuple[tuple[float, ...], float]]) -> ComputeFit:
 
 def fit_patterns(rows, group: GroupProfile, cp: int, dtype: str, device: str) -> dict[str, PatternFit]:
     """Each pattern's :class:`~.profile.PatternFit`: its measured calls against the compute and link fits'
-    prediction, ``ms = scale * modelled + fixed + per element`` by least squares on relative error (each >= 0)."""
+    prediction, ``ms = scale * modelled + fixed + per element + per packed element`` by least squares on relative
+    error, each coefficient >= 0 (one that comes out negative is held at 0 and the others fitted again)."""
     bare = CostProfile("bare", "", device, 0.0, {cp: group})
     out = {}
     for comm_type in dict.fromkeys(name for name, _, _ in rows):
-        mine = [(predict(name, case, bare, dtype).total_ms, pattern_work(name, case).elements / 1e6, ms)
-                for name, case, ms in rows if name == comm_type]
-        scale, fixed, per_element = relative_lstsq([[modelled, 1.0, elements] for modelled, elements, _ in mine],
-                                                   [ms for *_, ms in mine])
-        out[comm_type] = PatternFit(scale, fixed, per_element)
+        design, times = [], []
+        for name, case, ms in rows:
+            if name == comm_type:
+                work = pattern_work(name, case)
+                design.append([predict(name, case, bare, dtype).total_ms, 1.0, work.elements / 1e6,
+                               work.packed_elements / 1e6])
+                times.append(ms)
+        out[comm_type] = PatternFit(*_nonnegative_lstsq(design, times))
     return out
+
+
+def _nonnegative_lstsq(design: list[list[float]], times: list[float]) -> list[float]:
+    """:func:`~cp_handler.dynamic.cost_model.relative_lstsq` with every coefficient >= 0: a column whose
+    coefficient comes out negative is dropped (held at 0) and the rest fitted again."""
+    kept = list(range(len(design[0])))
+    while True:
+        solution = relative_lstsq([[row[j] for j in kept] for row in design], times, clamp=False)
+        negative = [j for j, c in zip(kept, solution, strict=True) if c < 0]
+        if not negative:
+            coefficients = [0.0] * len(design[0])
+            for j, c in zip(kept, solution, strict=True):
+                coefficients[j] = c
+            return coefficients
+        kept.remove(min(negative, key=lambda j: solution[kept.index(j)]))
 
 
 def calibrate(cp_sizes=(2, 4), dtype: str = "float32", device: str = "cpu", reps: int = 5,

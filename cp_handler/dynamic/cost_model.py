@@ -131,9 +131,9 @@ class CostModel:
         return asdict(self)
 
 
-def relative_lstsq(design: list[list[float]], times: list[float]) -> list[float]:
-    """Least squares of ``design @ x = times`` on relative residuals; coefficients clamped at >= 0."""
+def relative_lstsq(design: list[list[float]], times: list[float], clamp: bool = True) -> list[float]:
+    """Least squares of ``design @ x = times`` on relative residuals; coefficients clamped at >= 0 (``clamp``)."""
     a = torch.tensor(design, dtype=torch.float64)
     t = torch.tensor(times, dtype=torch.float64)
     solution = torch.linalg.lstsq(a / t[:, None], torch.ones_like(t)[:, None]).solution[:, 0]
-    return [max(v, 0.0) for v in solution.tolist()]
+    return [max(v, 0.0) for v in solution.tolist()] if clamp else solution.tolist()
