@@ -4,26 +4,27 @@ The KV all-gather (``"all_gather"``) runs on them, and so do one process (cp 1) 
 Ulysses all-to-all (``"a2a"``) where :func:`canonical_applies`; all three give the same bits.
 
 Every rank computes what one process computes, in the same pieces and the same order, so nothing depends on the
-group (docs/deterministic.md). The pieces are fixed by the global sequence before any rank assignment: key tiles of
-:func:`tile_size` tokens (a function of the sequence length alone) and query tiles of the same size. What was
-measured on the CPU flash kernel (2026-12-05): a query row's output, log-sum-exp and dq against one key tile are
-bitwise the same whatever other query rows, heads or strides the call holds; a key row's dk / dv against one query
-tile are the same whatever other keys the call holds, but are a sum over the call's query rows in the kernel's own
-order, so they depend on which query rows the call holds.
+group (docs/deterministic.md). The pieces are fixed by the global sequence before any rank assignment: query tiles of
+:func:`tile_size` tokens (a function of the sequence length alone), and for each query tile the same kernel calls:
+causal, its keys before the tile in one full call and its diagonal tile in one causal call (full mask: every key in
+one call). What was measured on the CPU flash kernel (2026-12-05): a query row's output, log-sum-exp and dq from a
+call are bitwise the same whatever other query rows, heads or strides the call holds, given the same keys; a key
+row's dk / dv from a call are the same whatever other keys the call holds, given the same query rows, but are a sum
+over the call's query rows in the kernel's own order, so they depend on which query rows the call holds.
 
-* Forward: for each key tile ``j`` in ascending order, every local query row that sees it (the causal diagonal tile
-  as a causal call, the rows after it in full), its result merged into the row's accumulators (the first tile
-  copied): each row's merge order is its key tiles' order, at every degree.
-* Backward, dq: the same calls in the same order, each row's dq summed in ascending key tile order.
-* Backward, dk / dv: the query side (q, dout, out, lse) is all-gathered, and each rank computes its own keys'
-  gradients, one call per query tile over the own keys it sees, summed in ascending query tile
-  order (a key row's dk / dv from a call over one query tile is the same whatever other keys the call holds,
-  measured). So a pair's backward runs twice (once for dq, once for dk / dv): the mode's cost, against a reduction
-  over ranks whose order would follow the group.
+* Forward: each local query tile's calls, the keys before it first (copied into the accumulators), its diagonal
+  merged: one merge per row, the same at every degree.
+* Backward, dq: the same calls, each row's dq the sum of its tile's two in that order.
+* Backward, dk / dv: one process (and ``a2a``'s heads) take them from the same calls, each key row's summed over the
+  query tiles in ascending order. A rank of ``all_gather`` holds some of the query tiles only: the query side (q,
+  dout, out, lse) is all-gathered, and each rank computes its own keys' gradients, per query tile one call over the
+  own keys it sees (a key row's dk / dv is the same whatever other keys the call holds, measured), summed in
+  ascending query tile order. So a pair's backward runs twice there (once for dq, once for dk / dv): the mode's
+  cost, against a reduction over ranks whose order would follow the group.
 
-The merges run over row counts that are multiples of the tile (the layout's chunks are), so a CPU vector loop never
-leaves a scalar tail whose position would depend on the degree (:mod:`.merge`). bshd / sbhd, causal or full, without
-windows, chunks, soft-caps or sinks (refused by the handler).
+The merges run over row counts that are multiples of the tile, so a CPU vector loop never leaves a scalar tail whose
+position would depend on the degree (:mod:`.merge`). bshd / sbhd, causal or full, without windows, chunks, soft-caps
+or sinks (refused by the handler).
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from .merge import acc_dtype, merge_attn_out_
 from .seq_gather import all_gather_seq_raw
 from .spec import AttentionFunction, AttnSpec
 
-TILES = (512, 256, 128, 64)
+TILES = (2048, 1024, 512, 256, 128, 64)
 """Tokens per canonical tile, by sequence length: the largest ``T`` of these with ``S`` a multiple of ``16 T`` (the
 zigzag chunks ``S / (2 cp)`` are then multiples of ``T`` at cp 1, 2, 4 and 8), else 64. A function of the sequence
-alone, so every degree cuts the same tiles; larger tiles mean fewer kernel calls and merges (each key tile merges into
-every row that sees it)."""
+alone, so every degree cuts the same tiles; larger tiles mean fewer kernel calls and merges (two calls and one merge
+per query tile)."""
 
 
 def tile_size(seq_len: int) -> int:
@@ -68,23 +69,21 @@ def _ranges(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((half * chunk, cid * chunk, chunk) for half, cid in enumerate(zigzag_chunk_ids(rank, layout.size)))
 
 
-def _calls(ranges, tile: int, size: int, causal: bool):
-    """For key tile ``tile`` (of ``size`` tokens): ``(local rows, causal)`` of the calls of the local query rows that
-    see it."""
-    start, stop = tile * size, (tile + 1) * size
+def _query_tiles(ranges, size: int):
+    """``(local rows, global tile index)`` of each of the rank's query tiles of ``size`` tokens (its chunks are
+    multiples of the tile)."""
     for local, first, rows in ranges:
-        last = first + rows
-        if not causal:
-            yield slice(local, local + rows), False
-            continue
-        if last <= start:
-            continue
-        if first <= start:  # the diagonal tile is in this range
-            yield slice(local + start - first, local + stop - first), True
-            if last > stop:
-                yield slice(local + stop - first, local + rows), False
-        else:
-            yield slice(local, local + rows), False
+        for i in range(rows // size):
+            yield slice(local + i * size, local + (i + 1) * size), first // size + i
+
+
+def _tile_calls(tile: int, size: int, causal: bool, seq_len: int):
+    """``(key rows, causal)`` of query tile ``tile``'s calls (module doc): causal, the keys before it in full, then
+    its diagonal tile; the full mask, every key."""
+    if not causal:
+        return ((slice(0, seq_len), False),)
+    diagonal = (slice(tile * size, (tile + 1) * size), True)
+    return ((slice(0, tile * size), False), diagonal) if tile else (diagonal,)
 
 
 def _gather(t: torch.Tensor, group, layout: ZigzagDocs, dim: int = 2) -> torch.Tensor:
@@ -100,13 +99,12 @@ def canonical_forward(q, k, v, spec: AttnSpec, sinks=None):
     rank = dist.get_rank(group) if group is not None else 0
     k, v = _gather(k, group, layout), _gather(v, group, layout)
     out, lse = new_accumulators(q, v.shape[-1])
-    ranges, size = _ranges(layout, rank), tile_size(k.shape[2])
-    for tile in range(k.shape[2] // size):
-        keys = slice(tile * size, (tile + 1) * size)
-        for rows, causal in _calls(ranges, tile, size, spec.mask.causal):
+    size = tile_size(k.shape[2])
+    for rows, tile in _query_tiles(_ranges(layout, rank), size):
+        for i, (keys, causal) in enumerate(_tile_calls(tile, size, spec.mask.causal, k.shape[2])):
             block_out, block_lse = kernel.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=causal,
                                                   scale=spec.scale)
-            if tile == 0:  # every row's first key tile
+            if i == 0:  # the tile's first call
                 out[:, :, rows].copy_(block_out)
                 lse[:, :, rows].copy_(block_lse)
             else:
@@ -125,11 +123,11 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     k_all, v_all = _gather(k, group, layout), _gather(v, group, layout)
     ranges, size = _ranges(layout, rank), tile_size(k_all.shape[2])
     dq = torch.zeros_like(q, dtype=dtype)
-    for tile in range(k_all.shape[2] // size):  # dq: each row over its key tiles in ascending order
-        keys = slice(tile * size, (tile + 1) * size)
-        for rows, causal in _calls(ranges, tile, size, spec.mask.causal):
-            grads = kernel.backward(dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys],
-                                    out[:, :, rows], lse[:, :, rows].contiguous(), causal=causal, scale=scale)
+    for rows, tile in _query_tiles(ranges, size):  # dq: each row's tile calls in order
+        saved = (out[:, :, rows], lse[:, :, rows].contiguous())
+        for keys, causal in _tile_calls(tile, size, spec.mask.causal, k_all.shape[2]):
+            grads = kernel.backward(dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], *saved,
+                                    causal=causal, scale=scale)
             dq[:, :, rows].add_(grads[0])
     q_all, dout_all, out_all, lse_all = (_gather(t, group, layout) for t in (q, dout, out, lse))
     dout_all, out_all = seq_major(dout_all), seq_major(out_all)
@@ -147,21 +145,18 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
 
 
 def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
-    """One process holds every query and key: one call per (query tile, key tile) pair gives both canonical partials
-    (a row's dq from a tile pair is its dq from any call over that key tile; a key row's dk / dv from a tile pair is
-    theirs from any call over that query tile: module doc), dq summed over key tiles in ascending order, dk / dv over
-    query tiles in ascending order; the same bits as the two passes of a group."""
+    """One process holds every query and key: each query tile's calls (module doc) give both canonical partials (a
+    row's dq is the group's dq pass's, the same calls; a key row's dk / dv from a call over one query tile is theirs
+    from any call over that tile), dq summed over the tile's calls in order, dk / dv over query tiles in ascending
+    order; the same bits as the two passes of a group, at the cost of one."""
     dtype = acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
     size = tile_size(k.shape[2])
-    tiles = k.shape[2] // size
-    for query_tile in range(tiles):  # outer: each key tile's sum runs over query tiles in ascending order
-        rows = slice(query_tile * size, (query_tile + 1) * size)
+    for rows, tile in _query_tiles(((0, 0, k.shape[2]),), size):  # each key row's sum in ascending query tiles
         saved = (out[:, :, rows], lse[:, :, rows].contiguous())
-        for key_tile in range(query_tile + 1 if spec.mask.causal else tiles):  # each row's in ascending key tiles
-            keys = slice(key_tile * size, (key_tile + 1) * size)
+        for keys, causal in _tile_calls(tile, size, spec.mask.causal, k.shape[2]):
             grads = spec.kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], *saved,
-                                         causal=spec.mask.causal and key_tile == query_tile, scale=spec.scale)
+                                         causal=causal, scale=spec.scale)
             dq[:, :, rows].add_(grads[0])
             dk[:, :, keys].add_(grads[1])
             dv[:, :, keys].add_(grads[2])
