@@ -192,8 +192,8 @@ class PatternWork:
     its query heads, after the all-to-all for ``a2a`` / ``a2a+p2p``, times ``D + Dv``: q and the output). Per
     document the ring patterns reorder and merge these rows (:mod:`cp_handler.ops.halves`, the all-to-all's inner
     order); a measured profile prices them per pattern (:class:`~.profile.PatternFit`): on this project's CPU the
-    features alone under-priced thd packs under ``p2p``, ``a2a`` and ``a2a+p2p`` by 10-22% and under ``all_gather``
-    by 3-7% (docs/performance.md)."""
+    features alone under-priced the regret grid's thd packs under ``p2p``, ``a2a`` and ``a2a+p2p`` by up to 11-24%
+    and under ``all_gather`` by up to 7% (docs/performance.md)."""
 
     @property
     def compute(self) -> PlanWork:
