@@ -169,6 +169,21 @@ def test_tp_rules_name_the_field():
         check_tensor_parallel(CONFIG, 0)
 
 
+def test_ordered_row_wise_style_refuses_what_it_does_not_order():
+    """The deterministic mode's row-wise style returns the replicated local output only: a sharded output (sequence
+    parallelism's reduce-scatter) is refused by the style and by the plan, naming the setting."""
+    from torch.distributed.tensor import Shard
+
+    from cp_handler.models import GPTModel
+    from cp_handler.runtime.reductions import ordered_rowwise_parallel
+
+    with pytest.raises(ValueError, match=r"OrderedRowwiseParallel: output_layouts=\(Shard\(dim=1\),\), "
+                                         "use_local_output=False: it returns the replicated local output only"):
+        ordered_rowwise_parallel()(output_layouts=Shard(1), use_local_output=False)
+    with pytest.raises(ValueError, match="sequence_parallel=True with ordered=True"):
+        gpt_tp_plan(GPTModel(CONFIG), 4, sequence_parallel=True, ordered=True)
+
+
 def _count_worker(rank, world, comm_type):
     """TP's all-reduces per layer (forward: the two row-wise outputs; backward: the input gradient of each of the
     five column-wise projections, q, k, v, gate and up: PyTorch's TP does not fuse them as Megatron-LM's fused
