@@ -56,7 +56,9 @@ DEFAULTS: dict[str, dict[str, dict[str, dict]]] = {
     "hybrid": {"cpu": _reps({"hybrid_seq_lens": [2048, 8192]}, {"hybrid_seq_lens": [4096, 16384]})},
     "memory": {"cpu": _same({"mem_seq_len": 2048, "mem_layer_tokens": 64})},
     "compile": {"cpu": _reps({"compile_seq_len": 1024}, {"compile_seq_len": 4096})},
-    "calibrate": {"cpu": _reps({}, {})},
+    # a profile's picks near a tie follow its noise: 9 repetitions (issue 72 part 3's regret: worst 1.02 with a
+    # profile of 9, 1.16 with one of 5; docs/performance.md)
+    "calibrate": {"cpu": {"quick": {"reps": 3}, "full": {"reps": 9}}},
     "auto": {"cpu": _reps({"auto_grid": "quick"}, {"auto_grid": "full"})},
     "backtest": {"cpu": _same({})},
     "links": {"cpu": _reps({"links_seq_len": 4096}, {"links_seq_len": 8192})},
