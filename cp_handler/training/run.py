@@ -97,7 +97,9 @@ def train_rank(config: TrainConfig, optimizer=None) -> dict | None:
     """
     load_plugins()
     _log_to_stderr()
-    with rank_session("cp-train", config.timeout) as device:
+    # the deterministic mode: one thread per CPU rank at every degree (some CPU kernels' bits follow the thread count:
+    # the flash kernel at head dim 8 on thd packs, measured 2026-12-06)
+    with rank_session("cp-train", config.timeout, threads=1 if config.cp.deterministic else None) as device:
         metrics = Trainer(config, device, optimizer).fit()
         say("the ranks stop")  # releasing the process groups and the launcher's exit take a few seconds
         return metrics

@@ -30,6 +30,7 @@ from ..runtime.config import AUTO
 from ..runtime.reductions import global_token_count
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
+from .exact_grads import ExactGradients, unit_lengths
 from .experts import ExpertGroups
 from .fsdp import is_sharded
 from .reference import PlainAttention, next_token_loss, predicted_tokens
@@ -98,7 +99,7 @@ class StaticBatches:
 
 
 def forward_backward(model, parts, total, config: TrainConfig, device, grad_scale: float = 1.0,
-                     experts: ExpertGroups | None = None) -> torch.Tensor:
+                     experts: ExpertGroups | None = None, exact: ExactGradients | None = None) -> torch.Tensor:
     """The forward and backward of a step's ``parts`` (:meth:`StaticBatches.parts`, :meth:`DynamicBatches.parts`):
     each part's loss divided by the step's ``total`` loss tokens, its backward scaled by ``grad_scale`` (DDP and
     FSDP2 average gradients over the world: the world size); gradients synchronised after the last part only
@@ -106,7 +107,8 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
     (Megatron-LM's convention). Returns this rank's share of the step's loss (float64, detached; zero on ``device``
     for a rank without parts); in the deterministic mode (``config.cp.deterministic``) every rank of a CP group holds
     the group's whole loss, summed in one order (:func:`~cp_handler.models.loss.canonical_loss_sum`; its backward
-    gives each rank its own tokens' gradient, as without the mode)."""
+    gives each rank its own tokens' gradient, as without the mode). ``exact``: the mode's exact parameter gradients
+    (:mod:`.exact_grads`, entered by the caller), told each micro-batch's units."""
     chunk_of = loss_chunks(model, config)
     loss = None
     parts = list(parts) if experts else parts  # the load-balancing losses are averaged over the parts
@@ -115,6 +117,8 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
     while current is not None:
         following = next(pending, None)  # parts may be built lazily (dynamic CP): one looked ahead
         handler, input_ids, labels, loss_mask = current
+        if exact is not None:
+            exact.units = unit_lengths(handler, input_ids.shape[1])
         with gradient_sync(model, following is None), activations_kept(config):
             moe = experts.handler(handler) if experts else None
             canonical = handler if config.cp.deterministic else None  # the group's whole sum, in one order

@@ -18,6 +18,7 @@ consumes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -38,6 +39,8 @@ from . import tensor_parallel
 from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, report_eval_check
+from .exact_grads import ExactGradients, units_refusal
+from .exact_grads import uncovered as exact_uncovered
 from .experts import ExpertGroups, expert_parameters
 from .fsdp import shard_model, state_bytes
 from .loop import NonFiniteLoss, StepProgress, default_optimizer, local_grad_norm
@@ -100,6 +103,7 @@ class Trainer:
         model = self.model
         self.experts = ExpertGroups(config.moe_experts, built) if config.moe_experts else None
         self.count_group, self.tp_reduce = dist.group.WORLD, None
+        self.exact = self._exact_gradients(model)
         if tp > 1:
             self._split_tensor_parallel(model, built)
         elif self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
@@ -107,6 +111,8 @@ class Trainer:
             self.trained, self.grad_scale, self.grad_norm = model, 1.0, self.experts.grad_norm
         elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
             self.trained, self.grad_scale, self.grad_norm = shard_model(model), float(world), None
+        elif self.exact is not None:  # the deterministic mode: gradients summed exactly over the world, no DDP
+            self.trained, self.grad_scale, self.grad_norm = model, 1.0, None
         else:  # DDP averages gradients over the world; the loss is already normalised by the global token count
             self.trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
             self.grad_scale, self.grad_norm = float(world), None
@@ -116,6 +122,11 @@ class Trainer:
                 f", FSDP2 over all {world} ranks"
         extra += ", sequence parallel over the TP group" if config.sequence_parallel else ""
         extra += ", every layer recomputed in the backward" if config.recompute else ""
+        if config.cp.deterministic and self.exact is not None:
+            extra += ", parameter gradients summed exactly (the same bits at every CP degree)"
+        elif config.cp.deterministic:
+            extra += (", parameter gradients all-reduced (float32, not the same bits at every CP degree: "
+                      f"{self.exact_refusal})")
         sizes = f"{f'tp {tp} x ' if tp > 1 else ''}dp {groups.dp_size} x cp {groups.cp_size}"
         say(f"world {world} = {sizes}, backend {config.cp.backend}, cp_comm_type "
             f"{config.cp.cp_comm_type}, packing {config.packing}, device {device.type}{extra}")
@@ -125,12 +136,34 @@ class Trainer:
             say(f"thd packs {batches.documents_per_sequence(global_batch, config.steps)}")
         self.batches = StaticBatches(config, batches, groups, global_batch, self.count_group, device)
         self.reference_batch = global_batch
-        self.layout_metrics = {"dp_size": groups.dp_size, "cp_size": groups.cp_size, "tp_size": tp}
+        self.layout_metrics = {"dp_size": groups.dp_size, "cp_size": groups.cp_size, "tp_size": tp,
+                               "exact_grads": self.exact is not None}
         self.at_train, self.at_eval = build_evaluators(config, groups, device.type)
         evaluating = config.eval_every or config.check_eval_cp
         self.heldout = batches.heldout_batches(config.eval_batches, config.batch_size * self.at_eval.groups.dp_size) \
             if evaluating else []
         self.eval_chunks = loss_chunks(self.trained, config)  # evaluation's loss in chunks as training's
+
+    def _exact_gradients(self, model) -> ExactGradients | None:
+        """The deterministic mode's exact parameter gradients (:mod:`.exact_grads`) where the run allows them, else
+        ``None`` with the reason in ``self.exact_refusal`` (said in the start line; ``None`` outside the mode)."""
+        config = self.config
+        self.exact_refusal = None
+        if not config.cp.deterministic:
+            return None
+        others = [name for name, on in (("tensor parallelism", config.tensor_parallel_size > 1),
+                                         ("MoE experts", bool(config.moe_experts)), ("FSDP2", config.fsdp),
+                                         ("torch.compile", config.compile)) if on]
+        if others:
+            self.exact_refusal = f"{', '.join(others)} reduce the gradients their own way (exact sums not built there)"
+        else:
+            self.exact_refusal = units_refusal(config.seq_len, config.cp.context_parallel_size, config.packing)
+        if self.exact_refusal is None and (missing := exact_uncovered(model)):
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            self.exact_refusal = f"{missing[:3]}{more} hold parameters that the exact sums do not cover"
+        if self.exact_refusal is not None:
+            return None
+        return ExactGradients(model)
 
     def _split_tensor_parallel(self, model, built) -> None:
         """``--tp-size``: the model split over the TP group (the reference GPT's plan, or transformers' own), the
@@ -174,6 +207,7 @@ class Trainer:
             f"{config.cp.backend}, device {device.type}"
             f"{', every layer recomputed in the backward' if config.recompute else ''}")
         self.trained, self.experts, self.grad_scale, self.grad_norm = self.model, None, 1.0, None
+        self.exact = None  # the deterministic mode refuses dynamic CP
         self.count_group, self.tp_reduce = dist.group.WORLD, None
         self.batches = DynamicBatches(config, load_documents(config), GroupPool(), device)
         self.reference_batch, self.layout_metrics = None, {"dp_size": None, "cp_size": "dynamic"}
@@ -202,8 +236,12 @@ class Trainer:
         """
         began = time.perf_counter()
         parts, total, tokens = self.batches.parts(step)
-        loss = forward_backward(self.trained, parts, total, self.config, self.device, self.grad_scale, self.experts)
-        if self.tp_reduce:
+        with self.exact if self.exact is not None else contextlib.nullcontext():
+            loss = forward_backward(self.trained, parts, total, self.config, self.device, self.grad_scale,
+                                    self.experts, self.exact)
+        if self.exact is not None:
+            self.exact.all_reduce_(self.count_group)
+        elif self.tp_reduce:
             self.tp_reduce()
         elif self.experts:
             self.experts.reduce_gradients(self.trained)

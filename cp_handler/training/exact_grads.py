@@ -1,0 +1,303 @@
+"""Exact parameter gradients: the deterministic mode's sums over tokens, the same bits at every CP degree.
+
+A parameter's gradient is a sum over tokens. Under CP each rank sums its own tokens (inside a GEMM, in an order that
+follows its token count) and the ranks' sums are all-reduced (in an order that follows the group), so the bits
+follow the degree: ~1e-7 relative per step, which moves later steps' losses by an ulp (docs/deterministic.md).
+Here the sum is taken in pieces that are the same at every degree, and the pieces are added **exactly**, so the
+order no longer matters:
+
+* **Pieces.** A linear layer's weight gradient is computed per *unit* (one GEMM each, ``dY_u^T X_u``): every
+  document (bshd: the sequence) is cut into 48 units (16 for a bshd sequence that 48 does not divide), each inside
+  one zigzag chunk at the degrees compared (:func:`unit_lengths`; thd documents are padded to multiples of 48 in the
+  mode), so a unit is the same set of global tokens, and the same GEMM shape, at every degree. A bias's, an RMSNorm
+  weight's (``dy * x_hat``) and an embedding row's (``dy``) pieces are single tokens.
+* **Exact sums.** Each piece's float32 value is put on a fixed-point grid of ``2**-FRACTION_BITS``
+  (:func:`to_fixed`: two int64 limbs of 32 bits below and the rest above, a deterministic rounding of the piece
+  alone) and the limbs are added as integers: associative, so the local sums, the micro-batches, the index-adds of
+  the embedding and the all-reduce over the dp x cp ranks (int64) give the same integers in any order. The total is
+  rounded once to float32 (:func:`from_fixed`).
+
+Accuracy: each piece is rounded to ``2**-56`` (1.4e-17) absolute, the sum is exact, the result rounded once to
+float32: at least as close to the exact gradient as a float32 sum, whose error grows with the number of terms.
+Range: a piece must be finite with ``|x| < 2**15``, and an element may receive at most ``2**24`` pieces per step
+(a larger value is counted, and every rank raises after the all-reduce: no rank hangs). Cost: two int64 limbs per
+parameter element (16 bytes, beside the float32 gradient), one GEMM per unit instead of one per layer (the same
+flops), a handful of elementwise passes over each piece, one all-reduce of the limbs instead of DDP's float32 one.
+
+Covered: ``nn.Linear``, ``nn.RMSNorm`` (with a weight) and ``nn.Embedding`` (default options): the reference GPT's
+layers (:func:`uncovered` names what is not). Used by :class:`~.trainer.Trainer` in the deterministic mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+FRACTION_BITS = 56
+"""Bits of the fixed-point grid below the unit: a piece is rounded down to a multiple of ``2**-56``."""
+LIMB_BITS = 32
+"""Bits of the lower limb: up to ``2**31`` lower limbs add without overflowing an int64."""
+MAX_PIECE = 2.0**15
+"""The largest magnitude a piece may have: with at most ``2**24`` pieces per element the upper limbs' sum stays below
+``2**63`` (``2**15 * 2**(56 - 32) * 2**24 = 2**63``)."""
+
+
+def to_fixed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32 or float64, ``|x| < MAX_PIECE``) on the grid ``2**-FRACTION_BITS``: ``(hi, lo)`` int64 with
+    ``x ~= (hi * 2**32 + lo) * 2**-56``, ``0 <= lo < 2**32``, rounded down (exact for float32 ``x`` with
+    ``|x| >= 2**-33``). A function of each element alone."""
+    scaled = x.double() * 2.0**FRACTION_BITS  # exact: a power of two
+    hi = torch.floor(scaled * 2.0**-LIMB_BITS)
+    lo = torch.floor(scaled - hi * 2.0**LIMB_BITS)  # exact difference: scaled's bits below 2**32
+    return hi.long(), lo.long()
+
+
+def from_fixed(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The value of summed limbs ``(hi, lo)`` (``lo >= 0``, any size) in ``dtype``: the carry moved up first, so
+    equal sums give equal bits."""
+    carry = lo >> LIMB_BITS
+    hi, lo = hi + carry, lo - (carry << LIMB_BITS)
+    return (hi.double() * 2.0 ** (LIMB_BITS - FRACTION_BITS) + lo.double() * 2.0**-FRACTION_BITS).to(dtype)
+
+
+def unit_parts(seq_len: int, qkv_format: str) -> int:
+    """Units per document: 48 for thd packs (the mode pads every document to a multiple of 48) and for a sequence
+    that 48 divides, else 16 (a function of the sequence alone, so every degree cuts the same units)."""
+    return 48 if qkv_format == "thd" or seq_len % 48 == 0 else 16
+
+
+def units_refusal(seq_len: int, cp_size: int, qkv_format: str) -> str | None:
+    """Why a run's units cannot sit inside the zigzag chunks (``None``: they can): ``seq_len`` tokens per sequence
+    (bshd: a multiple of the unit count; thd: any, documents are padded), ``cp_size`` ranks."""
+    parts = unit_parts(seq_len, qkv_format)
+    if (qkv_format != "thd" and seq_len % parts) or (cp_size > 1 and parts % (2 * cp_size)):
+        return (f"exact parameter gradients sum a document in {parts} units, each inside one zigzag chunk (2 x cp = "
+                f"{2 * cp_size} of them): not at cp {cp_size} with {qkv_format} sequences of {seq_len} tokens (48 "
+                "units when 48 divides the sequence, and for thd: cp 1, 2, 3, 4, 6 or 8; else 16: a sequence that 16 "
+                "divides, cp 1, 2, 4 or 8)")
+    return None
+
+
+def unit_lengths(handler, local_len: int) -> tuple[int, ...]:
+    """Tokens of each unit of a rank's local rows, in order (module doc): every document (bshd: the sequence)
+    padded to ``L`` tokens is cut into :func:`unit_parts` units of ``L / parts`` tokens, and a rank's two chunks of
+    it hold ``parts / cp`` of them. The same global token sets at every CP degree.
+
+    Args:
+        handler: the micro-batch's handler (the zigzag layout: ``handler.token_layout.cu_seqlens_padded`` for thd).
+        local_len: the rank's local tokens per batch row.
+
+    Raises:
+        ValueError: :func:`units_refusal`'s reason.
+    """
+    cp, fmt = handler.cp_size, handler.qkv_format
+    padded = handler.token_layout.cu_seqlens_padded.diff().tolist() if fmt == "thd" else [local_len * cp]
+    parts = unit_parts(sum(padded), fmt)
+    if reason := units_refusal(sum(padded), cp, fmt) or (
+            fmt == "thd" and any(length % parts for length in padded) and
+            f"thd documents padded to {padded}: not multiples of {parts} (the deterministic mode's padding)"):
+        raise ValueError(reason)
+    units = tuple(length // parts for length in padded if length for _ in range(parts // cp))
+    if sum(units) != local_len:
+        raise ValueError(f"exact parameter gradients: units of {sum(units)} local tokens for {local_len} local rows")
+    return units
+
+
+def uncovered(model: nn.Module) -> list[str]:
+    """``"name (class)"`` of each module of ``model`` that holds parameters of its own and is not covered (module
+    doc): its gradients could not be summed exactly. Empty: every parameter is covered."""
+    names = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if type(module) is nn.Linear or (type(module) is nn.RMSNorm and module.weight is not None):
+            continue
+        if type(module) is nn.Embedding and module.padding_idx is None and module.max_norm is None \
+                and not module.scale_grad_by_freq and not module.sparse:
+            continue
+        names.append(f"{name or '<model>'} ({type(module).__name__})")
+    return names
+
+
+class ExactGradients:
+    """The exact gradient sums of ``model``'s parameters (module doc). Use as a context manager around each
+    micro-batch's forward and backward: inside, the covered layers compute their parameters' pieces into the limbs
+    (their ``.grad`` stays untouched); :meth:`all_reduce_` then sums the limbs over a group and writes ``.grad``.
+
+    Args:
+        model: every parameter-holding module covered (:func:`uncovered` empty).
+
+    Set :attr:`units` (:func:`unit_lengths`) for each micro-batch before its forward.
+
+    Raises:
+        ValueError: an uncovered module (named); in the backward, a linear layer's input whose rows are not whole
+            units (a loss chunk of another size: ``--loss-chunk-tokens``).
+    """
+
+    def __init__(self, model: nn.Module):
+        if missing := uncovered(model):
+            raise ValueError(f"exact parameter gradients cover nn.Linear, nn.RMSNorm and nn.Embedding; {missing} hold "
+                             "parameters of their own")
+        self.model, self.units = model, None
+        self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # tied: once
+        self.limbs = {p: None for p in self.params}
+        self.bad = 0  # pieces out of range (a tensor once one was checked)
+
+    # --- accumulation ----------------------------------------------------------------------------------------------
+
+    def _limbs(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.limbs[param] is None:
+            self.limbs[param] = tuple(torch.zeros(param.shape, dtype=torch.int64, device=param.device) for _ in "hl")
+        return self.limbs[param]
+
+    def _checked(self, piece: torch.Tensor) -> torch.Tensor:
+        self.bad = self.bad + (~(piece.abs() < MAX_PIECE)).sum()  # NaN counts too
+        return piece
+
+    def add_(self, param: torch.Tensor, piece: torch.Tensor) -> None:
+        """Add one piece (``param``'s shape) to ``param``'s sum."""
+        hi, lo = to_fixed(self._checked(piece))
+        limbs = self._limbs(param)
+        limbs[0].add_(hi)
+        limbs[1].add_(lo)
+
+    def add_rows_(self, param: torch.Tensor, pieces: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Add pieces ``(N, *row)`` into ``param``'s rows ``index (N,)`` (``None``: each piece is ``param``'s shape,
+        all summed)."""
+        hi, lo = to_fixed(self._checked(pieces))
+        limbs = self._limbs(param)
+        for acc, part in zip(limbs, (hi, lo), strict=True):
+            acc.add_(part.sum(0)) if index is None else acc.index_add_(0, index, part)
+
+    # --- the layers --------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> ExactGradients:
+        for module in self.model.modules():
+            kind = {nn.Linear: _linear, nn.RMSNorm: _rms_norm, nn.Embedding: _embedding}.get(type(module))
+            if kind is not None:
+                module.forward = functools.partial(kind, module, self)  # an instance attribute: __exit__ drops it
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module in self.model.modules():
+            module.__dict__.pop("forward", None)
+
+    # --- the reduction -----------------------------------------------------------------------------------------------
+
+    def all_reduce_(self, group: dist.ProcessGroup | None = None) -> None:
+        """Sum the limbs over ``group`` (``None``: this process alone) as int64, write each parameter's ``.grad``
+        (float32, the same bits on every rank and at every degree whose units are the same) and clear the limbs.
+
+        Raises:
+            FloatingPointError: some piece was not finite or above :data:`MAX_PIECE` on some rank (every rank
+                raises, after the all-reduce).
+        """
+        flat = [self._limbs(p)[i].flatten() for p in self.params for i in (0, 1)]
+        bad = torch.as_tensor(self.bad, dtype=torch.int64, device=flat[0].device).view(1)
+        buffer = torch.cat([*flat, bad])
+        if group is not None:
+            dist.all_reduce(buffer, group=group)
+        if buffer[-1].item():
+            raise FloatingPointError(f"exact parameter gradients: {buffer[-1].item()} gradient pieces were not finite "
+                                     f"or reached {MAX_PIECE:g} (the fixed-point range); the step stops before the "
+                                     "optimizer step")
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            hi, lo = buffer[offset:offset + n], buffer[offset + n:offset + 2 * n]
+            p.grad = from_fixed(hi, lo, p.dtype).view(p.shape)
+            offset += 2 * n
+        self.limbs = {p: None for p in self.params}
+        self.bad = 0
+
+
+def _linear(module: nn.Linear, sums: ExactGradients, x: torch.Tensor) -> torch.Tensor:
+    return _ExactLinear.apply(x, module.weight, module.bias, sums)
+
+
+def _rms_norm(module: nn.RMSNorm, sums: ExactGradients, x: torch.Tensor) -> torch.Tensor:
+    x_hat = F.rms_norm(x, module.normalized_shape, None, module.eps)
+    return _ExactScale.apply(x_hat, module.weight, sums)
+
+
+def _embedding(module: nn.Embedding, sums: ExactGradients, ids: torch.Tensor) -> torch.Tensor:
+    return _ExactEmbedding.apply(ids, module.weight, sums)
+
+
+class _ExactLinear(torch.autograd.Function):
+    """``F.linear``; backward: the input's gradient as autograd's, the weight's per unit into the sums."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sums):
+        ctx.save_for_backward(x)
+        ctx.sums, ctx.weight, ctx.bias = sums, weight, bias
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,), weight, bias = ctx.saved_tensors, ctx.weight, ctx.bias
+        rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        if weight.requires_grad:
+            for rows in _unit_slices(ctx.sums.units, rows_x.shape[0]):
+                ctx.sums.add_(weight, rows_g[rows].t().mm(rows_x[rows]))
+        if bias is not None and bias.requires_grad:
+            ctx.sums.add_rows_(bias, rows_g)
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+def _unit_slices(units: tuple[int, ...], rows: int) -> list[slice]:
+    """The units of a linear layer's ``rows`` input rows: every local row of the batch (``B`` batch rows of the
+    units), or, when the units are all alike (bshd), any whole number of them (a loss chunk)."""
+    local = sum(units)
+    if rows % local == 0:
+        lengths = units * (rows // local)
+    elif len(set(units)) == 1 and rows % units[0] == 0:
+        lengths = units[:1] * (rows // units[0])
+    else:
+        raise ValueError(f"exact parameter gradients: a linear layer's input of {rows} rows is not whole units of "
+                         f"this batch ({local} local tokens; units of {sorted(set(units))}): a loss chunk of another "
+                         f"size? (cp-train --loss-chunk-tokens: a multiple of {units[0]}, or 0)")
+    ends = [0, *itertools.accumulate(lengths)]
+    return [slice(a, b) for a, b in zip(ends, ends[1:], strict=False)]
+
+
+class _ExactScale(torch.autograd.Function):
+    """``x_hat * weight`` (an RMSNorm's scale); backward: ``dy * weight`` for ``x_hat``, ``dy * x_hat`` per token
+    into the sums for the weight."""
+
+    @staticmethod
+    def forward(ctx, x_hat, weight, sums):
+        ctx.save_for_backward(x_hat, weight)
+        ctx.sums = sums
+        return x_hat * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_hat, weight = ctx.saved_tensors
+        if weight.requires_grad:
+            ctx.sums.add_rows_(weight, (grad * x_hat).reshape(-1, *weight.shape))
+        return grad * weight, None, None
+
+
+class _ExactEmbedding(torch.autograd.Function):
+    """``F.embedding``; backward: each token's output gradient into its row of the sums."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, sums):
+        ctx.save_for_backward(ids)
+        ctx.sums, ctx.weight = sums, weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        ctx.sums.add_rows_(ctx.weight, grad.reshape(-1, grad.shape[-1]), ids.reshape(-1))
+        return None, None, None
+
+

@@ -1,0 +1,153 @@
+"""Exact parameter gradients (``cp_handler/training/exact_grads.py``, the deterministic mode's): the reference GPT's
+every parameter gradient ``torch.equal`` at cp 2, 3, 4, 6 and 8 to one process's (a deterministic a2a handler, the
+limbs all-reduced over the group), bshd and a thd pack of five documents; the fixed-point sums give the same bits in
+any order and grouping (hypothesis); against autograd's float32 gradients within float32 reordering. Negative control: the default reduction (autograd's
+sums, a float32 all-reduce) at cp 2 differs from one process's in at least one bit on the same inputs.
+
+Tolerances: none (bitwise), except against autograd (relative 1e-5 of each tensor's largest element: two float32
+sums over the same terms in different orders, ~1e-7 relative per add over a few hundred terms) and the fixed-point
+sum against a float64 one (the float32 rounding of the result: 2**-23 relative, plus 2**-56 per term).
+"""
+
+import pytest
+import torch
+from dist_utils import fails_fast, new_cp_group, run_distributed
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_handler import LocalContextParallelHandler
+from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.training.exact_grads import ExactGradients, from_fixed, to_fixed, uncovered, unit_lengths, units_refusal
+
+S = 384  # a multiple of 48: units of 8 tokens inside every zigzag chunk at cp 1, 2, 3, 4, 6 and 8
+
+
+def _model() -> GPTModel:
+    torch.manual_seed(0)
+    return GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=8,
+                              num_query_groups=8, ffn_hidden_size=128, tie_word_embeddings=True))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 256, (2, S + 1), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(handler, exact: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the summed next-token loss of :func:`_tokens` under ``handler`` (its real tokens:
+    a thd pack's padding left out): the exact sums all-reduced over its group (``exact``), else autograd's,
+    all-reduced in float32 (as DDP's sum)."""
+    model, tokens = _model(), _tokens()
+    tokens = tokens[:1] if handler.qkv_format == "thd" else tokens  # a pack is one row
+    inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
+    real = handler.token_layout.real_token_mask()
+    weights = torch.ones(inputs.shape[1]) if real is None else real.float()
+    sums = ExactGradients(model) if exact else None
+    if exact:
+        sums.units = unit_lengths(handler, inputs.shape[1])
+    with sums if exact else torch.enable_grad():
+        logits = model(inputs, cp_handler=handler)
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        (losses * weights.repeat(inputs.shape[0])).sum().backward()
+    if exact:
+        sums.all_reduce_(handler.cp_group)
+    elif handler.cp_size > 1:
+        for p in model.parameters():
+            torch.distributed.all_reduce(p.grad, group=handler.cp_group)
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+PACK = (100, 37, 1, 180, 66)
+"""A thd pack of :data:`S` tokens (its documents padded to multiples of 48 in the mode: 528 slots)."""
+
+
+def _handler(group, thd: bool = False):
+    if not thd:
+        return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True)
+    cu_seqlens = torch.tensor([0, *torch.tensor(PACK).cumsum(0).tolist()], dtype=torch.int32)
+    return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True, qkv_format="thd",
+                                       cu_seqlens=cu_seqlens)
+
+
+@fails_fast
+def _worker(rank, world):
+    group = new_cp_group()
+    for thd in (False, True):
+        want = _grads(_handler(None, thd), exact=True)  # one process, on every rank
+        got = _grads(_handler(group, thd), exact=True)
+        for name, grad in want.items():
+            assert torch.equal(got[name], grad), \
+                f"{name} cp {world} thd {thd}: {(got[name] - grad).abs().max().item():.3e}"
+    if world == 2:  # the negative control: autograd's sums and a float32 all-reduce are not one process's bits
+        plain_one, plain = _grads(_handler(None), exact=False), _grads(_handler(group), exact=False)
+        assert not all(torch.equal(plain[n], plain_one[n]) for n in plain)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_parameter_gradients_are_bitwise_the_same_at_every_cp_degree(world):
+    run_distributed(_worker, world)
+
+
+def test_exact_gradients_match_autograd_and_leave_the_forward_unchanged():
+    """One process: the exact sums against autograd's float32 gradients (relative 1e-5, module doc); the model's
+    output the same bits inside the scope as outside; ``.grad`` untouched until :meth:`all_reduce_`; a tied weight
+    summed once for both uses."""
+    handler = _handler(None)
+    model, tokens = _model(), _tokens()[:, :-1]
+    plain = model(tokens, cp_handler=handler)
+    plain.pow(2).mean().backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    sums = ExactGradients(model)
+    sums.units = unit_lengths(handler, S)
+    with sums:
+        out = model(tokens, cp_handler=handler)
+        out.pow(2).mean().backward()
+    assert torch.equal(out, plain)
+    assert all(p.grad is None for p in model.parameters())
+    sums.all_reduce_()
+    assert len(sums.params) == len(list(model.parameters()))  # lm_head.weight is embed_tokens.weight
+    for name, p in model.named_parameters():
+        scale = want[name].abs().max()
+        assert (p.grad - want[name]).abs().max() <= 1e-5 * scale, name
+    assert "forward" not in vars(model.lm_head)  # the scope's layers are the model's own again
+
+
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 200), st.integers(0, 2**32 - 1), st.floats(-30, 14))
+def test_fixed_point_sums_are_the_same_bits_in_any_order_and_grouping(terms, seed, log_scale):
+    """Terms of one magnitude (``2**log_scale``, |x| < 2**15): the limbs summed in a random order and in random
+    groups give the same float32; against a float64 sum within float32's rounding plus 2**-56 per term."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(terms, 3, generator=g) * 2.0**log_scale
+    x = x.clamp(-(2.0**15) + 1, 2.0**15 - 1)
+    hi, lo = to_fixed(x)
+    whole = from_fixed(hi.sum(0), lo.sum(0))
+    perm = torch.randperm(terms, generator=g)
+    cuts = sorted(torch.randint(0, terms + 1, (3,), generator=g).tolist())
+    groups = [perm[a:b] for a, b in zip([0, *cuts], [*cuts, terms], strict=True)]
+    grouped = [sum(part[idx].sum(0) for idx in groups) for part in (hi, lo)]
+    assert torch.equal(from_fixed(*grouped), whole)
+    exact = x.double().sum(0)
+    assert ((whole.double() - exact).abs() <= exact.abs() * 2.0**-23 + terms * 2.0**-56 + 1e-300).all()
+
+
+def test_out_of_range_pieces_are_refused_on_every_rank_after_the_sum():
+    """A gradient piece that is not finite, or as large as the fixed-point range, raises FloatingPointError naming
+    the range at :meth:`all_reduce_` (after the collective: every rank raises, none hangs)."""
+    model = _model()
+    sums = ExactGradients(model)
+    sums.add_(model.norm.weight, torch.full_like(model.norm.weight, float("nan")))
+    with pytest.raises(FloatingPointError, match="fixed-point range"):
+        sums.all_reduce_()
+
+
+def test_uncovered_modules_and_units_are_named():
+    """A module holding parameters that the exact sums do not cover is named; a sequence without units inside the
+    zigzag chunks is refused with the rule."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert uncovered(model) == ["1 (LayerNorm)"]
+    with pytest.raises(ValueError, match="LayerNorm"):
+        ExactGradients(model)
+    assert units_refusal(384, 3, "bshd") is None and units_refusal(128, 4, "bshd") is None
+    assert "not at cp 3 with bshd sequences of 128 tokens" in units_refusal(128, 3, "bshd")
+    assert "not at cp 5" in units_refusal(480, 5, "thd")
