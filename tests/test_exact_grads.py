@@ -1,13 +1,13 @@
 """Exact parameter gradients (``cp_handler/training/exact_grads.py``, the deterministic mode's): the reference GPT's
 every parameter gradient ``torch.equal`` at cp 2, 3, 4, 6 and 8 to one process's (a deterministic a2a handler, the
 limbs all-reduced over the group), bshd and a thd pack of five documents; the fixed-point sums give the same bits in
-any order and grouping (hypothesis); against autograd's float32 gradients within float32 reordering. Negative control: the default reduction (autograd's
-sums, a float32 all-reduce) at cp 2 differs from one process's in at least one bit on the same inputs.
+any order and grouping (hypothesis); against autograd's float32 gradients within float32 reordering. Negative
+control: the default reduction (autograd's sums, a float32 all-reduce) at cp 2 differs from one process's in at least
+one bit on the same inputs.
 
-Tolerances: none (bitwise), except against autograd (relative 1e-5 of each tensor's largest element: two float32
-sums over the same terms in different orders, ~1e-7 relative per add over a few hundred terms) and the fixed-point
-sum against a float64 one (the float32 rounding of the result: 2**-23 relative, plus 2**-56 per term).
-"""
+Tolerances: none (bitwise), except against autograd (relative 1e-5 of each tensor's largest element: two float32 sums
+over the same terms in different orders, ~1e-7 relative per add over a few hundred terms) and the fixed-point sum
+against a float64 one (the float32 rounding of the result: 2**-23 relative, plus 2**-56 per term)."""
 
 import pytest
 import torch
