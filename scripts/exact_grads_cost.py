@@ -30,7 +30,7 @@ MODEL = {"vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_attention
 def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
     from cp_handler import LocalContextParallelHandler
     from cp_handler.models import GPTConfig, GPTModel
-    from cp_handler.training.exact_grads import ExactGradients, unit_rows
+    from cp_handler.training.exact_grads import ExactGradients, unit_lengths
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -39,7 +39,8 @@ def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str)
     tokens = torch.randint(0, MODEL["vocab_size"], (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
     handler = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="a2a", deterministic=True)
     inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
-    sums = ExactGradients(model, unit_rows(seq_len, world))
+    sums = ExactGradients(model)
+    sums.units = unit_lengths(handler, inputs.shape[1])
 
     def once(exact: bool) -> float:
         model.zero_grad(set_to_none=True)

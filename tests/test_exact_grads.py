@@ -148,6 +148,11 @@ def test_uncovered_modules_and_units_are_named():
     assert uncovered(model) == ["1 (LayerNorm)"]
     with pytest.raises(ValueError, match="LayerNorm"):
         ExactGradients(model)
+    patched = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    patched[1].forward = lambda x: x  # someone else's per-instance forward: refused, and the scope leaves none behind
+    with pytest.raises(ValueError, match="already has a forward of its own"), ExactGradients(patched):
+        pass
+    assert "forward" not in vars(patched[0])
     assert units_refusal(384, 3, "bshd") is None and units_refusal(128, 4, "bshd") is None
     assert "not at cp 3 with bshd sequences of 128 tokens" in units_refusal(128, 3, "bshd")
     assert "not at cp 5" in units_refusal(480, 5, "thd")

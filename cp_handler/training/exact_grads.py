@@ -143,7 +143,7 @@ class ExactGradients:
         if missing := uncovered(model):
             raise ValueError(f"exact parameter gradients cover nn.Linear, nn.RMSNorm and nn.Embedding; {missing} hold "
                              "parameters of their own")
-        self.model, self.units = model, None
+        self.model, self.units, self.patched = model, None, []
         self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # tied: once
         self.limbs = {p: None for p in self.params}
         self.bad = 0  # pieces out of range (a tensor once one was checked)
@@ -177,15 +177,23 @@ class ExactGradients:
     # --- the layers --------------------------------------------------------------------------------------------------
 
     def __enter__(self) -> ExactGradients:
-        for module in self.model.modules():
+        self.patched = []
+        for name, module in self.model.named_modules():
             kind = {nn.Linear: _linear, nn.RMSNorm: _rms_norm, nn.Embedding: _embedding}.get(type(module))
-            if kind is not None:
-                module.forward = functools.partial(kind, module, self)  # an instance attribute: __exit__ drops it
+            if kind is None:
+                continue
+            if "forward" in vars(module):
+                self.__exit__()
+                raise ValueError(f"exact parameter gradients: {name} ({type(module).__name__}) already has a forward "
+                                 "of its own (an instance attribute); its gradient pieces cannot be taken")
+            module.forward = functools.partial(kind, module, self)  # an instance attribute: __exit__ drops it
+            self.patched.append(module)
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self.model.modules():
-            module.__dict__.pop("forward", None)
+        for module in self.patched:
+            del module.forward
+        self.patched = []
 
     # --- the reduction -----------------------------------------------------------------------------------------------
 
