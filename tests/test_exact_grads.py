@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 
 from cp_handler import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
-from cp_handler.training.exact_grads import ExactGradients, from_fixed, to_fixed, uncovered, unit_lengths, units_refusal
+from cp_handler.training.exact_grads import (
+    ExactGradients,
+    from_fixed,
+    is_scaled_norm,
+    to_fixed,
+    uncovered,
+    unit_lengths,
+    units_refusal,
+)
 
 S = 384  # a multiple of 48: units of 8 tokens inside every zigzag chunk at cp 1, 2, 3, 4, 6 and 8
 
@@ -156,3 +164,34 @@ def test_uncovered_modules_and_units_are_named():
     assert units_refusal(384, 3, "bshd") is None and units_refusal(128, 4, "bshd") is None
     assert "not at cp 3 with bshd sequences of 128 tokens" in units_refusal(128, 3, "bshd")
     assert "not at cp 5" in units_refusal(480, 5, "thd")
+
+
+def test_scaled_norms_are_recognised_by_behaviour():
+    """:func:`is_scaled_norm`: transformers' Qwen2 RMSNorm (``weight * x_hat``) is covered, whatever its weight's
+    values (ones at init); Gemma's ``(1 + weight) * x_hat`` and a LayerNorm with a bias are not (named by
+    :func:`uncovered`)."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+
+    assert is_scaled_norm(Qwen2RMSNorm(16))
+    assert not is_scaled_norm(GemmaRMSNorm(16))
+    assert not is_scaled_norm(torch.nn.LayerNorm(16))
+    assert uncovered(torch.nn.Sequential(Qwen2RMSNorm(16), GemmaRMSNorm(16))) == ["1 (GemmaRMSNorm)"]
+
+
+def test_embedding_padding_row_receives_no_gradient():
+    """An ``nn.Embedding`` with ``padding_idx`` (Hugging Face models set it): as autograd's, its padding row's gradient
+    is zero and the other rows' equal autograd's (one piece per token: float32 sums of a few terms, 1e-6 relative)."""
+    emb = torch.nn.Embedding(10, 4, padding_idx=3)
+    ids = torch.tensor([[1, 3, 3, 5, 1, 0, 3, 9]])
+    grad = torch.randn(1, 8, 4, generator=torch.Generator().manual_seed(0))
+    emb(ids).backward(grad)
+    want = emb.weight.grad.clone()
+    emb.weight.grad = None
+    sums = ExactGradients(emb)
+    sums.units = (8,)
+    with sums:
+        emb(ids).backward(grad)
+    sums.all_reduce_()
+    assert torch.equal(emb.weight.grad[3], torch.zeros(4))
+    torch.testing.assert_close(emb.weight.grad, want, rtol=1e-6, atol=0)

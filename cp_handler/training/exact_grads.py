@@ -24,12 +24,16 @@ Range: a piece must be finite with ``|x| < 2**15``, and an element may receive a
 parameter element (16 bytes, beside the float32 gradient), one GEMM per unit instead of one per layer (the same
 flops), a handful of elementwise passes over each piece, one all-reduce of the limbs instead of DDP's float32 one.
 
-Covered: ``nn.Linear``, ``nn.RMSNorm`` (with a weight) and ``nn.Embedding`` (default options): the reference GPT's
-layers (:func:`uncovered` names what is not). Used by :class:`~.trainer.Trainer` in the deterministic mode.
+Covered: ``nn.Linear``, ``nn.RMSNorm`` (with a weight), ``nn.Embedding`` (without ``max_norm``, gradient scaling by
+frequency or sparse gradients) and any normalisation that ends in ``weight * x_hat`` (:func:`is_scaled_norm`, by
+behaviour: the RMSNorm classes of Llama, Qwen2 and others in transformers): the reference GPT's layers and dense
+Hugging Face models (:func:`uncovered` names what is not: a MoE's fused experts, Gemma's ``(1 + weight)`` norm...).
+Used by :class:`~.trainer.Trainer` in the deterministic mode.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 
@@ -108,20 +112,43 @@ def unit_lengths(handler, local_len: int) -> tuple[int, ...]:
     return units
 
 
+def _kind(module: nn.Module):
+    """How a module's parameters are summed exactly (the forward installed in the scope), or ``None``: not covered."""
+    if type(module) is nn.Linear:
+        return _linear
+    if type(module) is nn.RMSNorm and module.weight is not None:
+        return _rms_norm
+    if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq \
+            and not module.sparse:
+        return _embedding
+    return _scaled_norm if is_scaled_norm(module) else None
+
+
+def is_scaled_norm(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalisation followed by a scale ``weight * x_hat`` (Llama's and Qwen2's RMSNorm
+    classes in transformers, T5's LayerNorm...), by behaviour: its only parameter is a 1-D ``weight`` over the last
+    dim, it has no children, and on a probe input its output with a random weight is bitwise that weight times its
+    output with a weight of ones (Gemma's ``(1 + weight) * x_hat`` is not: it is refused)."""
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"weight"} or params["weight"].dim() != 1 or any(True for _ in module.children()):
+        return False
+    weight = params["weight"]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, weight.shape[0], generator=g).to(weight.device)
+    scale = (torch.rand(weight.shape, generator=g) + 0.5).to(weight)
+    try:
+        with torch.no_grad():
+            scaled, plain = _with_weight(module, scale, x), _with_weight(module, torch.ones_like(weight), x)
+    except Exception:  # a module that does not run on (B, S, hidden) alone: not a norm of this kind  # noqa: BLE001
+        return False
+    return isinstance(scaled, torch.Tensor) and scaled.shape == x.shape and torch.equal(scaled, scale * plain)
+
+
 def uncovered(model: nn.Module) -> list[str]:
     """``"name (class)"`` of each module of ``model`` that holds parameters of its own and is not covered (module
     doc): its gradients could not be summed exactly. Empty: every parameter is covered."""
-    names = []
-    for name, module in model.named_modules():
-        if not any(True for _ in module.parameters(recurse=False)):
-            continue
-        if type(module) is nn.Linear or (type(module) is nn.RMSNorm and module.weight is not None):
-            continue
-        if type(module) is nn.Embedding and module.padding_idx is None and module.max_norm is None \
-                and not module.scale_grad_by_freq and not module.sparse:
-            continue
-        names.append(f"{name or '<model>'} ({type(module).__name__})")
-    return names
+    return [f"{name or '<model>'} ({type(module).__name__})" for name, module in model.named_modules()
+            if any(True for _ in module.parameters(recurse=False)) and _kind(module) is None]
 
 
 class ExactGradients:
@@ -141,9 +168,11 @@ class ExactGradients:
 
     def __init__(self, model: nn.Module):
         if missing := uncovered(model):
-            raise ValueError(f"exact parameter gradients cover nn.Linear, nn.RMSNorm and nn.Embedding; {missing} hold "
-                             "parameters of their own")
+            raise ValueError(f"exact parameter gradients cover nn.Linear, nn.RMSNorm, nn.Embedding and norms ending "
+                             f"in a scale (is_scaled_norm); {missing} hold parameters of their own")
         self.model, self.units, self.patched = model, None, []
+        self.kinds = {module: _kind(module) for module in model.modules()
+                      if any(True for _ in module.parameters(recurse=False))}  # probed once
         self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # tied: once
         self.limbs = {p: None for p in self.params}
         self.bad = 0  # pieces out of range (a tensor once one was checked)
@@ -179,7 +208,7 @@ class ExactGradients:
     def __enter__(self) -> ExactGradients:
         self.patched = []
         for name, module in self.model.named_modules():
-            kind = {nn.Linear: _linear, nn.RMSNorm: _rms_norm, nn.Embedding: _embedding}.get(type(module))
+            kind = self.kinds.get(module)
             if kind is None:
                 continue
             if "forward" in vars(module):
@@ -233,8 +262,21 @@ def _rms_norm(module: nn.RMSNorm, sums: ExactGradients, x: torch.Tensor) -> torc
     return _ExactScale.apply(x_hat, module.weight, sums)
 
 
+def _with_weight(module: nn.Module, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s class forward on ``x`` with ``weight`` in place of its own (a shallow copy holds it: the module
+    and its instance forward, if the scope installed one, are left alone)."""
+    proxy = copy.copy(module)
+    proxy._parameters = {**module._parameters, "weight": weight}
+    return type(module).forward(proxy, x)
+
+
+def _scaled_norm(module: nn.Module, sums: ExactGradients, x: torch.Tensor) -> torch.Tensor:
+    x_hat = _with_weight(module, torch.ones_like(module.weight), x)  # ones * x_hat: x_hat's values
+    return _ExactScale.apply(x_hat, module.weight, sums)
+
+
 def _embedding(module: nn.Embedding, sums: ExactGradients, ids: torch.Tensor) -> torch.Tensor:
-    return _ExactEmbedding.apply(ids, module.weight, sums)
+    return _ExactEmbedding.apply(ids, module.weight, module.padding_idx, sums)
 
 
 class _ExactLinear(torch.autograd.Function):
@@ -276,8 +318,8 @@ def _unit_slices(units: tuple[int, ...], rows: int) -> list[slice]:
 
 
 class _ExactScale(torch.autograd.Function):
-    """``x_hat * weight`` (an RMSNorm's scale); backward: ``dy * weight`` for ``x_hat``, ``dy * x_hat`` per token
-    into the sums for the weight."""
+    """``x_hat * weight`` (an RMSNorm's scale); backward: ``dy * weight`` for ``x_hat`` (in its dtype), ``dy * x_hat``
+    per token into the sums for the weight."""
 
     @staticmethod
     def forward(ctx, x_hat, weight, sums):
@@ -290,22 +332,26 @@ class _ExactScale(torch.autograd.Function):
         x_hat, weight = ctx.saved_tensors
         if weight.requires_grad:
             ctx.sums.add_rows_(weight, (grad * x_hat).reshape(-1, *weight.shape))
-        return grad * weight, None, None
+        return (grad * weight).to(x_hat.dtype), None, None
 
 
 class _ExactEmbedding(torch.autograd.Function):
     """``F.embedding``; backward: each token's output gradient into its row of the sums."""
 
     @staticmethod
-    def forward(ctx, ids, weight, sums):
+    def forward(ctx, ids, weight, padding_idx, sums):
         ctx.save_for_backward(ids)
-        ctx.sums, ctx.weight = sums, weight
-        return F.embedding(ids, weight)
+        ctx.sums, ctx.weight, ctx.padding_idx = sums, weight, padding_idx
+        return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        ctx.sums.add_rows_(ctx.weight, grad.reshape(-1, grad.shape[-1]), ids.reshape(-1))
-        return None, None, None
+        ids, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # as F.embedding: the padding row receives no gradient
+            keep = ids != (ctx.padding_idx % ctx.weight.shape[0])
+            ids, rows = ids[keep], rows[keep]
+        ctx.sums.add_rows_(ctx.weight, rows, ids)
+        return None, None, None, None
 
 
