@@ -267,3 +267,46 @@ def test_cp_train_deterministic_refuses_by_name_before_any_rank(flags, words):
     argv = ["--nproc", "2", "--cp-size", "2", *TRAIN[:-2], "--deterministic", *flags]
     with pytest.raises(ValueError, match=re.escape(words)):
         validate(build_parser().parse_args(argv))
+
+
+def test_cp_train_deterministic_check_parity_is_bitwise(tmp_path):
+    """``cp-train --deterministic --check-parity`` (dp 1, exact gradients): besides the tolerance check against the
+    independent reference, every step's loss ``==`` and every parameter gradient ``torch.equal`` to the same step at
+    cp 1 through the mode, and it says so (the reference GPT bshd at cp 2, thd at cp 4; Qwen2 at cp 2). At dp 2 the
+    check is not made, and the run says why."""
+    qwen = tmp_path / "qwen2"
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=1024, initializer_range=0.5).save_pretrained(qwen)
+    runs = {"gpt-bshd": ("--nproc", "2", "--cp-size", "2", *TRAIN),
+            "gpt-thd": ("--nproc", "4", "--cp-size", "4", *TRAIN, "--packing", "thd"),
+            "qwen2": ("--nproc", "2", "--cp-size", "2", "--hf-config", str(qwen), "--steps", "2", "--seq-len", "192",
+                      "--max-corpus-bytes", "2000000")}
+    for name, flags in runs.items():
+        out = tmp_path / f"{name}.json"
+        result = cp_train(*flags, "--deterministic", "--check-parity", "--metrics-out", str(out))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "bitwise parity passed" in result.stderr, name
+        bitwise = json.loads(out.read_text())["parity"]["bitwise"]
+        assert bitwise == {"passed": True, "loss_steps_differing": [], "gradients_differing": {}}, name
+    result = cp_train("--nproc", "4", "--cp-size", "2", *TRAIN, "--steps", "1", "--deterministic", "--check-parity")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no bitwise check against cp 1 in the mode (it needs the gradients summed exactly and dp 1: dp 2)" \
+        in result.stderr
+
+
+def test_bitwise_parity_verdict_fails_on_any_difference(capsys):
+    """The verdict of the bitwise check fails when one step's loss differs or one gradient is not ``torch.equal``
+    (the check can fail), and names them."""
+    from cp_handler.training.parity import parity_result
+
+    record = {"step": 0, "loss": 1.0, "reference_loss": 1.0, "grad_rel_diff": 0.0, "grad_norm": 2.0,
+              "reference_grad_norm": 2.0, "twin_loss": 1.0, "twin_grads_differing": []}
+    assert parity_result([record], "float32")["passed"]
+    bad = [dict(record, twin_loss=1.0 + 2**-52), dict(record, step=1, twin_grads_differing=["lm_head.weight"])]
+    result = parity_result(bad, "float32")
+    assert not result["passed"]
+    assert result["bitwise"]["loss_steps_differing"] == [1]
+    assert result["bitwise"]["gradients_differing"] == {2: ["lm_head.weight"]}
+    assert "bitwise parity FAILED" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from .fsdp import full_state, is_sharded
 from .loop import local_grad_norm
 from .parity import StepReference, unwrap
 from .reference import hf_logits
-from .steps import gpt_logits, load_batches, load_documents, reference_step
+from .steps import gpt_logits, load_batches, load_documents, reference_step, twin_step
 from .tokens import has_tokenizer, tokens_for
 
 
@@ -124,15 +124,19 @@ def _hf_model(config: TrainConfig, device: torch.device, dtype: torch.dtype, ref
     return (HFReference(model) if reference else CPCausalLM(model)).to(device=device, dtype=dtype)
 
 
-def step_reference(config: TrainConfig, device, global_batch: int | None, sharded_experts: bool) -> StepReference:
-    """``--check-parity``: the single-process reference of every step (a full model on rank 0)."""
+def step_reference(config: TrainConfig, device, global_batch: int | None, sharded_experts: bool,
+                   twin: bool = False) -> StepReference:
+    """``--check-parity``: the single-process reference of every step (a full model on rank 0); ``twin``: also the
+    deterministic mode's own step at cp 1 (:func:`~.steps.twin_step`, a second full model), compared bitwise."""
     if dist.get_rank() != 0:
         return StepReference(None, None, local_grad_norm, sharded_experts)
     model = build_model(config, device, reference=True)
     logits_of = gpt_logits if config.hf_source is None else lambda m, tokens, cu, moe: hf_logits(m.model, tokens, cu)
     source = load_documents(config) if config.dynamic else load_batches(config)
+    twin_model = build_model(config, device) if twin else None
     return StepReference(model, reference_step(model, config, logits_of, source, global_batch), local_grad_norm,
-                         sharded_experts)
+                         sharded_experts,
+                         twin=(twin_model, twin_step(twin_model, config, source, global_batch)) if twin else None)
 
 
 def peak_memory_bytes(device: torch.device) -> tuple[str, int]:

@@ -61,10 +61,13 @@ class StepReference:
         run: ``run(step) -> (loss, tokens)``: one forward/backward of the whole global batch on ``model``.
         grad_norm: the global gradient norm of ``model``.
         sharded_experts: the CP model holds only its experts (gather them each step).
+        twin: the deterministic mode's bitwise check: ``(model, run)``, ``run(step) -> loss`` the same step at cp 1
+            through the mode (:func:`~.steps.twin_step`), or ``None``.
     """
 
-    def __init__(self, model, run, grad_norm, sharded_experts: bool):
+    def __init__(self, model, run, grad_norm, sharded_experts: bool, twin=None):
         self.model, self.run, self.grad_norm, self.sharded_experts = model, run, grad_norm, sharded_experts
+        self.twin = twin
 
     def __call__(self, step: int, cp_model: torch.nn.Module) -> dict:
         state = full_state(cp_model, self.sharded_experts)
@@ -74,8 +77,17 @@ class StepReference:
         self.model.load_state_dict(state)
         self.model.zero_grad(set_to_none=True)
         loss, _ = self.run(step)
-        return {"reference_loss": loss.item(), "reference_grad_norm": self.grad_norm(self.model),
-                "grad_rel_diff": gradient_difference(ours, self.model)}
+        checked = {"reference_loss": loss.item(), "reference_grad_norm": self.grad_norm(self.model),
+                   "grad_rel_diff": gradient_difference(ours, self.model)}
+        if self.twin is not None:
+            model, run = self.twin
+            model.load_state_dict(state)
+            model.zero_grad(set_to_none=True)
+            checked["twin_loss"] = run(step).item()
+            grads = dict(model.named_parameters())
+            checked["twin_grads_differing"] = [name for name, grad in ours.items()
+                                               if not torch.equal(grad, grads[name].grad.to(grad.device))]
+        return checked
 
 
 def gradient_difference(ours: dict[str, torch.Tensor], reference: torch.nn.Module) -> float:
@@ -120,4 +132,20 @@ def parity_result(records: list[dict], dtype: str) -> dict:
     print(f"cp-train: parity {verdict}: each of {len(records)} steps vs one process from the same parameters: max "
           f"relative difference loss {max(rel):.2e}, gradient {max(grad):.2e}, gradient norm {max(norm):.2e} "
           f"(tolerance {rtol:.0e}; worst at step {worst_step})", file=sys.stderr)
+    if "twin_loss" in records[0]:
+        result["bitwise"] = _bitwise(records)
+        result["passed"] = result["passed"] and result["bitwise"]["passed"]
     return result
+
+
+def _bitwise(records: list[dict]) -> dict:
+    """The deterministic mode's bitwise check (:class:`StepReference`'s ``twin``): every step's loss ``==`` and
+    every gradient ``torch.equal`` to the same step at cp 1 in the mode; prints the verdict."""
+    losses = [r["step"] + 1 for r in records if r["loss"] != r["twin_loss"]]
+    grads = {r["step"] + 1: r["twin_grads_differing"] for r in records if r["twin_grads_differing"]}
+    passed = not losses and not grads
+    detail = "" if passed else f" (steps whose loss differs: {losses}; gradients differing: {grads})"
+    print(f"cp-train: bitwise parity {'passed' if passed else 'FAILED'}: each of {len(records)} steps' loss == and "
+          f"every parameter gradient torch.equal to the same step at cp 1 in the deterministic mode{detail}",
+          file=sys.stderr)
+    return {"passed": passed, "loss_steps_differing": losses, "gradients_differing": grads}

@@ -16,6 +16,7 @@ same whatever group it ran on. Ranks with an empty micro-batch skip it and still
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -232,6 +233,30 @@ def reference_step(model, config: TrainConfig, logits_of, source, global_batch: 
             share.backward()
             loss = loss + share.detach()
         return loss, sum(tokens.numel() for tokens, _ in parts)
+    return run
+
+
+def twin_step(model, config: TrainConfig, source, global_batch: int):
+    """``--check-parity`` in the deterministic mode with exact gradients (dp 1): the step's global batch on one
+    process through the mode itself (a deterministic handler at cp 1, the same micro-batches, the loss summed in one
+    order, the gradients summed exactly), whose loss and every gradient must be the CP run's bits. ``run(step) ->
+    loss`` (float64, the gradients left in ``model``'s ``.grad``)."""
+    device = next(model.parameters()).device
+    one = dataclasses.replace(config.cp, context_parallel_size=1)
+    exact = ExactGradients(model)
+
+    def run(step: int) -> torch.Tensor:
+        batch = source.global_batch(step, global_batch)
+        parts = []
+        for index in range(config.micro_batches):
+            tokens, metadata = handler_inputs(batch.rows(micro_batch_rows(config, 1, index)), config.packing, device)
+            handler = build_cp_handler(one, None, None, config.attn_shape, **metadata)
+            parts.append((handler, *next_token_batch(handler, tokens)))
+        total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), None)
+        with exact:
+            loss = forward_backward(model, parts, total, config, device, exact=exact)
+        exact.all_reduce_()
+        return loss
     return run
 
 

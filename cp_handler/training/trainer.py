@@ -79,7 +79,11 @@ class Trainer:
         tensor_parallel.check_train_config(config)  # before any collective
         self.model = build_model(config, device)
         self._build_dynamic() if config.dynamic else self._build_static()
-        self.reference = step_reference(config, device, self.reference_batch, self.experts is not None) \
+        twin = config.check_parity and self.exact is not None and self.layout_metrics["dp_size"] == 1
+        if config.check_parity and config.cp.deterministic and not twin:
+            say("--check-parity: no bitwise check against cp 1 in the mode (it needs the gradients summed exactly and "
+                f"dp 1: {self.exact_refusal or 'dp ' + str(self.layout_metrics['dp_size'])})")
+        self.reference = step_reference(config, device, self.reference_batch, self.experts is not None, twin) \
             if config.check_parity else None
         self.optim = self.optimizer(self.trained.parameters())
         self.scheduler = config.lr_schedule.scheduler(self.optim)
