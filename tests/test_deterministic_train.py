@@ -2,7 +2,7 @@
 every CP degree for the reference GPT (bshd, thd packs, the KV all-gather on canonical tiles), Hugging Face models
 (Qwen2, Mixtral), the GPT's MoE layers and tensor parallelism (the GPT's logits ``torch.equal`` at cp 1, 2 and 4
 over 2 TP ranks, at cp 1 and 2 over 4); what the mode does not make bitwise refused by name before any rank starts
-(ring patterns, sequence parallelism above 2 TP ranks, token mixers other than attention; the handler's mixer
+(ring patterns, token mixers other than attention; the handler's mixer
 methods refuse too). Negative controls: the
 default mode differs in each comparison.
 
@@ -110,10 +110,11 @@ def test_cp_train_deterministic_hugging_face_losses_are_bitwise_the_same_at_ever
     assert same(_hf_losses(tmp_path, moe, 2, "--deterministic"), _hf_losses(tmp_path, moe, 1, "--deterministic"))
 
 
-def _tp_logits_worker(rank, world, out, deterministic, tp=2):
+def _tp_logits_worker(rank, world, out, deterministic, tp=2, sequence_parallel=False):
     """The reference GPT split over ``tp`` TP ranks (PyTorch's ColwiseParallel / RowwiseParallel; above 2 in the mode
-    the row-wise sums in TP-rank order, as cp-train's) with the CP handler on each TP rank's heads at cp
-    ``world / tp``: the whole batch's logits in global order, on rank 0."""
+    the row-wise sums in TP-rank order, as cp-train's; ``sequence_parallel``: Megatron-LM's, its reduce-scatters
+    ordered in the mode) with the CP handler on each TP rank's heads at cp ``world / tp``: the whole batch's logits
+    in global order, on rank 0."""
     from cp_handler import AttentionShape, ParallelLayout, build_cp_handler
     from cp_handler.models import GPTConfig, GPTModel
     from cp_handler.runtime.groups import data_context_parallel_groups
@@ -126,8 +127,8 @@ def _tp_logits_worker(rank, world, out, deterministic, tp=2):
                        ffn_hidden_size=128)  # 8 query over 4 key-value heads per TP rank: a2a splits them at cp 4
     torch.manual_seed(0)
     model = GPTModel(config)
-    apply_tensor_parallel(model, built.meshes["attention"]["tp"], gpt_tp_plan(model, tp,
-                                                                            ordered=deterministic and tp > 2))
+    apply_tensor_parallel(model, built.meshes["attention"]["tp"],
+                          gpt_tp_plan(model, tp, sequence_parallel, ordered=deterministic and tp > 2))
     handler = build_cp_handler(ContextParallelConfig(context_parallel_size=cp, cp_comm_type="a2a" if deterministic
                                                      else "p2p", deterministic=deterministic), groups.cp_group,
                                attn_shape=local_attention_shape(AttentionShape(16, 8, 4), tp))
@@ -190,6 +191,10 @@ def test_tensor_parallel_of_4_logits_are_bitwise_the_same_at_every_cp_degree(tmp
         run_distributed(_tp_logits_worker, world, str(tmp_path / f"{world}{deterministic}.pt"), deterministic, 4)
     want = torch.load(tmp_path / "4True.pt")
     assert torch.equal(torch.load(tmp_path / "8True.pt"), want)
+    # sequence parallelism over the 4 TP ranks: the row-wise outputs reduce-scattered in TP-rank order
+    for world in (4, 8):
+        run_distributed(_tp_logits_worker, world, str(tmp_path / f"sp{world}.pt"), True, 4, True)
+    assert torch.equal(torch.load(tmp_path / "sp8.pt"), torch.load(tmp_path / "sp4.pt"))
     assert not torch.equal(torch.load(tmp_path / "8False.pt"), want)
 
 
@@ -258,8 +263,6 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
                                                           "cp_comm_type='all_gather': a sequence of 96 tokens"),
     (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
-    (["--nproc", "4", "--tp-size", "4", "--cp-size", "1", "--sequence-parallel"],
-     "--deterministic with --tp-size 4 and --sequence-parallel"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),
 ])

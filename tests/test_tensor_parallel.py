@@ -170,18 +170,41 @@ def test_tp_rules_name_the_field():
 
 
 def test_ordered_row_wise_style_refuses_what_it_does_not_order():
-    """The deterministic mode's row-wise style returns the replicated local output only: a sharded output (sequence
-    parallelism's reduce-scatter) is refused by the style and by the plan, naming the setting."""
-    from torch.distributed.tensor import Shard
+    """The deterministic mode's row-wise style returns the replicated local output or a sharded one (sequence
+    parallelism's ordered reduce-scatter): a replicated DTensor output is refused, naming the setting."""
+    from torch.distributed.tensor import Replicate
 
-    from cp_handler.models import GPTModel
     from cp_handler.runtime.reductions import ordered_rowwise_parallel
 
-    with pytest.raises(ValueError, match=r"OrderedRowwiseParallel: output_layouts=\(Shard\(dim=1\),\), "
-                                         "use_local_output=False: it returns the replicated local output only"):
-        ordered_rowwise_parallel()(output_layouts=Shard(1), use_local_output=False)
-    with pytest.raises(ValueError, match="sequence_parallel=True with ordered=True"):
-        gpt_tp_plan(GPTModel(CONFIG), 4, sequence_parallel=True, ordered=True)
+    with pytest.raises(ValueError, match=r"OrderedRowwiseParallel: output_layouts=\(Replicate\(\),\), "
+                                         "use_local_output=False: it returns the replicated local output or a "
+                                         r"Shard\(dim\)"):
+        ordered_rowwise_parallel()(output_layouts=Replicate(), use_local_output=False)
+
+
+def _ordered_reduce_scatter_worker(rank, world):
+    from cp_handler.runtime.reductions import ordered_reduce_scatter
+
+    parts = torch.randn(world, 2, 64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 96)
+    want = parts[0].clone()
+    for part in parts[1:]:
+        want += part
+    for tokens in (8, 64):  # each rank's chunk: rows [rank * tokens / world, ...) of the sum, at every size
+        mine = parts[rank, :, :tokens].clone().requires_grad_()
+        got = ordered_reduce_scatter(mine, dist.group.WORLD, 1)
+        step = tokens // world
+        assert torch.equal(got, want[:, rank * step:(rank + 1) * step]), tokens
+        got.backward(torch.full_like(got, float(rank + 1)))  # the adjoint: every rank's chunk gradient, gathered
+        assert torch.equal(mine.grad, torch.cat([torch.full_like(got, float(r + 1)) for r in range(world)], 1))
+    with pytest.raises(ValueError, match="does not split over 4 ranks"):
+        ordered_reduce_scatter(parts[rank, :, :6], dist.group.WORLD, 1)
+
+
+def test_ordered_reduce_scatter_is_the_sum_in_rank_order():
+    """Sequence parallelism in the deterministic mode: ``ordered_reduce_scatter`` gives each of 4 ranks its chunk of
+    ``((p0 + p1) + p2) + p3`` (``torch.equal`` to the sum in one process) at every buffer size, its backward the
+    all-gathered gradient; a dim the group does not split is refused."""
+    run_distributed(_ordered_reduce_scatter_worker, 4)
 
 
 def _count_worker(rank, world, comm_type):

@@ -201,10 +201,6 @@ def check_deterministic(args: argparse.Namespace) -> None:
         refusal = tiles_refusal(args.seq_len, args.cp_size)
         if refusal:
             raise ValueError(f"--seq-len {args.seq_len}: {refusal}")
-    if getattr(args, "tp_size", 1) > 2 and getattr(args, "sequence_parallel", False):
-        raise ValueError(f"--deterministic with --tp-size {args.tp_size} and --sequence-parallel: above 2 TP ranks the "
-                         "mode adds the row-wise partial sums in TP-rank order (an all-gather), which the "
-                         "sequence-parallel reduce-scatter does not; drop --sequence-parallel or pass --tp-size 2")
     for name, why in DETERMINISTIC_REFUSED.items():
         value = getattr(args, name, None)
         if value:

@@ -9,7 +9,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..ops.collectives import all_gather_single
+from ..ops.collectives import all_gather_single, all_to_all_single
 
 
 def global_token_count(loss_mask: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -78,6 +78,38 @@ def ordered_sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> t
     return _OrderedSum.apply(partial, group)
 
 
+class _OrderedReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, group, dim: int) -> torch.Tensor:
+        size = dist.get_world_size(group)
+        ctx.group, ctx.dim, ctx.size = group, dim, size
+        chunks = torch.stack(partial.chunk(size, dim))  # (size, ...): chunk r goes to rank r
+        received = torch.empty_like(chunks)
+        all_to_all_single(received, chunks, group)  # received[r]: rank r's partial of this rank's chunk
+        total = received[0].clone()
+        for part in received[1:]:
+            total += part
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gathered = grad.new_empty(ctx.size * grad.numel())
+        all_gather_single(gathered, grad.reshape(-1), ctx.group)
+        return torch.cat(gathered.view(ctx.size, *grad.shape).unbind(0), ctx.dim), None, None
+
+
+def ordered_reduce_scatter(partial: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Chunk ``r`` (along ``dim``, which the group's size divides) of the sum over ``group`` of each rank's
+    ``partial``, on rank ``r``, added in group-rank order ``((p0 + p1) + p2) + ...``: a reduce-scatter whose bits do
+    not depend on the buffer's size. One all-to-all of the chunks (the bytes of a reduce-scatter), then the sum in
+    order; the backward all-gathers the gradient (a reduce-scatter's adjoint: Megatron-LM's
+    ``reduce_scatter_to_sequence_parallel_region``)."""
+    if partial.shape[dim] % dist.get_world_size(group):
+        raise ValueError(f"ordered_reduce_scatter: dim {dim} of {tuple(partial.shape)} does not split over "
+                         f"{dist.get_world_size(group)} ranks")
+    return _OrderedReduceScatter.apply(partial, group, dim)
+
+
 @functools.cache
 def ordered_rowwise_parallel():
     """``RowwiseParallel`` whose partial sums are added in TP-rank order (the deterministic mode's row-wise style).
@@ -86,24 +118,30 @@ def ordered_rowwise_parallel():
     ranks an all-reduce may add them in an order that depends on the buffer's size, which the CP degree changes.
     This style adds them with :func:`~cp_handler.runtime.reductions.ordered_sum_over_group` instead (an all-gather,
     then ``((p0 + p1) + p2) + ...``), so a token's output is the same bits at every CP degree at one TP size. Its
-    output is the local, replicated tensor (``use_local_output``); a sharded output (sequence parallelism's
-    reduce-scatter) is refused."""
-    from torch.distributed.tensor import Replicate
+    output: replicated (the local tensor, ``use_local_output``), or sharded along a dim (sequence parallelism's
+    ``output_layouts=Shard(1)``: :func:`ordered_reduce_scatter`, local or as a DTensor); another layout is refused."""
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     class OrderedRowwiseParallel(RowwiseParallel):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
-            if not self.use_local_output or not self.output_layouts[0].is_replicate():
+            layout = self.output_layouts[0]
+            if not (layout.is_replicate() and self.use_local_output) and not layout.is_shard():
                 raise ValueError(f"OrderedRowwiseParallel: output_layouts={self.output_layouts}, use_local_output="
-                                 f"{self.use_local_output}: it returns the replicated local output only")
+                                 f"{self.use_local_output}: it returns the replicated local output or a Shard(dim)")
 
         @staticmethod
         def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
             if not outputs.placements[0].is_partial():
                 raise ValueError(f"OrderedRowwiseParallel: the output's placement is {outputs.placements}, not a "
                                  "partial sum")
-            return ordered_sum_over_group(outputs.to_local(grad_placements=(Replicate(),)), device_mesh.get_group())
+            partial, group = outputs.to_local(grad_placements=(Replicate(),)), device_mesh.get_group()
+            layout = output_layouts[0] if isinstance(output_layouts, tuple) else output_layouts
+            if layout.is_replicate():
+                return ordered_sum_over_group(partial, group)
+            local = ordered_reduce_scatter(partial, group, layout.dim)
+            return local if use_local_output else DTensor.from_local(local, device_mesh, (layout,), run_check=False)
 
     return OrderedRowwiseParallel
 

@@ -145,16 +145,12 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
     """``{module path: ParallelStyle}`` for ``parallelize_module`` (module doc); ``tp`` above the key-value head
     count replicates the key and value projections (:class:`ReplicatedKVHeads`). ``sequence_parallel``: Megatron-LM's
     sequence parallelism (module doc, "Sequence parallelism"). ``ordered``: the row-wise projections add their
-    partial sums in TP-rank order (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`;
-    the deterministic mode).
+    partial sums in TP-rank order (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`, with sequence
+    parallelism an ordered reduce-scatter; the deterministic mode).
 
     Raises:
-        ValueError: ``sequence_parallel`` with MoE layers (not built), or with ``ordered`` (its reduce-scatter is
-            not ordered).
+        ValueError: ``sequence_parallel`` with MoE layers (not built).
     """
-    if ordered and sequence_parallel:
-        raise ValueError("gpt_tp_plan: sequence_parallel=True with ordered=True: the sequence-parallel "
-                         "reduce-scatter does not add the partial sums in one order (not built)")
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

@@ -159,7 +159,7 @@ class Trainer:
                                          ("MoE experts", bool(config.moe_experts)), ("FSDP2", config.fsdp),
                                          ("torch.compile", config.compile)) if on]
         if others:
-            self.exact_refusal = f"{', '.join(others)} reduce the gradients their own way (exact sums not built there)"
+            self.exact_refusal = f"{', '.join(others)}: gradients reduced their own way (exact sums not built there)"
         else:
             self.exact_refusal = units_refusal(config.seq_len, config.cp.context_parallel_size, config.packing)
         if self.exact_refusal is None and (missing := exact_uncovered(model)):
