@@ -1,12 +1,19 @@
-"""The deterministic mode's cost on this machine's CPU: ``core_attn`` forward + backward at cp 2 (gloo, 2 spawned
-ranks), bshd, causal, H = 8, D = 64, fp32, of the default ring (``p2p``), the default Ulysses (``a2a``),
-``deterministic=True`` with Ulysses (the block kernel pinned), the default KV all-gather and ``deterministic=True``
-with the all-gather (canonical tiles, ``ops/canonical.py``). Each timed call builds its handler (as a batch does);
-the modes run one after another per round, 5 rounds after a warm-up, medians per rank 0.
+"""The deterministic mode's cost on this machine's CPU, at cp 2 (gloo, 2 spawned ranks, one thread each), medians on
+rank 0 of rounds that run every mode once after a warm-up:
+
+* ``--part attention``: ``core_attn`` forward + backward, bshd, causal, H = 8, D = 64, fp32, of the default ring
+  (``p2p``), the default Ulysses (``a2a``), ``deterministic=True`` with Ulysses (the block kernel pinned), the default
+  KV all-gather and ``deterministic=True`` with the all-gather (canonical tiles, ``ops/canonical.py``); each timed
+  call builds its handler (as a batch does).
+* ``--part gradients``: one training forward + backward of the reference GPT (:data:`MODEL`), bshd, fp32, through the
+  mode's handler (``a2a``), with the gradients reduced as without exact sums (autograd's float32 sums, one float32
+  all-reduce of all gradients: DDP's sum) and as ``cp-train --deterministic`` reduces them
+  (``training/exact_grads.py``: a GEMM per unit, fixed-point limbs, one int64 all-reduce).
 
     PYTHONPATH=. python scripts/deterministic_cost.py --seq-lens 4096 8192 --out runs/deterministic_cost.json
+    PYTHONPATH=. python scripts/deterministic_cost.py --part gradients --seq-lens 2048 8192 --out runs/exact_grads.json
 
-Prints a table and writes JSON (docs/deterministic.md quotes it).
+Prints a table and writes JSON (docs/deterministic.md quotes both).
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ import torch.multiprocessing as mp
 
 MODES = {"default p2p": ("p2p", False), "default a2a": ("a2a", False), "deterministic a2a": ("a2a", True),
          "default all_gather": ("all_gather", False), "deterministic all_gather": ("all_gather", True)}
+"""``--part attention``'s modes: ``(cp_comm_type, deterministic)``."""
+
+MODEL = {"vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 8,
+         "ffn_hidden_size": 704}
+"""The GPT timed: 4 layers of 256 wide, a vocabulary of 4096 (8.2M parameters, 2.1M of them the LM head)."""
 
 
-def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
+def _attention_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
     from cp_handler import LocalContextParallelHandler
 
     torch.set_num_threads(1)
@@ -58,21 +70,49 @@ def _rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str)
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192],
-                        help="global tokens (default 4096 8192)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
-    parser.add_argument("--out", default="runs/deterministic_cost.json", help="the JSON written")
-    args = parser.parse_args(argv)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for seq_len in args.seq_lens:
-            result = os.path.join(tmp, f"{seq_len}.json")
-            mp.start_processes(_rank, args=(2, os.path.join(tmp, f"init{seq_len}"), seq_len, args.rounds, result),
-                               nprocs=2, start_method="spawn")
-            with open(result) as f:
-                rows.append({"seq_len": seq_len, "cp": 2, **json.load(f)})
+def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
+    from cp_handler import LocalContextParallelHandler
+    from cp_handler.models import GPTConfig, GPTModel
+    from cp_handler.training.exact_grads import ExactGradients, unit_lengths
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(**MODEL))
+    tokens = torch.randint(0, MODEL["vocab_size"], (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
+    handler = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="a2a", deterministic=True)
+    inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
+    sums = ExactGradients(model)
+    sums.units = unit_lengths(handler, inputs.shape[1])
+
+    def once(exact: bool) -> float:
+        model.zero_grad(set_to_none=True)
+        dist.barrier()
+        began = time.perf_counter()
+        with sums if exact else torch.enable_grad():
+            logits = model(inputs, cp_handler=handler)
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+        if exact:
+            sums.all_reduce_(dist.group.WORLD)
+        else:
+            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+            dist.all_reduce(flat)
+        return time.perf_counter() - began
+
+    modes = {"all-reduced": False, "exact": True}
+    for exact in modes.values():
+        once(exact)
+    times = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, exact in modes.items():
+            times[name].append(once(exact))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}, f)
+    dist.destroy_process_group()
+
+
+def _attention_table(rows: list[dict]) -> None:
     print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | deterministic a2a / default p2p | "
           "deterministic all_gather / default all_gather |")
     print("|---" * (len(MODES) + 4) + "|")
@@ -80,9 +120,42 @@ def main(argv: list[str] | None = None) -> None:
         times = " | ".join(f"{row[m]:.1f}" for m in MODES)
         print(f"| {row['seq_len']} | 2 | {times} | {row['deterministic a2a'] / row['default p2p']:.3f} | "
               f"{row['deterministic all_gather'] / row['default all_gather']:.3f} |")
+
+
+def _gradients_table(rows: list[dict]) -> None:
+    print("| S | cp | all-reduced ms | exact ms | exact / all-reduced |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['seq_len']} | 2 | {row['all-reduced']:.1f} | {row['exact']:.1f} | "
+              f"{row['exact'] / row['all-reduced']:.3f} |")
+
+
+PARTS = {"attention": (_attention_rank, _attention_table), "gradients": (_gradients_rank, _gradients_table)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=sorted(PARTS), default="attention",
+                        help="what is timed (module doc; default attention)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192],
+                        help="global tokens (default 4096 8192)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per mode (default 5)")
+    parser.add_argument("--out", default="runs/deterministic_cost.json", help="the JSON written")
+    args = parser.parse_args(argv)
+    rank_fn, table = PARTS[args.part]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq_len in args.seq_lens:
+            result = os.path.join(tmp, f"{seq_len}.json")
+            mp.start_processes(rank_fn, args=(2, os.path.join(tmp, f"init{seq_len}"), seq_len, args.rounds, result),
+                               nprocs=2, start_method="spawn")
+            with open(result) as f:
+                rows.append({"seq_len": seq_len, "cp": 2, **json.load(f)})
+    table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    extra = {"model": MODEL} if args.part == "gradients" else {}
     with open(args.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, **extra, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -50,17 +50,21 @@ def sum_grad_over_group(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     return _SumGradOverGroup.apply(x, group)
 
 
+def _sum_in_order(parts: torch.Tensor) -> torch.Tensor:
+    """``((parts[0] + parts[1]) + parts[2]) + ...`` elementwise: one order, whatever the size of ``parts``."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
 class _OrderedSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial: torch.Tensor, group) -> torch.Tensor:
         size = dist.get_world_size(group)
         gathered = partial.new_empty(size * partial.numel())
         all_gather_single(gathered, partial.reshape(-1), group)
-        gathered = gathered.view(size, *partial.shape)
-        total = gathered[0].clone()
-        for part in gathered[1:]:
-            total += part
-        return total
+        return _sum_in_order(gathered.view(size, *partial.shape))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -86,10 +90,7 @@ class _OrderedReduceScatter(torch.autograd.Function):
         chunks = torch.stack(partial.chunk(size, dim))  # (size, ...): chunk r goes to rank r
         received = torch.empty_like(chunks)
         all_to_all_single(received, chunks, group)  # received[r]: rank r's partial of this rank's chunk
-        total = received[0].clone()
-        for part in received[1:]:
-            total += part
-        return total
+        return _sum_in_order(received)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
