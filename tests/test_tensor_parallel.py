@@ -182,31 +182,6 @@ def test_ordered_row_wise_style_refuses_what_it_does_not_order():
         ordered_rowwise_parallel()(output_layouts=Replicate(), use_local_output=False)
 
 
-def _ordered_reduce_scatter_worker(rank, world):
-    from cp_handler.runtime.reductions import ordered_reduce_scatter
-
-    parts = torch.randn(world, 2, 64, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 96)
-    want = parts[0].clone()
-    for part in parts[1:]:
-        want += part
-    for tokens in (8, 64):  # each rank's chunk: rows [rank * tokens / world, ...) of the sum, at every size
-        mine = parts[rank, :, :tokens].clone().requires_grad_()
-        got = ordered_reduce_scatter(mine, dist.group.WORLD, 1)
-        step = tokens // world
-        assert torch.equal(got, want[:, rank * step:(rank + 1) * step]), tokens
-        got.backward(torch.full_like(got, float(rank + 1)))  # the adjoint: every rank's chunk gradient, gathered
-        assert torch.equal(mine.grad, torch.cat([torch.full_like(got, float(r + 1)) for r in range(world)], 1))
-    with pytest.raises(ValueError, match="does not split over 4 ranks"):
-        ordered_reduce_scatter(parts[rank, :, :6], dist.group.WORLD, 1)
-
-
-def test_ordered_reduce_scatter_is_the_sum_in_rank_order():
-    """Sequence parallelism in the deterministic mode: ``ordered_reduce_scatter`` gives each of 4 ranks its chunk of
-    ``((p0 + p1) + p2) + p3`` (``torch.equal`` to the sum in one process) at every buffer size, its backward the
-    all-gathered gradient; a dim the group does not split is refused."""
-    run_distributed(_ordered_reduce_scatter_worker, 4)
-
-
 def _count_worker(rank, world, comm_type):
     """TP's all-reduces per layer (forward: the two row-wise outputs; backward: the input gradient of each of the
     five column-wise projections, q, k, v, gate and up: PyTorch's TP does not fuse them as Megatron-LM's fused
