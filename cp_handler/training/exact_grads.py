@@ -144,11 +144,20 @@ def is_scaled_norm(module: nn.Module) -> bool:
     return isinstance(scaled, torch.Tensor) and scaled.shape == x.shape and torch.equal(scaled, scale * plain)
 
 
+def _kinds(model: nn.Module) -> dict:
+    """``{module: kind or None}`` of each module of ``model`` that holds parameters of its own (:func:`_kind`)."""
+    return {module: _kind(module) for module in model.modules() if any(True for _ in module.parameters(recurse=False))}
+
+
+def _uncovered(model: nn.Module, kinds: dict) -> list[str]:
+    return [f"{name or '<model>'} ({type(module).__name__})" for name, module in model.named_modules()
+            if module in kinds and kinds[module] is None]
+
+
 def uncovered(model: nn.Module) -> list[str]:
     """``"name (class)"`` of each module of ``model`` that holds parameters of its own and is not covered (module
     doc): its gradients could not be summed exactly. Empty: every parameter is covered."""
-    return [f"{name or '<model>'} ({type(module).__name__})" for name, module in model.named_modules()
-            if any(True for _ in module.parameters(recurse=False)) and _kind(module) is None]
+    return _uncovered(model, _kinds(model))
 
 
 class ExactGradients:
@@ -167,12 +176,11 @@ class ExactGradients:
     """
 
     def __init__(self, model: nn.Module):
-        if missing := uncovered(model):
+        self.kinds = _kinds(model)  # probed once
+        if missing := _uncovered(model, self.kinds):
             raise ValueError(f"exact parameter gradients cover nn.Linear, nn.RMSNorm, nn.Embedding and norms ending "
                              f"in a scale (is_scaled_norm); {missing} hold parameters of their own")
         self.model, self.units, self.patched = model, None, []
-        self.kinds = {module: _kind(module) for module in model.modules()
-                      if any(True for _ in module.parameters(recurse=False))}  # probed once
         self.params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))  # tied: once
         self.limbs = {p: None for p in self.params}
         self.bad = 0  # pieces out of range (a tensor once one was checked)
@@ -190,10 +198,7 @@ class ExactGradients:
 
     def add_(self, param: torch.Tensor, piece: torch.Tensor) -> None:
         """Add one piece (``param``'s shape) to ``param``'s sum."""
-        hi, lo = to_fixed(self._checked(piece))
-        limbs = self._limbs(param)
-        limbs[0].add_(hi)
-        limbs[1].add_(lo)
+        self.add_rows_(param, piece.unsqueeze(0))
 
     def add_rows_(self, param: torch.Tensor, pieces: torch.Tensor, index: torch.Tensor | None = None) -> None:
         """Add pieces ``(N, *row)`` into ``param``'s rows ``index (N,)`` (``None``: each piece is ``param``'s shape,
