@@ -8,7 +8,7 @@ rank 0 of rounds that run every mode once after a warm-up:
 * ``--part gradients``: one training forward + backward of the reference GPT (:data:`MODEL`), bshd, fp32, through the
   mode's handler (``a2a``), with the gradients reduced as without exact sums (autograd's float32 sums, one float32
   all-reduce of all gradients: DDP's sum) and as ``cp-train --deterministic`` reduces them
-  (``training/exact_grads.py``: a GEMM per unit, fixed-point limbs, one int64 all-reduce).
+  (``runtime/exact_grads.py``: a GEMM per unit, fixed-point limbs, one int64 all-reduce).
 
     PYTHONPATH=. python scripts/deterministic_cost.py --seq-lens 4096 8192 --out runs/deterministic_cost.json
     PYTHONPATH=. python scripts/deterministic_cost.py --part gradients --seq-lens 2048 8192 --out runs/exact_grads.json
@@ -73,7 +73,7 @@ def _attention_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
 def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
     from cp_handler import LocalContextParallelHandler
     from cp_handler.models import GPTConfig, GPTModel
-    from cp_handler.training.exact_grads import ExactGradients, unit_lengths
+    from cp_handler.runtime.exact_grads import ExactGradients, unit_lengths
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)

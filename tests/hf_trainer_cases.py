@@ -65,8 +65,8 @@ WORLD = {"llama_dp2": 4}
 def model(name: str, fields: dict | None = None):
     import transformers
 
-    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=8, max_position_embeddings=128, **(fields or {}))
+    shape = {**dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, max_position_embeddings=128), **(fields or {})}
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config"}
     if name in classes:
         config = getattr(transformers, classes[name])(**shape)

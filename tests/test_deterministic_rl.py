@@ -1,14 +1,23 @@
-"""The deterministic mode in whole RL trainer runs (issue 73, part 3). ``CPGRPOTrainer`` with
-``ContextParallelArguments(deterministic=True)`` trains a step at cp 1 and at cp 2 on the same prompts and scripted
-completions (tests/hf_rl_cases.py), and every score TRL computes in it (the old policy's and the reference model's
-per-token log-probabilities, the policy's log-probabilities and entropies in the loss: each call of TRL's
-``_get_per_token_logps_and_entropies``) is ``torch.equal`` at the two degrees, and so is the step's loss. One step:
-after the first update the parameters differ in their last bits (the gradient's sums over tokens are split over the
-ranks and all-reduced, docs/deterministic.md), so later scores are equal within float32 reordering, not bitwise.
-``CPDPOTrainer`` likewise, with a reference model other than the policy (so the first step's rewards and margins
-are not zero): every figure TRL logs at its first step but the gradient norm (the chosen and rejected log-probs,
-rewards, margins, accuracies, the loss) ``==`` at cp 1 and 2. Negative control: the default
-mode (the ring, ``p2p``) at cp 2 gives other bits than cp 1's mode in some score, and in some DPO figure.
+"""The deterministic mode in whole Hugging Face trainer runs (issue 73, part 3): three steps of ``CPGRPOTrainer``,
+``CPDPOTrainer`` and ``CPTrainer`` (right-padded rows and packed documents) with ``ContextParallelArguments(
+deterministic=True)`` at cp 1, 2 and 4 on the same data (tests/hf_rl_cases.py: prompts and scripted completions;
+tests/hf_trainer_cases.py: the SFT rows), tiny Llamas in float32.
+
+What is bitwise (``torch.equal`` / ``==``) at cp 2 (4 query over 2 key-value heads) and cp 4 (4 over 4: ``a2a``
+splits heads, so cp 4 needs 4 key-value heads; against cp 1 with the same model) against cp 1:
+
+* GRPO: every score TRL computes in the three steps (each call of ``_get_per_token_logps_and_entropies``: the old
+  policy's and the reference model's log-probs, the policy's log-probs and entropies in the loss), every logged
+  figure (loss, gradient norm, KL, clip ratios, ...) and every parameter after the run;
+* DPO (a reference model other than the policy): every logged figure of the three steps (chosen and rejected
+  log-probs, rewards, margins, accuracies, the loss, the gradient norm) and every parameter;
+* Trainer: the gradient norm of every step and every parameter (the logged loss is each rank's share averaged by
+  Trainer in float32: within an ulp, not compared bitwise).
+
+Each run checks that the trainer summed its gradients exactly (``trainer.exact_grads``: docs/deterministic.md).
+Negative controls: the default mode (the ring) at cp 2 gives other bits than cp 1's mode in some first-step GRPO
+score and DPO figure; the deterministic mode with the exact sums turned off (DDP's float32 all-reduce) gives other
+parameters after three steps in each trainer, so the parameter comparison can fail.
 """
 
 from __future__ import annotations
@@ -20,32 +29,50 @@ import pytest
 import torch
 from dist_utils import run_distributed
 
+STEPS = 3
+MHA = {"num_key_value_heads": 4}
+"""The model at cp 4 (and its cp 1 reference): ``a2a`` in the mode needs the key-value heads split over the ranks."""
 
-def _grpo_scores(out: Path, world: int, deterministic: bool) -> dict:
-    """One GRPO step of CPGRPOTrainer at cp ``world``: every call's log-probs and entropies, and the logged loss."""
+
+def _trained(trainer, scores: list) -> dict:
+    """What a run is compared by: the scores, the logged figures (counters and times left out), the parameters, and
+    whether the gradients were summed exactly."""
+    import hf_rl_cases as cases
+
+    logged = [{k: v for k, v in e.items() if k not in cases.UNCOMPARED} for e in trainer.state.log_history
+              if "loss" in e]
+    params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    return {"scores": scores, "logged": logged, "params": params, "exact": trainer.exact_grads is not None}
+
+
+def _cp_args(world: int, mode: str):
+    from cp_handler.integrations.hf_trainer import ContextParallelArguments
+
+    deterministic = mode != "default"
+    return ContextParallelArguments(context_parallel_size=world, cp_comm_type="a2a" if deterministic else "p2p",
+                                    deterministic=deterministic)
+
+
+def _grpo(out: Path, world: int, mode: str, fields: dict | None) -> dict:
+    """Three GRPO steps of CPGRPOTrainer at cp ``world``, every call's log-probs and entropies recorded."""
     import hf_rl_cases as cases
     import hf_trainer_cases
     import torch.distributed as dist
-    import transformers
     from datasets import Dataset
 
     from cp_handler.integrations.hf_rl_trainer import CPGRPOTrainer
-    from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
-    transformers.logging.set_verbosity_error()
-    model = hf_trainer_cases.model("llama")  # 4 query heads over 2 key-value heads: a2a's heads split at cp 2
+    model = hf_trainer_cases.model("llama", fields)
     type(model).generate = cases.scripted_generate(world)
     path = out / "model"
     if dist.get_rank() == 0:
         model.save_pretrained(path)
     dist.barrier()
     args = cases._arguments({"trainer": "grpo", "args": {"beta": 0.1}}, str(out), 2, world > 1)
-    args.max_steps = 1
+    args.max_steps = STEPS
     trainer = CPGRPOTrainer(model=str(path), args=args, reward_funcs=cases.reward,
                             train_dataset=Dataset.from_list(cases.prompts(8)), processing_class=cases.tokenizer(),
-                            cp_args=ContextParallelArguments(context_parallel_size=world,
-                                                             cp_comm_type="a2a" if deterministic else "p2p",
-                                                             deterministic=deterministic))
+                            cp_args=_cp_args(world, mode))
     scores, score = [], trainer._get_per_token_logps_and_entropies
 
     def recorded(*args, **kwargs):
@@ -55,13 +82,12 @@ def _grpo_scores(out: Path, world: int, deterministic: bool) -> dict:
 
     trainer._get_per_token_logps_and_entropies = recorded
     trainer.train()
-    return {"scores": scores, "loss": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+    return _trained(trainer, scores)
 
 
-def _dpo_logged(out: Path, world: int, deterministic: bool) -> dict:
-    """One DPO step of CPDPOTrainer at cp ``world``: the figures TRL logs (rewards, margins, accuracies and the
-    chosen / rejected log-probs, all sums of the per-token log-probs of the policy and of the reference model; the
-    loss), the gradient norm left out (the gradient is not bitwise, module doc)."""
+def _dpo(out: Path, world: int, mode: str, fields: dict | None) -> dict:
+    """Three DPO steps of CPDPOTrainer at cp ``world``, with a reference model other than the policy (nonzero
+    rewards and margins from the first step)."""
     import hf_rl_cases as cases
     import hf_trainer_cases
     import torch.distributed as dist
@@ -69,72 +95,131 @@ def _dpo_logged(out: Path, world: int, deterministic: bool) -> dict:
     from datasets import Dataset
 
     from cp_handler.integrations.hf_rl_trainer import CPDPOTrainer
-    from cp_handler.integrations.hf_trainer import ContextParallelArguments
 
-    transformers.logging.set_verbosity_error()
     path, ref_path = out / "model", out / "reference"
     if dist.get_rank() == 0:
-        hf_trainer_cases.model("llama").save_pretrained(path)
-        torch.manual_seed(1)  # a reference other than the policy: nonzero rewards and margins at the first step
-        reference = hf_trainer_cases.model("llama")
+        hf_trainer_cases.model("llama", fields).save_pretrained(path)
+        torch.manual_seed(1)
+        reference = hf_trainer_cases.model("llama", fields)
         with torch.no_grad():
             for param in reference.parameters():
                 param.add_(0.05 * torch.randn_like(param))
         reference.save_pretrained(ref_path)
     dist.barrier()
     args = cases._arguments({"trainer": "dpo", "args": {}}, str(out), 2, world > 1)
-    args.max_steps = 1
+    args.max_steps = STEPS
     reference = transformers.AutoModelForCausalLM.from_pretrained(ref_path, attn_implementation="sdpa")
     trainer = CPDPOTrainer(model=str(path), ref_model=reference, args=args,
                            train_dataset=Dataset.from_list(cases.preference_pairs(12)),
-                           processing_class=cases.tokenizer(),
-                           cp_args=ContextParallelArguments(context_parallel_size=world,
-                                                            cp_comm_type="a2a" if deterministic else "p2p",
-                                                            deterministic=deterministic))
+                           processing_class=cases.tokenizer(), cp_args=_cp_args(world, mode))
     trainer.train()
-    return {"logged": [{k: v for k, v in e.items() if k not in cases.UNCOMPARED and k != "grad_norm"}
-                       for e in trainer.state.log_history if "loss" in e]}
+    return _trained(trainer, [])
 
 
-def _worker(rank: int, world: int, out: str, modes: list[bool]) -> None:
+def _sft(out: Path, world: int, mode: str, fields: dict | None, collator: str = "pad") -> dict:
+    """Three steps of CPTrainer (``collator``: right-padded rows, or ``"flatten"``: packed documents)."""
+    import hf_trainer_cases as cases
+
+    from cp_handler.integrations.hf_trainer import CPTrainer
+
+    args = cases._arguments({"collator": collator}, str(out), 2, world > 1)
+    trainer = CPTrainer(model=cases.model("llama", fields), args=args, train_dataset=cases.dataset(16, 1),
+                        data_collator=cases._collator(collator), cp_args=_cp_args(world, mode))
+    trainer.train()
+    return _trained(trainer, [])
+
+
+RUNS = {"grpo": _grpo, "dpo": _dpo, "sft": _sft, "sft_packed": lambda *a: _sft(*a, collator="flatten")}
+
+
+def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, bool]]) -> None:
+    """Each ``(name, mode, mha)`` of ``plan`` at cp ``world``; mode ``"exact"`` (the deterministic mode),
+    ``"float_sums"`` (the mode with the exact sums turned off) or ``"default"``."""
+    import transformers
+
+    from cp_handler.integrations import hf_exact_grads
+
+    transformers.logging.set_verbosity_error()
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    for deterministic in modes:
-        for name, run in (("grpo", _grpo_scores), ("dpo", _dpo_logged)):
-            where = Path(out) / f"{name}_cp{world}_{deterministic}"
-            where.mkdir(parents=True, exist_ok=True)
-            result = run(where, world, deterministic)
-            if rank == 0:
-                torch.save(result, where / "result.pt")
+    refusal = hf_exact_grads.refusal
+    for name, mode, mha in plan:
+        where = Path(out) / f"{name}_cp{world}_{mode}{'_mha' if mha else ''}"
+        where.mkdir(parents=True, exist_ok=True)
+        if mode == "float_sums":  # the control: the trainer all-reduces in float32, as without exact sums
+            hf_exact_grads.refusal = lambda trainer, model: "turned off (the test's control)"
+        try:
+            result = RUNS[name](where, world, mode, MHA if mha else None)
+        finally:
+            hf_exact_grads.refusal = refusal
+        if rank == 0:
+            torch.save(result, where / "result.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deterministic_rl")
-    run_distributed(_worker, 1, str(out), [True])
-    run_distributed(_worker, 2, str(out), [True, False])
-    runs = ("cp1_True", "cp2_True", "cp2_False")
-    return lambda name: [torch.load(out / f"{name}_{run}" / "result.pt") for run in runs]
+    names = tuple(RUNS)
+    run_distributed(_worker, 1, str(out), [(n, "exact", False) for n in names] +
+                    [(n, "exact", True) for n in ("grpo", "sft")])
+    run_distributed(_worker, 2, str(out), [(n, "exact", False) for n in names] +
+                    [(n, "float_sums", False) for n in names] + [(n, "default", False) for n in ("grpo", "dpo")])
+    run_distributed(_worker, 4, str(out), [(n, "exact", True) for n in ("grpo", "sft")])
+    return lambda name, world, mode="exact", mha=False: torch.load(
+        out / f"{name}_cp{world}_{mode}{'_mha' if mha else ''}" / "result.pt")
 
 
-def test_grpo_step_scores_are_bitwise_the_same_at_cp_1_and_2(runs):
-    want, got, default = runs("grpo")
-    # TRL's calls: the old policy's and the reference's log-probs (no entropies), the policy's with entropies
-    assert len(want["scores"]) >= 3 and any(e is not None for _, e in want["scores"]), want["scores"]
-    assert len(got["scores"]) == len(want["scores"]) and len(want["loss"]) == 1
-    for i, (a, b) in enumerate(zip(got["scores"], want["scores"], strict=True)):
-        for name, x, y in zip(("log-probs", "entropies"), a, b, strict=True):
-            assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), \
-                (i, name, None if x is None else (x - y).abs().max().item())
-    assert got["loss"] == want["loss"]
-    assert not all(torch.equal(x, y) for a, b in zip(default["scores"], want["scores"], strict=True)
+def _same_scores(a: dict, b: dict) -> bool:
+    assert len(a["scores"]) == len(b["scores"])
+    return all((x is None) == (y is None) and (x is None or torch.equal(x, y))
+               for one, other in zip(a["scores"], b["scores"], strict=True) for x, y in zip(one, other, strict=True))
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    assert a["params"].keys() == b["params"].keys()
+    return all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def _check_bitwise(want: dict, got: dict, figures: bool = True) -> None:
+    assert want["exact"] and got["exact"], "the runs did not sum their gradients exactly"
+    assert len(want["logged"]) == STEPS and len(got["logged"]) == STEPS
+    assert _same_scores(got, want)
+    if figures:
+        assert got["logged"] == want["logged"]  # every figure == (floats compared exactly)
+    else:
+        assert [e.get("grad_norm") for e in got["logged"]] == [e.get("grad_norm") for e in want["logged"]]
+    bad = [n for n in want["params"] if not torch.equal(got["params"][n], want["params"][n])]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("world, mha", [(2, False), (4, True)])
+def test_grpo_runs_are_bitwise_the_same_at_every_degree(runs, world, mha):
+    want, got = runs("grpo", 1, mha=mha), runs("grpo", world, mha=mha)
+    # TRL's calls per step: the old policy's and the reference's log-probs (no entropies), the policy's with entropies
+    assert len(want["scores"]) >= 3 * STEPS - 2 and any(e is not None for _, e in want["scores"]), want["scores"]
+    _check_bitwise(want, got)
+
+
+def test_dpo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
+    want, got = runs("dpo", 1), runs("dpo", 2)
+    assert want["logged"][0]["rewards/margins"] != 0.0  # the reference differs from the policy
+    assert {"loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"} <= set(want["logged"][0])
+    _check_bitwise(want, got)
+
+
+@pytest.mark.parametrize("name, world, mha", [("sft", 2, False), ("sft", 4, True), ("sft_packed", 2, False)])
+def test_trainer_runs_have_bitwise_the_same_parameters(runs, name, world, mha):
+    _check_bitwise(runs(name, 1, mha=mha), runs(name, world, mha=mha), figures=False)
+
+
+def test_controls_differ(runs):
+    """Without the exact sums (float32 all-reduce, the mode otherwise on) every trainer's parameters differ after
+    three steps; the default mode differs from the first step's scores on."""
+    for name in RUNS:
+        control = runs(name, 2, "float_sums")
+        assert not control["exact"]
+        assert not _same_params(control, runs(name, 1)), f"{name}: the control cannot fail"
+    default, want = runs("grpo", 2, "default"), runs("grpo", 1)
+    assert not all(torch.equal(x, y) for a, b in zip(default["scores"][:3], want["scores"][:3], strict=True)
                    for x, y in zip(a, b, strict=True) if x is not None), "the control cannot fail"
-
-
-def test_dpo_step_figures_are_bitwise_the_same_at_cp_1_and_2(runs):
-    want, got, default = runs("dpo")
-    (step,) = want["logged"]
-    assert {"loss", "logps/chosen", "logps/rejected", "rewards/margins"} <= set(step), sorted(step)
-    assert step["rewards/margins"] != 0.0  # the reference differs from the policy
-    assert got["logged"] == want["logged"]  # every figure == (floats compared exactly)
-    assert default["logged"] != want["logged"], "the control cannot fail"
+    assert runs("dpo", 2, "default")["logged"][0] != runs("dpo", 1)["logged"][0], "the control cannot fail"

@@ -49,7 +49,7 @@ def _steps(result, out, norms: bool) -> list:
 def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(tmp_path):
     """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
     bitwise, the loss summed over the whole sequence in one order) and each step's gradient norm (the parameter
-    gradients summed exactly, ``training/exact_grads``: the same bits at every degree, so every step starts from the
+    gradients summed exactly, ``runtime/exact_grads``: the same bits at every degree, so every step starts from the
     same parameters), bshd and thd packs; bshd through the KV all-gather on canonical tiles at cp 2 (256 tokens).
     Negative control: the default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so
     the comparison can fail. (Before the mode pinned one thread per CPU rank, thd's third gradient norm at cp 1, run
@@ -197,7 +197,7 @@ def test_cp_train_deterministic_moe_losses_are_bitwise_the_same_at_every_cp_degr
     over the CP group's tokens in one order, ``ExpertParallelHandler.probs_sum``): the first step's loss ``==`` at cp
     1, 2 (experts over 2 ranks) and 4 (the same), and with thd packs at cp 1 and 2; the second within float32
     reordering (relative 1e-6): an expert's gradient is not summed exactly (its rows are the tokens routed to it, not
-    units of the sequence: ``training/exact_grads``), so the second step starts from parameters that may differ in
+    units of the sequence: ``runtime/exact_grads``), so the second step starts from parameters that may differ in
     their last bits (measured 2026-12-06 on an AMD EPYC: cp 4's second loss 3.6e-10 relative off cp 1's; equal on
     the machine of 2026-12-05). Negative control: the default mode at cp 2 differs at the first step."""
     moe = ("--moe-experts", "4", "--steps", "2")

@@ -1,4 +1,4 @@
-"""Exact parameter gradients (``cp_handler/training/exact_grads.py``, the deterministic mode's): the reference GPT's
+"""Exact parameter gradients (``cp_handler/runtime/exact_grads.py``, the deterministic mode's): the reference GPT's
 every parameter gradient ``torch.equal`` at cp 2, 3, 4, 6 and 8 to one process's (a deterministic a2a handler, the
 limbs all-reduced over the group), bshd and a thd pack of five documents; the fixed-point sums give the same bits in
 any order and grouping (hypothesis); against autograd's float32 gradients within float32 reordering. Negative
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from cp_handler import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
-from cp_handler.training.exact_grads import (
+from cp_handler.runtime.exact_grads import (
     ExactGradients,
     from_fixed,
     is_scaled_norm,
@@ -195,3 +195,46 @@ def test_embedding_padding_row_receives_no_gradient():
     sums.all_reduce_()
     assert torch.equal(emb.weight.grad[3], torch.zeros(4))
     torch.testing.assert_close(emb.weight.grad, want, rtol=1e-6, atol=0)
+
+
+def test_a_gradient_outside_the_pieces_is_named_not_dropped():
+    """A parameter whose weight a computation used outside the covered forwards (TRL's fused LM head reads
+    ``lm_head.weight`` itself) gets autograd's gradient, which the exact sums would overwrite: :meth:`all_reduce_`
+    raises naming it (after the collective); a forward replaced inside the scope (transformers' ``kernelize`` at
+    ``train()``) is left to its owner, and the gradient it produces is named the same way."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    sums = ExactGradients(model)
+    sums.units = (3,)
+    x = torch.randn(1, 3, 4)
+    with sums:
+        (model(x).sum() + (x @ model[1].weight).sum()).backward()  # model[1]'s weight used outside its forward too
+    with pytest.raises(RuntimeError, match=r"\['1.weight'\]"):
+        sums.all_reduce_()
+    model.zero_grad(set_to_none=True)
+    sums = ExactGradients(model)
+    sums.units = (3,)
+    with sums:
+        del model[0].forward  # what kernelize does to a layer that has no hub kernel
+        model(x).sum().backward()
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[1])
+    with pytest.raises(RuntimeError, match=r"\['0.weight', '0.bias'\]"):
+        sums.all_reduce_()
+
+
+def test_hugging_face_trainers_say_where_they_cannot_sum_exactly():
+    """:func:`~cp_handler.integrations.hf_exact_grads.refusal`: a world that is not a power of two (the trainers
+    scale each rank's loss by it for DDP's mean), FSDP / DeepSpeed, ``torch_compile`` and uncovered modules are
+    named; a dense model on 2 ranks is summed exactly."""
+    from types import SimpleNamespace
+
+    from cp_handler.integrations.hf_exact_grads import refusal
+
+    def trainer(world=2, fsdp=False, compile=False):
+        return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world), is_fsdp_enabled=fsdp,
+                               is_deepspeed_enabled=False, args=SimpleNamespace(torch_compile=compile))
+
+    assert refusal(trainer(), _model()) is None
+    assert "a world of 6 ranks" in refusal(trainer(6), _model())
+    assert "FSDP" in refusal(trainer(fsdp=True), _model())
+    assert "torch_compile" in refusal(trainer(compile=True), _model())
+    assert "LayerNorm" in refusal(trainer(), torch.nn.Sequential(torch.nn.LayerNorm(4)))

@@ -32,6 +32,7 @@ the same convention: the batch's value on every rank, ``cp`` times this rank's s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 
@@ -67,10 +68,12 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def install_cp_fused_head(model: torch.nn.Module, config: ContextParallelConfig, cp_group=None,
-                          hierarchical_cp_groups=None, row_positions: bool = True) -> None:
+                          hierarchical_cp_groups=None, row_positions: bool = True, exact=None) -> None:
     """Wrap the fused LM head TRL added to ``model`` (idempotent): a call with ``fused_lm_head=True`` runs on this
     rank's shard (module doc); any other call (generation, a plain forward) is TRL's unchanged. ``row_positions``:
-    how the model's own forward places left-padded tokens (:func:`left_padding_positions`).
+    how the model's own forward places left-padded tokens (:func:`left_padding_positions`). ``exact``: the trainer's
+    exact gradients of ``model`` (:class:`~.hf_exact_grads.TrainerExactGradients`), told each shard's units and run
+    around TRL's head per unit.
 
     Raises:
         ValueError: ``model`` has no TRL fused LM head (``trl.trainer.utils.add_fused_lm_head`` was not applied).
@@ -89,7 +92,8 @@ def install_cp_fused_head(model: torch.nn.Module, config: ContextParallelConfig,
             return forward(*args, **kwargs)
         if forward_state().fused_head_on_shard:  # the shard's call, through the model's hooks (guard, recomputation)
             return forward(*args, fused_lm_head=True, **kwargs)
-        return fused_forward_on_shards(self, config, cp_group, hierarchical_cp_groups, args, kwargs, row_positions)
+        return fused_forward_on_shards(self, config, cp_group, hierarchical_cp_groups, args, kwargs, row_positions,
+                                       exact)
 
     cp_fused_forward._cp_fused_head = True
     model.forward = types.MethodType(cp_fused_forward, model)
@@ -136,7 +140,7 @@ def check_same_batch(group, *tensors: torch.Tensor) -> None:
 
 
 def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfig, cp_group, hierarchical_cp_groups,
-                            args, kwargs: dict, row_positions: bool = True):
+                            args, kwargs: dict, row_positions: bool = True, exact=None):
     """TRL's fused forward of a whole batch run on this rank's shard (module doc, steps 1-4).
 
     Args:
@@ -146,6 +150,8 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
         row_positions: a token's position is its index in the left-padded row (``True``: the model's forward uses
             ``0..S-1``) or counts from the row's first real token (``False``: it derives positions from the mask);
             :func:`left_padding_positions`.
+        exact: :class:`~.hf_exact_grads.TrainerExactGradients` of ``model`` (the deterministic mode's exact
+            gradients), or ``None``.
 
     Returns:
         TRL's ``FusedCausalLMOutput``: per-token fields ``(B, S - 1)`` (``labels``) or ``(B, S)`` (``shift_labels``),
@@ -197,7 +203,8 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
                     "shift_labels": inputs["shift_labels"],
                     **{k: kwargs[k] for k in ("use_cache", "output_router_logits") if kwargs.get(k) is not None}}
     scope = RouterLossScope(cp_group, sharded.token_mask, "replicated")
-    with forward_scope(router_loss=scope, fused_head_on_shard=True):
+    per_unit = exact.fused_head(handler, inputs["input_ids"].shape[1]) if exact else contextlib.nullcontext()
+    with forward_scope(router_loss=scope, fused_head_on_shard=True), per_unit:
         out = model(fused_lm_head=True, cp_handler=handler, **model_kwargs)
     # step 4: combined, back in the rows' places
     cp = handler.cp_size

@@ -92,7 +92,7 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
                              "parallelism with it")
         plan = (self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
                 left_padding_positions(model, implementation))
-        install_cp_fused_head(model, *plan)
+        install_cp_fused_head(model, *plan, exact=self.exact_grads)
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
             ref_model = self.accelerator.unwrap_model(ref_model)

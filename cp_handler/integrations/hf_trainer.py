@@ -183,6 +183,8 @@ class ContextParallelMixin(ContextParallelTrainerBase):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on this rank's shard of the batch, under its handler."""
         sharded = self._shard(self._prepare_inputs(inputs))
+        if self.exact_grads is not None:
+            self.exact_grads.set_units(sharded.handler, sharded.inputs["input_ids"].shape[1])
         inputs, num_items_in_batch = self._counted(sharded, num_items_in_batch, training=True)
         with self._under(sharded):
             return super().training_step(model, inputs, num_items_in_batch)

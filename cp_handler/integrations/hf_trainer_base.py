@@ -18,6 +18,7 @@ from ..runtime.config import ContextParallelConfig
 from ..runtime.groups import build_dp_cp_groups, destroy_process_groups
 from ..runtime.launch import rank_env
 from ..runtime.parallel_layout import ParallelLayout, default_hierarchical_sizes
+from . import hf_exact_grads
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import DataParallelView
 from .hf_inputs import text_config
@@ -133,6 +134,9 @@ class ContextParallelTrainerBase:
         """The model's attention implementation before ``register`` (what generation outside CP runs)."""
         register(model)
         check_causal(model)
+        self.exact_grads = hf_exact_grads.build(self, model)
+        """The deterministic mode's exact parameter gradients (:mod:`.hf_exact_grads`), or ``None`` (outside the mode,
+        or where they cannot be built: ``exact_gradients_refusal`` says why)."""
         self._prepare_registered(model)
         if cp_args.mlp_chunk_tokens is not None:
             tile_mlps(model, cp_args.mlp_chunk_tokens)
@@ -186,6 +190,15 @@ class ContextParallelTrainerBase:
         the same way (:meth:`_refused_arguments` has refused what the arguments say)."""
         return _accelerate_refusals(getattr(self.accelerator, "parallelism_config", None),
                                     self.accelerator.dispatch_batches)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The wrapped trainer's step; in the deterministic mode with exact gradients, inside their scope with DDP
+        not syncing, the exact sums written to ``.grad`` after the step's last micro-batch (:mod:`.hf_exact_grads`)."""
+        if self.exact_grads is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        return self.exact_grads.training_step(self.accelerator, model,
+                                              lambda: super(ContextParallelTrainerBase, self).training_step(
+                                                  model, inputs, num_items_in_batch))
 
     def get_cp_size(self) -> int:
         """The CP size (Trainer divides its global token count and its dp world size by it)."""

@@ -77,6 +77,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                   "hf_dp.DataParallelView.scope: TRL calls accelerate's gather / gather_object directly; inside the "
                   "RL trainers' steps they keep one rank per CP group")
       for module in ("grpo_trainer", "rloo_trainer") for name in ("gather", "gather_object")),
+    PrivateName("trl.trainer.utils", "_ChunkedLogProbFunction", "module global",
+                "hf_exact_grads.TrainerExactGradients.fused_head: in the deterministic mode's exact gradients, TRL's "
+                "fused LM head runs one call per unit (its weight gradient is summed over tiles of a rank's tokens)"),
 )
 """The private names (module doc)."""
 

@@ -28,10 +28,10 @@ from ..dynamic import GroupPool, schedule_sequences
 from ..handlers import build_cp_handler
 from ..models.loss import TokenLoss, loss_chunk_tokens, next_token_batch
 from ..runtime.config import AUTO
+from ..runtime.exact_grads import ExactGradients, unit_lengths
 from ..runtime.reductions import global_token_count
 from .config import TrainConfig
 from .data import Batch, DocumentBatches, SequenceBatches, collect_files, read_token_stream
-from .exact_grads import ExactGradients, unit_lengths
 from .experts import ExpertGroups
 from .fsdp import is_sharded
 from .reference import PlainAttention, next_token_loss, predicted_tokens
@@ -109,7 +109,7 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
     for a rank without parts); in the deterministic mode (``config.cp.deterministic``) every rank of a CP group holds
     the group's whole loss, summed in one order (:func:`~cp_handler.models.loss.canonical_loss_sum`; its backward
     gives each rank its own tokens' gradient, as without the mode). ``exact``: the mode's exact parameter gradients
-    (:mod:`.exact_grads`, entered by the caller), told each micro-batch's units."""
+    (:mod:`~cp_handler.runtime.exact_grads`, entered by the caller), told each micro-batch's units."""
     chunk_of = loss_chunks(model, config)
     loss = None
     parts = list(parts) if experts else parts  # the load-balancing losses are averaged over the parts

@@ -31,6 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..dynamic import GroupPool
 from ..integrations.hf_tensor_parallel import apply_hf_tensor_parallel
+from ..runtime.exact_grads import ExactGradients, units_refusal
+from ..runtime.exact_grads import uncovered as exact_uncovered
 from ..runtime.groups import data_context_parallel_groups
 from ..runtime.launch import heartbeat
 from ..runtime.parallel_layout import ParallelLayout
@@ -39,8 +41,6 @@ from . import tensor_parallel
 from .build import build_model, checkpointing, export_hf, peak_memory_bytes, say, step_reference
 from .config import TrainConfig
 from .evaluation import build_evaluators, check_eval_cp, report_eval_check
-from .exact_grads import ExactGradients, units_refusal
-from .exact_grads import uncovered as exact_uncovered
 from .experts import ExpertGroups, expert_parameters
 from .fsdp import shard_model, state_bytes
 from .loop import NonFiniteLoss, StepProgress, default_optimizer, local_grad_norm
@@ -149,8 +149,9 @@ class Trainer:
         self.eval_chunks = loss_chunks(self.trained, config)  # evaluation's loss in chunks as training's
 
     def _exact_gradients(self, model) -> ExactGradients | None:
-        """The deterministic mode's exact parameter gradients (:mod:`.exact_grads`) where the run allows them, else
-        ``None`` with the reason in ``self.exact_refusal`` (said in the start line; ``None`` outside the mode)."""
+        """The deterministic mode's exact parameter gradients (:mod:`~cp_handler.runtime.exact_grads`) where the run
+        allows them, else ``None`` with the reason in ``self.exact_refusal`` (said in the start line; ``None`` outside
+        the mode)."""
         config = self.config
         self.exact_refusal = None
         if not config.cp.deterministic:

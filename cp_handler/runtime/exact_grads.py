@@ -28,7 +28,8 @@ Covered: ``nn.Linear``, ``nn.RMSNorm`` (with a weight), ``nn.Embedding`` (withou
 frequency or sparse gradients) and any normalisation that ends in ``weight * x_hat`` (:func:`is_scaled_norm`, by
 behaviour: the RMSNorm classes of Llama, Qwen2 and others in transformers): the reference GPT's layers and dense
 Hugging Face models (:func:`uncovered` names what is not: a MoE's fused experts, Gemma's ``(1 + weight)`` norm...).
-Used by :class:`~.trainer.Trainer` in the deterministic mode.
+Used in the deterministic mode by cp-train's :class:`~cp_handler.training.trainer.Trainer` and by the Hugging Face
+trainers (:mod:`cp_handler.integrations.hf_exact_grads`).
 """
 
 from __future__ import annotations
@@ -168,11 +169,12 @@ class ExactGradients:
     Args:
         model: every parameter-holding module covered (:func:`uncovered` empty).
 
-    Set :attr:`units` (:func:`unit_lengths`) for each micro-batch before its forward.
+    Set :attr:`units` (:func:`unit_lengths`) for each micro-batch before its forward (a layer's backward cuts the
+    units its forward was told).
 
     Raises:
         ValueError: an uncovered module (named); in the backward, a linear layer's input whose rows are not whole
-            units (a loss chunk of another size: ``--loss-chunk-tokens``).
+            units (a loss chunk of another size: ``--loss-chunk-tokens``), or no units told.
     """
 
     def __init__(self, model: nn.Module):
@@ -221,12 +223,13 @@ class ExactGradients:
                 raise ValueError(f"exact parameter gradients: {name} ({type(module).__name__}) already has a forward "
                                  "of its own (an instance attribute); its gradient pieces cannot be taken")
             module.forward = functools.partial(kind, module, self)  # an instance attribute: __exit__ drops it
-            self.patched.append(module)
+            self.patched.append((module, module.forward))
         return self
 
     def __exit__(self, *exc) -> None:
-        for module in self.patched:
-            del module.forward
+        for module, forward in self.patched:
+            if vars(module).get("forward") is forward:  # another hand may have replaced it (transformers' kernelize
+                del module.forward  # at train() / eval()): then its weight's autograd gradient is named in all_reduce_
         self.patched = []
 
     # --- the reduction -----------------------------------------------------------------------------------------------
@@ -238,14 +241,23 @@ class ExactGradients:
         Raises:
             FloatingPointError: some piece was not finite or above :data:`MAX_PIECE` on some rank (every rank
                 raises, after the all-reduce).
+            RuntimeError: some parameter received a gradient from autograd (``.grad`` set: a computation that used
+                its weight outside the covered layers' forwards, whose sum would be dropped); named, every rank
+                raises after the all-reduce.
         """
         flat = [self._limbs(p)[i].flatten() for p in self.params for i in (0, 1)]
-        bad = torch.as_tensor(self.bad, dtype=torch.int64, device=flat[0].device).view(1)
-        buffer = torch.cat([*flat, bad])
+        leaked = [name for name, p in self.model.named_parameters() if p.grad is not None]
+        flags = torch.as_tensor([self.bad, len(leaked)], dtype=torch.int64, device=flat[0].device)
+        buffer = torch.cat([*flat, flags])
         if group is not None:
             dist.all_reduce(buffer, group=group)
         if buffer[-1].item():
-            raise FloatingPointError(f"exact parameter gradients: {buffer[-1].item()} gradient pieces were not finite "
+            raise RuntimeError(f"exact parameter gradients: parameters received gradients outside the covered layers' "
+                               f"pieces (here: {leaked or 'none; on another rank'}): their weights were used by "
+                               "another computation, whose gradient the exact sums would drop; the step stops before "
+                               "the optimizer step")
+        if buffer[-2].item():
+            raise FloatingPointError(f"exact parameter gradients: {buffer[-2].item()} gradient pieces were not finite "
                                      f"or reached {MAX_PIECE:g} (the fixed-point range); the step stops before the "
                                      "optimizer step")
         offset = 0
@@ -290,7 +302,7 @@ class _ExactLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, sums):
         ctx.save_for_backward(x)
-        ctx.sums, ctx.weight, ctx.bias = sums, weight, bias
+        ctx.sums, ctx.weight, ctx.bias, ctx.units = sums, weight, bias, sums.units
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -298,7 +310,7 @@ class _ExactLinear(torch.autograd.Function):
         (x,), weight, bias = ctx.saved_tensors, ctx.weight, ctx.bias
         rows_x, rows_g = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         if weight.requires_grad:
-            for rows in _unit_slices(ctx.sums.units, rows_x.shape[0]):
+            for rows in unit_slices(ctx.units, rows_x.shape[0]):
                 ctx.sums.add_(weight, rows_g[rows].t().mm(rows_x[rows]))
         if bias is not None and bias.requires_grad:
             ctx.sums.add_rows_(bias, rows_g)
@@ -306,9 +318,13 @@ class _ExactLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def _unit_slices(units: tuple[int, ...], rows: int) -> list[slice]:
-    """The units of a linear layer's ``rows`` input rows: every local row of the batch (``B`` batch rows of the
-    units), or, when the units are all alike (bshd), any whole number of them (a loss chunk)."""
+def unit_slices(units: tuple[int, ...] | None, rows: int) -> list[slice]:
+    """The units of ``rows`` rows of a batch's tokens flattened (a linear layer's input): every local row of the batch
+    (``B`` batch rows of the units), or, when the units are all alike (bshd), any whole number of them (a loss
+    chunk). Raises ValueError when the rows are not whole units, or no units were told (``None``)."""
+    if units is None:
+        raise ValueError("exact parameter gradients: a layer ran a forward with gradients before the batch's units "
+                         "were told (ExactGradients.units = unit_lengths(handler, local_len))")
     local = sum(units)
     if rows % local == 0:
         lengths = units * (rows // local)
@@ -324,17 +340,18 @@ def _unit_slices(units: tuple[int, ...], rows: int) -> list[slice]:
 
 class _ExactScale(torch.autograd.Function):
     """``x_hat * weight`` (an RMSNorm's scale); backward: ``dy * weight`` for ``x_hat`` (in its dtype), ``dy * x_hat``
-    per token into the sums for the weight."""
+    per token into the sums for the weight. The parameters are held as attributes, not saved tensors: they are the
+    sums' keys, and a saved-tensor hook (activation offloading, as TRL's) unpacks copies."""
 
     @staticmethod
     def forward(ctx, x_hat, weight, sums):
-        ctx.save_for_backward(x_hat, weight)
-        ctx.sums = sums
+        ctx.save_for_backward(x_hat)
+        ctx.sums, ctx.weight = sums, weight
         return x_hat * weight
 
     @staticmethod
     def backward(ctx, grad):
-        x_hat, weight = ctx.saved_tensors
+        (x_hat,), weight = ctx.saved_tensors, ctx.weight
         if weight.requires_grad:
             ctx.sums.add_rows_(weight, (grad * x_hat).reshape(-1, *weight.shape))
         return (grad * weight).to(x_hat.dtype), None, None

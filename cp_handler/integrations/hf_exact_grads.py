@@ -1,0 +1,150 @@
+"""Exact parameter gradients in the Hugging Face trainers' deterministic mode (``ContextParallelArguments(
+deterministic=True)``): every trainer step's parameter gradients the same bits at every CP degree, so whole runs
+(SFT, GRPO, RLOO, DPO: every step's scores, losses and parameters) are bitwise one process's, not only the first step.
+
+:class:`~cp_handler.runtime.exact_grads.ExactGradients` computes each gradient in pieces that are the same at every
+degree (a weight GEMM per unit of a sequence, a piece per token for biases, norm weights and embedding rows) and adds
+them exactly (fixed point, int64): :class:`TrainerExactGradients` puts it inside Trainer's step:
+
+* the model's hub kernels (``use_kernels``, on by default in ``from_pretrained`` since transformers 5.2x: its
+  ``kernelize`` replaces layers' forwards at every ``train()`` / ``eval()``) are reset to the torch layers
+  (``reset_kernels()``, logged), whose forwards the exact sums take;
+* each ``training_step`` runs inside the exact scope and under the model's ``no_sync`` (DDP's float32 all-reduce is
+  replaced); the batch's units are told where its handler is built (the trainers' ``training_step``, TRL's fused
+  head: :meth:`TrainerExactGradients.set_units`);
+* TRL's fused LM head (the RL trainers' log-probabilities) reads ``lm_head.weight`` itself and sums its gradient over
+  tiles of the rank's tokens: inside :meth:`TrainerExactGradients.fused_head` each unit's tokens are one call of
+  TRL's function, whose weight (and bias) gradient is that unit's piece;
+* after the last micro-batch of a step (``accelerator.sync_gradients``) the limbs are all-reduced over every rank as
+  int64 and divided by the world size (DDP's mean, which the trainers' loss scaling expects): exact for a world of a
+  power of two ranks (the per-token gradients are then the one-process ones times a power of two), so the mode sums
+  exactly only there.
+
+Where the trainer cannot (:func:`refusal`: a world that is not a power of two, FSDP / DeepSpeed, ``torch_compile``,
+modules the pieces do not cover, such as a vision tower's convolutions, a MoE's fused experts, Gemma's ``1 + weight``
+norm), the gradients are all-reduced in float32 as without the mode (within float32 reordering, ~1e-7 relative per
+step) and the trainer says why (``trainer.exact_gradients_refusal``, logged once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.exact_grads import ExactGradients, uncovered, unit_lengths, unit_slices
+
+logger = logging.getLogger(__name__)
+
+
+def refusal(trainer, model: torch.nn.Module) -> str | None:
+    """Why ``trainer`` (in the deterministic mode) cannot sum ``model``'s gradients exactly (``None``: it can)."""
+    world = trainer.accelerator.num_processes
+    if world & (world - 1):
+        return (f"a world of {world} ranks: Trainer scales each rank's loss for DDP's mean over the world, exact only "
+                "for a power of two")
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return "FSDP / DeepSpeed reduce the gradients their own way"
+    if trainer.args.torch_compile:
+        return "torch_compile=True (the exact pieces are taken outside compiled graphs)"
+    if missing := uncovered(model):
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"{missing[:3]}{more} hold parameters that the exact sums do not cover"
+    return None
+
+
+class TrainerExactGradients:
+    """The exact sums of one trainer's model (module doc).
+
+    Args:
+        model: the unwrapped model (every parameter-holding module covered: :func:`refusal` is ``None``).
+        world: the number of processes whose gradients DDP would average.
+    """
+
+    def __init__(self, model: torch.nn.Module, world: int):
+        self.sums, self.world = ExactGradients(model), world
+
+    def set_units(self, handler, local_len: int) -> None:
+        """The units of the batch about to run its forward (:func:`~cp_handler.runtime.exact_grads.unit_lengths`)."""
+        self.sums.units = unit_lengths(handler, local_len)
+
+    def training_step(self, accelerator, model, run):
+        """``run()`` (Trainer's step: forward and backward of a micro-batch) inside the exact scope, DDP not syncing;
+        after the step's last micro-batch, the exact sums all-reduced and written to ``.grad``."""
+        with self.sums, accelerator.no_sync(model):
+            loss = run()
+        if accelerator.sync_gradients:
+            group = dist.group.WORLD if self.world > 1 else None
+            self.sums.all_reduce_(group)
+            for param in self.sums.params:
+                param.grad.div_(self.world)  # DDP's mean; a power of two: exact
+        return loss
+
+    @contextlib.contextmanager
+    def fused_head(self, handler, local_len: int):
+        """A block in which TRL's fused LM head runs one call per unit (module doc), the units of ``handler``'s
+        batch told. Outside a forward with gradients it does nothing."""
+        if not torch.is_grad_enabled():
+            yield
+            return
+        import trl.trainer.utils as trl_utils
+
+        self.set_units(handler, local_len)
+        original = trl_utils._ChunkedLogProbFunction
+        trl_utils._ChunkedLogProbFunction = _PerUnit(original, self.sums)
+        try:
+            yield
+        finally:
+            trl_utils._ChunkedLogProbFunction = original
+
+
+class _PerUnit:
+    """TRL's ``ChunkedLogProbFunction`` called once per unit of the rows it is given (flattened ``(N, H)`` hidden
+    states, ``N`` a whole number of the batch's rows), the weight and bias passed through :class:`_Piece`; the
+    per-token outputs concatenated (each token's the same bits: TRL's tiles compute a token's row alone)."""
+
+    def __init__(self, function, sums: ExactGradients):
+        self.function, self.sums, self.units = function, sums, sums.units
+
+    def apply(self, hidden, weight, bias, labels, *rest):
+        outputs = []
+        for rows in unit_slices(self.units, hidden.shape[0]):
+            unit_weight = _Piece.apply(weight, [weight], self.sums)
+            unit_bias = None if bias is None else _Piece.apply(bias, [bias], self.sums)
+            outputs.append(self.function.apply(hidden[rows], unit_weight, unit_bias, labels[rows], *rest))
+        return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*outputs, strict=True))
+
+
+class _Piece(torch.autograd.Function):
+    """Identity on a parameter (``[param]``: the parameter itself, the key of its sums); backward: the gradient (one
+    unit's, from one call of TRL's function) into the exact sums of ``param``, none to autograd."""
+
+    @staticmethod
+    def forward(ctx, tensor, param, sums):
+        (ctx.param,), ctx.sums = param, sums
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sums.add_(ctx.param, grad)
+        return None, None, None
+
+
+def build(trainer, model: torch.nn.Module) -> TrainerExactGradients | None:
+    """The trainer's exact sums in the deterministic mode where :func:`refusal` allows them (else ``None``, the
+    reason kept as ``trainer.exact_gradients_refusal`` and logged once; ``None`` outside the mode)."""
+    trainer.exact_gradients_refusal = None
+    if not trainer.cp_config.deterministic:
+        return None
+    trainer.exact_gradients_refusal = refusal(trainer, model)
+    if trainer.exact_gradients_refusal is not None:
+        logger.warning("deterministic mode: parameter gradients all-reduced in float32, not summed exactly: %s",
+                       trainer.exact_gradients_refusal)
+        return None
+    if getattr(model, "use_kernels", False):
+        model.reset_kernels()
+        logger.warning("deterministic mode: the model's hub kernels reset to its torch layers (transformers' kernelize "
+                       "replaces their forwards at every train() / eval(), and the exact sums take those forwards)")
+    return TrainerExactGradients(model, trainer.accelerator.num_processes)
