@@ -1,7 +1,7 @@
 """The deterministic mode in whole Hugging Face trainer runs (issue 73, part 3): three steps of ``CPGRPOTrainer``,
-``CPDPOTrainer`` and ``CPTrainer`` (right-padded rows and packed documents) with ``ContextParallelArguments(
-deterministic=True)`` at cp 1, 2 and 4 on the same data (tests/hf_rl_cases.py: prompts and scripted completions;
-tests/hf_trainer_cases.py: the SFT rows), tiny Llamas in float32.
+``CPRLOOTrainer``, ``CPDPOTrainer``, ``CPTrainer`` (right-padded rows and packed documents) and ``CPSFTTrainer``
+with ``ContextParallelArguments(deterministic=True)`` at cp 1, 2 and 4 on the same data (tests/hf_rl_cases.py:
+prompts and scripted completions; tests/hf_trainer_cases.py: the SFT rows), tiny Llamas in float32.
 
 What is bitwise (``torch.equal`` / ``==``) at cp 2 (4 query over 2 key-value heads) and cp 4 (4 over 4: ``a2a``
 splits heads, so cp 4 needs 4 key-value heads; against cp 1 with the same model) against cp 1:
@@ -9,10 +9,12 @@ splits heads, so cp 4 needs 4 key-value heads; against cp 1 with the same model)
 * GRPO: every score TRL computes in the three steps (each call of ``_get_per_token_logps_and_entropies``: the old
   policy's and the reference model's log-probs, the policy's log-probs and entropies in the loss), every logged
   figure (loss, gradient norm, KL, clip ratios, ...) and every parameter after the run;
+* RLOO: the same at cp 2;
 * DPO (a reference model other than the policy): every logged figure of the three steps (chosen and rejected
   log-probs, rewards, margins, accuracies, the loss, the gradient norm) and every parameter;
-* Trainer: the gradient norm of every step and every parameter (the logged loss is each rank's share averaged by
-  Trainer in float32: within an ulp, not compared bitwise).
+* Trainer and TRL's SFTTrainer (its fused LM head, packed documents; cp 2): the gradient norm of every step and every
+  parameter (the logged loss is each rank's share averaged by Trainer in float32: within an ulp, not compared
+  bitwise).
 
 Each run checks that the trainer summed its gradients exactly (``trainer.exact_grads``: docs/deterministic.md).
 Negative controls: the default mode (the ring) at cp 2 gives other bits than cp 1's mode in some first-step GRPO
@@ -53,14 +55,15 @@ def _cp_args(world: int, mode: str):
                                     deterministic=deterministic)
 
 
-def _grpo(out: Path, world: int, mode: str, fields: dict | None) -> dict:
-    """Three GRPO steps of CPGRPOTrainer at cp ``world``, every call's log-probs and entropies recorded."""
+def _grpo(out: Path, world: int, mode: str, fields: dict | None, trainer_name: str = "grpo") -> dict:
+    """Three GRPO (or RLOO) steps of CPGRPOTrainer (CPRLOOTrainer) at cp ``world``, every call's log-probs and
+    entropies recorded."""
     import hf_rl_cases as cases
     import hf_trainer_cases
     import torch.distributed as dist
     from datasets import Dataset
 
-    from cp_handler.integrations.hf_rl_trainer import CPGRPOTrainer
+    from cp_handler.integrations.hf_rl_trainer import CPGRPOTrainer, CPRLOOTrainer
 
     model = hf_trainer_cases.model("llama", fields)
     type(model).generate = cases.scripted_generate(world)
@@ -68,11 +71,12 @@ def _grpo(out: Path, world: int, mode: str, fields: dict | None) -> dict:
     if dist.get_rank() == 0:
         model.save_pretrained(path)
     dist.barrier()
-    args = cases._arguments({"trainer": "grpo", "args": {"beta": 0.1}}, str(out), 2, world > 1)
+    args = cases._arguments({"trainer": trainer_name, "args": {"beta": 0.1}}, str(out), 2, world > 1)
     args.max_steps = STEPS
-    trainer = CPGRPOTrainer(model=str(path), args=args, reward_funcs=cases.reward,
-                            train_dataset=Dataset.from_list(cases.prompts(8)), processing_class=cases.tokenizer(),
-                            cp_args=_cp_args(world, mode))
+    cls = CPGRPOTrainer if trainer_name == "grpo" else CPRLOOTrainer
+    trainer = cls(model=str(path), args=args, reward_funcs=cases.reward,
+                  train_dataset=Dataset.from_list(cases.prompts(8)), processing_class=cases.tokenizer(),
+                  cp_args=_cp_args(world, mode))
     scores, score = [], trainer._get_per_token_logps_and_entropies
 
     def recorded(*args, **kwargs):
@@ -129,7 +133,23 @@ def _sft(out: Path, world: int, mode: str, fields: dict | None, collator: str = 
     return _trained(trainer, [])
 
 
-RUNS = {"grpo": _grpo, "dpo": _dpo, "sft": _sft, "sft_packed": lambda *a: _sft(*a, collator="flatten")}
+def _trl_sft(out: Path, world: int, mode: str, fields: dict | None) -> dict:
+    """Three steps of CPSFTTrainer (TRL's SFT: its fused LM head, padding-free packed documents)."""
+    import hf_trainer_cases as cases
+    from datasets import Dataset
+
+    from cp_handler.integrations.hf_trainer import CPSFTTrainer
+
+    args = cases._arguments({"collator": "trl", "trainer": "sft"}, str(out), 2, world > 1)
+    data = Dataset.from_list([{"input_ids": row["input_ids"]} for row in cases.dataset(16, 1)])
+    trainer = CPSFTTrainer(model=cases.model("llama", fields), args=args, train_dataset=data,
+                           processing_class=cases.tokenizer(), cp_args=_cp_args(world, mode))
+    trainer.train()
+    return _trained(trainer, [])
+
+
+RUNS = {"grpo": _grpo, "rloo": lambda *a: _grpo(*a, trainer_name="rloo"), "dpo": _dpo, "sft": _sft,
+        "sft_packed": lambda *a: _sft(*a, collator="flatten"), "sft_trl": _trl_sft}
 
 
 def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, bool]]) -> None:
@@ -200,6 +220,10 @@ def test_grpo_runs_are_bitwise_the_same_at_every_degree(runs, world, mha):
     _check_bitwise(want, got)
 
 
+def test_rloo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
+    _check_bitwise(runs("rloo", 1), runs("rloo", 2))
+
+
 def test_dpo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
     want, got = runs("dpo", 1), runs("dpo", 2)
     assert want["logged"][0]["rewards/margins"] != 0.0  # the reference differs from the policy
@@ -207,8 +231,10 @@ def test_dpo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
     _check_bitwise(want, got)
 
 
-@pytest.mark.parametrize("name, world, mha", [("sft", 2, False), ("sft", 4, True), ("sft_packed", 2, False)])
+@pytest.mark.parametrize("name, world, mha", [("sft", 2, False), ("sft", 4, True), ("sft_packed", 2, False),
+                                               ("sft_trl", 2, False)])
 def test_trainer_runs_have_bitwise_the_same_parameters(runs, name, world, mha):
+    """Trainer and TRL's SFTTrainer: every parameter and gradient norm (module doc)."""
     _check_bitwise(runs(name, 1, mha=mha), runs(name, world, mha=mha), figures=False)
 
 

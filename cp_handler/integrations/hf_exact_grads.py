@@ -8,17 +8,19 @@ them exactly (fixed point, int64): :class:`TrainerExactGradients` puts it inside
 
 * the model's hub kernels (``use_kernels``, on by default in ``from_pretrained`` since transformers 5.2x: its
   ``kernelize`` replaces layers' forwards at every ``train()`` / ``eval()``) are reset to the torch layers
-  (``reset_kernels()``, logged), whose forwards the exact sums take;
+  (``use_kernels = False``: ``reset_kernels()``; logged), whose forwards the exact sums take;
 * each ``training_step`` runs inside the exact scope and under the model's ``no_sync`` (DDP's float32 all-reduce is
   replaced); the batch's units are told where its handler is built (the trainers' ``training_step``, TRL's fused
   head: :meth:`TrainerExactGradients.set_units`);
-* TRL's fused LM head (the RL trainers' log-probabilities) reads ``lm_head.weight`` itself and sums its gradient over
-  tiles of the rank's tokens: inside :meth:`TrainerExactGradients.fused_head` each unit's tokens are one call of
-  TRL's function, whose weight (and bias) gradient is that unit's piece;
+* TRL's fused LM head (the log-probabilities of its SFT, GRPO, RLOO and DPO trainers) reads ``lm_head.weight`` itself
+  and sums its gradient over tiles of the rank's tokens: inside the step (:meth:`TrainerExactGradients.fused_head`)
+  each unit's tokens are one call of TRL's function, whose weight (and bias) gradient is that unit's piece;
 * after the last micro-batch of a step (``accelerator.sync_gradients``) the limbs are all-reduced over every rank as
   int64 and divided by the world size (DDP's mean, which the trainers' loss scaling expects): exact for a world of a
-  power of two ranks (the per-token gradients are then the one-process ones times a power of two), so the mode sums
-  exactly only there.
+  power of two ranks (the per-token gradients are then the one-process ones times a power of two, and so are the
+  pieces; a piece below ``2**-33`` in magnitude is rounded onto the grid, where that scale can move it by one step of
+  ``2**-56``: the float32 result changes only for a sum that close to a rounding boundary), so the mode sums exactly
+  only there.
 
 Where the trainer cannot (:func:`refusal`: a world that is not a power of two, FSDP / DeepSpeed, ``torch_compile``,
 modules the pieces do not cover, such as a vision tower's convolutions, a MoE's fused experts, Gemma's ``1 + weight``
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 
 import torch
 import torch.distributed as dist
@@ -71,9 +74,10 @@ class TrainerExactGradients:
         self.sums.units = unit_lengths(handler, local_len)
 
     def training_step(self, accelerator, model, run):
-        """``run()`` (Trainer's step: forward and backward of a micro-batch) inside the exact scope, DDP not syncing;
-        after the step's last micro-batch, the exact sums all-reduced and written to ``.grad``."""
-        with self.sums, accelerator.no_sync(model):
+        """``run()`` (Trainer's step: forward and backward of a micro-batch) inside the exact scope, DDP not syncing,
+        TRL's fused LM head one call per unit (:meth:`fused_head`); after the step's last micro-batch, the exact sums
+        all-reduced and written to ``.grad``."""
+        with self.sums, accelerator.no_sync(model), self.fused_head():
             loss = run()
         if accelerator.sync_gradients:
             group = dist.group.WORLD if self.world > 1 else None
@@ -83,15 +87,13 @@ class TrainerExactGradients:
         return loss
 
     @contextlib.contextmanager
-    def fused_head(self, handler, local_len: int):
-        """A block in which TRL's fused LM head runs one call per unit (module doc), the units of ``handler``'s
-        batch told. Outside a forward with gradients it does nothing."""
-        if not torch.is_grad_enabled():
+    def fused_head(self):
+        """A block in which TRL's fused LM head (if TRL is in use) runs one call per unit of the batch told last
+        (module doc): TRL's SFT, GRPO, RLOO and DPO trainers all compute their log-probabilities with it."""
+        trl_utils = sys.modules.get("trl.trainer.utils")
+        if trl_utils is None:
             yield
             return
-        import trl.trainer.utils as trl_utils
-
-        self.set_units(handler, local_len)
         original = trl_utils._ChunkedLogProbFunction
         trl_utils._ChunkedLogProbFunction = _PerUnit(original, self.sums)
         try:
@@ -103,14 +105,17 @@ class TrainerExactGradients:
 class _PerUnit:
     """TRL's ``ChunkedLogProbFunction`` called once per unit of the rows it is given (flattened ``(N, H)`` hidden
     states, ``N`` a whole number of the batch's rows), the weight and bias passed through :class:`_Piece`; the
-    per-token outputs concatenated (each token's the same bits: TRL's tiles compute a token's row alone)."""
+    per-token outputs concatenated (each token's the same bits: TRL's tiles compute a token's row alone). Calls
+    without gradients, or on another model's head (a reference model's), go to TRL's function whole."""
 
     def __init__(self, function, sums: ExactGradients):
-        self.function, self.sums, self.units = function, sums, sums.units
+        self.function, self.sums = function, sums
 
     def apply(self, hidden, weight, bias, labels, *rest):
+        if not (torch.is_grad_enabled() and weight in self.sums.limbs):
+            return self.function.apply(hidden, weight, bias, labels, *rest)
         outputs = []
-        for rows in unit_slices(self.units, hidden.shape[0]):
+        for rows in unit_slices(self.sums.units, hidden.shape[0]):
             unit_weight = _Piece.apply(weight, [weight], self.sums)
             unit_bias = None if bias is None else _Piece.apply(bias, [bias], self.sums)
             outputs.append(self.function.apply(hidden[rows], unit_weight, unit_bias, labels[rows], *rest))
@@ -144,7 +149,7 @@ def build(trainer, model: torch.nn.Module) -> TrainerExactGradients | None:
                        trainer.exact_gradients_refusal)
         return None
     if getattr(model, "use_kernels", False):
-        model.reset_kernels()
+        model.use_kernels = False  # transformers' setter: reset_kernels(), the torch layers back
         logger.warning("deterministic mode: the model's hub kernels reset to its torch layers (transformers' kernelize "
                        "replaces their forwards at every train() / eval(), and the exact sums take those forwards)")
     return TrainerExactGradients(model, trainer.accelerator.num_processes)

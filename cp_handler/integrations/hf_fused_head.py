@@ -32,7 +32,6 @@ the same convention: the batch's value on every rank, ``cp`` times this rank's s
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 
@@ -72,8 +71,7 @@ def install_cp_fused_head(model: torch.nn.Module, config: ContextParallelConfig,
     """Wrap the fused LM head TRL added to ``model`` (idempotent): a call with ``fused_lm_head=True`` runs on this
     rank's shard (module doc); any other call (generation, a plain forward) is TRL's unchanged. ``row_positions``:
     how the model's own forward places left-padded tokens (:func:`left_padding_positions`). ``exact``: the trainer's
-    exact gradients of ``model`` (:class:`~.hf_exact_grads.TrainerExactGradients`), told each shard's units and run
-    around TRL's head per unit.
+    exact gradients of ``model`` (:class:`~.hf_exact_grads.TrainerExactGradients`), told each shard's units.
 
     Raises:
         ValueError: ``model`` has no TRL fused LM head (``trl.trainer.utils.add_fused_lm_head`` was not applied).
@@ -203,8 +201,9 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
                     "shift_labels": inputs["shift_labels"],
                     **{k: kwargs[k] for k in ("use_cache", "output_router_logits") if kwargs.get(k) is not None}}
     scope = RouterLossScope(cp_group, sharded.token_mask, "replicated")
-    per_unit = exact.fused_head(handler, inputs["input_ids"].shape[1]) if exact else contextlib.nullcontext()
-    with forward_scope(router_loss=scope, fused_head_on_shard=True), per_unit:
+    if exact is not None:
+        exact.set_units(handler, inputs["input_ids"].shape[1])
+    with forward_scope(router_loss=scope, fused_head_on_shard=True):
         out = model(fused_lm_head=True, cp_handler=handler, **model_kwargs)
     # step 4: combined, back in the rows' places
     cp = handler.cp_size
