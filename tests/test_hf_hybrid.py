@@ -119,3 +119,30 @@ def test_mixers_on_cuda_are_opt_in_until_a_gpu_run(monkeypatch):
     monkeypatch.setenv(CUDA_OPT_IN, "1")
     check_device("ssd_scan", on_cuda)
     check_device("ssd_scan", torch.zeros(1))
+
+
+def test_routes_survive_hub_kernels_at_train_and_eval(tmp_path):
+    """transformers' ``from_pretrained`` turns the ``kernels`` library on by default (5.2x), and its ``kernelize`` runs
+    at every ``train()`` / ``eval()``, replacing the forward of each layer it knows: Qwen3.5's gated delta net's
+    routed forward was popped at the first ``train()`` (the per-forward guard then stopped training). ``register``
+    resets the hub kernels of a model with routed mixers, so the routes stay. Control: on a model whose kernels are
+    left on, ``train()`` drops an instance forward of that layer (the premise, so the test can fail)."""
+    import transformers
+
+    config = hf_zoo.tiny_config("qwen3_5_text", {"layer_types": ["linear_attention", "full_attention"]})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    loaded = [transformers.AutoModelForCausalLM.from_pretrained(tmp_path) for _ in range(2)]
+    if not loaded[0].use_kernels:
+        pytest.skip("this transformers release does not turn hub kernels on in from_pretrained")
+    model, control = loaded
+    register(model)
+    mixer = model.model.layers[0].linear_attn
+    for mode in (True, False, True):
+        model.train(mode)
+        assert "forward" in vars(mixer) and mixer._cp_mixer, mode
+    assert not model.use_kernels
+    control_mixer = control.model.layers[0].linear_attn
+    control_mixer.forward = hf_mixers._routed_forward(control_mixer).__get__(control_mixer)
+    control.train()
+    assert "forward" not in vars(control_mixer)

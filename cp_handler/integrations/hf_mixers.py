@@ -23,6 +23,7 @@ name before any training.
 
 from __future__ import annotations
 
+import logging
 import types
 
 from torch import nn
@@ -30,6 +31,8 @@ from torch import nn
 from ..handlers.base import ContextParallelHandler
 from .hf_active import active_handler, record_attention_call
 from .hf_cache import refuse_cache
+
+logger = logging.getLogger(__name__)
 
 HARMLESS = ("position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
             "shift_labels", "num_items_in_batch", "cp_handler")
@@ -178,13 +181,12 @@ def _rebuilt(function, globals_: dict):
     return new
 
 
-def instrument(module: nn.Module) -> bool:
-    """Route ``module``'s kernel calls (module doc); ``False`` when its forward reaches none. Whether the routed mixer
-    is exact is the probe's to decide (:func:`~.hf_model.check_mixer_documents`)."""
+def _routed_forward(module: nn.Module):
+    """``module``'s class forward with its kernel calls routed (module doc), or ``None`` when it reaches none."""
     inner, chain = _unwrap(type(module).forward) if hasattr(type(module), "forward") else (None, [])
     routes = _routes_of(module, inner) if isinstance(inner, types.FunctionType) else {}
     if not routes:
-        return False
+        return None
     forward = _rebuilt(inner, {**inner.__globals__, **routes})
     for wrapper in reversed(chain):  # the decorators' closures around the rebuilt function
         cells = tuple(types.CellType(forward) if c.cell_contents is wrapper.__wrapped__ else c
@@ -192,18 +194,29 @@ def instrument(module: nn.Module) -> bool:
         inner_forward, forward = forward, types.FunctionType(wrapper.__code__, wrapper.__globals__,
                                                              wrapper.__name__, wrapper.__defaults__, cells)
         forward.__wrapped__ = inner_forward  # as functools.wraps: the signature (attention_mask) stays visible
-    module.forward = types.MethodType(forward, module)
-    module._cp_mixer = True
-    return True
+    return forward
 
 
 def instrument_model(model: nn.Module) -> list[nn.Module]:
-    """Route every mixer of ``model`` (idempotent); returns the routed mixers.
+    """Route every mixer of ``model`` (idempotent); returns the routed mixers. Whether a routed mixer is exact is the
+    probe's to decide (:func:`~.hf_model.check_mixer_documents`).
 
-    Raises:
-        ValueError: :func:`instrument`.
+    A model with hub kernels on (``use_kernels``: transformers' ``from_pretrained`` default since 5.2x) has them reset
+    to its torch layers first (``use_kernels = False``: ``reset_kernels()``; logged): the ``kernels`` library's
+    ``kernelize`` runs again at every ``train()`` / ``eval()`` and replaces the forward of every layer it knows
+    (Qwen3.5's gated delta net among them: by a hub kernel on a GPU, by popping the instance forward elsewhere), which
+    would drop the routes and leave the mixer on this rank's shard alone (found 2026-12-06: the per-forward guard then
+    stopped Qwen3.5 at its first training step).
     """
-    return [m for m in model.modules() if getattr(m, "_cp_mixer", False) or instrument(m)]
+    routed = {m: f for m in model.modules() if not getattr(m, "_cp_mixer", False) and (f := _routed_forward(m))}
+    if routed and getattr(model, "use_kernels", False):
+        model.use_kernels = False  # transformers' setter: reset_kernels(), the torch layers back
+        logger.warning("%s: its hub kernels are reset to the torch layers (kernelize would replace the token mixers' "
+                       "forwards that context parallelism routes at every train() / eval())", type(model).__name__)
+    for module, forward in routed.items():
+        module.forward = types.MethodType(forward, module)
+        module._cp_mixer = True
+    return [m for m in model.modules() if getattr(m, "_cp_mixer", False)]
 
 
 def is_routed(module: nn.Module, model: nn.Module) -> bool:
