@@ -122,3 +122,27 @@ def test_handler_rules():
         ExpertParallelHandler(num_experts=2).token_dispatch(torch.zeros(1, 2), torch.tensor([2]))
     with pytest.raises(ValueError, match="moe_router_topk"):
         GPTModel(GPTConfig(num_moe_experts=2, moe_router_topk=3))
+
+
+def test_exact_sums_cut_each_expert_by_the_units_of_its_rows():
+    """With the deterministic mode's exact sums, the pairs carry their unit through :meth:`token_dispatch` and each
+    local expert's rows are cut into runs of one unit (in token order: a unit's rows routed to one expert are the
+    same tokens at every CP degree), told to the sums inside :meth:`expert_rows`; rows that are not whole batch rows
+    of the told units are refused by name."""
+    from cp_handler.runtime.exact_grads import ExactGradients
+
+    sums = ExactGradients(torch.nn.Linear(3, 3))
+    sums.units = (2, 3)  # a batch row of 5 local tokens in two units; two batch rows
+    handler = ExpertParallelHandler(num_experts=2, exact=sums)
+    ids = torch.tensor([[0, 1], [0, 1], [1, 0], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])  # (T, k)
+    x = torch.arange(20.0)[:, None].expand(20, 3)  # one row per (token, expert) pair
+    got, counts, state = handler.token_dispatch(x, ids)
+    assert counts == [10, 10]
+    assert torch.equal(got[:10, 0], (ids.flatten() == 0).nonzero().flatten().float())  # expert 0's pairs, in order
+    seen = []
+    for index in range(2):
+        with handler.expert_rows(state, index):
+            seen.append(sums.units)
+    assert seen == [(2, 3, 2, 3), (2, 3, 2, 3)] and sums.units == (2, 3)  # restored after each block
+    with pytest.raises(ValueError, match="not whole batch rows of the told units"):
+        handler.token_dispatch(x[:12], ids[:6])

@@ -68,9 +68,11 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(b * s, h)
         gates, expert_ids = self.route(x, moe_handler)
         pairs = tokens.repeat_interleave(self.top_k, dim=0)  # (N*k, h): one row per (token, expert)
-        expert_in, counts, state = moe_handler.token_dispatch(pairs, expert_ids.flatten())
-        chunks = expert_in.split(counts)
-        expert_out = torch.cat([self.experts[str(e)](c) for e, c in zip(moe_handler.local_expert_ids, chunks,
-                                                                          strict=True)])
+        expert_in, counts, state = moe_handler.token_dispatch(pairs, expert_ids)
+        outputs = []
+        for index, (e, rows) in enumerate(zip(moe_handler.local_expert_ids, expert_in.split(counts), strict=True)):
+            with moe_handler.expert_rows(state, index):
+                outputs.append(self.experts[str(e)](rows))
+        expert_out = torch.cat(outputs)
         out = moe_handler.token_combine(expert_out, state).view(b * s, self.top_k, h)
         return (out * gates.unsqueeze(-1).to(out.dtype)).sum(1).view(b, s, h)

@@ -234,9 +234,12 @@ class ExactGradients:
 
     # --- the reduction -----------------------------------------------------------------------------------------------
 
-    def all_reduce_(self, group: dist.ProcessGroup | None = None) -> None:
+    def all_reduce_(self, group: dist.ProcessGroup | None = None, experts: set[int] | None = None,
+                    expert_group: dist.ProcessGroup | None = None) -> None:
         """Sum the limbs over ``group`` (``None``: this process alone) as int64, write each parameter's ``.grad``
         (float32, the same bits on every rank and at every degree whose units are the same) and clear the limbs.
+        ``experts``: ``id`` of the parameters of sharded experts, summed over ``expert_group`` instead (the ranks
+        holding the same experts; every rank of ``group`` must take part, with its own experts).
 
         Raises:
             FloatingPointError: some piece was not finite or above :data:`MAX_PIECE` on some rank (every rank
@@ -245,12 +248,18 @@ class ExactGradients:
                 its weight outside the covered layers' forwards, whose sum would be dropped); named, every rank
                 raises after the all-reduce.
         """
-        flat = [self._limbs(p)[i].flatten() for p in self.params for i in (0, 1)]
+        experts = experts or set()
+        dense = [p for p in self.params if id(p) not in experts]
+        sharded = [p for p in self.params if id(p) in experts]
         leaked = [name for name, p in self.model.named_parameters() if p.grad is not None]
-        flags = torch.as_tensor([self.bad, len(leaked)], dtype=torch.int64, device=flat[0].device)
-        buffer = torch.cat([*flat, flags])
+        flags = torch.as_tensor([self.bad, len(leaked)], dtype=torch.int64, device=self.params[0].device)
+        buffer = torch.cat([*(self._limbs(p)[i].flatten() for p in dense for i in (0, 1)), flags])
         if group is not None:
             dist.all_reduce(buffer, group=group)
+        if sharded:
+            expert_buffer = torch.cat([self._limbs(p)[i].flatten() for p in sharded for i in (0, 1)])
+            if expert_group is not None:
+                dist.all_reduce(expert_buffer, group=expert_group)
         if buffer[-1].item():
             raise RuntimeError(f"exact parameter gradients: parameters received gradients outside the covered layers' "
                                f"pieces (here: {leaked or 'none; on another rank'}): their weights were used by "
@@ -260,12 +269,13 @@ class ExactGradients:
             raise FloatingPointError(f"exact parameter gradients: {buffer[-2].item()} gradient pieces were not finite "
                                      f"or reached {MAX_PIECE:g} (the fixed-point range); the step stops before the "
                                      "optimizer step")
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            hi, lo = buffer[offset:offset + n], buffer[offset + n:offset + 2 * n]
-            p.grad = from_fixed(hi, lo, p.dtype).view(p.shape)
-            offset += 2 * n
+        for params, summed in ((dense, buffer), (sharded, expert_buffer if sharded else None)):
+            offset = 0
+            for p in params:
+                n = p.numel()
+                hi, lo = summed[offset:offset + n], summed[offset + n:offset + 2 * n]
+                p.grad = from_fixed(hi, lo, p.dtype).view(p.shape)
+                offset += 2 * n
         self.limbs = {p: None for p in self.params}
         self.bad = 0
 
@@ -321,7 +331,10 @@ class _ExactLinear(torch.autograd.Function):
 def unit_slices(units: tuple[int, ...] | None, rows: int) -> list[slice]:
     """The units of ``rows`` rows of a batch's tokens flattened (a linear layer's input): every local row of the batch
     (``B`` batch rows of the units), or, when the units are all alike (bshd), any whole number of them (a loss
-    chunk). Raises ValueError when the rows are not whole units, or no units were told (``None``)."""
+    chunk); none for no rows (an expert that received no token). Raises ValueError when the rows are not whole
+    units, or no units were told (``None``)."""
+    if rows == 0:
+        return []
     if units is None:
         raise ValueError("exact parameter gradients: a layer ran a forward with gradients before the batch's units "
                          "were told (ExactGradients.units = unit_lengths(handler, local_len))")

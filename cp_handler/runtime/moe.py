@@ -18,10 +18,15 @@ equals the one of a single process holding the whole batch; each rank adds its s
 handler's layout (``token_layout.real_token_mask()``), never by a tensor's shape. In the deterministic mode (a CP
 handler with ``deterministic``, docs/deterministic.md) the router probabilities are summed over the CP group's tokens
 in one order (:meth:`ExpertParallelHandler.probs_sum`), so every rank of a CP group holds its group's share, bitwise
-the same at every CP degree.
+the same at every CP degree. With the mode's exact parameter gradients (:mod:`~cp_handler.runtime.exact_grads`) the
+pairs carry their unit through the exchange, and each local expert runs under :meth:`ExpertParallelHandler.expert_rows`:
+its weight gradients are summed per unit of the rows it received (a unit's pairs routed to one expert: the same tokens
+in the same order at every CP degree), so expert gradients are bitwise the same at every degree too.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -38,14 +43,15 @@ class ExpertParallelHandler:
         stats_group: ranks whose router statistics are summed for the load-balancing loss
             (``None``: this rank alone).
         cp_handler: the batch's CP handler (its real tokens and its mode: module doc); ``None``: every row a token.
+        exact: the deterministic mode's exact gradients, told this batch's units (module doc); ``None``: autograd's.
 
     Raises:
         ValueError: ``num_experts`` < 1 or not divisible by the expert-parallel size.
     """
 
     def __init__(self, *, num_experts: int, ep_group: dist.ProcessGroup | None = None,
-                 stats_group: dist.ProcessGroup | None = None, cp_handler=None):
-        self.ep_group, self.stats_group = ep_group, stats_group
+                 stats_group: dist.ProcessGroup | None = None, cp_handler=None, exact=None):
+        self.ep_group, self.stats_group, self.exact = ep_group, stats_group, exact
         self.real = None if cp_handler is None else cp_handler.token_layout.real_token_mask()  # (S_local,) or None
         self.canonical = cp_handler if cp_handler is not None and cp_handler.deterministic else None
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
@@ -89,31 +95,67 @@ class ExpertParallelHandler:
         self.aux_losses.append(loss)
 
     def token_dispatch(self, tokens: torch.Tensor, expert_ids: torch.Tensor):
-        """Send ``tokens (N, h)`` to the ranks of their experts ``expert_ids (N,)`` int64.
+        """Send ``tokens (N, h)`` to the ranks of their experts ``expert_ids``: ``(N,)`` int64, or ``(T, k)`` when
+        the rows are ``T`` tokens' pairs with ``k`` experts each, token-major (``N = T k``: what the exact sums need
+        to find each pair's unit).
 
         Returns ``(expert_tokens (M, h), tokens_per_local_expert: list[int], state)``: the tokens
         this rank's experts must process, grouped by local expert in ``local_expert_ids`` order,
-        and the state :meth:`token_combine` needs.
+        and the state :meth:`token_combine` and :meth:`expert_rows` need.
 
         Raises:
-            ValueError: an expert id outside ``[0, num_experts)``.
+            ValueError: an expert id outside ``[0, num_experts)``; with exact sums, rows that are not whole batch rows
+                of the told units.
         """
+        per_token = expert_ids.shape[1] if expert_ids.dim() == 2 else 1
+        expert_ids = expert_ids.flatten()
         if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts}), got "
                              f"[{int(expert_ids.min())}, {int(expert_ids.max())}]")
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
         sorted_tokens = tokens.index_select(0, order)
+        tags = None if self.exact is None else self._pair_units(expert_ids.numel(), per_token).index_select(0, order)
         if self.ep_group is None:
-            return sorted_tokens, counts.tolist(), (order, None)
+            local = counts.tolist()
+            return sorted_tokens, local, (order, None, _runs(tags, local))
         per_rank = counts.view(self.ep_size, self.num_local_experts)  # [destination rank][its local expert]
         received = torch.empty_like(per_rank)
         all_to_all_single(received, per_rank.contiguous(), self.ep_group)  # [source rank][my local expert]
         send_splits, recv_splits = per_rank.sum(1).tolist(), received.sum(1).tolist()
         arrived = all_to_all(sorted_tokens, self.ep_group, send_splits, recv_splits)
         by_expert = self._source_major_to_expert_major(received)
-        state = (order, (send_splits, recv_splits, by_expert))
-        return arrived.index_select(0, by_expert), received.sum(0).tolist(), state
+        local = received.sum(0).tolist()
+        if tags is not None:
+            tags = all_to_all(tags, self.ep_group, send_splits, recv_splits).index_select(0, by_expert)
+        state = (order, (send_splits, recv_splits, by_expert), _runs(tags, local))
+        return arrived.index_select(0, by_expert), local, state
+
+    def _pair_units(self, pairs: int, per_token: int) -> torch.Tensor:
+        """``(pairs,)`` int64: the unit of each pair (the told units of every batch row, in order), numbered apart on
+        every rank of the expert-parallel group (its rank in the upper 32 bits)."""
+        units = self.exact.units
+        row = sum(units) if units else 0
+        if units is None or not row or pairs % per_token or (pairs // per_token) % row:
+            raise ValueError(f"exact gradients of the experts: {pairs} pairs of {per_token} per token are not whole "
+                             f"batch rows of the told units ({units})")
+        lengths = torch.tensor(units * (pairs // per_token // row))
+        tokens = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        return tokens.repeat_interleave(per_token) + (self.ep_rank << 32)
+
+    @contextlib.contextmanager
+    def expert_rows(self, state, index: int):
+        """The block in which local expert ``index`` (of :meth:`token_dispatch`'s ``state``) runs on its rows: with
+        exact sums, its weight gradients cut by the units of those rows (module doc); else nothing."""
+        runs = state[2]
+        if runs is None:
+            yield
+            return
+        told, self.exact.units = self.exact.units, runs[index]
+        try:
+            yield
+        finally:
+            self.exact.units = told
 
     @staticmethod
     def _source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
@@ -127,9 +169,18 @@ class ExpertParallelHandler:
     def token_combine(self, expert_out: torch.Tensor, state) -> torch.Tensor:
         """Inverse of :meth:`token_dispatch`: ``expert_out (M, h)`` -> ``(N, h)`` in the order of the
         tokens given to it."""
-        order, exchange = state
+        order, exchange, _ = state
         if exchange is not None:
             send_splits, recv_splits, by_expert = exchange
             source_major = torch.empty_like(expert_out).index_copy(0, by_expert, expert_out)
             expert_out = all_to_all(source_major, self.ep_group, recv_splits, send_splits)
         return torch.empty_like(expert_out).index_copy(0, order, expert_out)
+
+
+def _runs(tags: torch.Tensor | None, counts: list[int]) -> list[tuple[int, ...]] | None:
+    """Per local expert (its ``counts`` rows of ``tags``), the lengths of its runs of equal units (``None``: no
+    tags)."""
+    if tags is None:
+        return None
+    return [tuple(torch.unique_consecutive(chunk, return_counts=True)[1].tolist()) if chunk.numel() else ()
+            for chunk in tags.split(counts)]

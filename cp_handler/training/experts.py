@@ -36,13 +36,14 @@ class ExpertGroups:
     def local(cls, num_experts: int) -> ExpertGroups:
         return cls(num_experts, None)
 
-    def handler(self, cp_handler=None) -> ExpertParallelHandler:
+    def handler(self, cp_handler=None, exact=None) -> ExpertParallelHandler:
         """A fresh per-step handler: tokens over the ep group, router statistics over dp x cp, the batch's tokens
-        and mode from its ``cp_handler`` (:class:`~cp_handler.runtime.moe.ExpertParallelHandler`)."""
+        and mode from its ``cp_handler``, the deterministic mode's ``exact`` sums
+        (:class:`~cp_handler.runtime.moe.ExpertParallelHandler`)."""
         if self.groups is None:
-            return ExpertParallelHandler(num_experts=self.num_experts, cp_handler=cp_handler)
+            return ExpertParallelHandler(num_experts=self.num_experts, cp_handler=cp_handler, exact=exact)
         return ExpertParallelHandler(num_experts=self.num_experts, ep_group=self.groups.groups["ep"],
-                                     stats_group=self.groups.groups["dp_cp"], cp_handler=cp_handler)
+                                     stats_group=self.groups.groups["dp_cp"], cp_handler=cp_handler, exact=exact)
 
     def reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum dense gradients over dp x cp and expert gradients over expert data parallel ranks (a missing gradient

@@ -121,7 +121,7 @@ def forward_backward(model, parts, total, config: TrainConfig, device, grad_scal
         if exact is not None:
             exact.units = unit_lengths(handler, input_ids.shape[1])
         with gradient_sync(model, following is None), activations_kept(config):
-            moe = experts.handler(handler) if experts else None
+            moe = experts.handler(handler, exact) if experts else None
             canonical = handler if config.cp.deterministic else None  # the group's whole sum, in one order
             share = model(input_ids, cp_handler=handler, moe_handler=moe,
                           output=TokenLoss(labels, loss_mask, chunk_of(input_ids), canonical)) / total
@@ -244,6 +244,7 @@ def twin_step(model, config: TrainConfig, source, global_batch: int):
     device = next(model.parameters()).device
     one = dataclasses.replace(config.cp, context_parallel_size=1)
     exact = ExactGradients(model)
+    experts = ExpertGroups.local(config.moe_experts) if config.moe_experts else None  # every expert here
 
     def run(step: int) -> torch.Tensor:
         batch = source.global_batch(step, global_batch)
@@ -254,7 +255,7 @@ def twin_step(model, config: TrainConfig, source, global_batch: int):
             parts.append((handler, *next_token_batch(handler, tokens)))
         total = global_token_count(torch.cat([mask.flatten() for *_, mask in parts]), None)
         with exact:
-            loss = forward_backward(model, parts, total, config, device, exact=exact)
+            loss = forward_backward(model, parts, total, config, device, experts=experts, exact=exact)
         exact.all_reduce_()
         return loss
     return run

@@ -113,6 +113,8 @@ class Trainer:
         elif self.experts:  # each rank holds its experts: gradients reduced by ExpertGroups, not DDP
             model.shard_experts(self.experts.handler().local_expert_ids)
             self.trained, self.grad_scale, self.grad_norm = model, 1.0, self.experts.grad_norm
+            if self.exact is not None:  # the sums of this rank's parameters (its experts' only)
+                self.exact = ExactGradients(model)
         elif config.fsdp:  # FSDP2 averages gradients over the world too, sharding them (and parameters, states)
             self.trained, self.grad_scale, self.grad_norm = shard_model(model), float(world), None
         elif self.exact is not None:  # the deterministic mode: gradients summed exactly over the world, no DDP
@@ -157,8 +159,7 @@ class Trainer:
         if not config.cp.deterministic:
             return None
         others = [name for name, on in (("tensor parallelism", config.tensor_parallel_size > 1),
-                                         ("MoE experts", bool(config.moe_experts)), ("FSDP2", config.fsdp),
-                                         ("torch.compile", config.compile)) if on]
+                                         ("FSDP2", config.fsdp), ("torch.compile", config.compile)) if on]
         if others:
             self.exact_refusal = f"{', '.join(others)}: gradients reduced their own way (exact sums not built there)"
         else:
@@ -244,7 +245,9 @@ class Trainer:
         with self.exact if self.exact is not None else contextlib.nullcontext():
             loss = forward_backward(self.trained, parts, total, self.config, self.device, self.grad_scale,
                                     self.experts, self.exact)
-        if self.exact is not None:
+        if self.exact is not None and self.experts:  # expert gradients over the ranks holding the same experts
+            self.exact.all_reduce_(self.count_group, expert_parameters(self.trained), self.experts.groups.groups["edp"])
+        elif self.exact is not None:
             self.exact.all_reduce_(self.count_group)
         elif self.tp_reduce:
             self.tp_reduce()
