@@ -229,12 +229,14 @@ def test_hugging_face_trainers_say_where_they_cannot_sum_exactly():
 
     from cp_handler.integrations.hf_exact_grads import refusal
 
-    def trainer(world=2, fsdp=False, compile=False):
+    def trainer(world=2, fsdp=False, compile=False, chunk=None):
         return SimpleNamespace(accelerator=SimpleNamespace(num_processes=world), is_fsdp_enabled=fsdp,
-                               is_deepspeed_enabled=False, args=SimpleNamespace(torch_compile=compile))
+                               is_deepspeed_enabled=False, args=SimpleNamespace(torch_compile=compile),
+                               cp_args=SimpleNamespace(mlp_chunk_tokens=chunk))
 
     assert refusal(trainer(), _model()) is None
     assert "a world of 6 ranks" in refusal(trainer(6), _model())
     assert "FSDP" in refusal(trainer(fsdp=True), _model())
     assert "torch_compile" in refusal(trainer(compile=True), _model())
+    assert "mlp_chunk_tokens=5" in refusal(trainer(chunk=5), _model())
     assert "LayerNorm" in refusal(trainer(), torch.nn.Sequential(torch.nn.LayerNorm(4)))

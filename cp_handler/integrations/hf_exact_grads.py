@@ -52,6 +52,9 @@ def refusal(trainer, model: torch.nn.Module) -> str | None:
         return "FSDP / DeepSpeed reduce the gradients their own way"
     if trainer.args.torch_compile:
         return "torch_compile=True (the exact pieces are taken outside compiled graphs)"
+    if trainer.cp_args.mlp_chunk_tokens:
+        return (f"mlp_chunk_tokens={trainer.cp_args.mlp_chunk_tokens} (the MLPs run on chunks of tokens, which need "
+                "not be whole units)")
     if missing := uncovered(model):
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return f"{missing[:3]}{more} hold parameters that the exact sums do not cover"

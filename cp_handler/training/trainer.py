@@ -159,7 +159,9 @@ class Trainer:
         if not config.cp.deterministic:
             return None
         others = [name for name, on in (("tensor parallelism", config.tensor_parallel_size > 1),
-                                         ("FSDP2", config.fsdp), ("torch.compile", config.compile)) if on]
+                                         ("FSDP2", config.fsdp), ("torch.compile", config.compile),
+                                         ("--mlp-chunk-tokens (MLPs on chunks that need not be whole units)",
+                                          bool(config.mlp_chunk_tokens))) if on]
         if others:
             self.exact_refusal = f"{', '.join(others)}: gradients reduced their own way (exact sums not built there)"
         else:
