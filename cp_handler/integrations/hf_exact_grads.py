@@ -6,9 +6,8 @@ deterministic=True)``): every trainer step's parameter gradients the same bits a
 degree (a weight GEMM per unit of a sequence, a piece per token for biases, norm weights and embedding rows) and adds
 them exactly (fixed point, int64): :class:`TrainerExactGradients` puts it inside Trainer's step:
 
-* the model's hub kernels (``use_kernels``, on by default in ``from_pretrained`` since transformers 5.2x: its
-  ``kernelize`` replaces layers' forwards at every ``train()`` / ``eval()``) are reset to the torch layers
-  (``use_kernels = False``: ``reset_kernels()``; logged), whose forwards the exact sums take;
+* the model's hub kernels are reset to the torch layers (:func:`~.hf_kernels.reset_hub_kernels`: transformers'
+  ``kernelize`` would replace the forwards the exact sums take at every ``train()`` / ``eval()``);
 * each ``training_step`` runs inside the exact scope and under the model's ``no_sync`` (DDP's float32 all-reduce is
   replaced); the batch's units are told where its handler is built (the trainers' ``training_step``, TRL's fused
   head: :meth:`TrainerExactGradients.set_units`);
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.exact_grads import ExactGradients, uncovered, unit_lengths, unit_slices
+from .hf_kernels import reset_hub_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,6 @@ def build(trainer, model: torch.nn.Module) -> TrainerExactGradients | None:
         logger.warning("deterministic mode: parameter gradients all-reduced in float32, not summed exactly: %s",
                        trainer.exact_gradients_refusal)
         return None
-    if getattr(model, "use_kernels", False):
-        model.use_kernels = False  # transformers' setter: reset_kernels(), the torch layers back
-        logger.warning("deterministic mode: the model's hub kernels reset to its torch layers (transformers' kernelize "
-                       "replaces their forwards at every train() / eval(), and the exact sums take those forwards)")
+    reset_hub_kernels(model, "the deterministic mode's exact sums take the layers' forwards, which kernelize would "
+                             "replace at every train() / eval()")
     return TrainerExactGradients(model, trainer.accelerator.num_processes)

@@ -23,7 +23,6 @@ name before any training.
 
 from __future__ import annotations
 
-import logging
 import types
 
 from torch import nn
@@ -31,8 +30,7 @@ from torch import nn
 from ..handlers.base import ContextParallelHandler
 from .hf_active import active_handler, record_attention_call
 from .hf_cache import refuse_cache
-
-logger = logging.getLogger(__name__)
+from .hf_kernels import reset_hub_kernels
 
 HARMLESS = ("position_ids", "cache_position", "use_cache", "output_router_logits", "position_embeddings",
             "shift_labels", "num_items_in_batch", "cp_handler")
@@ -201,18 +199,13 @@ def instrument_model(model: nn.Module) -> list[nn.Module]:
     """Route every mixer of ``model`` (idempotent); returns the routed mixers. Whether a routed mixer is exact is the
     probe's to decide (:func:`~.hf_model.check_mixer_documents`).
 
-    A model with hub kernels on (``use_kernels``: transformers' ``from_pretrained`` default since 5.2x) has them reset
-    to its torch layers first (``use_kernels = False``: ``reset_kernels()``; logged): the ``kernels`` library's
-    ``kernelize`` runs again at every ``train()`` / ``eval()`` and replaces the forward of every layer it knows
-    (Qwen3.5's gated delta net among them: by a hub kernel on a GPU, by popping the instance forward elsewhere), which
-    would drop the routes and leave the mixer on this rank's shard alone (found 2026-12-06: the per-forward guard then
-    stopped Qwen3.5 at its first training step).
+    A model with routed mixers has its hub kernels reset first (:func:`~.hf_kernels.reset_hub_kernels`: their
+    ``kernelize`` would drop the routes at the next ``train()`` / ``eval()`` and leave the mixer on this rank's shard
+    alone).
     """
     routed = {m: f for m in model.modules() if not getattr(m, "_cp_mixer", False) and (f := _routed_forward(m))}
-    if routed and getattr(model, "use_kernels", False):
-        model.use_kernels = False  # transformers' setter: reset_kernels(), the torch layers back
-        logger.warning("%s: its hub kernels are reset to the torch layers (kernelize would replace the token mixers' "
-                       "forwards that context parallelism routes at every train() / eval())", type(model).__name__)
+    if routed:
+        reset_hub_kernels(model, "kernelize would drop the token mixers' routes at every train() / eval()")
     for module, forward in routed.items():
         module.forward = types.MethodType(forward, module)
         module._cp_mixer = True
