@@ -115,7 +115,9 @@ class ExpertParallelHandler:
         order = torch.argsort(expert_ids, stable=True)
         counts = torch.bincount(expert_ids, minlength=self.num_experts)  # (E,)
         sorted_tokens = tokens.index_select(0, order)
-        tags = None if self.exact is None else self._pair_units(expert_ids.numel(), per_token).index_select(0, order)
+        tags = None
+        if self.exact is not None:  # each pair's unit, in the order the pairs are sent
+            tags = self._pair_units(expert_ids.numel(), per_token, order.device).index_select(0, order)
         if self.ep_group is None:
             local = counts.tolist()
             return sorted_tokens, local, (order, None, _runs(tags, local))
@@ -131,7 +133,7 @@ class ExpertParallelHandler:
         state = (order, (send_splits, recv_splits, by_expert), _runs(tags, local))
         return arrived.index_select(0, by_expert), local, state
 
-    def _pair_units(self, pairs: int, per_token: int) -> torch.Tensor:
+    def _pair_units(self, pairs: int, per_token: int, device: torch.device) -> torch.Tensor:
         """``(pairs,)`` int64: the unit of each pair (the told units of every batch row, in order), numbered apart on
         every rank of the expert-parallel group (its rank in the upper 32 bits)."""
         units = self.exact.units
@@ -139,8 +141,8 @@ class ExpertParallelHandler:
         if units is None or not row or pairs % per_token or (pairs // per_token) % row:
             raise ValueError(f"exact gradients of the experts: {pairs} pairs of {per_token} per token are not whole "
                              f"batch rows of the told units ({units})")
-        lengths = torch.tensor(units * (pairs // per_token // row))
-        tokens = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        lengths = torch.tensor(units * (pairs // per_token // row), device=device)
+        tokens = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
         return tokens.repeat_interleave(per_token) + (self.ep_rank << 32)
 
     @contextlib.contextmanager
