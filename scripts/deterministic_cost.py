@@ -9,9 +9,14 @@ rank 0 of rounds that run every mode once after a warm-up:
   mode's handler (``a2a``), with the gradients reduced as without exact sums (autograd's float32 sums, one float32
   all-reduce of all gradients: DDP's sum) and as ``cp-train --deterministic`` reduces them
   (``runtime/exact_grads.py``: a GEMM per unit, fixed-point limbs, one int64 all-reduce).
+* ``--part fused-head``: what the Hugging Face trainers add in the mode (``integrations/hf_exact_grads.py``): TRL's
+  fused LM head (``ChunkedLogProbFunction``: log-probabilities and entropies, forward + backward) on a rank's tokens
+  of :data:`MODEL`'s width and vocabulary, in one call (as without exact sums) and in one call per unit with the weight
+  gradient's pieces into the exact sums (no all-reduce; needs TRL).
 
     PYTHONPATH=. python scripts/deterministic_cost.py --seq-lens 4096 8192 --out runs/deterministic_cost.json
     PYTHONPATH=. python scripts/deterministic_cost.py --part gradients --seq-lens 2048 8192 --out runs/exact_grads.json
+    PYTHONPATH=. python scripts/deterministic_cost.py --part fused-head --seq-lens 2048 8192 --out runs/head.json
 
 Prints a table and writes JSON (docs/deterministic.md quotes both).
 """
@@ -112,6 +117,47 @@ def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
     dist.destroy_process_group()
 
 
+def _fused_head_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
+    from trl.kernels import ChunkedLogProbFunction
+
+    from cp_handler import LocalContextParallelHandler
+    from cp_handler.integrations.hf_exact_grads import _PerUnit
+    from cp_handler.runtime.exact_grads import ExactGradients, unit_lengths
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    head = torch.nn.Linear(MODEL["hidden_size"], MODEL["vocab_size"], bias=False)
+    tokens = seq_len // world
+    hidden = torch.randn(tokens, MODEL["hidden_size"], requires_grad=True)
+    labels = torch.randint(0, MODEL["vocab_size"], (tokens,))
+    handler = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="a2a", deterministic=True)
+    sums = ExactGradients(head)
+    sums.units = unit_lengths(handler, tokens)
+    per_unit = _PerUnit(ChunkedLogProbFunction, sums)
+    arguments = (1.0, 32768, None, 1.0, ("log_probs", "entropy"))
+
+    def once(exact: bool) -> float:
+        head.zero_grad(set_to_none=True)
+        began = time.perf_counter()
+        function = per_unit if exact else ChunkedLogProbFunction
+        log_probs, entropy, *_ = function.apply(hidden, head.weight, None, labels, *arguments)
+        (log_probs.sum() + entropy.sum()).backward()
+        return time.perf_counter() - began
+
+    modes = {"one call": False, "per unit": True}
+    for exact in modes.values():
+        once(exact)
+    times = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, exact in modes.items():
+            times[name].append(once(exact))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}, f)
+    dist.destroy_process_group()
+
+
 def _attention_table(rows: list[dict]) -> None:
     print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | deterministic a2a / default p2p | "
           "deterministic all_gather / default all_gather |")
@@ -130,7 +176,16 @@ def _gradients_table(rows: list[dict]) -> None:
               f"{row['exact'] / row['all-reduced']:.3f} |")
 
 
-PARTS = {"attention": (_attention_rank, _attention_table), "gradients": (_gradients_rank, _gradients_table)}
+def _fused_head_table(rows: list[dict]) -> None:
+    print("| S | cp | tokens per rank | one call ms | per unit ms | per unit / one call |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['seq_len']} | 2 | {row['seq_len'] // 2} | {row['one call']:.1f} | {row['per unit']:.1f} | "
+              f"{row['per unit'] / row['one call']:.3f} |")
+
+
+PARTS = {"attention": (_attention_rank, _attention_table), "gradients": (_gradients_rank, _gradients_table),
+         "fused-head": (_fused_head_rank, _fused_head_table)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -153,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"seq_len": seq_len, "cp": 2, **json.load(f)})
     table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    extra = {"model": MODEL} if args.part == "gradients" else {}
+    extra = {"model": MODEL} if args.part in ("gradients", "fused-head") else {}
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, **extra, "rows": rows}, f, indent=1)
 
