@@ -3,12 +3,14 @@
 with ``ContextParallelArguments(deterministic=True)`` at cp 1, 2 and 4 on the same data (tests/hf_rl_cases.py:
 prompts and scripted completions; tests/hf_trainer_cases.py: the SFT rows), tiny Llamas in float32.
 
-What is bitwise (``torch.equal`` / ``==``) at cp 2 (4 query over 2 key-value heads) and cp 4 (4 over 4: ``a2a``
-splits heads, so cp 4 needs 4 key-value heads; against cp 1 with the same model) against cp 1:
+What is bitwise (``torch.equal`` / ``==``) at cp 2 (4 query over 2 key-value heads), cp 3 (GRPO; 6 over 3) and cp 4
+(4 over 4: ``a2a`` splits heads, so each degree needs its key-value heads divisible; against cp 1 with the same
+model) against cp 1:
 
-* GRPO: every score TRL computes in the three steps (each call of ``_get_per_token_logps_and_entropies``: the old
-  policy's and the reference model's log-probs, the policy's log-probs and entropies in the loss), every logged
-  figure (loss, gradient norm, KL, clip ratios, ...) and every parameter after the run;
+* GRPO (cp 2, 3 and 4: the RL trainers' sums are divided by dp, so any world): every score TRL computes in the three
+  steps (each call of ``_get_per_token_logps_and_entropies``: the old policy's and the reference model's log-probs,
+  the policy's log-probs and entropies in the loss), every logged figure (loss, gradient norm, KL, clip ratios, ...)
+  and every parameter after the run;
 * RLOO: the same at cp 2;
 * DPO (a reference model other than the policy): every logged figure of the three steps (chosen and rejected
   log-probs, rewards, margins, accuracies, the loss, the gradient norm) and every parameter;
@@ -32,8 +34,10 @@ import torch
 from dist_utils import run_distributed
 
 STEPS = 3
-MHA = {"num_key_value_heads": 4}
-"""The model at cp 4 (and its cp 1 reference): ``a2a`` in the mode needs the key-value heads split over the ranks."""
+SHAPES = {"gqa": None, "mha": {"num_key_value_heads": 4},
+          "six": {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48}}
+"""The model's heads: 4 query over 2 key-value heads (cp 2), 4 over 4 (cp 4), 6 over 3 (cp 3): ``a2a`` in the mode
+needs the key-value heads split over the ranks; each compared with cp 1 on the same model."""
 
 
 def _trained(trainer, scores: list) -> dict:
@@ -152,9 +156,9 @@ RUNS = {"grpo": _grpo, "rloo": lambda *a: _grpo(*a, trainer_name="rloo"), "dpo":
         "sft_packed": lambda *a: _sft(*a, collator="flatten"), "sft_trl": _trl_sft}
 
 
-def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, bool]]) -> None:
-    """Each ``(name, mode, mha)`` of ``plan`` at cp ``world``; mode ``"exact"`` (the deterministic mode),
-    ``"float_sums"`` (the mode with the exact sums turned off) or ``"default"``."""
+def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, str]]) -> None:
+    """Each ``(name, mode, shape)`` of ``plan`` at cp ``world``; mode ``"exact"`` (the deterministic mode),
+    ``"float_sums"`` (the mode with the exact sums turned off) or ``"default"``; shape a key of :data:`SHAPES`."""
     import transformers
 
     from cp_handler.integrations import hf_exact_grads
@@ -163,13 +167,13 @@ def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, bool]]) 
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     refusal = hf_exact_grads.refusal
-    for name, mode, mha in plan:
-        where = Path(out) / f"{name}_cp{world}_{mode}{'_mha' if mha else ''}"
+    for name, mode, shape in plan:
+        where = Path(out) / f"{name}_cp{world}_{mode}_{shape}"
         where.mkdir(parents=True, exist_ok=True)
         if mode == "float_sums":  # the control: the trainer all-reduces in float32, as without exact sums
             hf_exact_grads.refusal = lambda trainer, model: "turned off (the test's control)"
         try:
-            result = RUNS[name](where, world, mode, MHA if mha else None)
+            result = RUNS[name](where, world, mode, SHAPES[shape])
         finally:
             hf_exact_grads.refusal = refusal
         if rank == 0:
@@ -180,13 +184,14 @@ def _worker(rank: int, world: int, out: str, plan: list[tuple[str, str, bool]]) 
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deterministic_rl")
     names = tuple(RUNS)
-    run_distributed(_worker, 1, str(out), [(n, "exact", False) for n in names] +
-                    [(n, "exact", True) for n in ("grpo", "sft")])
-    run_distributed(_worker, 2, str(out), [(n, "exact", False) for n in names] +
-                    [(n, "float_sums", False) for n in names] + [(n, "default", False) for n in ("grpo", "dpo")])
-    run_distributed(_worker, 4, str(out), [(n, "exact", True) for n in ("grpo", "sft")])
-    return lambda name, world, mode="exact", mha=False: torch.load(
-        out / f"{name}_cp{world}_{mode}{'_mha' if mha else ''}" / "result.pt")
+    run_distributed(_worker, 1, str(out), [(n, "exact", "gqa") for n in names] +
+                    [(n, "exact", "mha") for n in ("grpo", "sft")] + [("grpo", "exact", "six")])
+    run_distributed(_worker, 2, str(out), [(n, "exact", "gqa") for n in names] +
+                    [(n, "float_sums", "gqa") for n in names] + [(n, "default", "gqa") for n in ("grpo", "dpo")])
+    run_distributed(_worker, 3, str(out), [("grpo", "exact", "six")])
+    run_distributed(_worker, 4, str(out), [(n, "exact", "mha") for n in ("grpo", "sft")])
+    return lambda name, world, mode="exact", shape="gqa": torch.load(
+        out / f"{name}_cp{world}_{mode}_{shape}" / "result.pt")
 
 
 def _same_scores(a: dict, b: dict) -> bool:
@@ -212,9 +217,12 @@ def _check_bitwise(want: dict, got: dict, figures: bool = True) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("world, mha", [(2, False), (4, True)])
-def test_grpo_runs_are_bitwise_the_same_at_every_degree(runs, world, mha):
-    want, got = runs("grpo", 1, mha=mha), runs("grpo", world, mha=mha)
+@pytest.mark.parametrize("world, shape", [(2, "gqa"), (3, "six"), (4, "mha")])
+def test_grpo_runs_are_bitwise_the_same_at_every_degree(runs, world, shape):
+    """cp 3 too: the RL trainers' sums are divided by dp, not by the world (any world, ``hf_exact_grads``). Before
+    the parameters were aligned (``align_parameters``), cp 3 differed from one process in the first step's loss
+    forward: TRL's one-row head calls follow the weight's alignment, which the checkpoint's layout set."""
+    want, got = runs("grpo", 1, shape=shape), runs("grpo", world, shape=shape)
     # TRL's calls per step: the old policy's and the reference's log-probs (no entropies), the policy's with entropies
     assert len(want["scores"]) >= 3 * STEPS - 2 and any(e is not None for _, e in want["scores"]), want["scores"]
     _check_bitwise(want, got)
@@ -231,11 +239,11 @@ def test_dpo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
     _check_bitwise(want, got)
 
 
-@pytest.mark.parametrize("name, world, mha", [("sft", 2, False), ("sft", 4, True), ("sft_packed", 2, False),
-                                               ("sft_trl", 2, False)])
-def test_trainer_runs_have_bitwise_the_same_parameters(runs, name, world, mha):
+@pytest.mark.parametrize("name, world, shape", [("sft", 2, "gqa"), ("sft", 4, "mha"), ("sft_packed", 2, "gqa"),
+                                                ("sft_trl", 2, "gqa")])
+def test_trainer_runs_have_bitwise_the_same_parameters(runs, name, world, shape):
     """Trainer and TRL's SFTTrainer: every parameter and gradient norm (module doc)."""
-    _check_bitwise(runs(name, 1, mha=mha), runs(name, world, mha=mha), figures=False)
+    _check_bitwise(runs(name, 1, shape=shape), runs(name, world, shape=shape), figures=False)
 
 
 def test_controls_differ(runs):

@@ -7,7 +7,8 @@ degree (a weight GEMM per unit of a sequence, a piece per token for biases, norm
 them exactly (fixed point, int64): :class:`TrainerExactGradients` puts it inside Trainer's step:
 
 * the model's hub kernels are reset to the torch layers (:func:`~.hf_kernels.reset_hub_kernels`: transformers'
-  ``kernelize`` would replace the forwards the exact sums take at every ``train()`` / ``eval()``);
+  ``kernelize`` would replace the forwards the exact sums take at every ``train()`` / ``eval()``), and its parameters
+  moved to aligned memory (:func:`align_parameters`: a one-row matmul's bits follow its weight's alignment);
 * each ``training_step`` runs inside the exact scope and under the model's ``no_sync`` (DDP's float32 all-reduce is
   replaced); the batch's units are told where its handler is built (the trainers' ``training_step``, TRL's fused
   head: :meth:`TrainerExactGradients.set_units`);
@@ -15,13 +16,17 @@ them exactly (fixed point, int64): :class:`TrainerExactGradients` puts it inside
   and sums its gradient over tiles of the rank's tokens: inside the step (:meth:`TrainerExactGradients.fused_head`)
   each unit's tokens are one call of TRL's function, whose weight (and bias) gradient is that unit's piece;
 * after the last micro-batch of a step (``accelerator.sync_gradients``) the limbs are all-reduced over every rank as
-  int64 and divided by the world size (DDP's mean, which the trainers' loss scaling expects): exact for a world of a
-  power of two ranks (the per-token gradients are then the one-process ones times a power of two, and so are the
-  pieces; a piece below ``2**-33`` in magnitude is rounded onto the grid, where that scale can move it by one step of
-  ``2**-56``: the float32 result changes only for a sum that close to a rounding boundary), so the mode sums exactly
-  only there.
+  int64 and divided as DDP's mean would. Trainer and TRL's SFTTrainer scale each rank's loss by the world size
+  (``exact_divides_world``): the sums are divided by it, exact for a world of a power of two ranks (the per-token
+  gradients are then the one-process ones times a power of two, and so are the pieces; a piece below ``2**-33`` in
+  magnitude is rounded onto the grid, where that scale can move it by one step of ``2**-56``: the float32 result
+  changes only for a sum that close to a rounding boundary), so those trainers sum exactly only there. The RL
+  trainers' fused head leaves each rank's gradient unscaled by cp in the mode (:mod:`.hf_fused_head`), so their
+  pieces are one process's at any degree and the sums are divided by the dp size, the same at every CP degree: any
+  world.
 
-Where the trainer cannot (:func:`refusal`: a world that is not a power of two, FSDP / DeepSpeed, ``torch_compile``,
+Where the trainer cannot (:func:`refusal`: a world that is not a power of two for Trainer / SFTTrainer, FSDP /
+DeepSpeed, ``torch_compile``,
 modules the pieces do not cover, such as a vision tower's convolutions, a MoE's fused experts, Gemma's ``1 + weight``
 norm), the gradients are all-reduced in float32 as without the mode (within float32 reordering, ~1e-7 relative per
 step) and the trainer says why (``trainer.exact_gradients_refusal``, logged once).
@@ -45,7 +50,7 @@ logger = logging.getLogger(__name__)
 def refusal(trainer, model: torch.nn.Module) -> str | None:
     """Why ``trainer`` (in the deterministic mode) cannot sum ``model``'s gradients exactly (``None``: it can)."""
     world = trainer.accelerator.num_processes
-    if world & (world - 1):
+    if trainer.exact_divides_world and world & (world - 1):
         return (f"a world of {world} ranks: Trainer scales each rank's loss for DDP's mean over the world, exact only "
                 "for a power of two")
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
@@ -66,11 +71,13 @@ class TrainerExactGradients:
 
     Args:
         model: the unwrapped model (every parameter-holding module covered: :func:`refusal` is ``None``).
-        world: the number of processes whose gradients DDP would average.
+        world: the number of processes (the sums are taken over all of them).
+        divisor: what the sums are divided by (DDP's mean: the world, or the dp size where the gradients are left
+            unscaled by cp).
     """
 
-    def __init__(self, model: torch.nn.Module, world: int):
-        self.sums, self.world = ExactGradients(model), world
+    def __init__(self, model: torch.nn.Module, world: int, divisor: int):
+        self.sums, self.world, self.divisor = ExactGradients(model), world, divisor
 
     def set_units(self, handler, local_len: int) -> None:
         """The units of the batch about to run its forward (:func:`~cp_handler.runtime.exact_grads.unit_lengths`)."""
@@ -86,7 +93,7 @@ class TrainerExactGradients:
             group = dist.group.WORLD if self.world > 1 else None
             self.sums.all_reduce_(group)
             for param in self.sums.params:
-                param.grad.div_(self.world)  # DDP's mean; a power of two: exact
+                param.grad.div_(self.divisor)  # DDP's mean: the same division at every CP degree
         return loss
 
     @contextlib.contextmanager
@@ -140,6 +147,25 @@ class _Piece(torch.autograd.Function):
         return None, None, None
 
 
+ALIGNMENT = 64
+"""Bytes: the CPU allocator's alignment, which :func:`align_parameters` gives every parameter."""
+
+
+def align_parameters(model: torch.nn.Module) -> list[str]:
+    """Move every parameter of ``model`` whose data does not start on :data:`ALIGNMENT` bytes to fresh memory (the same
+    values, the same parameter objects); returns their names. Weights loaded from a memory-mapped file
+    (``from_pretrained``'s safetensors) start where the file puts them, 4-byte aligned at worst, and a one-row matmul
+    on this CPU follows its weight's alignment: TRL's fused head on a unit of one token gave other bits with a weight
+    4 bytes off 16 than with an aligned one (measured 2026-12-06: a cp-3 run and the one-process run differed by
+    4.8e-7 in 12 of 96 rows), so the bits followed the process's file layout."""
+    moved = []
+    for name, param in model.named_parameters():
+        if param.data_ptr() % ALIGNMENT:
+            param.data = param.data.clone()
+            moved.append(name)
+    return moved
+
+
 def build(trainer, model: torch.nn.Module) -> TrainerExactGradients | None:
     """The trainer's exact sums in the deterministic mode where :func:`refusal` allows them (else ``None``, the
     reason kept as ``trainer.exact_gradients_refusal`` and logged once; ``None`` outside the mode)."""
@@ -153,4 +179,6 @@ def build(trainer, model: torch.nn.Module) -> TrainerExactGradients | None:
         return None
     reset_hub_kernels(model, "the deterministic mode's exact sums take the layers' forwards, which kernelize would "
                              "replace at every train() / eval()")
-    return TrainerExactGradients(model, trainer.accelerator.num_processes)
+    align_parameters(model)
+    world = trainer.accelerator.num_processes
+    return TrainerExactGradients(model, world, world if trainer.exact_divides_world else trainer.cp_groups.dp_size)

@@ -25,8 +25,9 @@ wraps that forward so that the same call, made with the same batch on every rank
 **Gradients.** The loss a trainer builds from the combined outputs is the same on every rank of the group; each
 rank's backward keeps the gradient of its own tokens (the all-gather's adjoint), multiplied by ``cp``: the
 gradients of a group then sum to ``cp`` times one process's, and DDP's average over the dp x cp ranks is the
-average over dp, as without CP. The MoE load-balancing loss (which TRL's head adds from the router logits) takes
-the same convention: the batch's value on every rank, ``cp`` times this rank's share as gradient
+average over dp, as without CP (with the deterministic mode's exact sums the gradient is left unscaled and the sums
+are divided by dp: :mod:`.hf_exact_grads`). The MoE load-balancing loss (which TRL's head adds from the router
+logits) takes the same convention: the batch's value on every rank, ``cp`` times this rank's share as gradient
 (:mod:`.hf_router_loss`, ``"replicated"``).
 """
 
@@ -213,7 +214,7 @@ def fused_forward_on_shards(model: torch.nn.Module, config: ContextParallelConfi
     def whole(local: torch.Tensor) -> torch.Tensor:
         is_bool = local.dtype == torch.bool
         x = local.to(torch.uint8) if is_bool else local
-        if x.requires_grad and cp > 1:
+        if x.requires_grad and cp > 1 and exact is None:  # the exact sums divide by dp instead (hf_exact_grads)
             x = _ScaleGrad.apply(x, cp)
         x = handler.combine(x, 1)[:, :width]
         x = F.pad(x, (0, 1)).gather(1, back)

@@ -56,6 +56,10 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
             ``num_generations`` at the dp size, the model's guard; before any training step.
     """
 
+    exact_divides_world = False
+    """The fused head leaves each rank's gradient unscaled by cp under exact sums, which are divided by dp: exact at
+    any world (:mod:`.hf_exact_grads`)."""
+
     def _refused_arguments(self, args, arguments: dict) -> list[str]:
         refused = super()._refused_arguments(args, arguments)
         if getattr(args, "use_vllm", False):

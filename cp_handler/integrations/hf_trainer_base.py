@@ -191,6 +191,11 @@ class ContextParallelTrainerBase:
         return _accelerate_refusals(getattr(self.accelerator, "parallelism_config", None),
                                     self.accelerator.dispatch_batches)
 
+    exact_divides_world = True
+    """Whether the trainer scales each rank's loss by the world size for DDP's mean (Trainer's convention), so that its
+    exact gradient sums are divided by the world (exact on a power of two only); the RL trainers divide by dp
+    (:mod:`.hf_exact_grads`)."""
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         """The wrapped trainer's step; in the deterministic mode with exact gradients, inside their scope with DDP
         not syncing, the exact sums written to ``.grad`` after the step's last micro-batch (:mod:`.hf_exact_grads`)."""
