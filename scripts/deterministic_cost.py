@@ -24,6 +24,7 @@ Prints a table and writes JSON (docs/deterministic.md quotes both).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -41,6 +42,21 @@ MODES = {"default p2p": ("p2p", False), "default a2a": ("a2a", False), "determin
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 8,
          "ffn_hidden_size": 704}
 """The GPT timed: 4 layers of 256 wide, a vocabulary of 4096 (8.2M parameters, 2.1M of them the LM head)."""
+
+
+def _medians(modes: dict, rounds: int, rank: int, out: str) -> None:
+    """Each of ``modes`` (name -> a call returning its seconds) once as a warm-up, then ``rounds`` rounds that run every
+    mode once (interleaved); rank 0 writes each mode's median in ms to ``out``; the process group is ended."""
+    for once in modes.values():
+        once()
+    times = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, once in modes.items():
+            times[name].append(once())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}, f)
+    dist.destroy_process_group()
 
 
 def _attention_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
@@ -62,17 +78,7 @@ def _attention_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
         output.backward(torch.ones_like(output))
         return time.perf_counter() - began
 
-    for mode in MODES.values():
-        once(*mode)
-    times = {name: [] for name in MODES}
-    for _ in range(rounds):  # interleaved: each round runs every mode once
-        for name, mode in MODES.items():
-            times[name].append(once(*mode))
-    times = {name: sorted(t) for name, t in times.items()}
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({name: t[len(t) // 2] * 1e3 for name, t in times.items()}, f)
-    dist.destroy_process_group()
+    _medians({name: functools.partial(once, *mode) for name, mode in MODES.items()}, rounds, rank, out)
 
 
 def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
@@ -104,17 +110,8 @@ def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
             dist.all_reduce(flat)
         return time.perf_counter() - began
 
-    modes = {"all-reduced": False, "exact": True}
-    for exact in modes.values():
-        once(exact)
-    times = {name: [] for name in modes}
-    for _ in range(rounds):
-        for name, exact in modes.items():
-            times[name].append(once(exact))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}, f)
-    dist.destroy_process_group()
+    _medians({"all-reduced": functools.partial(once, False), "exact": functools.partial(once, True)}, rounds, rank,
+             out)
 
 
 def _fused_head_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
@@ -145,17 +142,8 @@ def _fused_head_rank(rank: int, world: int, init: str, seq_len: int, rounds: int
         (log_probs.sum() + entropy.sum()).backward()
         return time.perf_counter() - began
 
-    modes = {"one call": False, "per unit": True}
-    for exact in modes.values():
-        once(exact)
-    times = {name: [] for name in modes}
-    for _ in range(rounds):
-        for name, exact in modes.items():
-            times[name].append(once(exact))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({name: sorted(t)[len(t) // 2] * 1e3 for name, t in times.items()}, f)
-    dist.destroy_process_group()
+    _medians({"one call": functools.partial(once, False), "per unit": functools.partial(once, True)}, rounds, rank,
+             out)
 
 
 def _attention_table(rows: list[dict]) -> None:
