@@ -156,24 +156,17 @@ def _attention_table(rows: list[dict]) -> None:
               f"{row['deterministic all_gather'] / row['default all_gather']:.3f} |")
 
 
-def _gradients_table(rows: list[dict]) -> None:
-    print("| S | cp | all-reduced ms | exact ms | exact / all-reduced |")
+def _two_modes_table(base: str, other: str, rows: list[dict]) -> None:
+    """The table of a part timing two modes: each one's median and ``other / base``."""
+    print(f"| S | cp | {base} ms | {other} ms | {other} / {base} |")
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['seq_len']} | 2 | {row['all-reduced']:.1f} | {row['exact']:.1f} | "
-              f"{row['exact'] / row['all-reduced']:.3f} |")
+        print(f"| {row['seq_len']} | 2 | {row[base]:.1f} | {row[other]:.1f} | {row[other] / row[base]:.3f} |")
 
 
-def _fused_head_table(rows: list[dict]) -> None:
-    print("| S | cp | tokens per rank | one call ms | per unit ms | per unit / one call |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['seq_len']} | 2 | {row['seq_len'] // 2} | {row['one call']:.1f} | {row['per unit']:.1f} | "
-              f"{row['per unit'] / row['one call']:.3f} |")
-
-
-PARTS = {"attention": (_attention_rank, _attention_table), "gradients": (_gradients_rank, _gradients_table),
-         "fused-head": (_fused_head_rank, _fused_head_table)}
+PARTS = {"attention": (_attention_rank, _attention_table),
+         "gradients": (_gradients_rank, functools.partial(_two_modes_table, "all-reduced", "exact")),
+         "fused-head": (_fused_head_rank, functools.partial(_two_modes_table, "one call", "per unit"))}
 
 
 def main(argv: list[str] | None = None) -> None:
