@@ -90,12 +90,11 @@ class LocalContextParallelHandler(ContextParallelHandler):
         super().__init__(**kwargs)
         if self.deterministic:
             if self.cp_size > 1 and (others := sorted(set(self.comm_types) - set(DETERMINISTIC_COMM_TYPES))):
-                raise ValueError(f"deterministic=True runs the Ulysses all-to-all ('a2a') and the KV all-gather "
-                                 f"('all_gather', on canonical tiles) only, not {others}: the ring patterns merge "
-                                 "partial results and sum gradients in an order that follows the group")
-            if "all_gather" in self.comm_types and self.qkv_format == "thd":
-                raise ValueError("deterministic=True with cp_comm_type='all_gather' and qkv_format='thd': its "
-                                 "canonical tiles run bshd / sbhd rows (packed documents: use 'a2a')")
+                raise ValueError(f"deterministic=True runs the comm types {list(DETERMINISTIC_COMM_TYPES)}, not "
+                                 f"{others}: 'auto' could pick a pattern per call whose refusals (below) differ")
+            if self.qkv_format == "thd" and (tiled := sorted(set(self.comm_types) & set(CANONICAL_COMM_TYPES))):
+                raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
+                                 "tiles run bshd / sbhd rows (packed documents: use 'a2a')")
             if attn_kernel not in (None, "cpu_flash"):
                 raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
                                  "kernel to 'cpu_flash' (the one it is tested with)")
@@ -211,6 +210,13 @@ class LocalContextParallelHandler(ContextParallelHandler):
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.core.masks, ops.sinks)
 
+    def _ring_size(self, comm_type: str) -> int:
+        """Ranks of a pattern's ring (whose zigzag chunks its canonical tiles must divide): ``a2a+p2p``'s ring level;
+        ``a2a``, none (1); the others, the group."""
+        if comm_type == "a2a+p2p" and self.cp_size > 1:
+            return dist.get_world_size(self.hierarchical_cp_groups[1])
+        return 1 if comm_type == "a2a" else self.cp_size
+
     def check_call(self, call: AttnCall) -> None:
         """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate); the deterministic
         mode's rules (the class doc's ``deterministic``)."""
@@ -219,14 +225,15 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if call.q.device.type != "cpu":
                 raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
                                  "GPU path is pending a GPU run)")
-            if call.comm_type == "all_gather":  # heads stay whole on every rank
-                refusal = tiles_refusal(call.layout.local_len * self.cp_size, self.cp_size)
+            refusal, ring = None, self._ring_size(call.comm_type)
+            if self.cp_size > 1 and call.comm_type in CANONICAL_COMM_TYPES:
+                refusal = tiles_refusal(call.layout.local_len * self.cp_size, ring, call.comm_type)
                 if not call.mask.plain or call.sinks is not None:
-                    refusal = refusal or ("deterministic=True with cp_comm_type='all_gather': its canonical tiles run "
-                                          "the plain causal or full mask without sinks (windows, chunks, soft-caps and "
-                                          "sinks: use 'a2a')")
-            else:
-                refusal = deterministic_heads_refusal(heads, kv_heads, self.cp_size)
+                    refusal = refusal or (f"deterministic=True with cp_comm_type={call.comm_type!r}: its canonical "
+                                          "tiles run the plain causal or full mask without sinks (windows, chunks, "
+                                          "soft-caps and sinks: use 'a2a')")
+            if call.comm_type in ("a2a", "a2a+p2p"):  # heads split over the all-to-all (p2p, all_gather: whole)
+                refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
             if refusal:
                 raise ValueError(refusal)
         if self.kv_cache is not None and not call.mask.causal:
@@ -241,11 +248,11 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
-        elif self.deterministic and (call.comm_type == "all_gather" or
-                                     (self.cp_size == 1 and canonical_applies(call.layout, mask, call.sinks))):
+        elif self.deterministic and (call.comm_type in ("all_gather", "p2p") if self.cp_size > 1 else
+                                     canonical_applies(call.layout, mask, call.sinks)):
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None)
-            out = canonical_attention(q, k, v, spec)[0]
+            out = canonical_attention(q, k, v, spec, ring=call.comm_type == "p2p")[0]
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
             comm_type = call.comm_type if self.cp_size > 1 else "p2p"
             entry = self._patterns.get(comm_type)
@@ -271,8 +278,12 @@ HierarchicalContextParallelHandler = LocalContextParallelHandler
 """The name the local handler had when ``"a2a+p2p"`` was a class of its own; the same class."""
 
 
-DETERMINISTIC_COMM_TYPES = ("a2a", "all_gather")
+DETERMINISTIC_COMM_TYPES = ("a2a", "all_gather", "p2p", "a2a+p2p")
 """The comm types the deterministic mode runs at cp > 1 (docs/deterministic.md)."""
+
+CANONICAL_COMM_TYPES = ("all_gather", "p2p", "a2a+p2p")
+"""The comm types whose deterministic computation runs on canonical tiles alone (:mod:`~cp_handler.ops.canonical`):
+bshd / sbhd rows, the plain causal or full mask without sinks."""
 
 
 def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:

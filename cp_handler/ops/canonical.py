@@ -36,8 +36,10 @@ from ..core.layout import ZigzagDocs, zigzag_chunk_ids
 from .blocks import new_accumulators
 from .kernels.base import seq_major
 from .merge import acc_dtype, merge_attn_out_
+from .p2p import RingComm, exchange
 from .seq_gather import all_gather_seq_raw
 from .spec import AttentionFunction, AttnSpec
+from .tile_tree import TileTree
 
 TILES = (2048, 1024, 512, 256, 128, 64)
 """Tokens per canonical tile, by sequence length: the largest ``T`` of these with ``S`` a multiple of ``16 T`` (the
@@ -51,11 +53,12 @@ def tile_size(seq_len: int) -> int:
     return next((t for t in TILES if seq_len % (16 * t) == 0), TILES[-1])
 
 
-def tiles_refusal(seq_len: int, cp: int) -> str | None:
-    """Why a sequence of ``seq_len`` tokens over ``cp`` ranks cannot run on canonical tiles (``None``: it can)."""
+def tiles_refusal(seq_len: int, cp: int, comm_type: str = "all_gather") -> str | None:
+    """Why a sequence of ``seq_len`` tokens in zigzag chunks over ``cp`` ranks cannot run ``comm_type`` on canonical
+    tiles (``None``: it can)."""
     parts, tile = 2 * cp if cp > 1 else 1, tile_size(seq_len)
     if seq_len % (parts * tile):
-        return (f"deterministic=True with cp_comm_type='all_gather': a sequence of {seq_len} tokens over {cp} ranks "
+        return (f"deterministic=True with cp_comm_type={comm_type!r}: a sequence of {seq_len} tokens over {cp} ranks "
                 f"has zigzag chunks of {seq_len / parts:g} tokens; the mode's tiles ({tile} tokens for this length) "
                 f"need chunks that are multiples of them (pad the sequence to a multiple of {parts * TILES[-1]})")
     return None
@@ -69,98 +72,174 @@ def _ranges(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, int, int], ...]:
     return tuple((half * chunk, cid * chunk, chunk) for half, cid in enumerate(zigzag_chunk_ids(rank, layout.size)))
 
 
-def _query_tiles(ranges, size: int):
-    """``(local rows, global tile index)`` of each of the rank's query tiles of ``size`` tokens (its chunks are
-    multiples of the tile)."""
+def _tiles(ranges, size: int):
+    """``(local rows, global tile index)`` of each tile of ``size`` tokens in ``ranges`` (chunks that are multiples
+    of the tile)."""
     for local, first, rows in ranges:
         for i in range(rows // size):
             yield slice(local + i * size, local + (i + 1) * size), first // size + i
 
 
-def _tile_calls(tile: int, size: int, causal: bool, seq_len: int):
-    """``(key rows, causal)`` of query tile ``tile``'s calls (module doc): causal, the keys before it in full, then
-    its diagonal tile; the full mask, every key."""
+def _calls(ranges, tile: int, size: int, causal: bool, queries: bool):
+    """``(local rows, their tiles, causal)`` of the calls between tile ``tile`` of one side and the rows of
+    ``ranges`` on the other that see it: ``queries``, the query rows that see key tile ``tile``; else the key rows
+    query tile ``tile`` sees. Causal: the diagonal tile alone in a causal call, the rest of a range in one full call
+    (a row's partial from a call is the same whatever other rows of its side the call holds: module doc)."""
+    for local, first, rows in ranges:
+        t0 = first // size
+        t1 = t0 + rows // size
+        if not causal:
+            spans = ((t0, t1, False),)
+        elif queries:
+            spans = ((tile, tile + 1, True), (max(t0, tile + 1), t1, False))
+        else:
+            spans = ((t0, min(t1, tile), False), (tile, tile + 1, True))
+        for a, b, flag in spans:
+            a, b = max(a, t0), min(b, t1)
+            if a < b:
+                yield slice(local + (a - t0) * size, local + (b - t0) * size), range(a, b), flag
+
+
+def _seen(tile: int, num_tiles: int, causal: bool, queries: bool) -> range:
+    """The tiles of the other side that meet ``tile`` (``queries``: ``tile`` is a query tile, these its key tiles)."""
     if not causal:
-        return ((slice(0, seq_len), False),)
-    diagonal = (slice(tile * size, (tile + 1) * size), True)
-    return ((slice(0, tile * size), False), diagonal) if tile else (diagonal,)
+        return range(num_tiles)
+    return range(0, tile + 1) if queries else range(tile, num_tiles)
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of a partial in the accumulation dtype (the tree combines into its left partials)."""
+    return t.to(dtype=acc_dtype(t.dtype), memory_format=torch.contiguous_format, copy=True)
+
+
+def _merged(left, right):
+    merge_attn_out_(left[0], left[1], right[0], right[1])
+    return left
+
+
+def _summed(left, right):
+    return tuple(a.add_(b) for a, b in zip(left, right, strict=True))
 
 
 def _gather(t: torch.Tensor, group, layout: ZigzagDocs, dim: int = 2) -> torch.Tensor:
-    """Every rank's ``t`` along ``dim`` (the sequence), in global order (``group`` None: ``t``)."""
-    if group is None:
-        return t
+    """Every rank's ``t`` along ``dim`` (the sequence), in global order."""
     return all_gather_seq_raw(t, dim, group).index_select(dim, layout.gathered_index(real_only=False).to(t.device))
 
 
-def canonical_forward(q, k, v, spec: AttnSpec, sinks=None):
+def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
+    """``(tensors of a block, its ranges)`` for every block of the other side a rank meets: one process's own; the
+    whole sequence all-gathered (``all_gather``); or, over a ring (``ring``), every rank's in turn, the next posted
+    before the current one is yielded (the transfer overlaps the computation)."""
+    group, layout = spec.group, spec.layout
+    if group is None:
+        yield tensors, _ranges(layout, 0)
+        return
+    if not ring:
+        yield tuple(_gather(t, group, layout) for t in tensors), ((0, 0, layout.local_len * layout.size),)
+        return
+    comm = RingComm(group)
+    for step in range(comm.size):
+        pending = None
+        if step + 1 < comm.size:
+            pending = exchange(group, [(t, comm.next_rank, tag) for tag, t in enumerate(tensors)],
+                               [(torch.empty(t.shape, dtype=t.dtype, device=t.device), comm.prev_rank, tag)
+                                for tag, t in enumerate(tensors)])
+        yield tensors, _ranges(layout, (comm.rank - step) % comm.size)
+        if pending is not None:
+            tensors = tuple(pending.wait())
+
+
+def _geometry(q: torch.Tensor, spec: AttnSpec):
+    """``(this rank's ranges, tile size, tiles in the sequence)``."""
+    rank = dist.get_rank(spec.group) if spec.group is not None else 0
+    seq_len = spec.layout.local_len * spec.layout.size
+    size = tile_size(seq_len)
+    return _ranges(spec.layout, rank), size, seq_len // size
+
+
+def _assemble(trees: dict, ranges, size: int, outs: tuple[torch.Tensor, ...]) -> None:
+    """Each tile's combined partials into its rows of ``outs`` (accumulators shaped as the rank's tensors)."""
+    for rows, tile in _tiles(ranges, size):
+        for out, part in zip(outs, trees[tile].result(), strict=True):
+            out[:, :, rows].copy_(part)
+
+
+def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
     """``q (B, H, S_local, D)``, ``k, v (B, Hkv, S_local, D)`` -> ``(out in q's dtype, lse)``: module doc."""
-    group, layout, kernel = spec.group, spec.layout, spec.kernel
-    rank = dist.get_rank(group) if group is not None else 0
-    k, v = _gather(k, group, layout), _gather(v, group, layout)
+    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    ranges, size, num_tiles = _geometry(q, spec)
+    trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _merged) for _, tile in
+             _tiles(ranges, size)}
+    for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):
+        for keys, key_tile in _tiles(key_ranges, size):
+            for rows, tiles, flag in _calls(ranges, key_tile, size, causal, queries=True):
+                out, lse = kernel.forward(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], causal=flag,
+                                          scale=scale)
+                for n, tile in enumerate(tiles):
+                    part = slice(n * size, (n + 1) * size)
+                    trees[tile].add(key_tile, (_own(out[:, :, part]), _own(lse[:, :, part])))
     out, lse = new_accumulators(q, v.shape[-1])
-    size = tile_size(k.shape[2])
-    for rows, tile in _query_tiles(_ranges(layout, rank), size):
-        for i, (keys, causal) in enumerate(_tile_calls(tile, size, spec.mask.causal, k.shape[2])):
-            block_out, block_lse = kernel.forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=causal,
-                                                  scale=spec.scale)
-            if i == 0:  # the tile's first call
-                out[:, :, rows].copy_(block_out)
-                lse[:, :, rows].copy_(block_lse)
-            else:
-                merge_attn_out_(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+    _assemble(trees, ranges, size, (out, lse))
     return out.to(q.dtype), lse
 
 
-def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec):
+def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = False):
     """``(dq, dk, dv)`` of :func:`canonical_forward` (module doc); one process (``spec.group`` None): one pass."""
     dout = seq_major(dout)
     if spec.group is None:
         return _one_pass_backward(dout, q, k, v, out, lse, spec)
-    group, layout, kernel, scale = spec.group, spec.layout, spec.kernel, spec.scale
-    rank = dist.get_rank(group)
+    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    ranges, size, num_tiles = _geometry(q, spec)
+    dq_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _summed) for _, tile in
+                _tiles(ranges, size)}
+    for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):  # dq: the key tiles come to the queries
+        for keys, key_tile in _tiles(key_ranges, size):
+            for rows, tiles, flag in _calls(ranges, key_tile, size, causal, queries=True):
+                grads = kernel.backward(dout[:, :, rows], q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys],
+                                        out[:, :, rows], lse[:, :, rows].contiguous(), causal=flag, scale=scale)
+                for n, tile in enumerate(tiles):
+                    dq_trees[tile].add(key_tile, (_own(grads[0][:, :, n * size:(n + 1) * size]),))
+    kv_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, False), _summed) for _, tile in
+                _tiles(ranges, size)}
+    for (q_block, dout_block, out_block, lse_block), query_ranges in _blocks((q, dout, out, lse), spec, ring):
+        for queries, query_tile in _tiles(query_ranges, size):  # dk / dv: the query tiles come to the keys
+            saved = (out_block[:, :, queries], lse_block[:, :, queries].contiguous())
+            for rows, tiles, flag in _calls(ranges, query_tile, size, causal, queries=False):
+                grads = kernel.backward(dout_block[:, :, queries], q_block[:, :, queries], k[:, :, rows],
+                                        v[:, :, rows], *saved, causal=flag, scale=scale)
+                for n, tile in enumerate(tiles):
+                    part = slice(n * size, (n + 1) * size)
+                    kv_trees[tile].add(query_tile, (_own(grads[1][:, :, part]), _own(grads[2][:, :, part])))
+    return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
+
+
+def _gradients(q, k, v, ranges, size: int, dq_trees: dict, kv_trees: dict):
     dtype = acc_dtype(q.dtype)
-    k_all, v_all = _gather(k, group, layout), _gather(v, group, layout)
-    ranges, size = _ranges(layout, rank), tile_size(k_all.shape[2])
-    dq = torch.zeros_like(q, dtype=dtype)
-    for rows, tile in _query_tiles(ranges, size):  # dq: each row's tile calls in order
-        saved = (out[:, :, rows], lse[:, :, rows].contiguous())
-        for keys, causal in _tile_calls(tile, size, spec.mask.causal, k_all.shape[2]):
-            grads = kernel.backward(dout[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], *saved,
-                                    causal=causal, scale=scale)
-            dq[:, :, rows].add_(grads[0])
-    q_all, dout_all, out_all, lse_all = (_gather(t, group, layout) for t in (q, dout, out, lse))
-    dout_all, out_all = seq_major(dout_all), seq_major(out_all)
-    dk = torch.zeros_like(k, dtype=dtype)
-    dv = torch.zeros_like(v, dtype=dtype)
-    for query_tile in range(q_all.shape[2] // size):  # dk / dv: own keys, summed over query tiles in ascending order
-        queries = slice(query_tile * size, (query_tile + 1) * size)
-        args = (dout_all[:, :, queries], q_all[:, :, queries])
-        saved = (out_all[:, :, queries], lse_all[:, :, queries].contiguous())
-        for mine, causal in _key_calls(ranges, query_tile, size, spec.mask.causal):
-            grads = kernel.backward(*args, k[:, :, mine], v[:, :, mine], *saved, causal=causal, scale=scale)
-            dk[:, :, mine].add_(grads[1])
-            dv[:, :, mine].add_(grads[2])
+    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
+    _assemble(dq_trees, ranges, size, (dq,))
+    _assemble(kv_trees, ranges, size, (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
-    """One process holds every query and key: each query tile's calls (module doc) give both canonical partials (a
-    row's dq is the group's dq pass's, the same calls; a key row's dk / dv from a call over one query tile is theirs
-    from any call over that tile), dq summed over the tile's calls in order, dk / dv over query tiles in ascending
-    order; the same bits as the two passes of a group, at the cost of one."""
-    dtype = acc_dtype(q.dtype)
-    dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
-    size = tile_size(k.shape[2])
-    for rows, tile in _query_tiles(((0, 0, k.shape[2]),), size):  # each key row's sum in ascending query tiles
-        saved = (out[:, :, rows], lse[:, :, rows].contiguous())
-        for keys, causal in _tile_calls(tile, size, spec.mask.causal, k.shape[2]):
-            grads = spec.kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], *saved,
-                                         causal=causal, scale=spec.scale)
-            dq[:, :, rows].add_(grads[0])
-            dk[:, :, keys].add_(grads[1])
-            dv[:, :, keys].add_(grads[2])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    """One process holds every query and key: one call per (query tile, key tile) pair gives both partials (a row's
+    dq from a call over one key tile is the group's dq pass's, a key row's dk / dv from a call over one query tile
+    the group's dk / dv pass's), each into its tree: the same bits as the two passes of a group, at the cost of
+    one."""
+    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    ranges, size, num_tiles = _geometry(q, spec)
+    dq_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _summed) for tile in range(num_tiles)}
+    kv_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, False), _summed)
+                for tile in range(num_tiles)}
+    for queries, query_tile in _tiles(ranges, size):
+        saved = (out[:, :, queries], lse[:, :, queries].contiguous())
+        for key_tile in _seen(query_tile, num_tiles, causal, True):
+            keys = slice(key_tile * size, (key_tile + 1) * size)
+            grads = kernel.backward(dout[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys], *saved,
+                                    causal=causal and key_tile == query_tile, scale=scale)
+            dq_trees[query_tile].add(key_tile, (_own(grads[0]),))
+            kv_trees[key_tile].add(query_tile, (_own(grads[1]), _own(grads[2])))
+    return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
 
 
 def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:
@@ -172,23 +251,8 @@ def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:
             and seq_len % tile_size(seq_len) == 0)
 
 
-def _key_calls(ranges, tile: int, size: int, causal: bool):
-    """For query tile ``tile`` (of ``size`` tokens): ``(local key rows, causal)`` of the calls over this rank's keys it
-    sees (a key row's dk / dv from one call over the tile's rows is the same whatever other keys the call holds)."""
-    start, stop = tile * size, (tile + 1) * size
-    for local, first, rows in ranges:
-        last = first + rows
-        if not causal:
-            yield slice(local, local + rows), False
-            continue
-        if start > first:  # the keys before the tile, in full
-            end = min(last, start)
-            yield slice(local, local + end - first), False
-        if first <= start < last:  # the diagonal tile
-            yield slice(local + start - first, local + stop - first), True
-
-
-def canonical_attention(q, k, v, spec: AttnSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable deterministic KV all-gather attention of a checked call (module doc); ``spec.group`` None runs
-    one process's canonical computation (cp 1)."""
-    return AttentionFunction.apply(q, k, v, None, canonical_forward, canonical_backward, spec)
+def canonical_attention(q, k, v, spec: AttnSpec, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable deterministic attention of a checked call on canonical tiles (module doc): ``spec.group``
+    None, one process's computation (cp 1); a group, the KV all-gather's, or with ``ring`` the ring's (``p2p``, the
+    ring level of ``a2a+p2p``)."""
+    return AttentionFunction.apply(q, k, v, None, canonical_forward, canonical_backward, spec, ring)

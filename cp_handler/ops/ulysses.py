@@ -251,8 +251,8 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
                                                q.device)
     q, k, v = seq_to_heads((q, k, v), spec.group)
     q, k, v = q.index_select(2, order), k.index_select(2, order), v.index_select(2, order)
-    if spec.canonical and spec.p2p_group is None and canonical_applies(spec.layout, spec.mask, spec.sinks):
-        out, lse = canonical_attention(q, k, v, replace(ring_spec, layout=inner))  # the deterministic mode
+    if spec.canonical and canonical_applies(spec.layout, spec.mask, spec.sinks):  # the deterministic mode
+        out, lse = canonical_attention(q, k, v, replace(ring_spec, layout=inner), ring=spec.p2p_group is not None)
     else:
         out, lse = (halves_ring_attention if halves else ring_attention)(q, k, v, replace(ring_spec, layout=inner))
     out = heads_to_seq(out.index_select(2, inverse), spec.group)
