@@ -1,11 +1,12 @@
-"""The deterministic mode (``LocalContextParallelHandler(deterministic=True)``, issue 73's first step): attention's
-output and the gradients of q, k and v are ``torch.equal`` at cp 2, 3, 4, 6 and 8 to cp 1 on the same global inputs:
-fp32 and bf16, MHA and GQA, causal and full, a sliding window, chunks, a soft-cap, sinks (their gradient too),
-multi-head latent attention's widths, one query head per rank and fewer (bshd), sbhd, thd packs;
-and the reference GPT's logits (so its per-token losses) at cp 2, 3, 4, 6 and 8. The negative control: the default
-ring (p2p) on
-the same inputs differs in at least one bit at cp 2, so the comparison can fail. Its refusals by name: another comm
-type, key-value heads the CP size does not divide (fewer than the query heads), another kernel.
+"""The deterministic mode (``LocalContextParallelHandler(deterministic=True)``, issue 73): attention's output and the
+gradients of q, k and v are ``torch.equal`` at cp 2, 3, 4, 6 and 8 to cp 1 on the same global inputs. ``a2a``: fp32
+and bf16, MHA and GQA, causal and full, a sliding window, chunks, a soft-cap, sinks (their gradient too), multi-head
+latent attention's widths, one query head per rank and fewer (bshd), sbhd, thd packs. Every pattern (p2p,
+all_gather, a2a, a2a+p2p) on canonical tiles: the same bits as each other. The reference GPT's logits (so its
+per-token losses) at cp 2, 3, 4, 6 and 8 through each. The negative controls: the default ring (p2p) and all-gather
+on the same inputs differ in at least one bit at cp 2, so the comparison can fail. Its refusals by name: ``"auto"``,
+thd and the variants with the patterns on canonical tiles, key-value heads the all-to-all's ranks do not divide
+(fewer than the query heads), another kernel.
 
 Tolerances: none (bitwise).
 """
@@ -137,7 +138,7 @@ def test_attention_is_bitwise_the_same_at_every_cp_degree(world):
     run_distributed(_worker, world)
 
 
-AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type): the KV all-gather on canonical tiles
+AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type): the patterns on canonical tiles
     ("ag-mha-fp32", 8, 8, torch.float32, "causal"),
     ("ag-gqa-bf16", 8, 2, torch.bfloat16, "causal"),  # fewer key-value heads than ranks from cp 3: heads stay whole
     ("ag-full-fp32", 4, 4, torch.float32, "no_mask"),
@@ -149,50 +150,71 @@ def _ag_results(handler, case, seq_len: int) -> list[torch.Tensor]:
     return _results(handler, (name, heads, kv_heads, dtype, mask_type, None, "bshd"), seq_len)
 
 
-def _ag_handler(group, deterministic=True):
-    return LocalContextParallelHandler(cp_group=group, cp_comm_type="all_gather", deterministic=deterministic)
+def _ag_handler(group, deterministic=True, comm_type="all_gather"):
+    return LocalContextParallelHandler(cp_group=group, cp_comm_type=comm_type, deterministic=deterministic)
 
 
-def _all_gather_worker(rank, world):
+def _tiled_handlers(world: int, heads: int, kv_heads: int, group, levels):
+    """``(name, handler)`` of every pattern in the mode that runs these heads at ``world``: all_gather and p2p (heads
+    whole), a2a and a2a+p2p (2 ranks in the all-to-all, the rest in the ring) where the all-to-all's ranks divide
+    the key-value heads."""
+    handlers = [("all_gather", _ag_handler(group)), ("p2p", _ag_handler(group, comm_type="p2p"))]
+    if _case_runs_heads(heads, kv_heads, world):
+        handlers.append(("a2a", _handler(group)))
+    if levels is not None and _case_runs_heads(heads, kv_heads, 2):
+        handlers.append(("a2a+p2p", LocalContextParallelHandler(
+            cp_group=levels.cp_group, cp_comm_type="a2a+p2p", deterministic=True,
+            hierarchical_cp_groups=list(levels.hierarchical_cp_groups))))
+    return handlers
+
+
+def _canonical_worker(rank, world):
+    from cp_handler import build_dp_cp_groups
+
     group = new_cp_group()
-    seq_len = 2 * world * 64  # zigzag chunks of one canonical tile (ops/canonical.tile_size: 64 at these lengths)
-    for case in AG_CASES:
-        want = _ag_results(_ag_handler(None), case, seq_len)  # one process's canonical tiles, on every rank
-        got = _ag_results(_ag_handler(group), case, seq_len)
-        for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
-            assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
-        if _case_runs_heads(case[1], case[2], world):  # across patterns: a2a's heads on the same canonical tiles
-            got = _ag_results(_handler(group), case, seq_len)
-            for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
-                assert torch.equal(a, b), f"{case[0]} a2a cp {world} {what}: {(a - b).abs().max().item():.3e}"
-    # the reference GPT through either pattern: its logits, so its per-token losses, bitwise one process's
+    levels = build_dp_cp_groups(world, "cpu", [2, world // 2]) if world % 2 == 0 and world > 2 else None
+    for tiles_per_chunk in (1, 3):  # 3: a tree over tiles that reach each rank in runs, not one by one
+        seq_len = 2 * world * 64 * tiles_per_chunk  # zigzag chunks of whole canonical tiles (64 tokens here)
+        for case in AG_CASES:
+            want = _ag_results(_ag_handler(None), case, seq_len)  # one process's canonical tiles, on every rank
+            for name, handler in _tiled_handlers(world, case[1], case[2], group, levels):
+                got = _ag_results(handler, case, seq_len)
+                for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+                    assert torch.equal(a, b), (f"{case[0]} {name} cp {world} S {seq_len} {what}: max difference "
+                                               f"{(a - b).abs().max().item():.3e}")
+    # the reference GPT through every pattern: its logits, so its per-token losses, bitwise one process's
+    seq_len = 2 * world * 64
     want = _gpt_logits(_handler(None), seq_len)
-    for handler in (_ag_handler(group), _handler(group)):
+    for name, handler in _tiled_handlers(world, 8, 8, group, levels):
         got = _gpt_logits(handler, seq_len)
-        assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
-    if world == 2:  # the negative control: the default all-gather on the same inputs is not bitwise cp 1's
+        assert torch.equal(got, want), f"GPT logits {name} cp {world}: {(got - want).abs().max().item():.3e}"
+    if world == 2:  # the negative controls: the default all-gather and ring on the same inputs are not cp 1's bits
         want = _ag_results(_ag_handler(None), AG_CASES[0], seq_len)
-        got = _ag_results(_ag_handler(group, deterministic=False), AG_CASES[0], seq_len)
-        assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    handler = _ag_handler(group)  # refused by name: chunks that are not whole tiles, a window
-    module = torch.nn.Module()
+        for comm_type in ("all_gather", "p2p"):
+            got = _ag_results(_ag_handler(group, False, comm_type), AG_CASES[0], seq_len)
+            assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), comm_type
+    module = torch.nn.Module()  # refused by name: chunks that are not whole tiles, a window
     module.softmax_scale = 0.25
     q = torch.zeros(1, 2 * 48, 8, D)  # a sequence of 2 x cp x 48 tokens: chunks of 48
-    with pytest.raises(ValueError, match=r"the mode.s tiles \(64 tokens for this length\) need chunks"):
-        handler.core_attn(module, q, q, q, attn_mask_type="causal")
+    for comm_type in ("all_gather", "p2p"):
+        with pytest.raises(ValueError, match=rf"cp_comm_type='{comm_type}': a sequence of {2 * world * 48} tokens "
+                                             r"over .* the mode.s tiles \(64 tokens for this length\) need chunks"):
+            _ag_handler(group, comm_type=comm_type).core_attn(module, q, q, q, attn_mask_type="causal")
     module.window_size = (31, 0)
     q = torch.zeros(1, 2 * 64, 8, D)
     with pytest.raises(ValueError, match="its canonical tiles run the plain causal or full mask without sinks"):
-        _ag_handler(group).core_attn(module, q, q, q, attn_mask_type="causal")
+        _ag_handler(group, comm_type="p2p").core_attn(module, q, q, q, attn_mask_type="causal")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
-def test_all_gather_is_bitwise_the_same_at_every_cp_degree(world):
-    """The KV all-gather in the mode (ops/canonical.py): output, dq, dk, dv ``torch.equal`` to one process's canonical
-    tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2 key-value heads, full attention), and so is ``a2a`` where
-    it runs the heads (the same bits across patterns), and the reference GPT's logits through either; the default
-    all-gather differs (the control); chunks that are not whole tiles and a window refused by name."""
-    run_distributed(_all_gather_worker, world)
+def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
+    """Every pattern on canonical tiles (ops/canonical.py): the KV all-gather, the ring (p2p) and, where their
+    all-to-all's ranks divide the key-value heads, a2a and a2a+p2p (2 x cp / 2 levels at cp 4, 6 and 8): output, dq,
+    dk, dv ``torch.equal`` to one process's canonical tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2
+    key-value heads, full attention), zigzag chunks of one tile and of three (the tree receiving runs of tiles),
+    so the same bits across patterns, and the reference GPT's logits through each; the default all-gather and ring
+    differ (the controls); chunks that are not whole tiles and a window refused by name."""
+    run_distributed(_canonical_worker, world)
 
 
 def _thd_worker(rank, world):
@@ -225,8 +247,11 @@ def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
 
 def _refusal_worker(rank, world):
     group = new_cp_group()
-    with pytest.raises(ValueError, match=r"\('all_gather', on canonical tiles\) only, not \['p2p'\]"):
-        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True)
+    with pytest.raises(ValueError, match=r"deterministic=True runs the comm types .*, not \['auto'\]"):
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="auto", deterministic=True)
+    with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd': their canonical tiles"):
+        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True, qkv_format="thd",
+                                    cu_seqlens=torch.tensor([0, 64]))
     for heads, kv_heads, rule in ((8, 2, "a key-value head's query heads would sit on several ranks"),):
         handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True)
         q = torch.zeros(1, 2 * S // world, heads, D)
@@ -251,8 +276,11 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
 
     assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
     assert not build_cp_handler(ContextParallelConfig()).deterministic
-    with pytest.raises(ValueError, match=r"runs cp_comm_type='a2a' and 'all_gather' only, not \['p2p'\]"):
-        ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
+    with pytest.raises(ValueError, match=r"deterministic=True runs cp_comm_type .*, not \['auto'\]"):
+        ContextParallelConfig(context_parallel_size=2, cp_comm_type="auto", deterministic=True)
+    with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd'"):
+        ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", qkv_format="thd", deterministic=True)
+    assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
     with pytest.raises(ValueError, match=r"deterministic=1 must be True or False"):
         ContextParallelConfig(deterministic=1)

@@ -50,7 +50,8 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
     """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
     bitwise, the loss summed over the whole sequence in one order) and each step's gradient norm (the parameter
     gradients summed exactly, ``runtime/exact_grads``: the same bits at every degree, so every step starts from the
-    same parameters), bshd and thd packs; bshd through the KV all-gather on canonical tiles at cp 2 (256 tokens).
+    same parameters), bshd and thd packs; bshd through the KV all-gather and the ring (p2p) on canonical tiles at
+    cp 2 and a2a+p2p (2 x 2) at cp 4 (256 tokens).
     Negative control: the default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so
     the comparison can fail. (Before the mode pinned one thread per CPU rank, thd's third gradient norm at cp 1, run
     on 2 threads, differed from cp 2's and 4's: the CPU flash kernel at head dim 8, measured 2026-12-06.)"""
@@ -59,10 +60,15 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
         want = _losses(tmp_path, 1, *flags, norms=True)
         assert _losses(tmp_path, 2, *flags, norms=True) == want, packing
         assert _losses(tmp_path, 4, *flags, norms=True) == want, packing
-    # the KV all-gather on canonical tiles (rows of 256 tokens: chunks of whole 64-token tiles at cp 2): the same
-    # losses as one process, which are a2a's (the same bits across patterns)
+    # the patterns on canonical tiles (rows of 256 tokens: zigzag chunks of whole 64-token tiles at cp 2, and over
+    # a2a+p2p's ring of 2 at cp 4): the same losses and gradient norms as one process, which are a2a's (the same
+    # bits across patterns)
     flags = ("--deterministic", "--seq-len", "256")
-    assert _losses(tmp_path, 2, *flags, "--cp-comm-type", "all_gather") == _losses(tmp_path, 1, *flags)
+    want = _losses(tmp_path, 1, *flags, norms=True)
+    for comm_type in ("all_gather", "p2p"):
+        assert _losses(tmp_path, 2, *flags, "--cp-comm-type", comm_type, norms=True) == want, comm_type
+    assert _losses(tmp_path, 4, *flags, "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
+                   norms=True) == want
     default = _losses(tmp_path, 4)
     want = _losses(tmp_path, 1, "--deterministic")
     assert default != want
@@ -228,7 +234,10 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--cp-comm-type", "p2p"], "--deterministic with --cp-comm-type p2p: the mode runs a2a and all_gather only"),
+    (["--cp-comm-type", "auto"], "--deterministic with --cp-comm-type auto: the mode runs p2p, all_gather, a2a, "
+                                 "a2a+p2p, not auto"),
+    (["--cp-comm-type", "p2p", "--seq-len", "96"], "--seq-len 96: deterministic=True with cp_comm_type='p2p'"),
+    (["--cp-comm-type", "a2a+p2p", "--packing", "thd"], "--cp-comm-type a2a+p2p and --packing thd"),
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
                                                           "cp_comm_type='all_gather': a sequence of 96 tokens"),
     (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),

@@ -8,6 +8,7 @@ import argparse
 
 import torch
 
+from ..core.comm_types import CANONICAL_COMM_TYPES, DETERMINISTIC_COMM_TYPES
 from ..ops.canonical import tiles_refusal
 from ..training.schedule import DECAY_STYLES
 
@@ -181,24 +182,27 @@ DETERMINISTIC_REFUSED = {
 
 
 def check_deterministic(args: argparse.Namespace) -> None:
-    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag) or all_gather (on canonical
-    tiles: bshd packing and a ``--seq-len`` whose zigzag chunks are whole tiles) and none of
+    """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), or p2p, all_gather or
+    a2a+p2p on canonical tiles (bshd packing and a ``--seq-len`` whose zigzag chunks over the ring's ranks are whole
+    tiles: a2a+p2p's p2p level from ``--hierarchical-cp-sizes``, else the whole CP size), not auto, and none of
     :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
     if not args.deterministic:
         args.cp_comm_type = args.cp_comm_type or "p2p"
         return
     args.cp_comm_type = args.cp_comm_type or "a2a"
     types = [t.strip() for t in args.cp_comm_type.split(",")]
-    others = [t for t in types if t not in ("a2a", "all_gather")]
+    others = [t for t in types if t not in DETERMINISTIC_COMM_TYPES]
     if others and args.cp_size != 1:
-        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs a2a and all_gather "
-                         "only (the ring patterns merge partial softmax results and sum dK / dV in an order that "
-                         "follows the CP group); drop --cp-comm-type or pass a2a or all_gather")
-    if "all_gather" in types:
+        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs "
+                         f"{', '.join(DETERMINISTIC_COMM_TYPES)}, not {', '.join(others)} (auto could pick patterns "
+                         "whose refusals differ call by call); pass one of them")
+    for comm_type in sorted(set(types) & set(CANONICAL_COMM_TYPES)):
         if args.packing == "thd":
-            raise ValueError("--deterministic with --cp-comm-type all_gather and --packing thd: its canonical tiles "
+            raise ValueError(f"--deterministic with --cp-comm-type {comm_type} and --packing thd: its canonical tiles "
                              "run bshd rows (packed documents: --cp-comm-type a2a)")
-        refusal = tiles_refusal(args.seq_len, args.cp_size)
+        sizes = getattr(args, "hierarchical_cp_sizes", None)
+        ring = sizes[-1] if comm_type == "a2a+p2p" and sizes else args.cp_size
+        refusal = tiles_refusal(args.seq_len, ring, comm_type)
         if refusal:
             raise ValueError(f"--seq-len {args.seq_len}: {refusal}")
     for name, why in DETERMINISTIC_REFUSED.items():

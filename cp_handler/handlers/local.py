@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ..auto import AttnCase, PatternHold, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
+from ..core.comm_types import CANONICAL_COMM_TYPES, DETERMINISTIC_COMM_TYPES
 from ..core.masks import AttentionMask
 from ..ops.canonical import canonical_applies, canonical_attention, tiles_refusal
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
@@ -64,20 +65,23 @@ class LocalContextParallelHandler(ContextParallelHandler):
             is predicted faster by its margin, 5%): one per run, shared by its handlers (``cp-train`` does so);
             ``None``: this handler's own. Refused without ``"auto"``.
         deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
-            ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): the Ulysses all-to-all only
-            (each rank computes whole heads over the whole sequence, the same blockwise computation as one process),
-            with the block kernel pinned (``cpu_flash``; cp = 1 runs it too instead of
+            ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): every pattern on canonical
+            tiles (:mod:`~cp_handler.ops.canonical`: bshd / sbhd, the plain causal or full mask, no sinks, zigzag
+            chunks of whole tiles), the same bits in every pattern; ``a2a`` also runs packed documents and the mask
+            variants (each rank computes whole heads over the whole sequence, one process's blockwise computation).
+            The block kernel is pinned (``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
-            another comm type at cp > 1, a group whose size does not divide the
-            key-value heads when they are fewer than the query heads (a key-value head's gradient would be summed
-            over ranks in the group's order), a device other than the CPU (not yet run on a GPU).
+            ``"auto"``; ``p2p``, ``all_gather`` and ``a2a+p2p`` with thd, a mask variant, sinks or chunks that are not
+            whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value heads when
+            they are fewer than the query heads (a key-value head's gradient would be summed over ranks in the
+            group's order); a device other than the CPU (not yet run on a GPU).
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
             not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group;
-            ``deterministic`` with another comm type than ``"a2a"`` at cp > 1 or another kernel than ``cpu_flash``;
+            ``deterministic`` with ``"auto"`` at cp > 1 or another kernel than ``cpu_flash``;
             ``cp_comm_profile`` without ``"auto"``, unknown, or not covering the group (at the first call: its
             device or dtype).
     """
@@ -201,11 +205,14 @@ class LocalContextParallelHandler(ContextParallelHandler):
         Raises:
             ValueError: naming the head counts and the CP size.
         """
-        if config.deterministic and attn_shape is not None and "a2a" in config.comm_types:
-            refusal = deterministic_heads_refusal(attn_shape.num_heads, attn_shape.num_kv_heads,
-                                                  config.context_parallel_size)
-            if refusal:
-                raise ValueError(refusal)
+        if not config.deterministic or attn_shape is None:
+            return
+        sizes = config.hierarchical_context_parallel_sizes
+        for comm_type, size in (("a2a", config.context_parallel_size), ("a2a+p2p", sizes[0] if sizes else None)):
+            if comm_type in config.comm_types and size is not None:  # the heads split over the all-to-all
+                refusal = deterministic_heads_refusal(attn_shape.num_heads, attn_shape.num_kv_heads, size)
+                if refusal:
+                    raise ValueError(refusal)
 
     def unsupported_variant(self, comm_type: str, mask, sinks) -> str | None:
         return None  # windows, chunks, soft-caps and sinks in every comm type (cp_handler.core.masks, ops.sinks)
@@ -276,14 +283,6 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler
 """The name the local handler had when ``"a2a+p2p"`` was a class of its own; the same class."""
-
-
-DETERMINISTIC_COMM_TYPES = ("a2a", "all_gather", "p2p", "a2a+p2p")
-"""The comm types the deterministic mode runs at cp > 1 (docs/deterministic.md)."""
-
-CANONICAL_COMM_TYPES = ("all_gather", "p2p", "a2a+p2p")
-"""The comm types whose deterministic computation runs on canonical tiles alone (:mod:`~cp_handler.ops.canonical`):
-bshd / sbhd rows, the plain causal or full mask without sinks."""
 
 
 def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:

@@ -1,28 +1,29 @@
-"""Canonical tiles: the deterministic mode's attention, bitwise the same at every CP degree and across patterns.
+"""Canonical tiles: the deterministic mode's attention, bitwise the same at every CP degree and in every pattern.
 
-The KV all-gather (``"all_gather"``) runs on them, and so do one process (cp 1) and each rank's heads after the
-Ulysses all-to-all (``"a2a"``) where :func:`canonical_applies`; all three give the same bits.
+One process (cp 1), the KV all-gather (``"all_gather"``), the ring (``"p2p"``), each rank's heads after the Ulysses
+all-to-all (``"a2a"``, where :func:`canonical_applies`) and a2a+p2p's ring over those heads all run on them and
+give the same bits.
 
-Every rank computes what one process computes, in the same pieces and the same order, so nothing depends on the
-group (docs/deterministic.md). The pieces are fixed by the global sequence before any rank assignment: query tiles of
-:func:`tile_size` tokens (a function of the sequence length alone), and for each query tile the same kernel calls:
-causal, its keys before the tile in one full call and its diagonal tile in one causal call (full mask: every key in
-one call). What was measured on the CPU flash kernel (2026-12-05): a query row's output, log-sum-exp and dq from a
-call are bitwise the same whatever other query rows, heads or strides the call holds, given the same keys; a key
-row's dk / dv from a call are the same whatever other keys the call holds, given the same query rows, but are a sum
-over the call's query rows in the kernel's own order, so they depend on which query rows the call holds.
+The pieces are fixed by the global sequence before any rank assignment: tiles of :func:`tile_size` tokens (a
+function of the sequence length alone), and one partial per (query tile, key tile) pair that meets (causal: the key
+tile at or before the query tile, the diagonal pair a causal call). What was measured on the CPU flash kernel
+(2026-12-05): a query row's output, log-sum-exp and dq from a call are bitwise the same whatever other query rows,
+heads or strides the call holds, given the same keys; a key row's dk / dv from a call are the same whatever other
+keys the call holds, given the same query rows. So a pair's partials are the same bits whichever rank computes them
+in whichever call, as long as a call holds one key tile (for the output and dq) or one query tile (for dk / dv).
+The partials are combined in a fixed tree over the tile indices (:mod:`.tile_tree`): a query tile's outputs merged
+over its key tiles, its dq summed over them, a key tile's dk / dv summed over its query tiles. The tree's order
+depends on the tile indices alone, whatever order a rank receives the tiles in.
 
-* Forward: each local query tile's calls, the keys before it first (copied into the accumulators), its diagonal
-  merged: one merge per row, the same at every degree.
-* Backward, dq: the same calls, each row's dq the sum of its tile's two in that order.
-* Backward, dk / dv: one process (and ``a2a``'s heads) take them from the same calls, each key row's summed over the
-  query tiles in ascending order. A rank of ``all_gather`` holds some of the query tiles only: the query side (q,
-  dout, out, lse) is all-gathered, and each rank computes its own keys' gradients, per query tile one call over the
-  own keys it sees (a key row's dk / dv is the same whatever other keys the call holds, measured), summed in
-  ascending query tile order. So a pair's backward runs twice there (once for dq, once for dk / dv): the mode's
-  cost, against a reduction over ranks whose order would follow the group.
+* Forward: the key tiles come to the query tiles: one process's own, the all-gather's whole sequence, or the
+  ring's blocks in the ring's order (the next posted before the current one is computed). Per key tile a call over
+  the rank's query rows after it (per chunk) and one causal call on the diagonal.
+* Backward at cp > 1, two passes: the key tiles come to the queries again for dq (the same calls), then the query
+  side (q, dout, out, lse) comes to the keys for dk / dv, per query tile a call over the rank's own keys it sees
+  (per chunk). So a pair's backward runs twice: the mode's cost, against sums whose order would follow the group.
+  One process (and ``a2a``'s heads) holds every query and key: one call per pair gives both partials, one pass.
 
-The merges run over row counts that are multiples of the tile, so a CPU vector loop never leaves a scalar tail whose
+The merges run on whole tiles (multiples of 64 rows), so a CPU vector loop never leaves a scalar tail whose
 position would depend on the degree (:mod:`.merge`). bshd / sbhd, causal or full, without windows, chunks, soft-caps
 or sinks (refused by the handler).
 """
@@ -44,8 +45,7 @@ from .tile_tree import TileTree
 TILES = (2048, 1024, 512, 256, 128, 64)
 """Tokens per canonical tile, by sequence length: the largest ``T`` of these with ``S`` a multiple of ``16 T`` (the
 zigzag chunks ``S / (2 cp)`` are then multiples of ``T`` at cp 1, 2, 4 and 8), else 64. A function of the sequence
-alone, so every degree cuts the same tiles; larger tiles mean fewer kernel calls and merges (two calls and one merge
-per query tile)."""
+alone, so every degree cuts the same tiles; larger tiles mean fewer kernel calls and merges."""
 
 
 def tile_size(seq_len: int) -> int:

@@ -68,8 +68,8 @@ class AttnSpec:
             of them below :data:`~.all_gather.PIPELINE_MIN_BYTES` of gathered K/V).
         halves: the ring runs over its rows reordered (:mod:`.halves`: packed documents without per-step gathers);
             set by the ring itself.
-        canonical: the deterministic mode: ``a2a`` computes its heads on canonical tiles where they apply
-            (:func:`~.canonical.canonical_applies`), as one process and ``all_gather`` do.
+        canonical: the deterministic mode: ``a2a`` (and ``a2a+p2p``'s ring) computes its heads on canonical tiles
+            where they apply (:func:`~.canonical.canonical_applies`), as one process and the other patterns do.
     """
 
     mask: AttentionMask

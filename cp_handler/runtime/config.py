@@ -10,7 +10,14 @@ import math
 from dataclasses import dataclass, field
 
 from ..auto.catalog import load_profile
-from ..core.comm_types import AUTO, COMM_TYPE_CHOICES, CP_COMM_TYPES, HIERARCHICAL_COMM_TYPES
+from ..core.comm_types import (
+    AUTO,
+    CANONICAL_COMM_TYPES,
+    COMM_TYPE_CHOICES,
+    CP_COMM_TYPES,
+    DETERMINISTIC_COMM_TYPES,
+    HIERARCHICAL_COMM_TYPES,
+)
 
 __all__ = ["AUTO", "COMM_TYPE_CHOICES", "CP_COMM_TYPES", "QKV_FORMATS", "AttentionShape", "ContextParallelConfig",
            "as_comm_type_list", "check_comm_types", "check_hierarchical_sizes", "check_per_layer_comm_types",
@@ -112,10 +119,11 @@ class ContextParallelConfig:
     Only with ``"auto"``; refused when it does not cover ``context_parallel_size``."""
 
     deterministic: bool = False
-    """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): the Ulysses
-    all-to-all (``cp_comm_type="a2a"``; any at cp 1), bshd / sbhd or thd (thd documents padded to a multiple of 48
-    at every degree), on a backend that implements the mode (``"local"``); the loss summed in one order over the
-    whole sequence. Parameter gradients stay within float32 reordering (not bitwise)."""
+    """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): every comm
+    type but ``"auto"`` (``"a2a"`` with bshd / sbhd or thd, thd documents padded to a multiple of 48 at every degree;
+    ``"p2p"``, ``"all_gather"`` and ``"a2a+p2p"`` on canonical tiles, bshd / sbhd), on a backend that implements the
+    mode (``"local"``); the loss summed in one order over the whole sequence. Parameter gradients: summed exactly
+    where the caller does so (cp-train, the Hugging Face trainers)."""
 
     def __post_init__(self) -> None:
         self._check_size()
@@ -164,11 +172,14 @@ class ContextParallelConfig:
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.deterministic:
             return
-        others = [t for t in self.comm_types if t not in ("a2a", "all_gather")]
+        others = [t for t in self.comm_types if t not in DETERMINISTIC_COMM_TYPES]
         if self.context_parallel_size > 1 and others:
-            raise ValueError(f"deterministic=True runs cp_comm_type='a2a' and 'all_gather' only, not {others}: the "
-                             "ring patterns merge partial softmax results and sum dK / dV in an order that follows the "
-                             "CP group (docs/deterministic.md)")
+            raise ValueError(f"deterministic=True runs cp_comm_type {list(DETERMINISTIC_COMM_TYPES)}, not {others}: "
+                             "'auto' could pick a pattern per call whose refusals differ (docs/deterministic.md)")
+        tiled = [t for t in self.comm_types if t in CANONICAL_COMM_TYPES]
+        if self.context_parallel_size > 1 and tiled and self.qkv_format == "thd":
+            raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
+                             "tiles run bshd / sbhd rows (packed documents: use 'a2a')")
 
     @property
     def comm_types(self) -> list[str]:
