@@ -1,10 +1,9 @@
 """The deterministic mode's cost on this machine's CPU, at cp 2 (gloo, 2 spawned ranks, one thread each), medians on
 rank 0 of rounds that run every mode once after a warm-up:
 
-* ``--part attention``: ``core_attn`` forward + backward, bshd, causal, H = 8, D = 64, fp32, of the default ring
-  (``p2p``), the default Ulysses (``a2a``), ``deterministic=True`` with Ulysses (the block kernel pinned), the default
-  KV all-gather and ``deterministic=True`` with the all-gather (canonical tiles, ``ops/canonical.py``); each timed
-  call builds its handler (as a batch does).
+* ``--part attention``: ``core_attn`` forward + backward, bshd, causal, H = 8, D = 64, fp32, of the ring (``p2p``),
+  Ulysses (``a2a``) and the KV all-gather, each by default and with ``deterministic=True`` (canonical tiles,
+  ``ops/canonical.py``; the block kernel pinned); each timed call builds its handler (as a batch does).
 * ``--part gradients``: one training forward + backward of the reference GPT (:data:`MODEL`), bshd, fp32, through the
   mode's handler (``a2a``), with the gradients reduced as without exact sums (autograd's float32 sums, one float32
   all-reduce of all gradients: DDP's sum) and as ``cp-train --deterministic`` reduces them
@@ -35,8 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-MODES = {"default p2p": ("p2p", False), "default a2a": ("a2a", False), "deterministic a2a": ("a2a", True),
-         "default all_gather": ("all_gather", False), "deterministic all_gather": ("all_gather", True)}
+MODES = {"default p2p": ("p2p", False), "deterministic p2p": ("p2p", True), "default a2a": ("a2a", False),
+         "deterministic a2a": ("a2a", True), "default all_gather": ("all_gather", False),
+         "deterministic all_gather": ("all_gather", True)}
 """``--part attention``'s modes: ``(cp_comm_type, deterministic)``."""
 
 MODEL = {"vocab_size": 4096, "hidden_size": 256, "num_layers": 4, "num_attention_heads": 8, "num_query_groups": 8,
@@ -146,14 +146,19 @@ def _fused_head_rank(rank: int, world: int, init: str, seq_len: int, rounds: int
              out)
 
 
+RATIOS = (("deterministic p2p", "default p2p"), ("deterministic a2a", "default a2a"),
+          ("deterministic a2a", "default p2p"), ("deterministic all_gather", "default all_gather"))
+"""``--part attention``'s ratios: ``(mode, base)``, printed as ``mode / base``."""
+
+
 def _attention_table(rows: list[dict]) -> None:
-    print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | deterministic a2a / default p2p | "
-          "deterministic all_gather / default all_gather |")
-    print("|---" * (len(MODES) + 4) + "|")
+    print("| S | cp | " + " | ".join(f"{m} ms" for m in MODES) + " | " +
+          " | ".join(f"{m} / {b}" for m, b in RATIOS) + " |")
+    print("|---" * (len(MODES) + len(RATIOS) + 2) + "|")
     for row in rows:
         times = " | ".join(f"{row[m]:.1f}" for m in MODES)
-        print(f"| {row['seq_len']} | 2 | {times} | {row['deterministic a2a'] / row['default p2p']:.3f} | "
-              f"{row['deterministic all_gather'] / row['default all_gather']:.3f} |")
+        ratios = " | ".join(f"{row[m] / row[b]:.3f}" for m, b in RATIOS)
+        print(f"| {row['seq_len']} | 2 | {times} | {ratios} |")
 
 
 def _two_modes_table(base: str, other: str, rows: list[dict]) -> None:

@@ -138,16 +138,19 @@ def test_attention_is_bitwise_the_same_at_every_cp_degree(world):
     run_distributed(_worker, world)
 
 
-AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type): the patterns on canonical tiles
-    ("ag-mha-fp32", 8, 8, torch.float32, "causal"),
-    ("ag-gqa-bf16", 8, 2, torch.bfloat16, "causal"),  # fewer key-value heads than ranks from cp 3: heads stay whole
-    ("ag-full-fp32", 4, 4, torch.float32, "no_mask"),
+AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window): on canonical tiles
+    ("ag-mha-fp32", 8, 8, torch.float32, "causal", None),
+    ("ag-gqa-bf16", 8, 2, torch.bfloat16, "causal", None),  # fewer key-value heads than ranks from cp 3: heads whole
+    ("ag-full-fp32", 4, 4, torch.float32, "no_mask", None),
+    ("ag-window-fp32", 8, 4, torch.float32, "causal", (37, 0)),  # pairs cut by the window's edge, pairs skipped
+    ("chunks-fp32", 8, 8, torch.float32, "causal", None),  # chunks of 48 across tiles of 64 (VARIANTS)
+    ("softcap-fp32", 4, 4, torch.float32, "causal", None),  # every pair a masked block (VARIANTS)
 ]
 
 
 def _ag_results(handler, case, seq_len: int) -> list[torch.Tensor]:
-    name, heads, kv_heads, dtype, mask_type = case
-    return _results(handler, (name, heads, kv_heads, dtype, mask_type, None, "bshd"), seq_len)
+    name, heads, kv_heads, dtype, mask_type, window = case
+    return _results(handler, (name, heads, kv_heads, dtype, mask_type, window, "bshd"), seq_len)
 
 
 def _ag_handler(group, deterministic=True, comm_type="all_gather"):
@@ -200,9 +203,9 @@ def _canonical_worker(rank, world):
         with pytest.raises(ValueError, match=rf"cp_comm_type='{comm_type}': a sequence of {2 * world * 48} tokens "
                                              r"over .* the mode.s tiles \(64 tokens for this length\) need chunks"):
             _ag_handler(group, comm_type=comm_type).core_attn(module, q, q, q, attn_mask_type="causal")
-    module.window_size = (31, 0)
+    module.sinks = torch.nn.Parameter(torch.zeros(8))
     q = torch.zeros(1, 2 * 64, 8, D)
-    with pytest.raises(ValueError, match="its canonical tiles run the plain causal or full mask without sinks"):
+    with pytest.raises(ValueError, match="its canonical tiles run without sinks"):
         _ag_handler(group, comm_type="p2p").core_attn(module, q, q, q, attn_mask_type="causal")
 
 
@@ -211,9 +214,10 @@ def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
     """Every pattern on canonical tiles (ops/canonical.py): the KV all-gather, the ring (p2p) and, where their
     all-to-all's ranks divide the key-value heads, a2a and a2a+p2p (2 x cp / 2 levels at cp 4, 6 and 8): output, dq,
     dk, dv ``torch.equal`` to one process's canonical tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2
-    key-value heads, full attention), zigzag chunks of one tile and of three (the tree receiving runs of tiles),
-    so the same bits across patterns, and the reference GPT's logits through each; the default all-gather and ring
-    differ (the controls); chunks that are not whole tiles and a window refused by name."""
+    key-value heads, full attention, GQA 8 / 4 with a window), zigzag chunks of one tile and of three (the tree receiving runs of tiles),
+    with a sliding window, chunks and a soft-cap too, so the same bits across patterns, and the reference GPT's logits
+    through each; the default all-gather and ring differ (the controls); chunks that are not whole tiles and sinks
+    refused by name."""
     run_distributed(_canonical_worker, world)
 
 

@@ -23,5 +23,5 @@ could pick, call by call, patterns whose refusals differ)."""
 
 CANONICAL_COMM_TYPES = ("all_gather", "p2p", "a2a+p2p")
 """The patterns whose deterministic computation runs on canonical tiles alone (:mod:`cp_handler.ops.canonical`):
-bshd / sbhd rows, the plain causal or full mask without sinks; ``"a2a"`` runs the rest too (each rank's heads over the
-whole sequence, as one process)."""
+bshd / sbhd rows without sinks; ``"a2a"`` runs packed documents and sinks too (each rank's heads over the whole
+sequence, as one process)."""

@@ -66,13 +66,13 @@ class LocalContextParallelHandler(ContextParallelHandler):
             ``None``: this handler's own. Refused without ``"auto"``.
         deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
             ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): every pattern on canonical
-            tiles (:mod:`~cp_handler.ops.canonical`: bshd / sbhd, the plain causal or full mask, no sinks, zigzag
-            chunks of whole tiles), the same bits in every pattern; ``a2a`` also runs packed documents and the mask
-            variants (each rank computes whole heads over the whole sequence, one process's blockwise computation).
+            tiles (:mod:`~cp_handler.ops.canonical`: bshd / sbhd, any mask, no sinks, zigzag chunks of whole
+            tiles), the same bits in every pattern; ``a2a`` also runs packed documents and sinks (each rank computes
+            whole heads over the whole sequence, one process's blockwise computation).
             The block kernel is pinned (``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
-            ``"auto"``; ``p2p``, ``all_gather`` and ``a2a+p2p`` with thd, a mask variant, sinks or chunks that are not
+            ``"auto"``; ``p2p``, ``all_gather`` and ``a2a+p2p`` with thd, sinks or chunks that are not
             whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value heads when
             they are fewer than the query heads (a key-value head's gradient would be summed over ranks in the
             group's order); a device other than the CPU (not yet run on a GPU).
@@ -235,10 +235,10 @@ class LocalContextParallelHandler(ContextParallelHandler):
             refusal, ring = None, self._ring_size(call.comm_type)
             if self.cp_size > 1 and call.comm_type in CANONICAL_COMM_TYPES:
                 refusal = tiles_refusal(call.layout.local_len * self.cp_size, ring, call.comm_type)
-                if not call.mask.plain or call.sinks is not None:
+                if call.sinks is not None:
                     refusal = refusal or (f"deterministic=True with cp_comm_type={call.comm_type!r}: its canonical "
-                                          "tiles run the plain causal or full mask without sinks (windows, chunks, "
-                                          "soft-caps and sinks: use 'a2a')")
+                                          "tiles run without sinks (a sink's gradient sums every row of its head, "
+                                          "over the ranks: use 'a2a', whose ranks hold whole heads)")
             if call.comm_type in ("a2a", "a2a+p2p"):  # heads split over the all-to-all (p2p, all_gather: whole)
                 refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
             if refusal:

@@ -23,18 +23,24 @@ depends on the tile indices alone, whatever order a rank receives the tiles in.
   (per chunk). So a pair's backward runs twice: the mode's cost, against sums whose order would follow the group.
   One process (and ``a2a``'s heads) holds every query and key: one call per pair gives both partials, one pass.
 
-The merges run on whole tiles (multiples of 64 rows), so a CPU vector loop never leaves a scalar tail whose
-position would depend on the degree (:mod:`.merge`). bshd / sbhd, causal or full, without windows, chunks, soft-caps
-or sinks (refused by the handler).
+Windows, chunks and soft-caps: a pair that is not full or the diagonal runs its own blocks
+(:func:`~cp_handler.core.masks.mask_blocks` on the pair alone, merged and summed in their order), the same at every
+degree; pairs with nothing visible are skipped (a tile's visible tiles are a run around the diagonal). The merges run
+on whole tiles (multiples of 64 rows), so a CPU vector loop never leaves a scalar tail whose position would depend on
+the degree (:mod:`.merge`). bshd / sbhd, without sinks (refused by the handler: their gradient is a sum over every
+row of a head, over ranks).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
 from ..core.layout import ZigzagDocs, zigzag_chunk_ids
-from .blocks import new_accumulators
+from ..core.masks import AttentionMask, mask_blocks
+from .blocks import blocks_backward_, blocks_forward_, new_accumulators
 from .kernels.base import seq_major
 from .merge import acc_dtype, merge_attn_out_
 from .p2p import RingComm, exchange
@@ -80,31 +86,86 @@ def _tiles(ranges, size: int):
             yield slice(local + i * size, local + (i + 1) * size), first // size + i
 
 
-def _calls(ranges, tile: int, size: int, causal: bool, queries: bool):
-    """``(local rows, their tiles, causal)`` of the calls between tile ``tile`` of one side and the rows of
-    ``ranges`` on the other that see it: ``queries``, the query rows that see key tile ``tile``; else the key rows
-    query tile ``tile`` sees. Causal: the diagonal tile alone in a causal call, the rest of a range in one full call
-    (a row's partial from a call is the same whatever other rows of its side the call holds: module doc)."""
+def _pair(query_tile: int, key_tile: int, size: int, mask: AttentionMask):
+    """What a (query tile, key tile) pair computes: ``None`` nothing (no key visible), ``False`` a full call, ``True``
+    the causal diagonal, or the pair's own blocks (:func:`~cp_handler.core.masks.mask_blocks` on the pair: windows,
+    chunks, soft-caps), always run together, in their order, on this pair alone."""
+    if mask.plain:
+        if not mask.causal:
+            return False
+        return None if key_tile > query_tile else key_tile == query_tile
+    blocks = mask_blocks(slice(0, size), query_tile * size, slice(0, size), key_tile * size, mask)
+    if not blocks:
+        return None
+    whole = slice(0, size)
+    if len(blocks) == 1 and isinstance(blocks[0][2], bool) and blocks[0][:2] == (whole, whole):
+        return blocks[0][2]
+    return tuple(blocks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _partners(tile: int, num_tiles: int, size: int, mask: AttentionMask, queries: bool) -> tuple:
+    """``(tile of the other side, :func:`_pair`)`` of every tile that meets ``tile``, ascending (``queries``: ``tile``
+    is a query tile, these its key tiles). Every mask's visible tiles are a run around the diagonal, scanned from it
+    (the plain masks' in closed form)."""
+    def kind(other):
+        return _pair(tile, other, size, mask) if queries else _pair(other, tile, size, mask)
+
+    if mask.plain:
+        others = range(num_tiles) if not mask.causal else range(0, tile + 1) if queries else range(tile, num_tiles)
+    else:
+        lo, hi = tile, tile + 1
+        while lo > 0 and kind(lo - 1) is not None:
+            lo -= 1
+        while hi < num_tiles and kind(hi) is not None:
+            hi += 1
+        others = range(lo, hi)
+    return tuple((other, kind(other)) for other in others)
+
+
+def _tree(tile: int, num_tiles: int, size: int, mask: AttentionMask, queries: bool, combine) -> TileTree:
+    """The tree of ``tile``'s partials over the tiles it meets (:func:`_partners`)."""
+    partners = _partners(tile, num_tiles, size, mask, queries)
+    return TileTree(num_tiles, range(partners[0][0], partners[-1][0] + 1), combine)
+
+
+def _calls(ranges, tile: int, size: int, mask: AttentionMask, num_tiles: int, queries: bool):
+    """``(local rows, their tiles, pair kind)`` of the calls between tile ``tile`` of one side and the rows of
+    ``ranges`` on the other that meet it: ``queries``, the query rows that see key tile ``tile``; else the key rows
+    query tile ``tile`` sees. A run of full pairs in one call (a row's partial from a call is the same whatever
+    other rows of its side the call holds: module doc); a diagonal or a pair of blocks alone."""
+    kinds = dict(_partners(tile, num_tiles, size, mask, not queries))
     for local, first, rows in ranges:
         t0 = first // size
-        t1 = t0 + rows // size
-        if not causal:
-            spans = ((t0, t1, False),)
-        elif queries:
-            spans = ((tile, tile + 1, True), (max(t0, tile + 1), t1, False))
-        else:
-            spans = ((t0, min(t1, tile), False), (tile, tile + 1, True))
-        for a, b, flag in spans:
-            a, b = max(a, t0), min(b, t1)
-            if a < b:
-                yield slice(local + (a - t0) * size, local + (b - t0) * size), range(a, b), flag
+        run = None
+        for t in range(t0, t0 + rows // size + 1):
+            kind = kinds.get(t) if t < t0 + rows // size else None
+            if run is not None and kind is not False:
+                yield slice(local + (run - t0) * size, local + (t - t0) * size), range(run, t), False
+                run = None
+            if kind is False:
+                run = t if run is None else run
+            elif kind is not None:
+                yield slice(local + (t - t0) * size, local + (t + 1 - t0) * size), range(t, t + 1), kind
 
 
-def _seen(tile: int, num_tiles: int, causal: bool, queries: bool) -> range:
-    """The tiles of the other side that meet ``tile`` (``queries``: ``tile`` is a query tile, these its key tiles)."""
-    if not causal:
-        return range(num_tiles)
-    return range(0, tile + 1) if queries else range(tile, num_tiles)
+def _forward_call(q, k, v, kind, spec: AttnSpec):
+    """``(out, lse)`` of one call of :func:`_calls` (a pair's blocks merged in their order into fresh
+    accumulators)."""
+    if isinstance(kind, bool):
+        return spec.kernel.forward(q, k, v, causal=kind, scale=spec.scale)
+    out, lse = new_accumulators(q, v.shape[-1])
+    blocks_forward_(out, lse, q, k, v, list(kind), spec, fresh=True)
+    return out, lse
+
+
+def _backward_call(dout, q, k, v, out, lse, kind, spec: AttnSpec):
+    """``(dq, dk, dv)`` of one call of :func:`_calls` (a pair's blocks summed in their order)."""
+    if isinstance(kind, bool):
+        return spec.kernel.backward(dout, q, k, v, out, lse, causal=kind, scale=spec.scale)
+    grads = tuple(torch.zeros_like(t, dtype=acc_dtype(t.dtype)) for t in (q, k, v))
+    blocks_backward_(*grads, dout, q, k, v, out, lse, list(kind), spec)
+    return grads
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
@@ -166,15 +227,13 @@ def _assemble(trees: dict, ranges, size: int, outs: tuple[torch.Tensor, ...]) ->
 
 def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
     """``q (B, H, S_local, D)``, ``k, v (B, Hkv, S_local, D)`` -> ``(out in q's dtype, lse)``: module doc."""
-    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    mask = spec.mask
     ranges, size, num_tiles = _geometry(q, spec)
-    trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _merged) for _, tile in
-             _tiles(ranges, size)}
+    trees = {tile: _tree(tile, num_tiles, size, mask, True, _merged) for _, tile in _tiles(ranges, size)}
     for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):
         for keys, key_tile in _tiles(key_ranges, size):
-            for rows, tiles, flag in _calls(ranges, key_tile, size, causal, queries=True):
-                out, lse = kernel.forward(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], causal=flag,
-                                          scale=scale)
+            for rows, tiles, kind in _calls(ranges, key_tile, size, mask, num_tiles, queries=True):
+                out, lse = _forward_call(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], kind, spec)
                 for n, tile in enumerate(tiles):
                     part = slice(n * size, (n + 1) * size)
                     trees[tile].add(key_tile, (_own(out[:, :, part]), _own(lse[:, :, part])))
@@ -188,25 +247,23 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = Fal
     dout = seq_major(dout)
     if spec.group is None:
         return _one_pass_backward(dout, q, k, v, out, lse, spec)
-    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    mask = spec.mask
     ranges, size, num_tiles = _geometry(q, spec)
-    dq_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _summed) for _, tile in
-                _tiles(ranges, size)}
+    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for _, tile in _tiles(ranges, size)}
     for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):  # dq: the key tiles come to the queries
         for keys, key_tile in _tiles(key_ranges, size):
-            for rows, tiles, flag in _calls(ranges, key_tile, size, causal, queries=True):
-                grads = kernel.backward(dout[:, :, rows], q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys],
-                                        out[:, :, rows], lse[:, :, rows].contiguous(), causal=flag, scale=scale)
+            for rows, tiles, kind in _calls(ranges, key_tile, size, mask, num_tiles, queries=True):
+                grads = _backward_call(dout[:, :, rows], q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys],
+                                       out[:, :, rows], lse[:, :, rows].contiguous(), kind, spec)
                 for n, tile in enumerate(tiles):
                     dq_trees[tile].add(key_tile, (_own(grads[0][:, :, n * size:(n + 1) * size]),))
-    kv_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, False), _summed) for _, tile in
-                _tiles(ranges, size)}
+    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for _, tile in _tiles(ranges, size)}
     for (q_block, dout_block, out_block, lse_block), query_ranges in _blocks((q, dout, out, lse), spec, ring):
         for queries, query_tile in _tiles(query_ranges, size):  # dk / dv: the query tiles come to the keys
             saved = (out_block[:, :, queries], lse_block[:, :, queries].contiguous())
-            for rows, tiles, flag in _calls(ranges, query_tile, size, causal, queries=False):
-                grads = kernel.backward(dout_block[:, :, queries], q_block[:, :, queries], k[:, :, rows],
-                                        v[:, :, rows], *saved, causal=flag, scale=scale)
+            for rows, tiles, kind in _calls(ranges, query_tile, size, mask, num_tiles, queries=False):
+                grads = _backward_call(dout_block[:, :, queries], q_block[:, :, queries], k[:, :, rows],
+                                       v[:, :, rows], *saved, kind, spec)
                 for n, tile in enumerate(tiles):
                     part = slice(n * size, (n + 1) * size)
                     kv_trees[tile].add(query_tile, (_own(grads[1][:, :, part]), _own(grads[2][:, :, part])))
@@ -226,17 +283,16 @@ def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
     dq from a call over one key tile is the group's dq pass's, a key row's dk / dv from a call over one query tile
     the group's dk / dv pass's), each into its tree: the same bits as the two passes of a group, at the cost of
     one."""
-    kernel, scale, causal = spec.kernel, spec.scale, spec.mask.causal
+    mask = spec.mask
     ranges, size, num_tiles = _geometry(q, spec)
-    dq_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, True), _summed) for tile in range(num_tiles)}
-    kv_trees = {tile: TileTree(num_tiles, _seen(tile, num_tiles, causal, False), _summed)
-                for tile in range(num_tiles)}
+    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for tile in range(num_tiles)}
+    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for tile in range(num_tiles)}
     for queries, query_tile in _tiles(ranges, size):
         saved = (out[:, :, queries], lse[:, :, queries].contiguous())
-        for key_tile in _seen(query_tile, num_tiles, causal, True):
+        for key_tile, kind in _partners(query_tile, num_tiles, size, mask, True):
             keys = slice(key_tile * size, (key_tile + 1) * size)
-            grads = kernel.backward(dout[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys], *saved,
-                                    causal=causal and key_tile == query_tile, scale=scale)
+            grads = _backward_call(dout[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys], *saved,
+                                   kind, spec)
             dq_trees[query_tile].add(key_tile, (_own(grads[0]),))
             kv_trees[key_tile].add(query_tile, (_own(grads[1]), _own(grads[2])))
     return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
@@ -244,10 +300,10 @@ def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
 
 def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:
     """Whether a call runs on canonical tiles in the deterministic mode (every pattern's cp 1 and ``a2a``): one
-    unpadded sequence (bshd / sbhd), the plain causal or full mask, no sinks, a length the tiles divide. A function
-    of the global call alone, so every degree and pattern decides alike."""
+    unpadded sequence (bshd / sbhd), any mask, no sinks, a length the tiles divide. A function of the global call
+    alone, so every degree and pattern decides alike."""
     seq_len = layout.local_len * layout.size
-    return (mask.plain and sinks is None and layout.num_docs == 1 and layout.lengths == layout.padded_lengths
+    return (sinks is None and layout.num_docs == 1 and layout.lengths == layout.padded_lengths
             and seq_len % tile_size(seq_len) == 0)
 
 
