@@ -34,6 +34,7 @@ row of a head, over ranks).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -188,15 +189,16 @@ def _gather(t: torch.Tensor, group, layout: ZigzagDocs, dim: int = 2) -> torch.T
 
 
 def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
-    """``(tensors of a block, its ranges)`` for every block of the other side a rank meets: one process's own; the
-    whole sequence all-gathered (``all_gather``); or, over a ring (``ring``), every rank's in turn, the next posted
-    before the current one is yielded (the transfer overlaps the computation)."""
+    """``(tensors of a block, its ranges, the rank it came from)`` for every block of the other side a rank meets:
+    one process's own (rank 0); the whole sequence all-gathered (``all_gather``; from ``None``: every rank); or, over
+    a ring (``ring``), every rank's in turn, the next posted before the current one is yielded (the transfer
+    overlaps the computation)."""
     group, layout = spec.group, spec.layout
     if group is None:
-        yield tensors, _ranges(layout, 0)
+        yield tensors, _ranges(layout, 0), 0
         return
     if not ring:
-        yield tuple(_gather(t, group, layout) for t in tensors), ((0, 0, layout.local_len * layout.size),)
+        yield tuple(_gather(t, group, layout) for t in tensors), ((0, 0, layout.local_len * layout.size),), None
         return
     comm = RingComm(group)
     for step in range(comm.size):
@@ -205,7 +207,8 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
             pending = exchange(group, [(t, comm.next_rank, tag) for tag, t in enumerate(tensors)],
                                [(torch.empty(t.shape, dtype=t.dtype, device=t.device), comm.prev_rank, tag)
                                 for tag, t in enumerate(tensors)])
-        yield tensors, _ranges(layout, (comm.rank - step) % comm.size)
+        owner = (comm.rank - step) % comm.size
+        yield tensors, _ranges(layout, owner), owner
         if pending is not None:
             tensors = tuple(pending.wait())
 
@@ -230,7 +233,7 @@ def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
     mask = spec.mask
     ranges, size, num_tiles = _geometry(q, spec)
     trees = {tile: _tree(tile, num_tiles, size, mask, True, _merged) for _, tile in _tiles(ranges, size)}
-    for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):
+    for (k_block, v_block), key_ranges, _ in _blocks((k, v), spec, ring):
         for keys, key_tile in _tiles(key_ranges, size):
             for rows, tiles, kind in _calls(ranges, key_tile, size, mask, num_tiles, queries=True):
                 out, lse = _forward_call(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], kind, spec)
@@ -243,31 +246,114 @@ def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
 
 
 def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = False):
-    """``(dq, dk, dv)`` of :func:`canonical_forward` (module doc); one process (``spec.group`` None): one pass."""
+    """``(dq, dk, dv)`` of :func:`canonical_forward` in one pass (module doc): the key tiles come to the queries as
+    in the forward; one call per (query tile, key tile) pair gives both partials; dq into the query tile's tree, dk /
+    dv into the key tile's, or, for another rank's key tile, into a tree of this rank's query tiles whose complete
+    nodes are sent to the key tile's owner (:func:`_exchange_nodes`), who adds them to its tree."""
     dout = seq_major(dout)
-    if spec.group is None:
-        return _one_pass_backward(dout, q, k, v, out, lse, spec)
-    mask = spec.mask
+    mask, group = spec.mask, spec.group
     ranges, size, num_tiles = _geometry(q, spec)
-    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for _, tile in _tiles(ranges, size)}
-    for (k_block, v_block), key_ranges in _blocks((k, v), spec, ring):  # dq: the key tiles come to the queries
+    rank = dist.get_rank(group) if group is not None else 0
+    rows = dict((tile, local) for local, tile in _tiles(ranges, size))
+    saved = {tile: (out[:, :, local], lse[:, :, local].contiguous()) for tile, local in rows.items()}
+    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for tile in rows}
+    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for tile in rows}
+    pending = []
+    for (k_block, v_block), key_ranges, owner in _blocks((k, v), spec, ring):
+        outboxes: dict[int, dict[int, TileTree]] = {}
         for keys, key_tile in _tiles(key_ranges, size):
-            for rows, tiles, kind in _calls(ranges, key_tile, size, mask, num_tiles, queries=True):
-                grads = _backward_call(dout[:, :, rows], q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys],
-                                       out[:, :, rows], lse[:, :, rows].contiguous(), kind, spec)
-                for n, tile in enumerate(tiles):
-                    dq_trees[tile].add(key_tile, (_own(grads[0][:, :, n * size:(n + 1) * size]),))
-    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for _, tile in _tiles(ranges, size)}
-    for (q_block, dout_block, out_block, lse_block), query_ranges in _blocks((q, dout, out, lse), spec, ring):
-        for queries, query_tile in _tiles(query_ranges, size):  # dk / dv: the query tiles come to the keys
-            saved = (out_block[:, :, queries], lse_block[:, :, queries].contiguous())
-            for rows, tiles, kind in _calls(ranges, query_tile, size, mask, num_tiles, queries=False):
-                grads = _backward_call(dout_block[:, :, queries], q_block[:, :, queries], k[:, :, rows],
-                                       v[:, :, rows], *saved, kind, spec)
-                for n, tile in enumerate(tiles):
-                    part = slice(n * size, (n + 1) * size)
-                    kv_trees[tile].add(query_tile, (_own(grads[1][:, :, part]), _own(grads[2][:, :, part])))
+            keeper = owner if owner is not None else _owner(key_tile, size, spec.layout)
+            if keeper == rank:
+                target = kv_trees[key_tile]
+            else:
+                target = outboxes.setdefault(keeper, {})[key_tile] = _tree(key_tile, num_tiles, size, mask, False,
+                                                                           _summed)
+            for query_tile, kind in _partners(key_tile, num_tiles, size, mask, False):
+                if query_tile not in rows:
+                    continue
+                local = rows[query_tile]
+                grads = _backward_call(dout[:, :, local], q[:, :, local], k_block[:, :, keys], v_block[:, :, keys],
+                                       *saved[query_tile], kind, spec)
+                dq_trees[query_tile].add(key_tile, (_own(grads[0]),))
+                target.add(query_tile, (_own(grads[1]), _own(grads[2])))
+        for done in pending:  # the previous step's nodes, before this step's are posted (memory: one step's)
+            done()
+        pending = [_exchange_nodes(spec, rank, outboxes, kv_trees, k, v, owner, num_tiles, size)]
+    for done in pending:
+        done()
     return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
+
+
+def _owner(tile: int, size: int, layout: ZigzagDocs) -> int:
+    """The rank holding (key) tile ``tile`` in the zigzag layout."""
+    if layout.size == 1:
+        return 0
+    chunk = tile * size // layout.chunk(0)
+    return chunk if chunk < layout.size else 2 * layout.size - 1 - chunk
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodes(query_tiles: frozenset, key_tile: int, num_tiles: int, size: int, mask: AttentionMask) -> tuple:
+    """The complete nodes, ascending, of key tile ``key_tile``'s tree after the partials of ``query_tiles`` (one
+    rank's) were added: what that rank sends the key tile's owner (the same on both sides: geometry alone)."""
+    tree = _tree(key_tile, num_tiles, size, mask, False, lambda left, right: left)
+    for query_tile, _ in _partners(key_tile, num_tiles, size, mask, False):
+        if query_tile in query_tiles:
+            tree.add(query_tile, True)
+    return tuple(sorted(tree.done))
+
+
+def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k, v, owner, num_tiles: int,
+                    size: int):
+    """Post this step's sends (each outbox's complete nodes, to the key tiles' owners, one flat tensor per peer) and
+    the receives of the nodes other ranks send this rank for its key tiles (``owner`` None: the all-gather, every
+    peer; a ring step: the rank whose block this step is this rank's). Returns a call that waits and adds the
+    received nodes to ``kv_trees``."""
+    group, layout, mask = spec.group, spec.layout, spec.mask
+    if group is None:
+        return lambda: None
+    size_cp = layout.size
+    if owner is None:
+        senders = [peer for peer in range(size_cp) if peer != rank]
+    else:
+        sender = (rank + (rank - owner) % size_cp) % size_cp  # its block at this step is this rank's
+        senders = [sender] if owner != rank else []
+    shapes = ((k.shape[0], k.shape[1], size, k.shape[3]), (v.shape[0], v.shape[1], size, v.shape[3]))
+    sends = []
+    for peer, trees in sorted(outboxes.items()):
+        parts = [t.reshape(-1) for _, tree in sorted(trees.items()) for _, node in sorted(tree.done.items())
+                 for t in node]
+        if parts:
+            sends.append((torch.cat(parts), peer, NODES_TAG))
+    recvs, expected = [], []
+    mine = frozenset(tile for _, tile in _tiles(_ranges(layout, rank), size))
+    for peer in senders:
+        theirs = frozenset(tile for _, tile in _tiles(_ranges(layout, peer), size))
+        nodes = [(key_tile, node) for key_tile in sorted(mine)
+                 for node in _nodes(theirs, key_tile, num_tiles, size, mask)]
+        if nodes:
+            numel = len(nodes) * sum(math.prod(shape) for shape in shapes)
+            recvs.append((torch.empty(numel, dtype=acc_dtype(k.dtype), device=k.device), peer, NODES_TAG))
+            expected.append(nodes)
+    work = exchange(group, sends, recvs) if sends or recvs else None
+
+    def done():
+        if work is None:
+            return
+        for flat, nodes in zip(work.wait(), expected, strict=True):
+            offset = 0
+            for key_tile, (lo, hi) in nodes:
+                parts = []
+                for shape in shapes:
+                    numel = math.prod(shape)
+                    parts.append(flat[offset:offset + numel].view(shape))
+                    offset += numel
+                kv_trees[key_tile].add(lo, tuple(parts), hi)
+    return done
+
+
+NODES_TAG = 2
+"""The tag of the dk / dv nodes' messages (the ring's key-value blocks use 0 and 1)."""
 
 
 def _gradients(q, k, v, ranges, size: int, dq_trees: dict, kv_trees: dict):
@@ -276,26 +362,6 @@ def _gradients(q, k, v, ranges, size: int, dq_trees: dict, kv_trees: dict):
     _assemble(dq_trees, ranges, size, (dq,))
     _assemble(kv_trees, ranges, size, (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _one_pass_backward(dout, q, k, v, out, lse, spec: AttnSpec):
-    """One process holds every query and key: one call per (query tile, key tile) pair gives both partials (a row's
-    dq from a call over one key tile is the group's dq pass's, a key row's dk / dv from a call over one query tile
-    the group's dk / dv pass's), each into its tree: the same bits as the two passes of a group, at the cost of
-    one."""
-    mask = spec.mask
-    ranges, size, num_tiles = _geometry(q, spec)
-    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for tile in range(num_tiles)}
-    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for tile in range(num_tiles)}
-    for queries, query_tile in _tiles(ranges, size):
-        saved = (out[:, :, queries], lse[:, :, queries].contiguous())
-        for key_tile, kind in _partners(query_tile, num_tiles, size, mask, True):
-            keys = slice(key_tile * size, (key_tile + 1) * size)
-            grads = _backward_call(dout[:, :, queries], q[:, :, queries], k[:, :, keys], v[:, :, keys], *saved,
-                                   kind, spec)
-            dq_trees[query_tile].add(key_tile, (_own(grads[0]),))
-            kv_trees[key_tile].add(query_tile, (_own(grads[1]), _own(grads[2])))
-    return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
 
 
 def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:

@@ -56,9 +56,10 @@ class TileTree:
     def _absent(self, node: tuple[int, int]) -> bool:
         return node[1] <= self.visible.start or node[0] >= self.visible.stop
 
-    def add(self, tile: int, partial) -> None:
-        """Receive the partial of ``tile``; combine up the tree while the sibling is complete."""
-        node = (tile, tile + 1)
+    def add(self, tile: int, partial, stop: int | None = None) -> None:
+        """Receive the partial of ``tile`` (or, with ``stop``, of the complete node ``[tile, stop)``, combined
+        elsewhere in this tree's order); combine up the tree while the sibling is complete."""
+        node = (tile, tile + 1 if stop is None else stop)
         while node != self.root:
             parent, sibling, is_left = self.links[node]
             if not self._absent(sibling):
