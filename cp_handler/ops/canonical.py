@@ -18,10 +18,13 @@ depends on the tile indices alone, whatever order a rank receives the tiles in.
 * Forward: the key tiles come to the query tiles: one process's own, the all-gather's whole sequence, or the
   ring's blocks in the ring's order (the next posted before the current one is computed). Per key tile a call over
   the rank's query rows after it (per chunk) and one causal call on the diagonal.
-* Backward at cp > 1, two passes: the key tiles come to the queries again for dq (the same calls), then the query
-  side (q, dout, out, lse) comes to the keys for dk / dv, per query tile a call over the rank's own keys it sees
-  (per chunk). So a pair's backward runs twice: the mode's cost, against sums whose order would follow the group.
-  One process (and ``a2a``'s heads) holds every query and key: one call per pair gives both partials, one pass.
+* Backward: the key tiles come to the queries again; one call per pair gives both partials (a call holds one query
+  tile and one key tile). dq goes into the query tile's tree; dk / dv into the key tile's tree when this rank owns
+  the key tile, else into a tree of this rank's query tiles for it, whose complete nodes (the combinations of its
+  leaves the key tile's tree would make, which need no other rank's leaf) are sent to the owner, who adds them to
+  its tree as nodes (:func:`_exchange_nodes`; a ring step's to that step's owner, the all-gather's to every owner).
+  A rank's query tiles are two runs of tiles (its zigzag chunks): where a run is a node of the tree (a power-of-two
+  number of tiles, aligned) it sends one node per run and key tile, about twice the default ring's dk / dv bytes.
 
 Windows, chunks and soft-caps: a pair that is not full or the diagonal runs its own blocks
 (:func:`~cp_handler.core.masks.mask_blocks` on the pair alone, merged and summed in their order), the same at every
