@@ -145,6 +145,7 @@ AG_CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, wind
     ("ag-window-fp32", 8, 4, torch.float32, "causal", (37, 0)),  # pairs cut by the window's edge, pairs skipped
     ("chunks-fp32", 8, 8, torch.float32, "causal", None),  # chunks of 48 across tiles of 64 (VARIANTS)
     ("softcap-fp32", 4, 4, torch.float32, "causal", None),  # every pair a masked block (VARIANTS)
+    ("mla-fp32", 4, 4, torch.float32, "causal", None),  # value heads of 24 against 16: dk and dv nodes of two widths
 ]
 
 
@@ -214,10 +215,10 @@ def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
     """Every pattern on canonical tiles (ops/canonical.py): the KV all-gather, the ring (p2p) and, where their
     all-to-all's ranks divide the key-value heads, a2a and a2a+p2p (2 x cp / 2 levels at cp 4, 6 and 8): output, dq,
     dk, dv ``torch.equal`` to one process's canonical tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2
-    key-value heads, full attention, GQA 8 / 4 with a sliding window, chunks, a soft-cap), zigzag chunks of one tile
-    and of three (the tree receiving runs of tiles), so the same bits across patterns, and the reference GPT's logits
-    through each; the default all-gather and ring differ (the controls); chunks that are not whole tiles and sinks
-    refused by name."""
+    key-value heads, full attention, GQA 8 / 4 with a sliding window, chunks, a soft-cap, MLA's widths), zigzag
+    chunks of one tile and of three (the tree receiving runs of tiles), so the same bits across patterns, and the
+    reference GPT's logits through each; the default all-gather and ring differ (the controls); chunks that are not
+    whole tiles and sinks refused by name."""
     run_distributed(_canonical_worker, world)
 
 
