@@ -81,6 +81,16 @@ def test_windows_move_only_the_halo():
     assert window.compute.full_pairs + window.compute.causal_pairs < full.compute.full_pairs + full.compute.causal_pairs
 
 
+def test_a_halo_that_rank_0_does_not_receive_is_priced_as_a_halo():
+    """Llama 4's chunks of 48 over zigzag chunks of 64 at cp 2: the halo exchange replaces the ring, and rank 0's
+    queries need no other rank's keys (rank 1 receives 16 rows). Until 2026-12-06 the model took rank 0's rows alone
+    for the sign of a halo, priced the ring's steps on the halo's one step, and ``"auto"`` raised IndexError on every
+    chunked-attention call of that shape."""
+    work = pattern_work("p2p", AttnCase((256,), cp=2, mask=AttentionMask(chunk=48)))
+    assert [t.kind for t in work.transfers] == ["all_to_all", "all_to_all"]
+    assert all(t.bytes_sent > 0 for t in work.transfers)
+
+
 def test_uneven_heads_are_priced_padded():
     """7 heads over an a2a of 4 move as 8: the a2a's bytes grow by 8/7 against 8 real heads."""
     seven, eight = (pattern_work("a2a", AttnCase((64,), heads=h, kv_heads=h, cp=4)) for h in (7, 8))

@@ -305,7 +305,8 @@ def _ring_transfers(plans: list[RankPlan], size: int, kv_row_bytes: int, element
     if size == 1:
         return (), ()
     local = plans[0].q_len
-    if plans[0].kv_len != local:  # the halo exchange: the rows the busiest rank receives, both ways
+    if len(plans[0].steps) != size:  # the halo exchange (one step; rank 0 may receive nothing): the rows the
+        # busiest rank receives, both ways
         halo = max(p.kv_len - local for p in plans) * kv_row_bytes
         return (Transfer("all_to_all", size, halo), Transfer("all_to_all", size, halo, backward=True)), ()
     shard = local * kv_row_bytes
