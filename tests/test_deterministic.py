@@ -159,10 +159,13 @@ def _ag_handler(group, deterministic=True, comm_type="all_gather"):
 
 
 def _tiled_handlers(world: int, heads: int, kv_heads: int, group, levels):
-    """``(name, handler)`` of every pattern in the mode that runs these heads at ``world``: all_gather and p2p (heads
-    whole), a2a and a2a+p2p (2 ranks in the all-to-all, the rest in the ring) where the all-to-all's ranks divide
-    the key-value heads."""
+    """``(name, handler)`` of every pattern in the mode that runs these heads at ``world``: all_gather, p2p and auto
+    (heads whole, so some pattern runs them; at cp 2 and 4 in float32: what the CPU's cost profile prices), a2a and
+    a2a+p2p (2 ranks in the all-to-all, the rest in the ring) where the all-to-all's ranks divide the key-value
+    heads."""
     handlers = [("all_gather", _ag_handler(group)), ("p2p", _ag_handler(group, comm_type="p2p"))]
+    if world in (2, 4):  # the CPU's cost profile covers groups of 2 and 4 (and prices float32 calls)
+        handlers.append(("auto", _ag_handler(group, comm_type="auto")))
     if _case_runs_heads(heads, kv_heads, world):
         handlers.append(("a2a", _handler(group)))
     if levels is not None and _case_runs_heads(heads, kv_heads, 2):
@@ -182,6 +185,8 @@ def _canonical_worker(rank, world):
         for case in AG_CASES:
             want = _ag_results(_ag_handler(None), case, seq_len)  # one process's canonical tiles, on every rank
             for name, handler in _tiled_handlers(world, case[1], case[2], group, levels):
+                if name == "auto" and case[3] != torch.float32:
+                    continue
                 got = _ag_results(handler, case, seq_len)
                 for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
                     assert torch.equal(a, b), (f"{case[0]} {name} cp {world} S {seq_len} {what}: max difference "
@@ -252,8 +257,6 @@ def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
 
 def _refusal_worker(rank, world):
     group = new_cp_group()
-    with pytest.raises(ValueError, match=r"deterministic=True runs the comm types .*, not \['auto'\]"):
-        LocalContextParallelHandler(cp_group=group, cp_comm_type="auto", deterministic=True)
     with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd': their canonical tiles"):
         LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True, qkv_format="thd",
                                     cu_seqlens=torch.tensor([0, 64]))
@@ -264,6 +267,12 @@ def _refusal_worker(rank, world):
         module = torch.nn.Module()
         module.softmax_scale = 0.25
         with pytest.raises(ValueError, match=rule):
+            handler.core_attn(module, q, kv, kv, attn_mask_type="causal")
+        module.sinks = torch.nn.Parameter(torch.zeros(heads))  # auto: canonical tiles refuse sinks, a2a the heads
+        handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="auto", deterministic=True)
+        q, kv = torch.zeros(1, 2 * 64, heads, D), torch.zeros(1, 2 * 64, kv_heads, D)  # chunks of whole tiles
+        with pytest.raises(ValueError, match=r"'auto' with deterministic=True: no pattern runs this call in the mode: "
+                                             r"p2p: .*without sinks.*; a2a: .*query heads would sit on several ranks"):
             handler.core_attn(module, q, kv, kv, attn_mask_type="causal")
 
 
@@ -281,8 +290,7 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
 
     assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
     assert not build_cp_handler(ContextParallelConfig()).deterministic
-    with pytest.raises(ValueError, match=r"deterministic=True runs cp_comm_type .*, not \['auto'\]"):
-        ContextParallelConfig(context_parallel_size=2, cp_comm_type="auto", deterministic=True)
+    assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="auto", deterministic=True)
     with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd'"):
         ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", qkv_format="thd", deterministic=True)
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)

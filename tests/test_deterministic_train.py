@@ -234,8 +234,6 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--cp-comm-type", "auto"], "--deterministic with --cp-comm-type auto: the mode runs p2p, all_gather, a2a, "
-                                 "a2a+p2p, not auto"),
     (["--cp-comm-type", "p2p", "--seq-len", "96"], "--seq-len 96: deterministic=True with cp_comm_type='p2p'"),
     (["--cp-comm-type", "a2a+p2p", "--packing", "thd"], "--cp-comm-type a2a+p2p and --packing thd"),
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "

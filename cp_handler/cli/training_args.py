@@ -8,7 +8,7 @@ import argparse
 
 import torch
 
-from ..core.comm_types import CANONICAL_COMM_TYPES, DETERMINISTIC_COMM_TYPES
+from ..core.comm_types import CANONICAL_COMM_TYPES
 from ..ops.canonical import tiles_refusal
 from ..training.schedule import DECAY_STYLES
 
@@ -184,18 +184,14 @@ DETERMINISTIC_REFUSED = {
 def check_deterministic(args: argparse.Namespace) -> None:
     """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), or p2p, all_gather or
     a2a+p2p on canonical tiles (bshd packing and a ``--seq-len`` whose zigzag chunks over the ring's ranks are whole
-    tiles: a2a+p2p's p2p level from ``--hierarchical-cp-sizes``, else the whole CP size), not auto, and none of
+    tiles: a2a+p2p's p2p level from ``--hierarchical-cp-sizes``, else the whole CP size), or auto (among the patterns
+    that run each call), and none of
     :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
     if not args.deterministic:
         args.cp_comm_type = args.cp_comm_type or "p2p"
         return
     args.cp_comm_type = args.cp_comm_type or "a2a"
     types = [t.strip() for t in args.cp_comm_type.split(",")]
-    others = [t for t in types if t not in DETERMINISTIC_COMM_TYPES]
-    if others and args.cp_size != 1:
-        raise ValueError(f"--deterministic with --cp-comm-type {args.cp_comm_type}: the mode runs "
-                         f"{', '.join(DETERMINISTIC_COMM_TYPES)}, not {', '.join(others)} (auto could pick patterns "
-                         "whose refusals differ call by call); pass one of them")
     for comm_type in sorted(set(types) & set(CANONICAL_COMM_TYPES)):
         if args.packing == "thd":
             raise ValueError(f"--deterministic with --cp-comm-type {comm_type} and --packing thd: its canonical tiles "

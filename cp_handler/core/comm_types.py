@@ -17,10 +17,6 @@ one)."""
 COMM_TYPE_CHOICES = (*CP_COMM_TYPES, AUTO)
 """Every value ``cp_comm_type`` may take: a pattern, or ``"auto"``."""
 
-DETERMINISTIC_COMM_TYPES = CP_COMM_TYPES
-"""The patterns the deterministic mode runs at cp > 1 (docs/deterministic.md): every one; ``"auto"`` is refused (it
-could pick, call by call, patterns whose refusals differ)."""
-
 CANONICAL_COMM_TYPES = ("all_gather", "p2p", "a2a+p2p")
 """The patterns whose deterministic computation runs on canonical tiles alone (:mod:`cp_handler.ops.canonical`):
 bshd / sbhd rows without sinks; ``"a2a"`` runs packed documents and sinks too (each rank's heads over the whole

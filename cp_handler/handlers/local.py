@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..auto import AttnCase, PatternHold, choose_comm_type, load_profile
+from ..auto import AttnCase, AutoChoice, PatternHold, choose_comm_type, load_profile
 from ..auto.catalog import default_profile
-from ..core.comm_types import CANONICAL_COMM_TYPES, DETERMINISTIC_COMM_TYPES
+from ..core.comm_types import CANONICAL_COMM_TYPES
 from ..core.masks import AttentionMask
 from ..ops.canonical import canonical_applies, canonical_attention, tiles_refusal
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
@@ -93,9 +93,6 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.deterministic = bool(deterministic)  # before the base builds the token layout (thd padding)
         super().__init__(**kwargs)
         if self.deterministic:
-            if self.cp_size > 1 and (others := sorted(set(self.comm_types) - set(DETERMINISTIC_COMM_TYPES))):
-                raise ValueError(f"deterministic=True runs the comm types {list(DETERMINISTIC_COMM_TYPES)}, not "
-                                 f"{others}: 'auto' could pick a pattern per call whose refusals (below) differ")
             if self.qkv_format == "thd" and (tiled := sorted(set(self.comm_types) & set(CANONICAL_COMM_TYPES))):
                 raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
                                  "tiles run bshd / sbhd rows (packed documents: use 'a2a')")
@@ -171,13 +168,15 @@ class LocalContextParallelHandler(ContextParallelHandler):
         return super().from_config(config, cp_group, hierarchical_cp_groups, attn_shape, **batch)
 
     def resolve_auto(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_dim: int, mask: AttentionMask,
-                     layout, layer: int | None = None) -> str:
+                     layout, layer: int | None = None, sinks: torch.Tensor | None = None) -> str:
         """The pattern ``"auto"`` runs this call of ``layer`` on (class doc): the fastest predicted, unless the layer
         holds another within the hold's margin (:attr:`cp_comm_hold`); at cp=1 ``"p2p"`` (nothing is
-        communicated).
+        communicated). In the deterministic mode, among the patterns the mode runs this call on (every one gives the
+        same bits, so the pick may differ between degrees and batches).
 
         Raises:
-            ValueError: the profile does not describe the inputs' device or dtype (named).
+            ValueError: the profile does not describe the inputs' device or dtype (named); in the deterministic mode,
+                no pattern runs the call (each one's reason).
         """
         if self.cp_size == 1:
             return "p2p"
@@ -195,7 +194,19 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if self.cp_rank == 0 and logged not in _LOGGED:  # once per process and distinct pick, not per batch
                 _LOGGED.add(logged)
                 LOG.info("%s; profile %r", choice.describe(), profile.name)
+        if self.deterministic:
+            choice = self._deterministic_choice(choice, q.shape[-2], k.shape[-2], layout, sinks)
         return self.cp_comm_hold.pick(layer, self.cp_size, choice)
+
+    def _deterministic_choice(self, choice, heads: int, kv_heads: int, layout, sinks):
+        """``choice`` among the patterns the deterministic mode runs the call on (the fastest of those predicted)."""
+        refusals = {p.comm_type: self._deterministic_refusal(p.comm_type, heads, kv_heads, layout, sinks)
+                    for p in choice.predictions}
+        allowed = tuple(p for p in choice.predictions if refusals[p.comm_type] is None)
+        if not allowed:
+            raise ValueError("cp_comm_type='auto' with deterministic=True: no pattern runs this call in the mode: "
+                             + "; ".join(f"{name}: {why}" for name, why in refusals.items()))
+        return AutoChoice(min(allowed, key=lambda p: p.total_ms).comm_type, allowed)
 
     @classmethod
     def check_config(cls, config, attn_shape=None, dtype=None) -> None:
@@ -224,6 +235,23 @@ class LocalContextParallelHandler(ContextParallelHandler):
             return dist.get_world_size(self.hierarchical_cp_groups[1])
         return 1 if comm_type == "a2a" else self.cp_size
 
+    def _deterministic_refusal(self, comm_type: str, heads: int, kv_heads: int, layout, sinks) -> str | None:
+        """Why the deterministic mode cannot run a call of ``heads`` query and ``kv_heads`` key-value heads over
+        ``layout`` (with ``sinks`` or ``None``) on ``comm_type`` (``None``: it can; the class doc's rules)."""
+        refusal, ring = None, self._ring_size(comm_type)
+        if self.cp_size > 1 and comm_type in CANONICAL_COMM_TYPES:
+            if self.qkv_format == "thd":
+                return (f"deterministic=True with cp_comm_type={comm_type!r} and qkv_format='thd': its canonical tiles "
+                        "run bshd / sbhd rows (packed documents: use 'a2a')")
+            refusal = tiles_refusal(layout.local_len * self.cp_size, ring, comm_type)
+            if sinks is not None:
+                refusal = refusal or (f"deterministic=True with cp_comm_type={comm_type!r}: its canonical tiles run "
+                                      "without sinks (a sink's gradient sums every row of its head, over the ranks: "
+                                      "use 'a2a', whose ranks hold whole heads)")
+        if comm_type in ("a2a", "a2a+p2p"):  # heads split over the all-to-all (p2p, all_gather: whole)
+            refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
+        return refusal
+
     def check_call(self, call: AttnCall) -> None:
         """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate); the deterministic
         mode's rules (the class doc's ``deterministic``)."""
@@ -232,15 +260,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if call.q.device.type != "cpu":
                 raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
                                  "GPU path is pending a GPU run)")
-            refusal, ring = None, self._ring_size(call.comm_type)
-            if self.cp_size > 1 and call.comm_type in CANONICAL_COMM_TYPES:
-                refusal = tiles_refusal(call.layout.local_len * self.cp_size, ring, call.comm_type)
-                if call.sinks is not None:
-                    refusal = refusal or (f"deterministic=True with cp_comm_type={call.comm_type!r}: its canonical "
-                                          "tiles run without sinks (a sink's gradient sums every row of its head, "
-                                          "over the ranks: use 'a2a', whose ranks hold whole heads)")
-            if call.comm_type in ("a2a", "a2a+p2p"):  # heads split over the all-to-all (p2p, all_gather: whole)
-                refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
+            refusal = self._deterministic_refusal(call.comm_type, heads, kv_heads, call.layout, call.sinks)
             if refusal:
                 raise ValueError(refusal)
         if self.kv_cache is not None and not call.mask.causal:

@@ -150,7 +150,7 @@ def preflight(handler, attn_mod, q, k, v, attn_mask_type: str) -> AttnCall:
         comm_type = handler.comm_type_for(attn_mod)
         layer = getattr(attn_mod, "layer_number", None)
         if comm_type == AUTO:  # the pattern this call's shapes run fastest on (the same inputs on every rank)
-            comm_type = handler.resolve_auto(q, k, v, seq_dim, mask, layout, layer)
+            comm_type = handler.resolve_auto(q, k, v, seq_dim, mask, layout, layer, sinks=sinks)
         call = AttnCall(*(to_bhsd(t, handler.qkv_format) for t in (q, k, v)), mask, sinks, scale, comm_type,
                         layout, layer, handler.qkv_format, q, attn_mod)
         handler.check_call(call)

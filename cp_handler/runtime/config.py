@@ -15,7 +15,6 @@ from ..core.comm_types import (
     CANONICAL_COMM_TYPES,
     COMM_TYPE_CHOICES,
     CP_COMM_TYPES,
-    DETERMINISTIC_COMM_TYPES,
     HIERARCHICAL_COMM_TYPES,
 )
 
@@ -120,10 +119,10 @@ class ContextParallelConfig:
 
     deterministic: bool = False
     """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): every comm
-    type but ``"auto"`` (``"a2a"`` with bshd / sbhd or thd, thd documents padded to a multiple of 48 at every degree;
-    ``"p2p"``, ``"all_gather"`` and ``"a2a+p2p"`` on canonical tiles, bshd / sbhd), on a backend that implements the
-    mode (``"local"``); the loss summed in one order over the whole sequence. Parameter gradients: summed exactly
-    where the caller does so (cp-train, the Hugging Face trainers)."""
+    type (``"a2a"`` with bshd / sbhd or thd, thd documents padded to a multiple of 48 at every degree; ``"p2p"``,
+    ``"all_gather"`` and ``"a2a+p2p"`` on canonical tiles, bshd / sbhd; ``"auto"`` among those that run each call),
+    on a backend that implements the mode (``"local"``); the loss summed in one order over the whole sequence.
+    Parameter gradients: summed exactly where the caller does so (cp-train, the Hugging Face trainers)."""
 
     def __post_init__(self) -> None:
         self._check_size()
@@ -172,10 +171,6 @@ class ContextParallelConfig:
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.deterministic:
             return
-        others = [t for t in self.comm_types if t not in DETERMINISTIC_COMM_TYPES]
-        if self.context_parallel_size > 1 and others:
-            raise ValueError(f"deterministic=True runs cp_comm_type {list(DETERMINISTIC_COMM_TYPES)}, not {others}: "
-                             "'auto' could pick a pattern per call whose refusals differ (docs/deterministic.md)")
         tiled = [t for t in self.comm_types if t in CANONICAL_COMM_TYPES]
         if self.context_parallel_size > 1 and tiled and self.qkv_format == "thd":
             raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
