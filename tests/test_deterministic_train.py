@@ -50,8 +50,8 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
     """``cp-train --deterministic``: each of 3 steps' loss equal (``==`` on the float) at cp 1, 2 and 4 (the logits
     bitwise, the loss summed over the whole sequence in one order) and each step's gradient norm (the parameter
     gradients summed exactly, ``runtime/exact_grads``: the same bits at every degree, so every step starts from the
-    same parameters), bshd and thd packs; bshd through the KV all-gather and the ring (p2p) on canonical tiles at
-    cp 2 and a2a+p2p (2 x 2) at cp 4 (256 tokens).
+    same parameters), bshd and thd packs; bshd through the KV all-gather, the ring (p2p) and auto on canonical tiles
+    at cp 2 and a2a+p2p (2 x 2) at cp 4 (256 tokens).
     Negative control: the default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so
     the comparison can fail. (Before the mode pinned one thread per CPU rank, thd's third gradient norm at cp 1, run
     on 2 threads, differed from cp 2's and 4's: the CPU flash kernel at head dim 8, measured 2026-12-06.)"""
@@ -65,7 +65,7 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
     # bits across patterns)
     flags = ("--deterministic", "--seq-len", "256")
     want = _losses(tmp_path, 1, *flags, norms=True)
-    for comm_type in ("all_gather", "p2p"):
+    for comm_type in ("all_gather", "p2p", "auto"):
         assert _losses(tmp_path, 2, *flags, "--cp-comm-type", comm_type, norms=True) == want, comm_type
     assert _losses(tmp_path, 4, *flags, "--cp-comm-type", "a2a+p2p", "--hierarchical-cp-sizes", "2", "2",
                    norms=True) == want
