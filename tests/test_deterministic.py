@@ -81,16 +81,18 @@ def _results(handler, case, seq_len: int = S) -> list[torch.Tensor]:
     return got
 
 
-def _case_handler(group, case):
-    """The deterministic handler of ``case`` (thd: built for its pack)."""
+def _case_handler(group, case, comm_type="a2a", levels=None):
+    """The deterministic handler of ``case`` (thd: built for its pack) on ``comm_type`` (``levels``: a2a+p2p's
+    groups, when ``group`` is not ``None``)."""
     fmt = case[-1]
     if fmt == "sbhd":
         return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True, qkv_format="sbhd")
     if not isinstance(fmt, tuple):
         return _handler(group)
     cu_seqlens = torch.tensor([0, *torch.tensor(fmt).cumsum(0).tolist()], dtype=torch.int32)
-    return LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True, qkv_format="thd",
-                                       cu_seqlens=cu_seqlens)
+    hierarchy = {"hierarchical_cp_groups": list(levels.hierarchical_cp_groups)} if levels and group else {}
+    return LocalContextParallelHandler(cp_group=levels.cp_group if hierarchy else group, cp_comm_type=comm_type,
+                                       deterministic=True, qkv_format="thd", cu_seqlens=cu_seqlens, **hierarchy)
 
 
 def _gpt_logits(handler, seq_len: int = S) -> torch.Tensor:
@@ -204,11 +206,16 @@ def _canonical_worker(rank, world):
             assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), comm_type
     module = torch.nn.Module()  # refused by name: chunks that are not whole tiles, a window
     module.softmax_scale = 0.25
-    q = torch.zeros(1, 2 * 48, 8, D)  # a sequence of 2 x cp x 48 tokens: chunks of 48
+    q = torch.zeros(1, 2 * 13, 8, D)  # 2 x cp x 13 tokens: neither a multiple of 64 nor of 48 at cp 2 to 8
     for comm_type in ("all_gather", "p2p"):
-        with pytest.raises(ValueError, match=rf"cp_comm_type='{comm_type}': a sequence of {2 * world * 48} tokens "
-                                             r"over .* the mode.s tiles \(64 tokens for this length\) need chunks"):
+        with pytest.raises(ValueError, match=rf"cp_comm_type='{comm_type}': documents of \[{2 * world * 13}\] tokens; "
+                                             r"the mode.s tiles need a sequence of a multiple of 64 tokens"):
             _ag_handler(group, comm_type=comm_type).core_attn(module, q, q, q, attn_mask_type="causal")
+    if world == 2:  # 2 x cp x 96 tokens: a multiple of 64, whose zigzag chunks are not
+        q = torch.zeros(1, 2 * 96, 8, D)
+        with pytest.raises(ValueError, match=r"a sequence of 384 tokens over 2 ranks has zigzag chunks of 96 tokens; "
+                                             r"the mode.s tiles \(64 tokens for this length\) need chunks"):
+            _ag_handler(group, comm_type="p2p").core_attn(module, q, q, q, attn_mask_type="causal")
     module.sinks = torch.nn.Parameter(torch.zeros(8))
     q = torch.zeros(1, 2 * 64, 8, D)
     with pytest.raises(ValueError, match="its canonical tiles run without sinks"):
@@ -247,6 +254,38 @@ def _thd_worker(rank, world):
     run()
 
 
+def _thd_tiles_worker(rank, world):
+    from cp_handler import build_dp_cp_groups
+
+    group = new_cp_group()
+    levels = build_dp_cp_groups(world, "cpu", [2, world // 2]) if world == 4 else None
+
+    @settings(max_examples=2, derandomize=True, deadline=None, phases=[Phase.explicit, Phase.generate])
+    @given(lengths=st.lists(st.one_of(st.just(0), st.integers(1, 5), st.integers(6, 200)), min_size=1, max_size=4)
+           .filter(lambda lengths: sum(lengths) > 0))
+    @example(lengths=[100, 37, 1, 180, 66])
+    @fails_fast
+    def run(lengths):
+        for name, heads, window in (("thd", (8, 4), None), ("thd-window", (4, 4), (37, 0))):
+            case = (name, *heads, torch.float32, "causal", window, tuple(lengths))
+            for comm_type in ("p2p", "all_gather", *(("a2a+p2p",) if levels else ())):
+                want = _results(_case_handler(None, case, comm_type), case)  # cp 1 on the same pattern
+                got = _results(_case_handler(group, case, comm_type, levels), case)
+                for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
+                    assert torch.equal(a, b), (f"{lengths} {name} {comm_type} cp {world} {what}: max difference "
+                                               f"{(a - b).abs().max().item():.3e}")
+
+    run()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_thd_packs_on_canonical_tiles_are_bitwise_the_same_at_every_cp_degree(world):
+    """Packed documents on canonical tiles (a 48th of each padded document per tile): p2p and all_gather at cp 3
+    and 4, a2a+p2p (2 x 2) at cp 4, 8 / 4 heads causal and 4 / 4 heads with a window of 38: the output and dq, dk,
+    dv ``torch.equal`` to one process on the same pattern (hypothesis: zero-length, tiny and longer documents)."""
+    run_distributed(_thd_tiles_worker, world)
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
     """Packed documents of any lengths (hypothesis: zero-length, tiny and long documents, any split), fp32, 6 / 6 heads
@@ -257,9 +296,11 @@ def test_thd_packs_are_bitwise_the_same_at_every_cp_degree(world):
 
 def _refusal_worker(rank, world):
     group = new_cp_group()
-    with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd': their canonical tiles"):
-        LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True, qkv_format="thd",
-                                    cu_seqlens=torch.tensor([0, 64]))
+    handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", deterministic=True, qkv_format="thd",
+                                          cu_seqlens=torch.tensor([0, 64, 100], dtype=torch.int32))
+    q = handler.dispatch(torch.zeros(100, 4, D), 0)
+    with pytest.raises(ValueError, match=r"its canonical tiles run causal masks on padded documents"):
+        handler.core_attn(torch.nn.Module(), q, q, q, attn_mask_type="no_mask")
     for heads, kv_heads, rule in ((8, 2, "a key-value head's query heads would sit on several ranks"),):
         handler = LocalContextParallelHandler(cp_group=group, cp_comm_type="a2a", deterministic=True)
         q = torch.zeros(1, 2 * S // world, heads, D)
@@ -291,8 +332,7 @@ def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():
     assert build_cp_handler(ContextParallelConfig(deterministic=True)).deterministic
     assert not build_cp_handler(ContextParallelConfig()).deterministic
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="auto", deterministic=True)
-    with pytest.raises(ValueError, match=r"cp_comm_type \['p2p'\] and qkv_format='thd'"):
-        ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", qkv_format="thd", deterministic=True)
+    assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", qkv_format="thd", deterministic=True)
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="p2p", deterministic=True)
     assert ContextParallelConfig(context_parallel_size=2, cp_comm_type="a2a", qkv_format="thd", deterministic=True)
     with pytest.raises(ValueError, match=r"deterministic=1 must be True or False"):

@@ -235,10 +235,8 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
 
 @pytest.mark.parametrize("flags, words", [
     (["--cp-comm-type", "p2p", "--seq-len", "96"], "--seq-len 96: deterministic=True with cp_comm_type='p2p'"),
-    (["--cp-comm-type", "a2a+p2p", "--packing", "thd"], "--cp-comm-type a2a+p2p and --packing thd"),
     (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
                                                           "cp_comm_type='all_gather': a sequence of 96 tokens"),
-    (["--cp-comm-type", "all_gather", "--packing", "thd"], "--cp-comm-type all_gather and --packing thd"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),
 ])

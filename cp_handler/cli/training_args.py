@@ -9,6 +9,8 @@ import argparse
 import torch
 
 from ..core.comm_types import CANONICAL_COMM_TYPES
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask
 from ..ops.canonical import tiles_refusal
 from ..training.schedule import DECAY_STYLES
 
@@ -183,22 +185,20 @@ DETERMINISTIC_REFUSED = {
 
 def check_deterministic(args: argparse.Namespace) -> None:
     """``--deterministic``: ``--cp-comm-type`` a2a (its default then; p2p without the flag), or p2p, all_gather or
-    a2a+p2p on canonical tiles (bshd packing and a ``--seq-len`` whose zigzag chunks over the ring's ranks are whole
-    tiles: a2a+p2p's p2p level from ``--hierarchical-cp-sizes``, else the whole CP size), or auto (among the patterns
-    that run each call), and none of
-    :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
+    a2a+p2p on canonical tiles (thd packing, or bshd and a ``--seq-len`` whose zigzag chunks over the ring's ranks
+    are whole tiles: a2a+p2p's p2p level from ``--hierarchical-cp-sizes``, else the whole CP size), or auto (among
+    the patterns that run each call), and none of :data:`DETERMINISTIC_REFUSED`. Raises ValueError naming the flag."""
     if not args.deterministic:
         args.cp_comm_type = args.cp_comm_type or "p2p"
         return
     args.cp_comm_type = args.cp_comm_type or "a2a"
     types = [t.strip() for t in args.cp_comm_type.split(",")]
     for comm_type in sorted(set(types) & set(CANONICAL_COMM_TYPES)):
-        if args.packing == "thd":
-            raise ValueError(f"--deterministic with --cp-comm-type {comm_type} and --packing thd: its canonical tiles "
-                             "run bshd rows (packed documents: --cp-comm-type a2a)")
+        if args.packing == "thd":  # a 48th of each document: 2 x cp must divide 48 (checked by the handler)
+            continue
         sizes = getattr(args, "hierarchical_cp_sizes", None)
         ring = sizes[-1] if comm_type == "a2a+p2p" and sizes else args.cp_size
-        refusal = tiles_refusal(args.seq_len, ring, comm_type)
+        refusal = tiles_refusal(ZigzagDocs.uniform(args.seq_len, ring), AttentionMask(), ring, comm_type)
         if refusal:
             raise ValueError(f"--seq-len {args.seq_len}: {refusal}")
     for name, why in DETERMINISTIC_REFUSED.items():

@@ -93,9 +93,6 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.deterministic = bool(deterministic)  # before the base builds the token layout (thd padding)
         super().__init__(**kwargs)
         if self.deterministic:
-            if self.qkv_format == "thd" and (tiled := sorted(set(self.comm_types) & set(CANONICAL_COMM_TYPES))):
-                raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
-                                 "tiles run bshd / sbhd rows (packed documents: use 'a2a')")
             if attn_kernel not in (None, "cpu_flash"):
                 raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
                                  "kernel to 'cpu_flash' (the one it is tested with)")
@@ -195,12 +192,12 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 _LOGGED.add(logged)
                 LOG.info("%s; profile %r", choice.describe(), profile.name)
         if self.deterministic:
-            choice = self._deterministic_choice(choice, q.shape[-2], k.shape[-2], layout, sinks)
+            choice = self._deterministic_choice(choice, q.shape[-2], k.shape[-2], layout, mask, sinks)
         return self.cp_comm_hold.pick(layer, self.cp_size, choice)
 
-    def _deterministic_choice(self, choice, heads: int, kv_heads: int, layout, sinks):
+    def _deterministic_choice(self, choice, heads: int, kv_heads: int, layout, mask, sinks):
         """``choice`` among the patterns the deterministic mode runs the call on (the fastest of those predicted)."""
-        refusals = {p.comm_type: self._deterministic_refusal(p.comm_type, heads, kv_heads, layout, sinks)
+        refusals = {p.comm_type: self._deterministic_refusal(p.comm_type, heads, kv_heads, layout, mask, sinks)
                     for p in choice.predictions}
         allowed = tuple(p for p in choice.predictions if refusals[p.comm_type] is None)
         if not allowed:
@@ -235,15 +232,13 @@ class LocalContextParallelHandler(ContextParallelHandler):
             return dist.get_world_size(self.hierarchical_cp_groups[1])
         return 1 if comm_type == "a2a" else self.cp_size
 
-    def _deterministic_refusal(self, comm_type: str, heads: int, kv_heads: int, layout, sinks) -> str | None:
+    def _deterministic_refusal(self, comm_type: str, heads: int, kv_heads: int, layout, mask, sinks) -> str | None:
         """Why the deterministic mode cannot run a call of ``heads`` query and ``kv_heads`` key-value heads over
-        ``layout`` (with ``sinks`` or ``None``) on ``comm_type`` (``None``: it can; the class doc's rules)."""
+        ``layout`` under ``mask`` (with ``sinks`` or ``None``) on ``comm_type`` (``None``: it can; the class doc's
+        rules)."""
         refusal, ring = None, self._ring_size(comm_type)
         if self.cp_size > 1 and comm_type in CANONICAL_COMM_TYPES:
-            if self.qkv_format == "thd":
-                return (f"deterministic=True with cp_comm_type={comm_type!r} and qkv_format='thd': its canonical tiles "
-                        "run bshd / sbhd rows (packed documents: use 'a2a')")
-            refusal = tiles_refusal(layout.local_len * self.cp_size, ring, comm_type)
+            refusal = tiles_refusal(layout, mask, ring, comm_type)
             if sinks is not None:
                 refusal = refusal or (f"deterministic=True with cp_comm_type={comm_type!r}: its canonical tiles run "
                                       "without sinks (a sink's gradient sums every row of its head, over the ranks: "
@@ -260,7 +255,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
             if call.q.device.type != "cpu":
                 raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
                                  "GPU path is pending a GPU run)")
-            refusal = self._deterministic_refusal(call.comm_type, heads, kv_heads, call.layout, call.sinks)
+            refusal = self._deterministic_refusal(call.comm_type, heads, kv_heads, call.layout, call.mask, call.sinks)
             if refusal:
                 raise ValueError(refusal)
         if self.kv_cache is not None and not call.mask.causal:
@@ -276,7 +271,8 @@ class LocalContextParallelHandler(ContextParallelHandler):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
                                                  enable_gqa=q.shape[1] != k.shape[1])
         elif self.deterministic and (call.comm_type in ("all_gather", "p2p") if self.cp_size > 1 else
-                                     canonical_applies(call.layout, mask, call.sinks)):
+                                     canonical_applies(call.layout, mask, call.sinks,
+                                                       packed=call.comm_type in CANONICAL_COMM_TYPES)):
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None)
             out = canonical_attention(q, k, v, spec, ring=call.comm_type == "p2p")[0]

@@ -42,7 +42,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..core.layout import ZigzagDocs, zigzag_chunk_ids
+from ..core.layout import DETERMINISTIC_MULTIPLE, ZigzagDocs
 from ..core.masks import AttentionMask, mask_blocks
 from .blocks import blocks_backward_, blocks_forward_, new_accumulators
 from .kernels.base import seq_major
@@ -63,31 +63,65 @@ def tile_size(seq_len: int) -> int:
     return next((t for t in TILES if seq_len % (16 * t) == 0), TILES[-1])
 
 
-def tiles_refusal(seq_len: int, cp: int, comm_type: str = "all_gather") -> str | None:
-    """Why a sequence of ``seq_len`` tokens in zigzag chunks over ``cp`` ranks cannot run ``comm_type`` on canonical
-    tiles (``None``: it can)."""
-    parts, tile = 2 * cp if cp > 1 else 1, tile_size(seq_len)
-    if seq_len % (parts * tile):
-        return (f"deterministic=True with cp_comm_type={comm_type!r}: a sequence of {seq_len} tokens over {cp} ranks "
-                f"has zigzag chunks of {seq_len / parts:g} tokens; the mode's tiles ({tile} tokens for this length) "
-                f"need chunks that are multiples of them (pad the sequence to a multiple of {parts * TILES[-1]})")
+def _sequence_rule(layout: ZigzagDocs) -> bool:
+    """Whether :func:`tilings` cuts ``layout`` by :func:`tile_size`: one unpadded sequence of a multiple of it."""
+    return (layout.num_docs == 1 and layout.lengths == layout.padded_lengths
+            and layout.padded_lengths[0] % tile_size(layout.padded_lengths[0]) == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def tilings(layout: ZigzagDocs) -> tuple[tuple[int, int], ...]:
+    """``(tokens per tile, tiles)`` of each document, a function of the documents alone: one unpadded sequence of a
+    multiple of :func:`tile_size`, that size; otherwise (packed documents, other lengths) a 48th of each padded
+    document (:data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`: the mode pads every document to a multiple of
+    it, and a 48th divides the zigzag chunks at cp 1, 2, 3, 4, 6 and 8)."""
+    if _sequence_rule(layout):
+        size = tile_size(layout.padded_lengths[0])
+        return ((size, layout.padded_lengths[0] // size),)
+    return tuple((padded // DETERMINISTIC_MULTIPLE, DETERMINISTIC_MULTIPLE if padded else 0)
+                 for padded in layout.padded_lengths)
+
+
+def tiles_refusal(layout: ZigzagDocs, mask, cp: int, comm_type: str) -> str | None:
+    """Why ``layout``'s documents in zigzag chunks over ``cp`` ranks cannot run ``comm_type`` on canonical tiles
+    (:func:`tilings`; ``None``: they can): the chunks must be whole tiles, and where documents are padded the mask
+    causal (a full mask or a window to the right would let real queries see the padding)."""
+    parts = 2 * cp if cp > 1 else 1
+    head = f"deterministic=True with cp_comm_type={comm_type!r}"
+    if _sequence_rule(layout):
+        seq_len = layout.padded_lengths[0]
+        tile = tile_size(seq_len)
+        if seq_len % (parts * tile):
+            return (f"{head}: a sequence of {seq_len} tokens over {cp} ranks has zigzag chunks of {seq_len / parts:g} "
+                    f"tokens; the mode's tiles ({tile} tokens for this length) need chunks that are multiples of them "
+                    f"(pad the sequence to a multiple of {parts * TILES[-1]})")
+        return None
+    if any(padded % DETERMINISTIC_MULTIPLE for padded in layout.padded_lengths):
+        return (f"{head}: documents of {list(layout.padded_lengths)[:8]} tokens; the mode's tiles need a sequence of "
+                f"a multiple of {TILES[-1]} tokens or documents of multiples of {DETERMINISTIC_MULTIPLE} (a "
+                f"{DETERMINISTIC_MULTIPLE}th each): pad to one of them")
+    if DETERMINISTIC_MULTIPLE % parts:
+        return (f"{head} over {cp} ranks: a {DETERMINISTIC_MULTIPLE}th of a document (its canonical tile) divides its "
+                f"zigzag chunks only where 2 x cp divides {DETERMINISTIC_MULTIPLE} (cp 1, 2, 3, 4, 6, 8, 12, 24)")
+    if layout.lengths != layout.padded_lengths and not mask.causal:
+        return (f"{head}: its canonical tiles run causal masks on padded documents (a full one would see a "
+                "document's padding: use 'a2a')")
     return None
 
 
-def _ranges(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, int, int], ...]:
-    """``(local row, global position, rows)`` of each of ``rank``'s chunks (one range alone)."""
-    if layout.size == 1:
-        return ((0, 0, layout.local_len),)
-    chunk = layout.chunk(0)
-    return tuple((half * chunk, cid * chunk, chunk) for half, cid in enumerate(zigzag_chunk_ids(rank, layout.size)))
+def _ranges(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``(document, local row, position in the document, rows)`` of each of ``rank``'s chunks."""
+    return tuple((doc, local, cid * layout.chunk(doc), layout.chunk(doc)) for doc in range(layout.num_docs)
+                 if layout.padded_lengths[doc] for cid, local, _ in layout.rank_chunks(doc, rank))
 
 
-def _tiles(ranges, size: int):
-    """``(local rows, global tile index)`` of each tile of ``size`` tokens in ``ranges`` (chunks that are multiples
-    of the tile)."""
-    for local, first, rows in ranges:
+def _tiles(ranges, tiling):
+    """``(local rows, tile)`` of each tile in ``ranges`` (chunks that are multiples of their document's tile); a
+    tile is ``(document, index in the document)``."""
+    for doc, local, first, rows in ranges:
+        size = tiling[doc][0]
         for i in range(rows // size):
-            yield slice(local + i * size, local + (i + 1) * size), first // size + i
+            yield slice(local + i * size, local + (i + 1) * size), (doc, first // size + i)
 
 
 def _pair(query_tile: int, key_tile: int, size: int, mask: AttentionMask):
@@ -127,30 +161,54 @@ def _partners(tile: int, num_tiles: int, size: int, mask: AttentionMask, queries
     return tuple((other, kind(other)) for other in others)
 
 
-def _tree(tile: int, num_tiles: int, size: int, mask: AttentionMask, queries: bool, combine) -> TileTree:
-    """The tree of ``tile``'s partials over the tiles it meets (:func:`_partners`)."""
-    partners = _partners(tile, num_tiles, size, mask, queries)
-    return TileTree(num_tiles, range(partners[0][0], partners[-1][0] + 1), combine)
+def _meets(tile, tiling, mask: AttentionMask, queries: bool) -> tuple:
+    """:func:`_partners` of a ``(document, index)`` tile: the tiles of its document it meets, with the pairs'
+    kinds."""
+    doc, index = tile
+    size, count = tiling[doc]
+    return tuple(((doc, other), kind) for other, kind in _partners(index, count, size, mask, queries))
 
 
-def _calls(ranges, tile: int, size: int, mask: AttentionMask, num_tiles: int, queries: bool):
-    """``(local rows, their tiles, pair kind)`` of the calls between tile ``tile`` of one side and the rows of
-    ``ranges`` on the other that meet it: ``queries``, the query rows that see key tile ``tile``; else the key rows
-    query tile ``tile`` sees. A run of full pairs in one call (a row's partial from a call is the same whatever
-    other rows of its side the call holds: module doc); a diagonal or a pair of blocks alone."""
-    kinds = dict(_partners(tile, num_tiles, size, mask, not queries))
-    for local, first, rows in ranges:
+def _tree(tile, tiling, mask: AttentionMask, queries: bool, combine) -> TileTree:
+    """The tree of ``tile``'s partials over the tiles of its document it meets (:func:`_partners`)."""
+    doc, index = tile
+    size, count = tiling[doc]
+    partners = _partners(index, count, size, mask, queries)
+    return TileTree(count, range(partners[0][0], partners[-1][0] + 1), combine)
+
+
+BATCHED_TILE = 64
+"""Tiles of a multiple of this many tokens run a run of full pairs in one call (what was measured: a row's partial
+from such a call is the same whatever other rows of whole tiles it holds); smaller tiles (a 48th of a short
+document) one call per pair: with runs of 3-token tiles in one call, the last tile of each run gave other bits than
+one process's (measured 2026-12-06 at cp 2; the CPU kernel's tail block of query rows is the likely cause, not
+isolated)."""
+
+
+def _calls(ranges, tile, tiling, mask: AttentionMask, queries: bool):
+    """``(local rows, their tiles, pair kind)`` of the calls between ``tile`` of one side and the rows of
+    ``ranges`` on the other that meet it (its document's): ``queries``, the query rows that see key tile ``tile``;
+    else the key rows query tile ``tile`` sees. A run of full pairs in one call where tiles are multiples of
+    :data:`BATCHED_TILE` (a row's partial from a call is the same whatever other rows of its side the call holds:
+    module doc); a diagonal, a pair of blocks or a smaller tile alone."""
+    doc, index = tile
+    size, count = tiling[doc]
+    kinds = dict(_partners(index, count, size, mask, not queries))
+    for range_doc, local, first, rows in ranges:
+        if range_doc != doc:
+            continue
         t0 = first // size
         run = None
         for t in range(t0, t0 + rows // size + 1):
             kind = kinds.get(t) if t < t0 + rows // size else None
-            if run is not None and kind is not False:
-                yield slice(local + (run - t0) * size, local + (t - t0) * size), range(run, t), False
+            if run is not None and (kind is not False or size % BATCHED_TILE):
+                yield slice(local + (run - t0) * size, local + (t - t0) * size), [(doc, i) for i in range(run, t)], \
+                    False
                 run = None
-            if kind is False:
+            if kind is False and size % BATCHED_TILE == 0:
                 run = t if run is None else run
             elif kind is not None:
-                yield slice(local + (t - t0) * size, local + (t + 1 - t0) * size), range(t, t + 1), kind
+                yield slice(local + (t - t0) * size, local + (t + 1 - t0) * size), [(doc, t)], kind
 
 
 def _forward_call(q, k, v, kind, spec: AttnSpec):
@@ -177,6 +235,16 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t.to(dtype=acc_dtype(t.dtype), memory_format=torch.contiguous_format, copy=True)
 
 
+def _own_lse(t: torch.Tensor) -> torch.Tensor:
+    """:func:`_own` for a partial's log-sum-exp ``(B, H, rows)``, each head's rows a run of their own (a row stride
+    rounded up to 64): the merge's ``logaddexp`` then loops per head, so an element's vector or scalar path follows
+    its row alone, not the number of heads a rank holds (with tiles of a few rows, ``a2a+p2p``'s halved heads gave
+    other bits otherwise, measured 2026-12-06; :mod:`.merge`)."""
+    rows = t.shape[-1]
+    padded = t.new_empty((*t.shape[:-1], -(-rows // 64) * 64), dtype=acc_dtype(t.dtype))[..., :rows]
+    return padded.copy_(t)
+
+
 def _merged(left, right):
     merge_attn_out_(left[0], left[1], right[0], right[1])
     return left
@@ -201,7 +269,9 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
         yield tensors, _ranges(layout, 0), 0
         return
     if not ring:
-        yield tuple(_gather(t, group, layout) for t in tensors), ((0, 0, layout.local_len * layout.size),), None
+        starts = layout.cu_seqlens_padded.tolist()
+        whole = tuple((doc, starts[doc], 0, padded) for doc, padded in enumerate(layout.padded_lengths) if padded)
+        yield tuple(_gather(t, group, layout) for t in tensors), whole, None
         return
     comm = RingComm(group)
     for step in range(comm.size):
@@ -216,17 +286,15 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
             tensors = tuple(pending.wait())
 
 
-def _geometry(q: torch.Tensor, spec: AttnSpec):
-    """``(this rank's ranges, tile size, tiles in the sequence)``."""
+def _geometry(spec: AttnSpec):
+    """``(this rank's ranges, the documents' tilings)``."""
     rank = dist.get_rank(spec.group) if spec.group is not None else 0
-    seq_len = spec.layout.local_len * spec.layout.size
-    size = tile_size(seq_len)
-    return _ranges(spec.layout, rank), size, seq_len // size
+    return _ranges(spec.layout, rank), tilings(spec.layout)
 
 
-def _assemble(trees: dict, ranges, size: int, outs: tuple[torch.Tensor, ...]) -> None:
+def _assemble(trees: dict, ranges, tiling, outs: tuple[torch.Tensor, ...]) -> None:
     """Each tile's combined partials into its rows of ``outs`` (accumulators shaped as the rank's tensors)."""
-    for rows, tile in _tiles(ranges, size):
+    for rows, tile in _tiles(ranges, tiling):
         for out, part in zip(outs, trees[tile].result(), strict=True):
             out[:, :, rows].copy_(part)
 
@@ -234,17 +302,18 @@ def _assemble(trees: dict, ranges, size: int, outs: tuple[torch.Tensor, ...]) ->
 def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
     """``q (B, H, S_local, D)``, ``k, v (B, Hkv, S_local, D)`` -> ``(out in q's dtype, lse)``: module doc."""
     mask = spec.mask
-    ranges, size, num_tiles = _geometry(q, spec)
-    trees = {tile: _tree(tile, num_tiles, size, mask, True, _merged) for _, tile in _tiles(ranges, size)}
+    ranges, tiling = _geometry(spec)
+    trees = {tile: _tree(tile, tiling, mask, True, _merged) for _, tile in _tiles(ranges, tiling)}
     for (k_block, v_block), key_ranges, _ in _blocks((k, v), spec, ring):
-        for keys, key_tile in _tiles(key_ranges, size):
-            for rows, tiles, kind in _calls(ranges, key_tile, size, mask, num_tiles, queries=True):
+        for keys, key_tile in _tiles(key_ranges, tiling):
+            size = tiling[key_tile[0]][0]
+            for rows, tiles, kind in _calls(ranges, key_tile, tiling, mask, queries=True):
                 out, lse = _forward_call(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], kind, spec)
                 for n, tile in enumerate(tiles):
                     part = slice(n * size, (n + 1) * size)
-                    trees[tile].add(key_tile, (_own(out[:, :, part]), _own(lse[:, :, part])))
+                    trees[tile].add(key_tile[1], (_own(out[:, :, part]), _own_lse(lse[:, :, part])))
     out, lse = new_accumulators(q, v.shape[-1])
-    _assemble(trees, ranges, size, (out, lse))
+    _assemble(trees, ranges, tiling, (out, lse))
     return out.to(q.dtype), lse
 
 
@@ -255,59 +324,58 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = Fal
     nodes are sent to the key tile's owner (:func:`_exchange_nodes`), who adds them to its tree."""
     dout = seq_major(dout)
     mask, group = spec.mask, spec.group
-    ranges, size, num_tiles = _geometry(q, spec)
+    ranges, tiling = _geometry(spec)
     rank = dist.get_rank(group) if group is not None else 0
-    rows = dict((tile, local) for local, tile in _tiles(ranges, size))
+    rows = dict((tile, local) for local, tile in _tiles(ranges, tiling))
     saved = {tile: (out[:, :, local], lse[:, :, local].contiguous()) for tile, local in rows.items()}
-    dq_trees = {tile: _tree(tile, num_tiles, size, mask, True, _summed) for tile in rows}
-    kv_trees = {tile: _tree(tile, num_tiles, size, mask, False, _summed) for tile in rows}
+    dq_trees = {tile: _tree(tile, tiling, mask, True, _summed) for tile in rows}
+    kv_trees = {tile: _tree(tile, tiling, mask, False, _summed) for tile in rows}
     pending = []
     for (k_block, v_block), key_ranges, owner in _blocks((k, v), spec, ring):
-        outboxes: dict[int, dict[int, TileTree]] = {}
-        for keys, key_tile in _tiles(key_ranges, size):
-            keeper = owner if owner is not None else _owner(key_tile, size, spec.layout)
+        outboxes: dict[int, dict[tuple[int, int], TileTree]] = {}
+        for keys, key_tile in _tiles(key_ranges, tiling):
+            keeper = owner if owner is not None else _owner(key_tile, tiling, spec.layout)
             if keeper == rank:
                 target = kv_trees[key_tile]
             else:
-                target = outboxes.setdefault(keeper, {})[key_tile] = _tree(key_tile, num_tiles, size, mask, False,
-                                                                           _summed)
-            for query_tile, kind in _partners(key_tile, num_tiles, size, mask, False):
+                target = outboxes.setdefault(keeper, {})[key_tile] = _tree(key_tile, tiling, mask, False, _summed)
+            for query_tile, kind in _meets(key_tile, tiling, mask, False):
                 if query_tile not in rows:
                     continue
                 local = rows[query_tile]
                 grads = _backward_call(dout[:, :, local], q[:, :, local], k_block[:, :, keys], v_block[:, :, keys],
                                        *saved[query_tile], kind, spec)
-                dq_trees[query_tile].add(key_tile, (_own(grads[0]),))
-                target.add(query_tile, (_own(grads[1]), _own(grads[2])))
+                dq_trees[query_tile].add(key_tile[1], (_own(grads[0]),))
+                target.add(query_tile[1], (_own(grads[1]), _own(grads[2])))
         for done in pending:  # the previous step's nodes, before this step's are posted (memory: one step's)
             done()
-        pending = [_exchange_nodes(spec, rank, outboxes, kv_trees, k, v, owner, num_tiles, size)]
+        pending = [_exchange_nodes(spec, rank, outboxes, kv_trees, k, v, owner, tiling)]
     for done in pending:
         done()
-    return _gradients(q, k, v, ranges, size, dq_trees, kv_trees)
+    return _gradients(q, k, v, ranges, tiling, dq_trees, kv_trees)
 
 
-def _owner(tile: int, size: int, layout: ZigzagDocs) -> int:
-    """The rank holding (key) tile ``tile`` in the zigzag layout."""
+def _owner(tile, tiling, layout: ZigzagDocs) -> int:
+    """The rank holding (key) tile ``(document, index)`` in the zigzag layout."""
     if layout.size == 1:
         return 0
-    chunk = tile * size // layout.chunk(0)
+    doc, index = tile
+    chunk = index * tiling[doc][0] // layout.chunk(doc)
     return chunk if chunk < layout.size else 2 * layout.size - 1 - chunk
 
 
 @functools.lru_cache(maxsize=4096)
-def _nodes(query_tiles: frozenset, key_tile: int, num_tiles: int, size: int, mask: AttentionMask) -> tuple:
+def _nodes(query_tiles: frozenset, key_tile, tiling, mask: AttentionMask) -> tuple:
     """The complete nodes, ascending, of key tile ``key_tile``'s tree after the partials of ``query_tiles`` (one
     rank's) were added: what that rank sends the key tile's owner (the same on both sides: geometry alone)."""
-    tree = _tree(key_tile, num_tiles, size, mask, False, lambda left, right: left)
-    for query_tile, _ in _partners(key_tile, num_tiles, size, mask, False):
+    tree = _tree(key_tile, tiling, mask, False, lambda left, right: left)
+    for query_tile, _ in _meets(key_tile, tiling, mask, False):
         if query_tile in query_tiles:
-            tree.add(query_tile, True)
+            tree.add(query_tile[1], True)
     return tuple(sorted(tree.done))
 
 
-def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k, v, owner, num_tiles: int,
-                    size: int):
+def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k, v, owner, tiling):
     """Post this step's sends (each outbox's complete nodes, to the key tiles' owners, one flat tensor per peer) and
     the receives of the nodes other ranks send this rank for its key tiles (``owner`` None: the all-gather, every
     peer; a ring step: the rank whose block this step is this rank's). Returns a call that waits and adds the
@@ -321,7 +389,10 @@ def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k
     else:
         sender = (rank + (rank - owner) % size_cp) % size_cp  # its block at this step is this rank's
         senders = [sender] if owner != rank else []
-    shapes = ((k.shape[0], k.shape[1], size, k.shape[3]), (v.shape[0], v.shape[1], size, v.shape[3]))
+    def shapes(key_tile):
+        size = tiling[key_tile[0]][0]
+        return (k.shape[0], k.shape[1], size, k.shape[3]), (v.shape[0], v.shape[1], size, v.shape[3])
+
     sends = []
     for peer, trees in sorted(outboxes.items()):
         parts = [t.reshape(-1) for _, tree in sorted(trees.items()) for _, node in sorted(tree.done.items())
@@ -329,13 +400,12 @@ def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k
         if parts:
             sends.append((torch.cat(parts), peer, NODES_TAG))
     recvs, expected = [], []
-    mine = frozenset(tile for _, tile in _tiles(_ranges(layout, rank), size))
+    mine = frozenset(tile for _, tile in _tiles(_ranges(layout, rank), tiling))
     for peer in senders:
-        theirs = frozenset(tile for _, tile in _tiles(_ranges(layout, peer), size))
-        nodes = [(key_tile, node) for key_tile in sorted(mine)
-                 for node in _nodes(theirs, key_tile, num_tiles, size, mask)]
+        theirs = frozenset(tile for _, tile in _tiles(_ranges(layout, peer), tiling))
+        nodes = [(key_tile, node) for key_tile in sorted(mine) for node in _nodes(theirs, key_tile, tiling, mask)]
         if nodes:
-            numel = len(nodes) * sum(math.prod(shape) for shape in shapes)
+            numel = sum(math.prod(shape) for key_tile, _ in nodes for shape in shapes(key_tile))
             recvs.append((torch.empty(numel, dtype=acc_dtype(k.dtype), device=k.device), peer, NODES_TAG))
             expected.append(nodes)
     work = exchange(group, sends, recvs) if sends or recvs else None
@@ -347,7 +417,7 @@ def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k
             offset = 0
             for key_tile, (lo, hi) in nodes:
                 parts = []
-                for shape in shapes:
+                for shape in shapes(key_tile):
                     numel = math.prod(shape)
                     parts.append(flat[offset:offset + numel].view(shape))
                     offset += numel
@@ -359,21 +429,24 @@ NODES_TAG = 2
 """The tag of the dk / dv nodes' messages (the ring's key-value blocks use 0 and 1)."""
 
 
-def _gradients(q, k, v, ranges, size: int, dq_trees: dict, kv_trees: dict):
+def _gradients(q, k, v, ranges, tiling, dq_trees: dict, kv_trees: dict):
     dtype = acc_dtype(q.dtype)
     dq, dk, dv = (torch.zeros_like(t, dtype=dtype) for t in (q, k, v))
-    _assemble(dq_trees, ranges, size, (dq,))
-    _assemble(kv_trees, ranges, size, (dk, dv))
+    _assemble(dq_trees, ranges, tiling, (dq,))
+    _assemble(kv_trees, ranges, tiling, (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def canonical_applies(layout: ZigzagDocs, mask, sinks) -> bool:
-    """Whether a call runs on canonical tiles in the deterministic mode (every pattern's cp 1 and ``a2a``): one
-    unpadded sequence (bshd / sbhd), any mask, no sinks, a length the tiles divide. A function of the global call
-    alone, so every degree and pattern decides alike."""
-    seq_len = layout.local_len * layout.size
-    return (sinks is None and layout.num_docs == 1 and layout.lengths == layout.padded_lengths
-            and seq_len % tile_size(seq_len) == 0)
+def canonical_applies(layout: ZigzagDocs, mask, sinks, packed: bool = False) -> bool:
+    """Whether a call runs on canonical tiles in the deterministic mode (one process, ``a2a``'s heads, a2a+p2p's
+    ring): no sinks, and one unpadded sequence of a multiple of :func:`tile_size`, any mask; or, with ``packed``
+    (the patterns on canonical tiles: ``p2p``, ``all_gather``, ``a2a+p2p``), documents of multiples of 48
+    (:func:`tiles_refusal` at one rank). A function of the global call and the pattern alone, so every degree
+    decides alike; ``a2a`` keeps one process's blockwise plan there (tiles of a 48th of a short document are a few
+    tokens each: many small calls)."""
+    if sinks is not None:
+        return False
+    return _sequence_rule(layout) or (packed and tiles_refusal(layout, mask, 1, "") is None)
 
 
 def canonical_attention(q, k, v, spec: AttnSpec, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

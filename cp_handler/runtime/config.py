@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from ..auto.catalog import load_profile
 from ..core.comm_types import (
     AUTO,
-    CANONICAL_COMM_TYPES,
     COMM_TYPE_CHOICES,
     CP_COMM_TYPES,
     HIERARCHICAL_COMM_TYPES,
@@ -120,7 +119,8 @@ class ContextParallelConfig:
     deterministic: bool = False
     """Attention, the logits and the loss bitwise identical at every CP degree (docs/deterministic.md): every comm
     type (``"a2a"`` with bshd / sbhd or thd, thd documents padded to a multiple of 48 at every degree; ``"p2p"``,
-    ``"all_gather"`` and ``"a2a+p2p"`` on canonical tiles, bshd / sbhd; ``"auto"`` among those that run each call),
+    ``"all_gather"`` and ``"a2a+p2p"`` on canonical tiles, thd with causal masks; ``"auto"`` among those that run each
+    call),
     on a backend that implements the mode (``"local"``); the loss summed in one order over the whole sequence.
     Parameter gradients: summed exactly where the caller does so (cp-train, the Hugging Face trainers)."""
 
@@ -171,10 +171,6 @@ class ContextParallelConfig:
             raise ValueError(f"deterministic={self.deterministic!r} must be True or False")
         if not self.deterministic:
             return
-        tiled = [t for t in self.comm_types if t in CANONICAL_COMM_TYPES]
-        if self.context_parallel_size > 1 and tiled and self.qkv_format == "thd":
-            raise ValueError(f"deterministic=True with cp_comm_type {tiled} and qkv_format='thd': their canonical "
-                             "tiles run bshd / sbhd rows (packed documents: use 'a2a')")
 
     @property
     def comm_types(self) -> list[str]:
