@@ -49,7 +49,8 @@ class ContextParallelArguments:
     trainer the user would run without CP, gradient accumulation included."""
     deterministic: bool = False
     """The deterministic mode (``ContextParallelConfig.deterministic``, docs/deterministic.md): the logits, and the RL
-    trainers' per-token log-probabilities and entropies, bitwise the same at every CP degree; ``cp_comm_type="a2a"``."""
+    trainers' per-token log-probabilities and entropies, bitwise the same at every CP degree; ``cp_comm_type="a2a"``
+    runs every case (sinks too), the other patterns rows whose lengths their canonical tiles divide."""
 
     def config(self) -> ContextParallelConfig:
         """The validated config; under torchrun, ``hierarchical_context_parallel_sizes`` default to the node boundary
