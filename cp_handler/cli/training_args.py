@@ -11,7 +11,7 @@ import torch
 from ..core.comm_types import CANONICAL_COMM_TYPES
 from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask
-from ..ops.canonical import tiles_refusal
+from ..ops.tiling import tiles_refusal
 from ..training.schedule import DECAY_STYLES
 
 

@@ -13,11 +13,12 @@ from ..auto import AttnCase, AutoChoice, PatternHold, choose_comm_type, load_pro
 from ..auto.catalog import default_profile
 from ..core.comm_types import CANONICAL_COMM_TYPES
 from ..core.masks import AttentionMask
-from ..ops.canonical import canonical_applies, canonical_attention, tiles_refusal
+from ..ops.canonical import canonical_attention
 from ..ops.kernels import AUTOMATIC, KERNELS, check_masked_override, kernel_override
 from ..ops.patterns import PATTERNS
 from ..ops.qkv_format import from_bhsd
 from ..ops.spec import AttnSpec, KernelChoice
+from ..ops.tiling import canonical_applies, tiles_refusal
 from ..runtime.config import AUTO, CP_COMM_TYPES
 from .base import ContextParallelHandler
 from .preflight import AttnCall

@@ -1,10 +1,10 @@
 """Canonical tiles: the deterministic mode's attention, bitwise the same at every CP degree and in every pattern.
 
 One process (cp 1), the KV all-gather (``"all_gather"``), the ring (``"p2p"``), each rank's heads after the Ulysses
-all-to-all (``"a2a"``, where :func:`canonical_applies`) and a2a+p2p's ring over those heads all run on them and
+all-to-all (``"a2a"``, where :func:`~.tiling.canonical_applies`) and a2a+p2p's ring over those heads all run on them and
 give the same bits.
 
-The pieces are fixed by the global sequence before any rank assignment: tiles of :func:`tile_size` tokens (a
+The pieces are fixed by the global sequence before any rank assignment: tiles of :func:`~.tiling.tile_size` tokens (a
 function of the sequence length alone), and one partial per (query tile, key tile) pair that meets (causal: the key
 tile at or before the query tile, the diagonal pair a causal call). What was measured on the CPU flash kernel
 (2026-12-05): a query row's output, log-sum-exp and dq from a call are bitwise the same whatever other query rows,
@@ -42,8 +42,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..core.layout import DETERMINISTIC_MULTIPLE, ZigzagDocs
-from ..core.masks import AttentionMask, mask_blocks
+from ..core.layout import ZigzagDocs
+from ..core.masks import AttentionMask
 from .blocks import blocks_backward_, blocks_forward_, new_accumulators
 from .kernels.base import seq_major
 from .merge import acc_dtype, merge_attn_out_
@@ -51,130 +51,15 @@ from .p2p import RingComm, exchange
 from .seq_gather import all_gather_seq_raw
 from .spec import AttentionFunction, AttnSpec
 from .tile_tree import TileTree
-
-TILES = (2048, 1024, 512, 256, 128, 64)
-"""Tokens per canonical tile, by sequence length: the largest ``T`` of these with ``S`` a multiple of ``16 T`` (the
-zigzag chunks ``S / (2 cp)`` are then multiples of ``T`` at cp 1, 2, 4 and 8), else 64. A function of the sequence
-alone, so every degree cuts the same tiles; larger tiles mean fewer kernel calls and merges."""
-
-
-def tile_size(seq_len: int) -> int:
-    """The canonical tile of a sequence of ``seq_len`` tokens (:data:`TILES`)."""
-    return next((t for t in TILES if seq_len % (16 * t) == 0), TILES[-1])
-
-
-def _sequence_rule(layout: ZigzagDocs) -> bool:
-    """Whether :func:`tilings` cuts ``layout`` by :func:`tile_size`: one unpadded sequence of a multiple of it."""
-    return (layout.num_docs == 1 and layout.lengths == layout.padded_lengths
-            and layout.padded_lengths[0] % tile_size(layout.padded_lengths[0]) == 0)
-
-
-@functools.lru_cache(maxsize=256)
-def tilings(layout: ZigzagDocs) -> tuple[tuple[int, int], ...]:
-    """``(tokens per tile, tiles)`` of each document, a function of the documents alone: one unpadded sequence of a
-    multiple of :func:`tile_size`, that size; otherwise (packed documents, other lengths) a 48th of each padded
-    document (:data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`: the mode pads every document to a multiple of
-    it, and a 48th divides the zigzag chunks at cp 1, 2, 3, 4, 6 and 8)."""
-    if _sequence_rule(layout):
-        size = tile_size(layout.padded_lengths[0])
-        return ((size, layout.padded_lengths[0] // size),)
-    return tuple((padded // DETERMINISTIC_MULTIPLE, DETERMINISTIC_MULTIPLE if padded else 0)
-                 for padded in layout.padded_lengths)
-
-
-def tiles_refusal(layout: ZigzagDocs, mask, cp: int, comm_type: str) -> str | None:
-    """Why ``layout``'s documents in zigzag chunks over ``cp`` ranks cannot run ``comm_type`` on canonical tiles
-    (:func:`tilings`; ``None``: they can): the chunks must be whole tiles, and where documents are padded the mask
-    causal (a full mask or a window to the right would let real queries see the padding)."""
-    parts = 2 * cp if cp > 1 else 1
-    head = f"deterministic=True with cp_comm_type={comm_type!r}"
-    if _sequence_rule(layout):
-        seq_len = layout.padded_lengths[0]
-        tile = tile_size(seq_len)
-        if seq_len % (parts * tile):
-            return (f"{head}: a sequence of {seq_len} tokens over {cp} ranks has zigzag chunks of {seq_len / parts:g} "
-                    f"tokens; the mode's tiles ({tile} tokens for this length) need chunks that are multiples of them "
-                    f"(pad the sequence to a multiple of {parts * TILES[-1]})")
-        return None
-    if any(padded % DETERMINISTIC_MULTIPLE for padded in layout.padded_lengths):
-        return (f"{head}: documents of {list(layout.padded_lengths)[:8]} tokens; the mode's tiles need a sequence of "
-                f"a multiple of {TILES[-1]} tokens or documents of multiples of {DETERMINISTIC_MULTIPLE} (a "
-                f"{DETERMINISTIC_MULTIPLE}th each): pad to one of them")
-    if DETERMINISTIC_MULTIPLE % parts:
-        return (f"{head} over {cp} ranks: a {DETERMINISTIC_MULTIPLE}th of a document (its canonical tile) divides its "
-                f"zigzag chunks only where 2 x cp divides {DETERMINISTIC_MULTIPLE} (cp 1, 2, 3, 4, 6, 8, 12, 24)")
-    if layout.lengths != layout.padded_lengths and not mask.causal:
-        return (f"{head}: its canonical tiles run causal masks on padded documents (a full one would see a "
-                "document's padding: use 'a2a')")
-    return None
-
-
-def _ranges(layout: ZigzagDocs, rank: int) -> tuple[tuple[int, int, int, int], ...]:
-    """``(document, local row, position in the document, rows)`` of each of ``rank``'s chunks."""
-    return tuple((doc, local, cid * layout.chunk(doc), layout.chunk(doc)) for doc in range(layout.num_docs)
-                 if layout.padded_lengths[doc] for cid, local, _ in layout.rank_chunks(doc, rank))
-
-
-def _tiles(ranges, tiling):
-    """``(local rows, tile)`` of each tile in ``ranges`` (chunks that are multiples of their document's tile); a
-    tile is ``(document, index in the document)``."""
-    for doc, local, first, rows in ranges:
-        size = tiling[doc][0]
-        for i in range(rows // size):
-            yield slice(local + i * size, local + (i + 1) * size), (doc, first // size + i)
-
-
-def _pair(query_tile: int, key_tile: int, size: int, mask: AttentionMask):
-    """What a (query tile, key tile) pair computes: ``None`` nothing (no key visible), ``False`` a full call, ``True``
-    the causal diagonal, or the pair's own blocks (:func:`~cp_handler.core.masks.mask_blocks` on the pair: windows,
-    chunks, soft-caps), always run together, in their order, on this pair alone."""
-    if mask.plain:
-        if not mask.causal:
-            return False
-        return None if key_tile > query_tile else key_tile == query_tile
-    blocks = mask_blocks(slice(0, size), query_tile * size, slice(0, size), key_tile * size, mask)
-    if not blocks:
-        return None
-    whole = slice(0, size)
-    if len(blocks) == 1 and isinstance(blocks[0][2], bool) and blocks[0][:2] == (whole, whole):
-        return blocks[0][2]
-    return tuple(blocks)
-
-
-@functools.lru_cache(maxsize=1024)
-def _partners(tile: int, num_tiles: int, size: int, mask: AttentionMask, queries: bool) -> tuple:
-    """``(tile of the other side, :func:`_pair`)`` of every tile that meets ``tile``, ascending (``queries``: ``tile``
-    is a query tile, these its key tiles). Every mask's visible tiles are a run around the diagonal, scanned from it
-    (the plain masks' in closed form)."""
-    def kind(other):
-        return _pair(tile, other, size, mask) if queries else _pair(other, tile, size, mask)
-
-    if mask.plain:
-        others = range(num_tiles) if not mask.causal else range(0, tile + 1) if queries else range(tile, num_tiles)
-    else:
-        lo, hi = tile, tile + 1
-        while lo > 0 and kind(lo - 1) is not None:
-            lo -= 1
-        while hi < num_tiles and kind(hi) is not None:
-            hi += 1
-        others = range(lo, hi)
-    return tuple((other, kind(other)) for other in others)
-
-
-def _meets(tile, tiling, mask: AttentionMask, queries: bool) -> tuple:
-    """:func:`_partners` of a ``(document, index)`` tile: the tiles of its document it meets, with the pairs'
-    kinds."""
-    doc, index = tile
-    size, count = tiling[doc]
-    return tuple(((doc, other), kind) for other, kind in _partners(index, count, size, mask, queries))
+from .tiling import meets, partners, rank_ranges, tile_owner, tiles_in, tilings
 
 
 def _tree(tile, tiling, mask: AttentionMask, queries: bool, combine) -> TileTree:
-    """The tree of ``tile``'s partials over the tiles of its document it meets (:func:`_partners`)."""
+    """The tree of ``tile``'s partials over the tiles of its document it meets (:func:`partners`)."""
     doc, index = tile
     size, count = tiling[doc]
-    partners = _partners(index, count, size, mask, queries)
-    return TileTree(count, range(partners[0][0], partners[-1][0] + 1), combine)
+    met = partners(index, count, size, mask, queries)
+    return TileTree(count, range(met[0][0], met[-1][0] + 1), combine)
 
 
 BATCHED_TILE = 64
@@ -193,7 +78,7 @@ def _calls(ranges, tile, tiling, mask: AttentionMask, queries: bool):
     module doc); a diagonal, a pair of blocks or a smaller tile alone."""
     doc, index = tile
     size, count = tiling[doc]
-    kinds = dict(_partners(index, count, size, mask, not queries))
+    kinds = dict(partners(index, count, size, mask, not queries))
     for range_doc, local, first, rows in ranges:
         if range_doc != doc:
             continue
@@ -266,7 +151,7 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
     overlaps the computation)."""
     group, layout = spec.group, spec.layout
     if group is None:
-        yield tensors, _ranges(layout, 0), 0
+        yield tensors, rank_ranges(layout, 0), 0
         return
     if not ring:
         starts = layout.cu_seqlens_padded.tolist()
@@ -281,7 +166,7 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
                                [(torch.empty(t.shape, dtype=t.dtype, device=t.device), comm.prev_rank, tag)
                                 for tag, t in enumerate(tensors)])
         owner = (comm.rank - step) % comm.size
-        yield tensors, _ranges(layout, owner), owner
+        yield tensors, rank_ranges(layout, owner), owner
         if pending is not None:
             tensors = tuple(pending.wait())
 
@@ -289,12 +174,12 @@ def _blocks(tensors: tuple[torch.Tensor, ...], spec: AttnSpec, ring: bool):
 def _geometry(spec: AttnSpec):
     """``(this rank's ranges, the documents' tilings)``."""
     rank = dist.get_rank(spec.group) if spec.group is not None else 0
-    return _ranges(spec.layout, rank), tilings(spec.layout)
+    return rank_ranges(spec.layout, rank), tilings(spec.layout)
 
 
 def _assemble(trees: dict, ranges, tiling, outs: tuple[torch.Tensor, ...]) -> None:
     """Each tile's combined partials into its rows of ``outs`` (accumulators shaped as the rank's tensors)."""
-    for rows, tile in _tiles(ranges, tiling):
+    for rows, tile in tiles_in(ranges, tiling):
         for out, part in zip(outs, trees[tile].result(), strict=True):
             out[:, :, rows].copy_(part)
 
@@ -303,9 +188,9 @@ def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
     """``q (B, H, S_local, D)``, ``k, v (B, Hkv, S_local, D)`` -> ``(out in q's dtype, lse)``: module doc."""
     mask = spec.mask
     ranges, tiling = _geometry(spec)
-    trees = {tile: _tree(tile, tiling, mask, True, _merged) for _, tile in _tiles(ranges, tiling)}
+    trees = {tile: _tree(tile, tiling, mask, True, _merged) for _, tile in tiles_in(ranges, tiling)}
     for (k_block, v_block), key_ranges, _ in _blocks((k, v), spec, ring):
-        for keys, key_tile in _tiles(key_ranges, tiling):
+        for keys, key_tile in tiles_in(key_ranges, tiling):
             size = tiling[key_tile[0]][0]
             for rows, tiles, kind in _calls(ranges, key_tile, tiling, mask, queries=True):
                 out, lse = _forward_call(q[:, :, rows], k_block[:, :, keys], v_block[:, :, keys], kind, spec)
@@ -326,20 +211,20 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = Fal
     mask, group = spec.mask, spec.group
     ranges, tiling = _geometry(spec)
     rank = dist.get_rank(group) if group is not None else 0
-    rows = dict((tile, local) for local, tile in _tiles(ranges, tiling))
+    rows = dict((tile, local) for local, tile in tiles_in(ranges, tiling))
     saved = {tile: (out[:, :, local], lse[:, :, local].contiguous()) for tile, local in rows.items()}
     dq_trees = {tile: _tree(tile, tiling, mask, True, _summed) for tile in rows}
     kv_trees = {tile: _tree(tile, tiling, mask, False, _summed) for tile in rows}
     pending = []
     for (k_block, v_block), key_ranges, owner in _blocks((k, v), spec, ring):
         outboxes: dict[int, dict[tuple[int, int], TileTree]] = {}
-        for keys, key_tile in _tiles(key_ranges, tiling):
-            keeper = owner if owner is not None else _owner(key_tile, tiling, spec.layout)
+        for keys, key_tile in tiles_in(key_ranges, tiling):
+            keeper = owner if owner is not None else tile_owner(key_tile, tiling, spec.layout)
             if keeper == rank:
                 target = kv_trees[key_tile]
             else:
                 target = outboxes.setdefault(keeper, {})[key_tile] = _tree(key_tile, tiling, mask, False, _summed)
-            for query_tile, kind in _meets(key_tile, tiling, mask, False):
+            for query_tile, kind in meets(key_tile, tiling, mask, False):
                 if query_tile not in rows:
                     continue
                 local = rows[query_tile]
@@ -355,21 +240,12 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = Fal
     return _gradients(q, k, v, ranges, tiling, dq_trees, kv_trees)
 
 
-def _owner(tile, tiling, layout: ZigzagDocs) -> int:
-    """The rank holding (key) tile ``(document, index)`` in the zigzag layout."""
-    if layout.size == 1:
-        return 0
-    doc, index = tile
-    chunk = index * tiling[doc][0] // layout.chunk(doc)
-    return chunk if chunk < layout.size else 2 * layout.size - 1 - chunk
-
-
 @functools.lru_cache(maxsize=4096)
 def _nodes(query_tiles: frozenset, key_tile, tiling, mask: AttentionMask) -> tuple:
     """The complete nodes, ascending, of key tile ``key_tile``'s tree after the partials of ``query_tiles`` (one
     rank's) were added: what that rank sends the key tile's owner (the same on both sides: geometry alone)."""
     tree = _tree(key_tile, tiling, mask, False, lambda left, right: left)
-    for query_tile, _ in _meets(key_tile, tiling, mask, False):
+    for query_tile, _ in meets(key_tile, tiling, mask, False):
         if query_tile in query_tiles:
             tree.add(query_tile[1], True)
     return tuple(sorted(tree.done))
@@ -400,9 +276,9 @@ def _exchange_nodes(spec: AttnSpec, rank: int, outboxes: dict, kv_trees: dict, k
         if parts:
             sends.append((torch.cat(parts), peer, NODES_TAG))
     recvs, expected = [], []
-    mine = frozenset(tile for _, tile in _tiles(_ranges(layout, rank), tiling))
+    mine = frozenset(tile for _, tile in tiles_in(rank_ranges(layout, rank), tiling))
     for peer in senders:
-        theirs = frozenset(tile for _, tile in _tiles(_ranges(layout, peer), tiling))
+        theirs = frozenset(tile for _, tile in tiles_in(rank_ranges(layout, peer), tiling))
         nodes = [(key_tile, node) for key_tile in sorted(mine) for node in _nodes(theirs, key_tile, tiling, mask)]
         if nodes:
             numel = sum(math.prod(shape) for key_tile, _ in nodes for shape in shapes(key_tile))
@@ -435,18 +311,6 @@ def _gradients(q, k, v, ranges, tiling, dq_trees: dict, kv_trees: dict):
     _assemble(dq_trees, ranges, tiling, (dq,))
     _assemble(kv_trees, ranges, tiling, (dk, dv))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def canonical_applies(layout: ZigzagDocs, mask, sinks, packed: bool = False) -> bool:
-    """Whether a call runs on canonical tiles in the deterministic mode (one process, ``a2a``'s heads, a2a+p2p's
-    ring): no sinks, and one unpadded sequence of a multiple of :func:`tile_size`, any mask; or, with ``packed``
-    (the patterns on canonical tiles: ``p2p``, ``all_gather``, ``a2a+p2p``), documents of multiples of 48
-    (:func:`tiles_refusal` at one rank). A function of the global call and the pattern alone, so every degree
-    decides alike; ``a2a`` keeps one process's blockwise plan there (tiles of a 48th of a short document are a few
-    tokens each: many small calls)."""
-    if sinks is not None:
-        return False
-    return _sequence_rule(layout) or (packed and tiles_refusal(layout, mask, 1, "") is None)
 
 
 def canonical_attention(q, k, v, spec: AttnSpec, ring: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

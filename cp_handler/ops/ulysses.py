@@ -49,11 +49,12 @@ from einops import rearrange
 
 from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask
-from .canonical import canonical_applies, canonical_attention
+from .canonical import canonical_attention
 from .collectives import _AllToAll
 from .halves import halves_order, uses_halves
 from .ring import halves_ring_attention, ring_attention
 from .spec import AttnSpec, attn_spec
+from .tiling import canonical_applies
 
 
 def seq_to_heads(tensors: tuple[torch.Tensor, ...], group) -> list[torch.Tensor]:
