@@ -67,22 +67,23 @@ class LocalContextParallelHandler(ContextParallelHandler):
             ``None``: this handler's own. Refused without ``"auto"``.
         deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
             ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): every pattern on canonical
-            tiles (:mod:`~cp_handler.ops.canonical`: bshd / sbhd, any mask, no sinks, zigzag chunks of whole
-            tiles), the same bits in every pattern; ``a2a`` also runs packed documents and sinks (each rank computes
-            whole heads over the whole sequence, one process's blockwise computation).
+            tiles (:mod:`~cp_handler.ops.canonical`: any mask on bshd / sbhd, causal masks on thd packs, no sinks,
+            zigzag chunks of whole tiles), the same bits in every pattern; ``a2a`` runs packed documents and sinks
+            with one process's blockwise computation instead (each rank computes whole heads over the whole
+            sequence); ``"auto"`` picks among the patterns that run a call.
             The block kernel is pinned (``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
-            ``"auto"``; ``p2p``, ``all_gather`` and ``a2a+p2p`` with thd, sinks or chunks that are not
-            whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value heads when
-            they are fewer than the query heads (a key-value head's gradient would be summed over ranks in the
-            group's order); a device other than the CPU (not yet run on a GPU).
+            ``p2p``, ``all_gather`` and ``a2a+p2p`` with sinks, a full mask on padded documents or chunks that
+            are not whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value
+            heads when they are fewer than the query heads (a key-value head's gradient would be summed over ranks
+            in the group's order); a device other than the CPU (not yet run on a GPU).
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
             not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group;
-            ``deterministic`` with ``"auto"`` at cp > 1 or another kernel than ``cpu_flash``;
+            ``deterministic`` with another kernel than ``cpu_flash``;
             ``cp_comm_profile`` without ``"auto"``, unknown, or not covering the group (at the first call: its
             device or dtype).
     """
