@@ -241,10 +241,6 @@ class LocalContextParallelHandler(ContextParallelHandler):
         refusal, ring = None, self._ring_size(comm_type)
         if self.cp_size > 1 and comm_type in CANONICAL_COMM_TYPES:
             refusal = tiles_refusal(layout, mask, ring, comm_type)
-            if sinks is not None:
-                refusal = refusal or (f"deterministic=True with cp_comm_type={comm_type!r}: its canonical tiles run "
-                                      "without sinks (a sink's gradient sums every row of its head, over the ranks: "
-                                      "use 'a2a', whose ranks hold whole heads)")
         if comm_type in ("a2a", "a2a+p2p"):  # heads split over the all-to-all (p2p, all_gather: whole)
             refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
         return refusal
@@ -274,9 +270,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
                                                  enable_gqa=q.shape[1] != k.shape[1])
         elif self.deterministic and (call.comm_type in ("all_gather", "p2p") if self.cp_size > 1 else
                                      canonical_applies(call.layout, mask, call.sinks,
-                                                       packed=call.comm_type in CANONICAL_COMM_TYPES)):
+                                                       tiled=call.comm_type in CANONICAL_COMM_TYPES)):
             spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
-                            group=self.cp_group if self.cp_size > 1 else None)
+                            group=self.cp_group if self.cp_size > 1 else None, sinks=call.sinks)
             out = canonical_attention(q, k, v, spec, ring=call.comm_type == "p2p")[0]
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
             comm_type = call.comm_type if self.cp_size > 1 else "p2p"

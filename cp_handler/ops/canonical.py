@@ -45,6 +45,7 @@ import torch.distributed as dist
 from ..core.layout import ZigzagDocs
 from ..core.masks import AttentionMask
 from .blocks import blocks_backward_, blocks_forward_, new_accumulators
+from .collectives import all_gather_single
 from .kernels.base import seq_major
 from .merge import acc_dtype, merge_attn_out_
 from .p2p import RingComm, exchange
@@ -197,9 +198,51 @@ def canonical_forward(q, k, v, spec: AttnSpec, ring: bool = False, sinks=None):
                 for n, tile in enumerate(tiles):
                     part = slice(n * size, (n + 1) * size)
                     trees[tile].add(key_tile[1], (_own(out[:, :, part]), _own_lse(lse[:, :, part])))
+    if sinks is not None:
+        for tree in trees.values():
+            tree.done[tree.root] = _fold_sinks(*tree.result(), sinks)
     out, lse = new_accumulators(q, v.shape[-1])
     _assemble(trees, ranges, tiling, (out, lse))
     return out.to(q.dtype), lse
+
+
+def _fold_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """:func:`~.sinks.fold_sinks` on one tile's ``(out, lse)``, each elementwise pass written per head (the
+    log-sum-exp rows padded as :func:`_own_lse`): the same bits whatever number of heads a rank holds."""
+    sink = sinks.detach().to(lse.dtype)[None, :, None]
+    total = torch.logaddexp(lse, sink, out=_own_lse(lse))
+    factor = torch.sub(lse, total, out=_own_lse(lse)).exp_()
+    return out.mul_(factor.unsqueeze(-1)), total
+
+
+def _sinks_grad(dout, out, lse, sinks: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """The sinks' gradient ``(H,)``: each tile's share (:func:`~.sinks.sinks_grad` on its rows, per head), every
+    rank's gathered and added in ascending tile order, on the group's first rank (the others return zeros, so a sum
+    over the group, as a gradient all-reduce makes, is that total whatever its order)."""
+    ranges, tiling = _geometry(spec)
+    shares, order = [], []
+    for rows, tile in tiles_in(ranges, tiling):
+        delta = (dout[:, :, rows].to(lse.dtype) * out[:, :, rows].to(lse.dtype)).sum(-1)
+        weight = torch.sub(sinks.detach().to(lse.dtype)[None, :, None], lse[:, :, rows], out=_own_lse(delta)).exp_()
+        shares.append(-(weight.mul_(delta)).sum(dim=(0, 2)))
+        order.append(tile)
+    local, group = torch.stack(shares), spec.group
+    if group is None:
+        return _ordered_sum(local, order).to(sinks.dtype)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    every = local.new_empty((size * local.shape[0], local.shape[1]))
+    all_gather_single(every, local, group)
+    tiles = [tile for peer in range(size) for _, tile in tiles_in(rank_ranges(spec.layout, peer), tiling)]
+    total = _ordered_sum(every, tiles)
+    return (total if rank == 0 else torch.zeros_like(total)).to(sinks.dtype)
+
+
+def _ordered_sum(shares: torch.Tensor, tiles: list) -> torch.Tensor:
+    """The rows of ``shares`` added in ascending order of their ``tiles``."""
+    total = None
+    for i in sorted(range(len(tiles)), key=tiles.__getitem__):
+        total = shares[i].clone() if total is None else total.add_(shares[i])
+    return total
 
 
 def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = False):
@@ -237,7 +280,8 @@ def canonical_backward(dout, q, k, v, out, lse, spec: AttnSpec, ring: bool = Fal
         pending = [_exchange_nodes(spec, rank, outboxes, kv_trees, k, v, owner, tiling)]
     for done in pending:
         done()
-    return _gradients(q, k, v, ranges, tiling, dq_trees, kv_trees)
+    grads = _gradients(q, k, v, ranges, tiling, dq_trees, kv_trees)
+    return grads if spec.sinks is None else (*grads, _sinks_grad(dout, out, lse, spec.sinks, spec))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -317,4 +361,4 @@ def canonical_attention(q, k, v, spec: AttnSpec, ring: bool = False) -> tuple[to
     """Differentiable deterministic attention of a checked call on canonical tiles (module doc): ``spec.group``
     None, one process's computation (cp 1); a group, the KV all-gather's, or with ``ring`` the ring's (``p2p``, the
     ring level of ``a2a+p2p``)."""
-    return AttentionFunction.apply(q, k, v, None, canonical_forward, canonical_backward, spec, ring)
+    return AttentionFunction.apply(q, k, v, spec.sinks, canonical_forward, canonical_backward, spec, ring)

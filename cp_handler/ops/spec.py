@@ -9,7 +9,8 @@ ring step).
 
 An algorithm gives ``forward(q, k, v, spec, *extra, sinks) -> (out, lse)`` (sinks folded in, :mod:`.sinks`)
 and ``backward(dout, q, k, v, out, lse, spec, *extra) -> (dq, dk, dv)`` given the forward's (folded)
-``out`` / ``lse``; :class:`AttentionFunction` saves what the backward needs and adds the sinks' gradient.
+``out`` / ``lse``; :class:`AttentionFunction` saves what the backward needs and adds the sinks' gradient (unless the
+backward returns it fourth: the deterministic mode's canonical tiles sum it in tile order).
 ``lse`` is returned but not differentiable.
 """
 
@@ -123,6 +124,10 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(dout, q, k, v, out, lse, ctx.spec, *ctx.extra)
-        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        grads = ctx.backward_fn(dout, q, k, v, out, lse, ctx.spec, *ctx.extra)
+        dq, dk, dv = grads[:3]
+        if len(grads) == 4:  # an algorithm that reduces the sinks' gradient its own way (the deterministic mode)
+            dsinks = grads[3]
+        else:
+            dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         return dq, dk, dv, dsinks, None, None, None, *(None for _ in ctx.extra)

@@ -135,13 +135,13 @@ def tile_owner(tile, tiling, layout: ZigzagDocs) -> int:
     return chunk if chunk < layout.size else 2 * layout.size - 1 - chunk
 
 
-def canonical_applies(layout: ZigzagDocs, mask, sinks, packed: bool = False) -> bool:
-    """Whether a call runs on canonical tiles in the deterministic mode (one process, ``a2a``'s heads, a2a+p2p's
-    ring): no sinks, and one unpadded sequence of a multiple of :func:`tile_size`, any mask; or, with ``packed``
-    (the patterns on canonical tiles: ``p2p``, ``all_gather``, ``a2a+p2p``), documents of multiples of 48
-    (:func:`tiles_refusal` at one rank). A function of the global call and the pattern alone, so every degree
-    decides alike; ``a2a`` keeps one process's blockwise plan there (tiles of a 48th of a short document are a few
-    tokens each: many small calls)."""
-    if sinks is not None:
+def canonical_applies(layout: ZigzagDocs, mask, sinks, tiled: bool = False) -> bool:
+    """Whether a call runs on canonical tiles in the deterministic mode: one unpadded sequence of a multiple of
+    :func:`tile_size` without sinks, any mask (every pattern: one process, ``a2a``'s heads); with ``tiled`` (the
+    call's pattern runs on canonical tiles alone: ``p2p``, ``all_gather``, ``a2a+p2p``) also sinks and documents of
+    multiples of 48 (:func:`tiles_refusal` at one rank). A function of the global call and the pattern alone, so
+    every degree decides alike; ``a2a`` keeps one process's blockwise plan for those (tiles of a 48th of a short
+    document are a few tokens each: many small calls)."""
+    if sinks is not None and not tiled:
         return False
-    return _sequence_rule(layout) or (packed and tiles_refusal(layout, mask, 1, "") is None)
+    return _sequence_rule(layout) or (tiled and tiles_refusal(layout, mask, 1, "") is None)

@@ -252,7 +252,7 @@ def a2a_attention(q, k, v, spec: AttnSpec, return_lse: bool = False):
                                                q.device)
     q, k, v = seq_to_heads((q, k, v), spec.group)
     q, k, v = q.index_select(2, order), k.index_select(2, order), v.index_select(2, order)
-    if spec.canonical and canonical_applies(spec.layout, spec.mask, spec.sinks, packed=spec.p2p_group is not None):
+    if spec.canonical and canonical_applies(spec.layout, spec.mask, spec.sinks, tiled=spec.p2p_group is not None):
         out, lse = canonical_attention(q, k, v, replace(ring_spec, layout=inner), ring=spec.p2p_group is not None)
     else:
         out, lse = (halves_ring_attention if halves else ring_attention)(q, k, v, replace(ring_spec, layout=inner))
