@@ -237,9 +237,10 @@ def test_deterministic_mode_refuses_token_mixers_other_than_attention(tmp_path):
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--cp-comm-type", "p2p", "--seq-len", "96"], "--seq-len 96: deterministic=True with cp_comm_type='p2p'"),
-    (["--cp-comm-type", "all_gather", "--seq-len", "96"], "--seq-len 96: deterministic=True with "
-                                                          "cp_comm_type='all_gather': a sequence of 96 tokens"),
+    (["--cp-comm-type", "p2p", "--seq-len", "104"], "--seq-len 104: deterministic=True with cp_comm_type='p2p': "
+                                                    "documents of [104] tokens"),
+    (["--cp-comm-type", "all_gather", "--seq-len", "320"], "--seq-len 320: deterministic=True with "
+                                                           "cp_comm_type='all_gather': a sequence of 320 tokens"),
     (["--num-heads", "8", "--num-kv-heads", "1"], "with --cp-size 2: deterministic=True with 1 key-value heads over a "
                                                   "CP group of 2"),
 ])
