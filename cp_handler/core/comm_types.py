@@ -19,5 +19,5 @@ COMM_TYPE_CHOICES = (*CP_COMM_TYPES, AUTO)
 
 CANONICAL_COMM_TYPES = ("all_gather", "p2p", "a2a+p2p")
 """The patterns whose deterministic computation runs on canonical tiles alone (:mod:`cp_handler.ops.canonical`):
-bshd / sbhd rows without sinks; ``"a2a"`` runs packed documents and sinks too (each rank's heads over the whole
-sequence, as one process)."""
+sequences and packed documents, sinks too; ``"a2a"`` runs packed documents and sinks with one process's blockwise
+plan instead (each rank's heads over the whole sequence)."""

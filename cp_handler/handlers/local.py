@@ -67,14 +67,14 @@ class LocalContextParallelHandler(ContextParallelHandler):
             ``None``: this handler's own. Refused without ``"auto"``.
         deterministic: attention bitwise identical at every CP degree (the output, and the gradients of q, k and v,
             ``torch.equal`` to cp = 1 on the same global inputs; docs/deterministic.md): every pattern on canonical
-            tiles (:mod:`~cp_handler.ops.canonical`: any mask on bshd / sbhd, causal masks on thd packs, no sinks,
+            tiles (:mod:`~cp_handler.ops.canonical`: any mask on bshd / sbhd, causal masks on thd packs, sinks,
             zigzag chunks of whole tiles), the same bits in every pattern; ``a2a`` runs packed documents and sinks
             with one process's blockwise computation instead (each rank computes whole heads over the whole
             sequence); ``"auto"`` picks among the patterns that run a call.
             The block kernel is pinned (``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
-            ``p2p``, ``all_gather`` and ``a2a+p2p`` with sinks, a full mask on padded documents or chunks that
+            ``p2p``, ``all_gather`` and ``a2a+p2p`` with a full mask on padded documents or chunks that
             are not whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value
             heads when they are fewer than the query heads (a key-value head's gradient would be summed over ranks
             in the group's order); a device other than the CPU (not yet run on a GPU).

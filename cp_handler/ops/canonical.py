@@ -30,8 +30,8 @@ Windows, chunks and soft-caps: a pair that is not full or the diagonal runs its 
 (:func:`~cp_handler.core.masks.mask_blocks` on the pair alone, merged and summed in their order), the same at every
 degree; pairs with nothing visible are skipped (a tile's visible tiles are a run around the diagonal). The merges run
 on whole tiles (multiples of 64 rows), so a CPU vector loop never leaves a scalar tail whose position would depend on
-the degree (:mod:`.merge`). bshd / sbhd, without sinks (refused by the handler: their gradient is a sum over every
-row of a head, over ranks).
+the degree (:mod:`.merge`). Sinks are folded into each tile's merged result (:func:`_fold_sinks`), their gradient
+summed in tile order over the group (:func:`_sinks_grad`).
 """
 
 from __future__ import annotations
