@@ -128,11 +128,8 @@ def meets(tile, tiling, mask: AttentionMask, queries: bool) -> tuple:
 
 def tile_owner(tile, tiling, layout: ZigzagDocs) -> int:
     """The rank holding (key) tile ``(document, index)`` in the zigzag layout."""
-    if layout.size == 1:
-        return 0
     doc, index = tile
-    chunk = index * tiling[doc][0] // layout.chunk(doc)
-    return chunk if chunk < layout.size else 2 * layout.size - 1 - chunk
+    return layout.chunk_owner_slot(doc, index * tiling[doc][0] // layout.chunk(doc))[0]
 
 
 def canonical_applies(layout: ZigzagDocs, mask, sinks, tiled: bool = False) -> bool:
