@@ -81,7 +81,7 @@ def test_eval_at_another_cp_degree(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "eval-cp check passed" in result.stderr
     metrics = json.loads(out.read_text())
-    assert [r["step"] for r in metrics["steps"] if "eval_loss" in r] == [2, 5]
+    assert [r["step"] for r in metrics["steps"] if "eval_loss" in r] == [3, 6]  # counted from 1
     assert metrics["eval_cp_check"]["passed"] and metrics["eval_cp_check"]["eval_cp_size"] == 4
 
 
@@ -377,7 +377,7 @@ def test_non_finite_loss_stops_the_run_and_fails_parity():
 
     result = cp_train("--nproc", "2", *SMALL, "--backend", "nan_bug", "--check-parity", env=PLUGINS)
     assert result.returncode != 0 and "step 1: the loss is nan; the run stops" in result.stderr, result.stderr[-2000:]
-    good = {"step": 0, "loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0,
+    good = {"step": 1, "loss": 5.5, "reference_loss": 5.5, "grad_rel_diff": 0.0, "grad_norm": 1.0,
             "reference_grad_norm": 1.0}
     assert parity_result([good], "float32")["passed"]
     nan = dict.fromkeys(good, float("nan"))

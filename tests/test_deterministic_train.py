@@ -282,10 +282,10 @@ def test_bitwise_parity_verdict_fails_on_any_difference(capsys):
     (the check can fail), and names them."""
     from cp_handler.training.parity import parity_result
 
-    record = {"step": 0, "loss": 1.0, "reference_loss": 1.0, "grad_rel_diff": 0.0, "grad_norm": 2.0,
+    record = {"step": 1, "loss": 1.0, "reference_loss": 1.0, "grad_rel_diff": 0.0, "grad_norm": 2.0,
               "reference_grad_norm": 2.0, "twin_loss": 1.0, "twin_grads_differing": []}
     assert parity_result([record], "float32")["passed"]
-    bad = [dict(record, twin_loss=1.0 + 2**-52), dict(record, step=1, twin_grads_differing=["lm_head.weight"])]
+    bad = [dict(record, twin_loss=1.0 + 2**-52), dict(record, step=2, twin_grads_differing=["lm_head.weight"])]
     result = parity_result(bad, "float32")
     assert not result["passed"]
     assert result["bitwise"]["loss_steps_differing"] == [1]

@@ -134,7 +134,7 @@ def test_cp_size_counts_padding():
     assert cp_size_for(1025, 512, [1, 2, 3, 6]) == 3  # 1025 padded to 1026 over 3 ranks is 342
 
 
-RANK_TIMES = Path(__file__).parent.parent / "docs" / "benchmarks" / "results" / "h100_ring_rank_times.csv"
+RANK_TIMES = Path(__file__).parent.parent / "cp_handler" / "dynamic" / "rank_times" / "h100_ring_rank_times.csv"
 
 
 def test_cost_model_fitted_to_the_h100_table_prices_splitting():

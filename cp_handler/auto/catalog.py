@@ -3,7 +3,7 @@
 Named profiles are **modelled**, and say so in their ``source``:
 
 * compute: the p2p ring plans of one H100 (FlashAttention-2 blocks, bf16, Llama-3-8B attention: 32 / 8 heads of
-  128), measured 2026-11-24 (``docs/benchmarks/results/h100_ring_rank_times.csv``, its 34 rows with cp 2-32),
+  128), measured 2026-11-24 (``cp_handler/dynamic/rank_times/h100_ring_rank_times.csv``, its 34 rows with cp 2-32),
   fitted to the plan features (:func:`~.calibrate.fit_compute`: median relative error 7%, max 40%); other GPUs
   scale that fit's milliseconds by a published kernel rate (:data:`GPUS`: H200 and H800 the same SMs, A100 the
   FlashAttention-2 paper's rates, B200 / GB200 FlashAttention-4's);

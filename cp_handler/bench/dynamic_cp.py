@@ -7,7 +7,8 @@
    (:mod:`.megatron_peer`), else marked not run.
 2. **Simulated step time**, dynamic vs static CP, with the GPU cost model
    (:class:`~cp_handler.dynamic.CostModel`) fitted to a measured per-rank table (default: the H100
-   table in docs/benchmarks/results/h100_ring_rank_times.csv): one Llama-3-8B layer forward+backward
+   table in cp_handler/dynamic/rank_times/h100_ring_rank_times.csv, shipped in the wheel): one Llama-3-8B layer
+   forward+backward
    on a long-context mix (stdlib file sizes cut at 131072 tokens: median 6.5k, a tail to 128k),
    ``--sim-budgets`` tokens per rank, so static CP is what the longest needs (16 at 8192: two
    8-GPU nodes; 8 at 16384: one node); per rank count the median over draws of the estimated step
@@ -35,8 +36,7 @@ from ..dynamic.scheduler import cp_size_for, group_sizes
 from ..training.data import stdlib_files
 from .megatron_peer import load_balanced_cp_scheduler, megatron_makespan, megatron_version
 
-RANK_TIMES = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "benchmarks", "results",
-                          "h100_ring_rank_times.csv")
+RANK_TIMES = os.path.join(os.path.dirname(__file__), "..", "dynamic", "rank_times", "h100_ring_rank_times.csv")
 QUALITY_CASES = ((8, 512), (32, 512), (256, 2048), (1024, 4096))
 
 

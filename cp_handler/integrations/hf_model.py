@@ -4,8 +4,8 @@ that under a handler every token-mixing layer goes through CP, or the forward ra
 :func:`prepare_model` (called by ``register(model)`` and :class:`~.transformers.CPCausalLM`):
 
 * **Token mixers other than attention** (:mod:`.hf_mixers`): every mixer whose forward calls a known kernel
-  (gated delta rule, Mamba scans, causal convolutions) is routed to the handler's mixer methods, if its class
-  was reviewed; then each routed mixer must give, on two documents packed in one sequence, what it gives on
+  (gated delta rule, Mamba scans, causal convolutions) is routed to the handler's mixer methods, whatever its class
+  or its source; then each routed mixer must give, on two documents packed in one sequence, what it gives on
   each alone (:func:`check_mixer_documents`): a mixer that mixes tokens outside the routed kernels is refused.
 * **Static checks** (:func:`check_model`), before any forward: a convolution over the sequence outside a
   routed mixer (``nn.Conv1d`` with a kernel longer than 1) or a ``config.layer_types`` entry that is not an

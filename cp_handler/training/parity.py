@@ -120,7 +120,7 @@ def parity_result(records: list[dict], dtype: str) -> dict:
     norm = [_relative(r["grad_norm"], r["reference_grad_norm"]) for r in records]
     rtol = PARITY_RTOL[dtype]
     worst = max(range(len(records)), key=lambda i: max(rel[i], grad[i], norm[i]))
-    worst_step = records[worst]["step"] + 1  # counted from 1, as the progress lines count
+    worst_step = records[worst]["step"]  # counted from 1, as the progress lines and the records count
     finite = all(math.isfinite(x) for r in records for x in (r["loss"], r["reference_loss"], r["grad_rel_diff"],
                                                              r["grad_norm"], r["reference_grad_norm"]))
     result = {"rtol": rtol, "max_rel_diff": max(rel), "max_grad_rel_diff": max(grad),
@@ -141,8 +141,8 @@ def parity_result(records: list[dict], dtype: str) -> dict:
 def _bitwise(records: list[dict]) -> dict:
     """The deterministic mode's bitwise check (:class:`StepReference`'s ``twin``): every step's loss ``==`` and
     every gradient ``torch.equal`` to the same step at cp 1 in the mode; prints the verdict."""
-    losses = [r["step"] + 1 for r in records if r["loss"] != r["twin_loss"]]
-    grads = {r["step"] + 1: r["twin_grads_differing"] for r in records if r["twin_grads_differing"]}
+    losses = [r["step"] for r in records if r["loss"] != r["twin_loss"]]
+    grads = {r["step"]: r["twin_grads_differing"] for r in records if r["twin_grads_differing"]}
     passed = not losses and not grads
     detail = "" if passed else f" (steps whose loss differs: {losses}; gradients differing: {grads})"
     print(f"cp-train: bitwise parity {'passed' if passed else 'FAILED'}: each of {len(records)} steps' loss == and "

@@ -275,7 +275,7 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         self.scheduler.step()
         elapsed = time.perf_counter() - began
-        return {"step": step, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
+        return {"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr, "step_time_s": elapsed,
                 "tokens_per_s": tokens / elapsed, **checked}
 
     # --- after a step --------------------------------------------------------------------------------------------

@@ -52,8 +52,8 @@ from .base import H200_RUN_B, AttnKernel
 from .flash_window import band, whole_grads, whole_rows
 
 FA4_RELEASE = "4.0.0b36"
-"""The only release whose private entry points this module is written against (``pip install
-'cp_handler[fa4]'``)."""
+"""The only release whose private entry points this module is written against (the ``fa4`` extra:
+``pip install -e '.[fa4]'`` from the checkout)."""
 FA4_HINT = extra_hint("fa4") + ", on sm90 / sm100"
 CACHE_ENV = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
 MIN_CAPABILITY = (9, 0)
