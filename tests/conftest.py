@@ -10,6 +10,9 @@ rules in both.
 * ``database=None``: no ``.hypothesis`` folder written into a clone.
 * example counts: hypothesis' default (100) unless a test states its own (``@settings(max_examples=...)``
   inherits everything else from this profile).
+* threads: a pytest-xdist worker computes on its share of the cores (``torch.set_num_threads``: 1 each with
+  ``make test``'s 2 workers on 2 cores), as the ranks do (1 each): two workers each running OpenMP pools as wide
+  as the machine oversubscribe it, their threads spinning while the other worker's hold the cores.
 * :data:`HANG_GUARD_S`: the one wall-clock limit a test may put on a subprocess or a collective, a hang guard
   only (a loaded 2-core machine ran the suite 2.7x slower than idle, and a 400 s limit failed a correct test);
   pytest's own per-test limit (pyproject.toml) is above it, so a hung subprocess is killed with its output.
@@ -36,3 +39,11 @@ def load() -> None:
 
 
 load()
+
+
+def pytest_configure(config) -> None:
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))

@@ -161,6 +161,15 @@ def run_distributed(fn, world_size: int, *args, device: str = "cpu", stage_throu
                 raise
 
 
+def computed_once(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` computed on rank 0 and sent to every rank (``broadcast_object_list``: tensors pickled,
+    bits kept). For the single-process reference of a parallel test: its inputs are the same on every rank, so one
+    rank computes it for all instead of each of N ranks sharing the machine's cores computing it again."""
+    box = [fn(*args, **kwargs) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def new_cp_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
     """A CP group over ``ranks`` (default: all), distinct from the default group."""
     return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())))

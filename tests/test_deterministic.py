@@ -13,7 +13,7 @@ Tolerances: none (bitwise).
 
 import pytest
 import torch
-from dist_utils import fails_fast, new_cp_group, run_distributed
+from dist_utils import computed_once, fails_fast, new_cp_group, run_distributed
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
@@ -114,23 +114,23 @@ def _handler(group, comm_type="a2a", deterministic=True):
 def _worker(rank, world):
     torch.manual_seed(0)
     group = new_cp_group()
-    plain = _results(_handler(None), CASES[0])[0]
+    plain = computed_once(_results, _handler(None), CASES[0])[0]
     for case in CASES:
         if case[0] in VARIANTS:  # the variant's attribute took effect (else its case would test the plain mask)
-            assert not torch.equal(_results(_handler(None), case)[0], plain), case[0]
+            assert not torch.equal(computed_once(_results, _handler(None), case)[0], plain), case[0]
         if not _case_runs(case[0], world):
             continue
-        want = _results(_case_handler(None, case), case)  # one process, on every rank: the same inputs
+        want = computed_once(_results, _case_handler(None, case), case)  # one process (rank 0's, sent to all)
         got = _results(_case_handler(group, case), case)
         for what, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=False):
             assert torch.equal(a, b), f"{case[0]} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
     # the reference GPT (8 heads; one per rank at cp 8): its logits, so its per-token losses, bitwise cp 1's
-    want = _gpt_logits(_handler(None))
+    want = computed_once(_gpt_logits, _handler(None))
     got = _gpt_logits(_handler(group))
     assert torch.equal(got, want), f"GPT logits cp {world}: max difference {(got - want).abs().max().item():.3e}"
     if world == 2:  # the negative control: the default ring on the same inputs is not bitwise one process's
         case = CASES[0]
-        want = _results(_handler(None), case)
+        want = computed_once(_results, _handler(None), case)
         got = _results(_handler(group, "p2p", deterministic=False), case)
         assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
@@ -186,7 +186,7 @@ def _canonical_worker(rank, world):
     for tiles_per_chunk in (1, 3):  # 3: a tree over tiles that reach each rank in runs, not one by one
         seq_len = 2 * world * 64 * tiles_per_chunk  # zigzag chunks of whole canonical tiles (64 tokens here)
         for case in AG_CASES:
-            want = _ag_results(_ag_handler(None), case, seq_len)  # one process's canonical tiles, on every rank
+            want = computed_once(_ag_results, _ag_handler(None), case, seq_len)  # one process's canonical tiles
             for name, handler in _tiled_handlers(world, case[1], case[2], group, levels):
                 if (name == "auto" and case[3] != torch.float32) or (name == "a2a" and case[0].startswith("sinks")):
                     continue  # a2a runs sinks with its blockwise plan (other bits, the same at every degree)
@@ -196,12 +196,12 @@ def _canonical_worker(rank, world):
                                                f"{(a - b).abs().max().item():.3e}")
     # the reference GPT through every pattern: its logits, so its per-token losses, bitwise one process's
     seq_len = 2 * world * 64
-    want = _gpt_logits(_handler(None), seq_len)
+    want = computed_once(_gpt_logits, _handler(None), seq_len)
     for name, handler in _tiled_handlers(world, 8, 8, group, levels):
         got = _gpt_logits(handler, seq_len)
         assert torch.equal(got, want), f"GPT logits {name} cp {world}: {(got - want).abs().max().item():.3e}"
     if world == 2:  # the negative controls: the default all-gather and ring on the same inputs are not cp 1's bits
-        want = _ag_results(_ag_handler(None), AG_CASES[0], seq_len)
+        want = computed_once(_ag_results, _ag_handler(None), AG_CASES[0], seq_len)
         for comm_type in ("all_gather", "p2p"):
             got = _ag_results(_ag_handler(group, False, comm_type), AG_CASES[0], seq_len)
             assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), comm_type
@@ -243,7 +243,7 @@ def _thd_worker(rank, world):
     def run(lengths):
         heads = (6, 6) if world == 3 else (8, 4)  # a key-value head's query heads on one rank (the mode's rule)
         case = ("thd", *heads, torch.float32, "causal", None, tuple(lengths))
-        want = _results(_case_handler(None, case), case)
+        want = computed_once(_results, _case_handler(None, case), case)
         got = _results(_case_handler(group, case), case)
         for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
             assert torch.equal(a, b), f"{lengths} cp {world} {what}: max difference {(a - b).abs().max().item():.3e}"
@@ -266,7 +266,7 @@ def _thd_tiles_worker(rank, world):
         for name, heads, window in (("thd", (8, 4), None), ("thd-window", (4, 4), (37, 0))):
             case = (name, *heads, torch.float32, "causal", window, tuple(lengths))
             for comm_type in ("p2p", "all_gather", *(("a2a+p2p",) if levels else ())):
-                want = _results(_case_handler(None, case, comm_type), case)  # cp 1 on the same pattern
+                want = computed_once(_results, _case_handler(None, case, comm_type), case)  # cp 1, same pattern
                 got = _results(_case_handler(group, case, comm_type, levels), case)
                 for what, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
                     assert torch.equal(a, b), (f"{lengths} {name} {comm_type} cp {world} {what}: max difference "

@@ -181,6 +181,21 @@ def test_refused_by_name(case):
     _refusal(name, change, message)
 
 
+def test_generate_under_a_handler_never_runs():
+    """The issue's reproduction (transformers 5.24: ``generate()`` on LLaVA under a handler ran, each rank's cache
+    holding its shard, and the ranks drew different tokens): ``generate`` with ``cp_handler=`` raises before a token
+    is drawn, by transformers' own check of the keyword arguments (5.25) or, where a release passes them on to the
+    forward, by the guard's refusal of the cache it builds, whatever its name."""
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import register
+
+    model = zoo.build("llava")
+    register(model)
+    inputs = {k: v for k, v in zoo.batch("llava").items() if k != "labels"}
+    with pytest.raises(ValueError, match=r"not used by the model: \['cp_handler'\]|is a cache \("):
+        model.generate(**inputs, cp_handler=get_cp_handler_cls("local", "p2p")(cp_comm_type="p2p"), max_new_tokens=2)
+
+
 def _odd_length_worker(rank, world):
     from cp_handler import get_cp_handler_cls
 
