@@ -134,3 +134,58 @@ def test_attention_under_autocast_runs_in_the_autocast_dtype():
         want = plain(ids).logits
         got = routed(ids, **cp_model_inputs(handler, ids), cp_handler=handler).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def _bamba(z_loss: float):
+    import hf_zoo
+
+    return hf_zoo.build(hf_zoo.tiny_config("bamba", {"z_loss_coefficient": z_loss, "vocab_size": 256}))
+
+
+def _labels_worker(rank, world):
+    """A forward given labels at cp 2: refused for a model whose own loss has a term of its own (its share of it
+    would be a mean over this rank's shard), run for the same model without it."""
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.integrations.transformers import cp_model_inputs, register
+    from cp_handler.models.loss import next_token_batch
+
+    tokens = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    for z_loss in (0.1, 0.0):
+        model = _bamba(z_loss)
+        register(model)
+        handler = get_cp_handler_cls("local", "p2p")(cp_group=torch.distributed.group.WORLD, cp_comm_type="p2p")
+        input_ids, labels, _ = next_token_batch(handler, tokens)
+        inputs = {"labels": input_ids, "shift_labels": labels, "num_items_in_batch": 15, "cp_handler": handler,
+                  **cp_model_inputs(handler, input_ids)}
+        if z_loss:
+            with pytest.raises(ValueError, match="BambaForCausalLM's own loss given shift_labels and "
+                                                 "num_items_in_batch is .* a term of its own \\(a z-loss\\)"):
+                model(input_ids, **inputs)
+        else:
+            assert model(input_ids, **inputs).loss is not None
+
+
+def test_a_model_whose_own_loss_is_not_the_token_cross_entropy_is_refused_where_its_loss_is_used(tmp_path):
+    """Bamba with ``z_loss_coefficient=0.1`` (its forward adds a mean of ``logsumexp(logits)**2`` over the tokens it
+    holds: under CP each rank's share would be a mean over its shard, handler padding included): CPTrainer refuses it
+    in its constructor, a forward given labels at cp 2 refuses it, cp-train refuses it (it trains the token
+    cross-entropy, not the model's own objective); the logits stay exact, so a loop computing the loss from them runs
+    it. The control: the same model with ``z_loss_coefficient=0`` passes the probe and runs."""
+    from dist_utils import run_distributed
+    from test_cli import cp_train
+
+    from cp_handler.integrations.hf_loss_probe import loss_difference
+    from cp_handler.integrations.transformers import register
+
+    plain = _bamba(0.0)
+    register(plain)
+    assert loss_difference(plain) is None
+    with pytest.raises(ValueError, match="BambaForCausalLM's own loss .* CPTrainer takes the model's loss"):
+        _cp_trainer(tmp_path, _bamba(0.1))
+    run_distributed(_labels_worker, 2)
+    folder = tmp_path / "bamba"
+    _bamba(0.1).config.save_pretrained(folder)
+    result = cp_train("--nproc", "1", "--cp-size", "1", "--hf-config", str(folder), "--steps", "1", "--seq-len", "32",
+                      "--max-corpus-bytes", "100000")
+    assert result.returncode != 0 and "BambaForCausalLM's own loss" in result.stderr and \
+        "cp-train trains the token cross-entropy of the logits" in result.stderr, result.stderr[-2000:]

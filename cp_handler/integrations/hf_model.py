@@ -62,6 +62,8 @@ from .hf_active import ForwardRecord, active_handler, enter_forward, exit_forwar
 from .hf_attention import call_handler
 from .hf_cache import refuse_cache
 from .hf_inputs import cp_model_inputs, text_config
+from .hf_loss_probe import check_model_loss
+from .hf_loss_probe import record as record_loss
 from .hf_mask import CPMask
 from .hf_mixers import instrument_model, is_routed, uses_mixers
 from .hf_rotary import install_rotary_hooks, is_rotary
@@ -273,7 +275,8 @@ def _model_pre_hook(model, args, kwargs, last: dict):
     layers to the attention function (a recomputed layer gets them again). Under a handler a cache is refused by
     its type, whatever the argument's name (:mod:`.hf_cache`), as is ``use_cache=True``; without ``use_cache`` the
     forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard). At cp > 1,
-    ``labels`` without ``shift_labels`` are refused (the model would shift its shard's labels)."""
+    ``labels`` without ``shift_labels`` are refused (the model would shift its shard's labels), and so are labels
+    given to a model whose own loss is not the token cross-entropy (:mod:`.hf_loss_probe`)."""
     handler = kwargs.pop("cp_handler", None)
     last["running"] = last.get("running", 0) + 1
     if handler is None:
@@ -287,6 +290,8 @@ def _model_pre_hook(model, args, kwargs, last: dict):
                          "would shift this rank's shard of the labels (its next tokens sit on other ranks); pass "
                          "shift_labels, shifted in global order before dispatch (and num_items_in_batch, the global "
                          "token count), or compute the loss from the logits (docs/huggingface.md)")
+    if handler.cp_size > 1 and (kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None):
+        check_model_loss(model, "a forward given labels returns it")
     if "use_cache" not in kwargs and model.__dict__.get("_cp_takes_use_cache"):
         kwargs["use_cache"] = False  # the config's default (use_cache=True) would build a cache of this rank's shard
         if getattr(text_config(model), "use_cache", False) and not model.__dict__.get("_cp_said_use_cache"):
@@ -365,6 +370,7 @@ def prepare_model(model: nn.Module) -> nn.Module:
     try:
         check_mixer_documents(model)
         check_route_inputs(model)  # a forward at cp=1: also runs the per-forward checks once
+        record_loss(model)  # what its own loss is, for the forwards given labels and the trainers
     except BaseException:
         for handle in handles:
             handle.remove()

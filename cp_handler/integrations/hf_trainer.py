@@ -28,9 +28,13 @@ refusals, the loaders over dp) is :mod:`.hf_trainer_base`. What it does, by Trai
   and ``predict()`` return each example once;
 * **vision-language models** (:mod:`.hf_vlm`): the batch goes in whole with its vision inputs (TRL's vision
   collator: ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``, ...), only the labels sharded; a model
-  whose class sets ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) is accepted when a probe shows
-  its loss takes ``shift_labels`` and ``num_items_in_batch`` (:func:`.hf_vlm.check_loss_kwargs`; TRL's SFT loss
-  divides by the count itself), and the mixin then passes each micro-batch's count (the plain trainers' mean).
+  whose class sets ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5) is accepted when the loss probe
+  shows its loss takes ``shift_labels`` and ``num_items_in_batch``, and the mixin then passes each micro-batch's
+  count (the plain trainers' mean);
+* **every model's own loss** is probed in the constructor (:mod:`.hf_loss_probe`): it must be the token
+  cross-entropy of the logits against ``shift_labels`` over ``num_items_in_batch`` (TRL's SFT loss divides by the
+  count itself), else the model is refused by name (Bamba with ``z_loss_coefficient > 0``: each rank's share of its
+  z-loss would be a mean over its shard).
 
 TRL's RL and preference trainers (GRPO, RLOO, DPO) build on the same base (:class:`ContextParallelTrainerBase`):
 :mod:`.hf_rl_trainer`.
@@ -52,9 +56,10 @@ import torch.distributed as dist
 from ..auto.hold import hold_for
 from ..core.install_hint import extra_hint
 from .hf_batch import shard_batch
+from .hf_loss_probe import check_model_loss
 from .hf_router_loss import RouterLossScope, active_scope, router_loss_scope
 from .hf_trainer_base import LOSS_NORMALIZATIONS, ContextParallelArguments, ContextParallelTrainerBase
-from .hf_vlm import check_loss_kwargs, is_vision_language
+from .hf_vlm import is_vision_language
 
 __all__ = ["LOSS_NORMALIZATIONS", "OLDEST_TRL", "ContextParallelArguments", "ContextParallelMixin",
            "ContextParallelTrainerBase", "check_token_count"]
@@ -115,8 +120,7 @@ class ContextParallelMixin(ContextParallelTrainerBase):
     def _prepare_registered(self, model) -> None:
         self.vision_language = is_vision_language(model)
         plain = "global_token_count" if self.model_accepts_loss_kwargs else "micro_batch_mean"
-        if not self.model_accepts_loss_kwargs:
-            check_loss_kwargs(model)  # its loss takes shift_labels and a token count: the mixin passes one
+        check_model_loss(model, f"{type(self).__name__} takes the model's loss")  # the mixin passes the counts
         self.loss_normalization = self.cp_args.loss_normalization or plain
         self.model_accepts_loss_kwargs = self.loss_normalization == "global_token_count"  # Trainer counts then
 

@@ -39,13 +39,10 @@ import torch
 from torch import nn
 
 from ..handlers.base import ContextParallelHandler
-from ..handlers.registry import build_cp_handler
-from ..runtime.config import ContextParallelConfig
 from .hf_active import active_handler, set_forward_token_mask
 from .hf_attention import HARMLESS
 from .hf_inputs import text_config
 from .hf_mask import CPMask, classify_at_creation
-from .hf_router_loss import router_loss_enabled
 
 LM_SEQUENCE_INPUTS = ("input_ids", "inputs_embeds", "position_ids", "cache_position", "attention_mask",
                       "visual_pos_masks", "deepstack_visual_embeds")
@@ -209,40 +206,3 @@ def prepare_vision_language(model: nn.Module) -> list:
     mrope = any(hasattr(m, "get_rope_index") for m in model.modules())  # positions from the model (Qwen's mRoPE)
     return [model.register_forward_pre_hook(functools.partial(_model_pre_hook, mrope=mrope), with_kwargs=True),
             language_model(model).register_forward_pre_hook(_language_model_pre_hook, with_kwargs=True)]
-
-
-def check_loss_kwargs(model: nn.Module, tokens: int = 8) -> None:
-    """Whether the model's own loss takes transformers' loss arguments although its class says
-    ``accepts_loss_kwargs = False`` (Qwen2.5-VL, Qwen3-VL, Qwen3.5 set it; their forwards pass ``**kwargs`` on to the
-    loss): at cp = 1, in eval mode, its loss given ``shift_labels`` and ``num_items_in_batch`` must be the token sum
-    of the cross-entropy of its logits against ``shift_labels`` divided by ``num_items_in_batch``, with
-    ``output_router_logits=False`` (a MoE model's router loss is checked on its own: :mod:`.hf_router_loss`). The
-    trainers then pass their token count (:mod:`.hf_trainer`). Skipped for weights on the ``meta`` device.
-
-    Raises:
-        ValueError: the loss is something else (each rank's own mean would be wrong under CP).
-    """
-    weight = next(model.parameters(), None)
-    if weight is None or weight.device.type == "meta":
-        return
-    generator = torch.Generator().manual_seed(0)
-    vocab = min(int(getattr(text_config(model), "vocab_size", 100) or 100), 100)
-    ids = torch.randint(1, vocab, (1, tokens), generator=generator).to(weight.device)
-    shift = torch.randint(0, vocab, (1, tokens), generator=generator).to(weight.device)
-    shift[0, -1] = -100
-    count = tokens + 5  # not the number of labels: a mean would not pass
-    router_off = {"output_router_logits": False} if router_loss_enabled(model) else {}  # the token loss alone
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, labels=ids, shift_labels=shift, num_items_in_batch=count, use_cache=False,
-                        cp_handler=build_cp_handler(ContextParallelConfig()), **router_off)
-    finally:
-        model.train(was_training)
-    want = torch.nn.functional.cross_entropy(out.logits.float().flatten(0, 1), shift.flatten(), reduction="sum") / count
-    if out.loss is None or not torch.allclose(out.loss.float(), want, rtol=1e-5, atol=1e-6):
-        raise ValueError(f"{type(model).__name__} sets accepts_loss_kwargs=False and its loss given shift_labels and "
-                         f"num_items_in_batch is {None if out.loss is None else float(out.loss):.6g}, not their token "
-                         f"sum over the count ({float(want):.6g}): under context parallelism each rank's own mean "
-                         "would be wrong; refused")

@@ -113,6 +113,7 @@ def build_model(config: TrainConfig, device: torch.device, reference: bool = Fal
 def _hf_model(config: TrainConfig, device: torch.device, dtype: torch.dtype, reference: bool) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from ..integrations.hf_loss_probe import check_model_loss
     from ..integrations.transformers import CPCausalLM, HFReference
 
     if config.hf_weights:
@@ -121,7 +122,11 @@ def _hf_model(config: TrainConfig, device: torch.device, dtype: torch.dtype, ref
     else:
         hf_config = AutoConfig.from_pretrained(config.hf_source, local_files_only=True)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation="eager")
-    return (HFReference(model) if reference else CPCausalLM(model)).to(device=device, dtype=dtype)
+    if reference:
+        return HFReference(model).to(device=device, dtype=dtype)
+    wrapped = CPCausalLM(model)  # registered: its loss probed (integrations/hf_loss_probe.py)
+    check_model_loss(model, "cp-train trains the token cross-entropy of the logits, not the model's own loss")
+    return wrapped.to(device=device, dtype=dtype)
 
 
 def step_reference(config: TrainConfig, device, global_batch: int | None, sharded_experts: bool,
