@@ -4,9 +4,9 @@ and bf16, MHA and GQA, causal and full, a sliding window, chunks, a soft-cap, si
 latent attention's widths, one query head per rank and fewer (bshd), sbhd, thd packs. Every pattern (p2p,
 all_gather, a2a, a2a+p2p) on canonical tiles: the same bits as each other. The reference GPT's logits (so its
 per-token losses) at cp 2, 3, 4, 6 and 8 through each. The negative controls: the default ring (p2p) and all-gather
-on the same inputs differ in at least one bit at cp 2, so the comparison can fail. Its refusals by name: ``"auto"``,
-thd and the variants with the patterns on canonical tiles, key-value heads the all-to-all's ranks do not divide
-(fewer than the query heads), another kernel.
+on the same inputs differ in at least one bit at cp 2, so the comparison can fail. Its refusals by name: chunks
+that are not whole tiles, ``"auto"`` where no pattern runs the call, key-value heads the all-to-all's ranks do not
+divide (fewer than the query heads), another kernel.
 
 Tolerances: none (bitwise).
 """
@@ -227,7 +227,7 @@ def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
     key-value heads, full attention, GQA 8 / 4 with a sliding window, chunks, a soft-cap, MLA's widths), zigzag
     chunks of one tile and of three (the tree receiving runs of tiles), so the same bits across patterns, and the
     reference GPT's logits through each; the default all-gather and ring differ (the controls); chunks that are not
-    whole tiles and sinks refused by name."""
+    whole tiles refused by name."""
     run_distributed(_canonical_worker, world)
 
 

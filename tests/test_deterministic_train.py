@@ -2,8 +2,8 @@
 every CP degree for the reference GPT (bshd, thd packs, the KV all-gather on canonical tiles), Hugging Face models
 (Qwen2, Mixtral), the GPT's MoE layers and tensor parallelism (the GPT's logits ``torch.equal`` at cp 1, 2 and 4
 over 2 TP ranks, at cp 1 and 2 over 4); what the mode does not make bitwise refused by name before any rank starts
-(ring patterns, token mixers other than attention; the handler's mixer
-methods refuse too). Negative controls: the
+(a --seq-len whose zigzag chunks are not whole tiles, token mixers other than attention; the handler's mixer methods
+refuse too). Negative controls: the
 default mode differs in each comparison.
 
 Tolerances: none (bitwise), except Mixtral's steps after the first (its fused experts are not covered:

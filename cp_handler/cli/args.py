@@ -75,11 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(CP_COMM_TYPES)}, auto (chosen per batch from --cp-comm-profile), or a "
                         "comma-separated list with one per layer (default: p2p; a2a with --deterministic)")
     g.add_argument("--deterministic", action="store_true",
-                   help="attention, logits and loss bitwise the same at every --cp-size (docs/deterministic.md): "
-                        "the Ulysses all-to-all (--cp-comm-type a2a; bshd or thd) or the KV all-gather on canonical "
-                        "tiles (all_gather; bshd), --backend local, the reference GPT (--tp-size 1 or 2) or a "
-                        "Hugging Face model without token mixers other than attention; parameter gradients within "
-                        "float32 reordering")
+                   help="attention, logits, loss and parameter gradients bitwise the same at every --cp-size "
+                        "(docs/deterministic.md): --cp-comm-type a2a (the default then), p2p, all_gather, a2a+p2p "
+                        "on canonical tiles or auto among them; bshd (zigzag chunks of whole tiles) or thd (2 x cp "
+                        "divides 48); --backend local; the reference GPT (any --tp-size) or a Hugging Face model "
+                        "without token mixers other than attention; gradients all-reduced in float32 under "
+                        "--tp-size, --fsdp, --compile and fused experts (docs/deterministic.md)")
     g.add_argument("--cp-comm-profile", default=None, metavar="NAME_OR_JSON",
                    help="--cp-comm-type auto: the cost profile, a name (h100-nvlink, h200-nvlink, cpu-2core-gloo) or "
                         "a JSON file of cp-bench --calibrate; default: the device's (docs/auto_plan.md)")
