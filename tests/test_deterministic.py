@@ -157,6 +157,27 @@ def _ag_results(handler, case, seq_len: int) -> list[torch.Tensor]:
     return _results(handler, (name, heads, kv_heads, dtype, mask_type, window, "bshd"), seq_len)
 
 
+def _with_lse(handler, case, seq_len: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`_ag_results` of a call on canonical tiles and its log-sum-exp (the forward's ``lse``, float32
+    ``(B, H, S_local)``, captured from ``canonical_attention`` and combined into global order ``(B, H, S)``)."""
+    import cp_handler.handlers.local as local
+
+    seen, real = [], local.canonical_attention
+
+    def captured(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        seen.append(lse.detach())
+        return out, lse
+
+    local.canonical_attention = captured
+    try:
+        results = _ag_results(handler, case, seq_len)
+    finally:
+        local.canonical_attention = real
+    lse, = seen  # one forward call
+    return results, handler.combine(lse, 2)
+
+
 def _ag_handler(group, deterministic=True, comm_type="all_gather"):
     return LocalContextParallelHandler(cp_group=group, cp_comm_type=comm_type, deterministic=deterministic)
 
@@ -186,11 +207,17 @@ def _canonical_worker(rank, world):
     for tiles_per_chunk in (1, 3):  # 3: a tree over tiles that reach each rank in runs, not one by one
         seq_len = 2 * world * 64 * tiles_per_chunk  # zigzag chunks of whole canonical tiles (64 tokens here)
         for case in AG_CASES:
-            want = computed_once(_ag_results, _ag_handler(None), case, seq_len)  # one process's canonical tiles
+            # one process's canonical tiles, and their log-sum-exp (what the ring and the all-gather compare too)
+            want, want_lse = computed_once(_with_lse, _ag_handler(None), case, seq_len)
             for name, handler in _tiled_handlers(world, case[1], case[2], group, levels):
                 if (name == "auto" and case[3] != torch.float32) or (name == "a2a" and case[0].startswith("sinks")):
                     continue  # a2a runs sinks with its blockwise plan (other bits, the same at every degree)
-                got = _ag_results(handler, case, seq_len)
+                if name in ("all_gather", "p2p"):
+                    got, lse = _with_lse(handler, case, seq_len)
+                    assert torch.equal(lse, want_lse), (f"{case[0]} {name} cp {world} S {seq_len} lse: max difference "
+                                                        f"{(lse - want_lse).abs().max().item():.3e}")
+                else:
+                    got = _ag_results(handler, case, seq_len)
                 for what, a, b in zip(("output", "dq", "dk", "dv", "dsinks"), got, want, strict=False):
                     assert torch.equal(a, b), (f"{case[0]} {name} cp {world} S {seq_len} {what}: max difference "
                                                f"{(a - b).abs().max().item():.3e}")
@@ -223,7 +250,8 @@ def _canonical_worker(rank, world):
 def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
     """Every pattern on canonical tiles (ops/canonical.py): the KV all-gather, the ring (p2p) and, where their
     all-to-all's ranks divide the key-value heads, a2a and a2a+p2p (2 x cp / 2 levels at cp 4, 6 and 8): output, dq,
-    dk, dv ``torch.equal`` to one process's canonical tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2
+    dk, dv (and the log-sum-exp of the all-gather and the ring, what their forward returns) ``torch.equal`` to one
+    process's canonical tiles at cp 2, 3, 4, 6 and 8 (fp32 MHA, bf16 GQA with 2
     key-value heads, full attention, GQA 8 / 4 with a sliding window, chunks, a soft-cap, MLA's widths), zigzag
     chunks of one tile and of three (the tree receiving runs of tiles), so the same bits across patterns, and the
     reference GPT's logits through each; the default all-gather and ring differ (the controls); chunks that are not

@@ -150,7 +150,7 @@ def test_qwen_images_without_token_types_are_refused_by_name(tmp_path):
 
 def test_a_vlm_loss_that_ignores_the_token_count_is_refused_before_the_first_step(tmp_path):
     """Qwen2.5-VL sets ``accepts_loss_kwargs=False``; the trainer probes that its loss takes ``shift_labels`` and
-    ``num_items_in_batch`` (hf_vlm.check_loss_kwargs). A loss that takes each batch's own mean instead is refused
+    ``num_items_in_batch`` (integrations/hf_loss_probe.py). A loss that takes each batch's own mean instead is refused
     when the trainer is built."""
     import torch.nn.functional as F
 
@@ -162,8 +162,8 @@ def test_a_vlm_loss_that_ignores_the_token_count_is_refused_before_the_first_ste
     from transformers import TrainingArguments
 
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=1)
-    with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration sets accepts_loss_kwargs=False and its "
-                                         "loss given shift_labels and num_items_in_batch is"):
+    with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration's own loss given shift_labels and "
+                                         "num_items_in_batch is .* or a mean; CPTrainer takes the model's loss"):
         CPTrainer(model=model, args=args, train_dataset=[], data_collator=vlm_cases.collate,
                   cp_args=ContextParallelArguments())
 
