@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 
 test:
 	$(SETUP) test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint:
 	$(SETUP) test

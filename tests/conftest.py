@@ -13,6 +13,9 @@ rules in both.
 * threads: a pytest-xdist worker computes on its share of the cores (``torch.set_num_threads``: 1 each with
   ``make test``'s 2 workers on 2 cores), as the ranks do (1 each): two workers each running OpenMP pools as wide
   as the machine oversubscribe it, their threads spinning while the other worker's hold the cores.
+* order: the files that take longest (:data:`LONGEST_FIRST`) are collected first; ``make test`` runs
+  ``--dist loadfile --no-loadscope-reorder``, so pytest-xdist hands them out first and a long file does not start
+  last, leaving one worker alone at the end (xdist's own reorder sorts by test count, not time).
 * :data:`HANG_GUARD_S`: the one wall-clock limit a test may put on a subprocess or a collective, a hang guard
   only (a loaded 2-core machine ran the suite 2.7x slower than idle, and a 400 s limit failed a correct test);
   pytest's own per-test limit (pyproject.toml) is above it, so a hung subprocess is killed with its output.
@@ -39,6 +42,18 @@ def load() -> None:
 
 
 load()
+
+
+LONGEST_FIRST = ("test_conformance.py", "test_deterministic_train.py", "test_deterministic.py", "test_cli.py",
+                 "test_cli_hf.py", "test_hf_trainer.py", "test_compile.py", "test_hf_zoo.py", "test_bench.py",
+                 "test_tensor_parallel.py", "test_examples.py", "test_hf_vlm.py", "test_hf_integration.py")
+"""The test files that took longest, longest first (``pytest --durations``, 2026-12-06: 342 s down to 52 s on two
+loaded workers); every other file follows in collection order. Only the balance of the two workers depends on it."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
 
 
 def pytest_configure(config) -> None:
