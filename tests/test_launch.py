@@ -1,15 +1,19 @@
-"""How cp_handler.runtime.launch starts ranks on a machine without CUDA: forked from a command that declared itself
-fresh (run as a command: ``main()`` without ``argv``) and started no thread since; else from the fork server. A rank
+"""How cp_handler.runtime.launch starts ranks on a machine without CUDA: forked from a fork of a command that declared
+itself fresh (run as a command: ``main()`` without ``argv``) and started no thread since, made before torch elastic's
+threads start; else from the fork server. A rank
 forked from a process that computed (its OpenMP pool started) would inherit that pool broken and hang: a test that
 called ``cp-train``'s ``main(argv)`` in the pytest process once made every later in-process launch fork from it, and
 a rank hung (2026-12-05)."""
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
 from cp_handler.runtime import launch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -47,3 +51,37 @@ def test_main_given_argv_does_not_declare_the_caller_fresh(not_fresh, monkeypatc
     monkeypatch.setattr(train_cli, "run_training", lambda config: {"steps": [{"loss": 1.0}], "tokens_per_s_mean": 1.0})
     assert train_cli.main(["--steps", "1"]) == 0
     assert launch.start_method() == "forkserver"
+
+
+RANK_PARENT = """
+import os, sys
+from cp_handler.runtime import launch
+
+def rank():
+    parent = os.getppid()
+    return parent, len(os.listdir(f"/proc/{parent}/task"))
+
+if __name__ == "__main__":
+    launch.fresh_process()
+    got = launch.launch(rank, 2, timeout=600)
+    print(os.getpid(), *(got[r][i] for r in (0, 1) for i in (0, 1)))
+"""
+
+
+def test_ranks_are_forked_from_a_process_that_runs_no_thread(tmp_path):
+    """A fresh command's ranks are forked from a fork of it made before any thread started, never from the command
+    itself once torch elastic's agent runs threads (its store's server, a keep-alive timer, the watchdog): a rank
+    forked beside them can inherit a lock one of them held (ranks so forked hung in ``init_process_group``,
+    2026-12-06). The ranks' parent is one process, not the launcher, and runs one thread."""
+    import subprocess
+    import sys
+
+    from conftest import HANG_GUARD_S
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_PARENT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=HANG_GUARD_S,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    launcher, parent0, threads0, parent1, threads1 = map(int, done.stdout.split())
+    assert parent0 == parent1 != launcher and threads0 == threads1 == 1, done.stdout

@@ -9,12 +9,16 @@ job, and names that rank. Under torchrun the process groups' own timeout (the sa
 a collective that waits on a dead peer, and :func:`init_process_group_bounded` ends a rendezvous that
 does not complete (a peer that never comes, a port held by a program that never answers).
 
-Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from the command itself (``fork``)
-when it declared itself fresh (:func:`fresh_process`: cp-train, cp-generate and cp-bench run as commands, which
-compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one) and
-has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit
-broken), else from one server process that imported torch and the entry point's module once (``forkserver`` with
-those modules preloaded). ``spawn`` re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it,
+Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from a fork of the command itself
+made before any thread starts (:func:`_fork_server_from_here`: that fork serves as multiprocessing's fork server)
+when the command declared itself fresh (:func:`fresh_process`: cp-train, cp-generate and cp-bench run as commands,
+which compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one)
+and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit broken), else
+from one server process that imported torch and the entry point's module once (``forkserver`` with those modules
+preloaded). Never from the launching process itself once torch elastic's agent runs: the agent starts threads
+before it starts the ranks (its rendezvous store's server, a keep-alive timer), and a rank forked beside them can
+inherit a lock one of them held: ranks forked so hung in ``init_process_group`` until ``--timeout`` (three runs of
+one test session, 2026-12-06). ``spawn`` re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it,
 about 9 s from the fork server; forking from the command saves the server's start too (about 1 core-second and
 0.7 s of a 2-rank launch's 4.2 s on this project's 2-core VM, measured). Each rank is still a new process; the
 launching process's environment and the heartbeat folder are passed to every rank explicitly (:func:`_rank_entry`:
@@ -36,6 +40,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -306,6 +311,42 @@ ranks imported it, 1.4 s each on this project's loaded 2-core VM, timed 2026-12-
 process or the fork server instead (:func:`launch`'s ``preload``)."""
 
 
+def _fork_server_from_here() -> bool:
+    """Start multiprocessing's fork server as a fork of this process (module doc: its modules imported, no thread
+    running), instead of a new interpreter that imports them again; ``True`` when it is (or one already serves this
+    process). ``False`` where this Python's fork server keeps state this is not written against (Python 3.14 adds an
+    authentication key): :func:`launch` then starts the usual one."""
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server = getattr(forkserver, "_forkserver", None)
+    fields = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if server is None or hasattr(server, "_forkserver_authkey") or not all(hasattr(server, f) for f in fields):
+        return False
+    if server._forkserver_pid is not None:
+        return True
+    resource_tracker.ensure_running()
+    address = connection.arbitrary_address("AF_UNIX")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()  # the server ends when this process (the only holder of alive_w) does
+    pid = os.fork()  # no lock held (the server's own lock stays free in the fork: a rank may start processes)
+    if pid == 0:  # the server: serves until alive_r reaches end of file, then exits
+        code = 1
+        try:
+            os.close(alive_w)
+            forkserver.main(listener.fileno(), alive_r, [])
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(alive_r)
+    listener.close()
+    with server._lock:
+        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
 def _preload(entrypoint_module: str, preload: tuple[str, ...]) -> list[str]:
     return ["torch", "torch.distributed", __name__, entrypoint_module, *preload]
 
@@ -332,7 +373,10 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
         for module in preload:  # inherited by every rank: imported once instead of once per rank
             importlib.import_module(module)
         method = start_method()
-    if method == "forkserver":
+    if method == "fork" and _fork_server_from_here():
+        method = "forkserver"  # served by a fork of this process made before any thread starts (module doc)
+    elif method in ("fork", "forkserver"):
+        method = "forkserver"
         multiprocessing.set_forkserver_preload(_preload(entrypoint.__module__, preload))  # read at the server's start
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",
