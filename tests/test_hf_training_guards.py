@@ -54,6 +54,49 @@ def test_router_loss_through_the_handler_equals_transformers_with_padding():
             torch.testing.assert_close(b.grad, a.grad, atol=1e-7, rtol=1e-5)
 
 
+def _hand_loop_worker(rank, world):
+    """The docs' hand-written loop with a right-padded batch at cp 2: the router loss told the real tokens
+    (``router_loss_scope(RouterLossScope(token_mask=...))``, the padding mask dispatched by the handler) equals one
+    process given its ``attention_mask``, the loss and the router gates' gradients summed over the group; without the
+    scope every slot counts and the loss differs (the control)."""
+    import torch.distributed as dist
+
+    from cp_handler import get_cp_handler_cls
+
+    plain = _moe(AUX)
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    want = plain(ids, attention_mask=mask)
+    want.aux_loss.backward()
+    routed = _moe(AUX)
+    register(routed)
+    handler = get_cp_handler_cls("local", "p2p")(cp_group=dist.group.WORLD, cp_comm_type="p2p")
+    local = handler.dispatch(ids, 1)
+    scope = hf_router_loss.RouterLossScope(token_mask=handler.dispatch(mask, 1).bool())
+    with hf_router_loss.router_loss_scope(scope):
+        got = routed(local, **cp_model_inputs(handler, local), cp_handler=handler)
+    got.aux_loss.backward()
+    loss = got.aux_loss.detach().clone()
+    dist.all_reduce(loss)  # the shares sum to the batch's loss
+    torch.testing.assert_close(loss, want.aux_loss.detach(), rtol=1e-6, atol=0)
+    for (name, a), b in zip(plain.named_parameters(), routed.parameters(), strict=True):
+        if "gate" in name and a.grad is not None:
+            grad = b.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, a.grad, atol=1e-7, rtol=1e-5)
+    with torch.no_grad():  # the control: without the scope the padding rows count
+        loss = routed(local, **cp_model_inputs(handler, local), cp_handler=handler).aux_loss.clone()
+    dist.all_reduce(loss)
+    assert not torch.allclose(loss, want.aux_loss.detach(), rtol=1e-5, atol=0)
+
+
+def test_router_loss_in_a_hand_written_loop_with_padding_equals_one_process():
+    from dist_utils import run_distributed
+
+    run_distributed(_hand_loop_worker, 2)
+
+
 def test_a_router_loss_cp_handler_does_not_know_is_refused(monkeypatch):
     """Statically when the config turns it on; at the forward when a caller turns it on."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe
