@@ -90,6 +90,19 @@ def _refusals_worker(rank, world, out):
     ):
         with pytest.raises(ValueError, match="CPGRPOTrainer: refused under context parallelism: " + message):
             trainer(**changes)
+    # DPO's precomputed reference log-probs of a dataset held in memory: TRL's cache file would be written by the main
+    # process alone in a temporary folder of its own (the other ranks failed to read it); a dataset on disk runs
+    # (hf_rl_cases.py's precompute cases)
+    from trl import DPOConfig
+
+    from cp_handler.integrations.hf_rl_trainer import CPDPOTrainer
+
+    with pytest.raises(ValueError, match=r"CPDPOTrainer: refused under context parallelism: "
+                                         r"precompute_ref_log_probs=True with train_dataset held in memory"):
+        CPDPOTrainer(model=hf_trainer_cases.model("llama"), train_dataset=Dataset.from_list(cases.preference_pairs(4)),
+                     args=DPOConfig(output_dir=out, use_cpu=True, report_to=[], bf16=False, ddp_backend="gloo",
+                                    precompute_ref_log_probs=True, max_length=None),
+                     processing_class=cases.tokenizer(), cp_args=ContextParallelArguments(context_parallel_size=2))
 
 
 def test_refused_settings(tmp_path):

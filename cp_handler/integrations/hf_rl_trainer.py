@@ -36,6 +36,8 @@ launcher, a model loaded from its name) and a model whose left-padded forward is
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -79,6 +81,13 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         if self.cp_args.loss_normalization is not None:
             refused.append(f"ContextParallelArguments.loss_normalization={self.cp_args.loss_normalization!r} (the RL "
                            "trainers keep TRL's own loss normalisation)")
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        if getattr(args, "precompute_ref_log_probs", False) and world > 1:
+            refused += [f"precompute_ref_log_probs=True with {name} held in memory (TRL caches the log-probs in a file "
+                        "that only the main process writes, in a temporary folder of its own for a dataset without "
+                        "cache files: the other ranks cannot read it, as with TRL alone at dp > 1); save it with "
+                        "save_to_disk and pass load_from_disk's dataset"
+                        for name in ("train_dataset", "eval_dataset") if _in_memory(arguments.get(name))]
         return refused
 
     def _refused_settings(self) -> list[str]:
@@ -167,6 +176,14 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
                 self.eval_dataset[name] = self._precompute_ref_logps(self.eval_dataset[name], name, batch_size)
             else:
                 self.eval_dataset = self._precompute_ref_logps(self.eval_dataset, name, batch_size)
+
+
+def _in_memory(dataset) -> bool:
+    """Whether ``dataset`` (a ``datasets.Dataset``, or a dict of them) has a dataset without cache files (held in
+    memory: ``Dataset.from_list``, ``from_dict``)."""
+    if isinstance(dataset, dict):
+        return any(_in_memory(d) for d in dataset.values())
+    return hasattr(dataset, "cache_files") and not dataset.cache_files
 
 
 def _model_refusals(sharded: bool, model, peft_config: bool = False) -> list[str]:
