@@ -63,7 +63,7 @@ def rank():
 
 if __name__ == "__main__":
     launch.fresh_process()
-    got = launch.launch(rank, 2, timeout=600)
+    got = launch.launch(rank, 2)
     print(os.getpid(), *(got[r][i] for r in (0, 1) for i in (0, 1)))
 """
 

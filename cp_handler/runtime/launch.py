@@ -15,20 +15,19 @@ when the command declared itself fresh (:func:`fresh_process`: cp-train, cp-gene
 which compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one)
 and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit broken), else
 from one server process that imported torch and the entry point's module once (``forkserver`` with those modules
-preloaded). Never from the launching process itself once torch elastic's agent runs: the agent starts threads
-before it starts the ranks (its rendezvous store's server, a keep-alive timer), and a rank forked beside them can
-inherit a lock one of them held: ranks forked so hung in ``init_process_group`` until ``--timeout`` (three runs of
-one test session, 2026-12-06). ``spawn`` re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it,
-about 9 s from the fork server; forking from the command saves the server's start too (about 1 core-second and
-0.7 s of a 2-rank launch's 4.2 s on this project's 2-core VM, measured). Each rank is still a new process; the
-launching process's environment and the heartbeat folder are passed to every rank explicitly (:func:`_rank_entry`:
-a rank forked from the server would keep the server's). With CUDA the ranks are spawned (the start method GPU runs
-were made with).
+preloaded). Never from the launching process once torch elastic's agent runs: it starts threads before the ranks
+(its store's server, a keep-alive timer), and a rank forked beside them can inherit a lock one of them held (ranks so
+forked hung in ``init_process_group`` until ``--timeout``: three runs of one test session, 2026-12-06). ``spawn``
+re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it, about 9 s from the fork server; a
+fork of the command saves the server's start (about 1 core-second, 0.7 s of a 2-rank launch's 4.2 s, measured). Each
+rank is still a new process; the launching process's environment and the heartbeat folder are passed to every rank
+explicitly (:func:`_rank_entry`: a rank forked from the server would keep the server's). With CUDA the ranks are
+spawned (the start method GPU runs were made with).
 
-Why our own watchdog and not ``torch.distributed.elastic.timer`` (``FileTimerServer`` / ``expires``):
-that kills each rank whose own timer expires, so every rank waiting in a collective on a stalled one
-expires too and the failure names no cause; ours kills and names the rank that stalled (a stopped or
-dead process before the ranks that only wait on it), and covers the time before the first step.
+Why our own watchdog and not ``torch.distributed.elastic.timer`` (``FileTimerServer`` / ``expires``): that kills each
+rank whose own timer expires, so every rank waiting in a collective on a stalled one expires too and the failure names
+no cause; ours kills and names the rank that stalled (a stopped or dead process before the ranks that only wait on
+it), and covers the time before the first step.
 """
 
 from __future__ import annotations
