@@ -294,9 +294,9 @@ def fresh_process() -> None:
 
 
 def start_method() -> str:
-    """How :func:`launch` starts the ranks (module doc): ``"spawn"`` with CUDA; without it ``"fork"`` from a command
-    that declared itself fresh (:func:`fresh_process`) and has started no thread since (no thread pool, OpenMP's
-    included: a forked rank would inherit it broken), else ``"forkserver"``."""
+    """How :func:`launch` starts the ranks (module doc): ``"spawn"`` with CUDA; without it ``"fork"`` (from a fork of
+    this process, :func:`_fork_server_from_here`) for a command that declared itself fresh (:func:`fresh_process`) and
+    has started no thread since (a thread pool, OpenMP's included, would be inherited broken), else ``"forkserver"``."""
     if torch.cuda.is_available():
         return "spawn"
     fresh = _fork_baseline is not None and _fork_baseline[0] == os.getpid() and \
