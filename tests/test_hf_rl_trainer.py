@@ -63,13 +63,6 @@ def _refusals_worker(rank, world, out):
 
     registered = hf_trainer_cases.model("llama")
     register(registered)
-    for changes, message in (
-        ({"args": {"per_device_train_batch_size": 1}}, r"generation_batch_size = per_device_train_batch_size \(1\) x "
-                                                       r"dp \(1\) x steps_per_generation \(1\) = 1 is not a multiple"),
-        ({"model": registered}, "the model runs attn_implementation='cp_handler' already"),
-    ):
-        with pytest.raises(ValueError, match=message):
-            trainer(**changes)
 
     def a_tool(x: int) -> int:
         """Adds one.
@@ -80,16 +73,37 @@ def _refusals_worker(rank, world, out):
         return x + 1
 
     # refused from the constructor's arguments, before TRL's __init__ acts on them (it would import and set up vLLM:
-    # ImportError here; demand a chat template for the tools: the tokenizer has none)
-    for changes, message in (
-        ({"args": {"use_vllm": True}}, r"use_vllm=True \(vLLM's generation gathers prompts over every process"),
-        ({"tools": [a_tool]}, r"tools / environment_factory \(each rank of a CP group would run the tools"),
-        ({"rollout_func": lambda prompts, trainer: {}}, r"rollout_func \(a custom generation on every rank"),
-        ({"cp_args": ContextParallelArguments(context_parallel_size=2, loss_normalization="micro_batch_mean")},
-         r"ContextParallelArguments\.loss_normalization='micro_batch_mean' \(the RL trainers keep TRL's own"),
-    ):
-        with pytest.raises(ValueError, match="CPGRPOTrainer: refused under context parallelism: " + message):
-            trainer(**changes)
+    # ImportError here; demand a chat template for the tools: the tokenizer has none); TRL's __init__ made to fail
+    # the test shows none reaches it, and a trainer the checks pass does (the control)
+    import functools
+
+    import trl
+
+    original = trl.GRPOTrainer.__init__
+
+    @functools.wraps(original)
+    def acted(self, *args, **kwargs):
+        raise AssertionError("GRPOTrainer.__init__ ran")
+
+    trl.GRPOTrainer.__init__ = acted
+    try:
+        for changes, message in (
+            ({"args": {"use_vllm": True}}, r"use_vllm=True \(vLLM's generation gathers prompts over every process"),
+            ({"tools": [a_tool]}, r"tools / environment_factory \(each rank of a CP group would run the tools"),
+            ({"rollout_func": lambda prompts, trainer: {}}, r"rollout_func \(a custom generation on every rank"),
+            ({"cp_args": ContextParallelArguments(context_parallel_size=2, loss_normalization="micro_batch_mean")},
+             r"ContextParallelArguments\.loss_normalization='micro_batch_mean' \(the RL trainers keep TRL's own"),
+            ({"args": {"per_device_train_batch_size": 1}}, r"generation_batch_size = per_device_train_batch_size "
+                                                           r"\(1\) x dp \(1\) x steps_per_generation \(1\) = 1, not "
+                                                           r"a multiple of num_generations \(2\)"),
+            ({"model": registered}, r"a model whose attn_implementation is 'cp_handler' already"),
+        ):
+            with pytest.raises(ValueError, match="CPGRPOTrainer: refused under context parallelism: " + message):
+                trainer(**changes)
+        with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
+            trainer()
+    finally:
+        trl.GRPOTrainer.__init__ = original
     # DPO's precomputed reference log-probs of a dataset held in memory: TRL's cache file would be written by the main
     # process alone in a temporary folder of its own (the other ranks failed to read it); a dataset on disk runs
     # (hf_rl_cases.py's precompute cases)

@@ -76,11 +76,50 @@ def _cp_trainer(tmp_path, model, trainer_fields=None, **fields):
                      cp_args=ContextParallelArguments(), **(trainer_fields or {}))
 
 
-def test_a_refused_architecture_fails_before_the_first_step(tmp_path):
-    import hf_zoo
+@pytest.fixture
+def wrapped_init_fails(monkeypatch):
+    """``Trainer.__init__`` replaced by one that fails the test (its signature kept: the mixin binds the
+    constructor's arguments to it): a refusal that comes before it never reaches it."""
+    import functools
 
-    with pytest.raises(ValueError, match="BloomForCausalLM: of its 2 layers, .* did not run cp_handler's attention"):
-        _cp_trainer(tmp_path, hf_zoo.build("bloom"))
+    import transformers
+
+    @functools.wraps(transformers.Trainer.__init__)
+    def acted(self, *args, **kwargs):
+        raise AssertionError("Trainer.__init__ ran")
+
+    monkeypatch.setattr(transformers.Trainer, "__init__", acted)
+
+
+def _no_loss_kwargs():
+    model = cases.model("llama")
+    model.accepts_loss_kwargs = False  # as a forward without **kwargs: Trainer would pass no num_items_in_batch
+    return model
+
+
+def _encoder_decoder():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2))
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: __import__("hf_zoo").build("bloom"), "BloomForCausalLM: of its 2 layers, .* did not run cp_handler's "
+                                                  "attention"),
+    (_encoder_decoder, "T5ForConditionalGeneration is an encoder-decoder model, not a causal language model"),
+    (lambda: _bamba(0.1), "BambaForCausalLM's own loss .* CPTrainer takes the model's loss"),
+    (_no_loss_kwargs, r"CPTrainer: refused under context parallelism: a model whose forward takes no "
+                      r"num_items_in_batch \(LlamaForCausalLM"),
+])
+def test_the_model_guard_refuses_before_the_wrapped_trainer_acts(tmp_path, wrapped_init_fails, build, message):
+    """The model's guard (an architecture that would be wrong, an encoder-decoder, a loss of its own, a loss without
+    the token count) runs before ``Trainer.__init__`` (which would tokenise a dataset, move the model, build
+    accelerate's state first): each refusal comes with ``Trainer.__init__`` made to fail the test. The control: a
+    model the guard passes reaches it."""
+    with pytest.raises(ValueError, match=message):
+        _cp_trainer(tmp_path, build())
+    with pytest.raises(AssertionError, match="Trainer.__init__ ran"):
+        _cp_trainer(tmp_path, cases.model("llama"))
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -29,8 +29,10 @@ Refused by name before TRL's ``__init__`` runs (from the constructor's arguments
 demand a chat template for tools): vLLM (its server and colocate modes gather over every process), continuous
 batching, tools and environments (a tool run on every rank of a group could return different results), a custom
 ``rollout_func``, a PEFT model or ``peft_config``, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one
-rank would wait for the others), a vision-language model; after it, what only the built trainer shows (FSDP set by the
-launcher, a model loaded from its name) and a model whose left-padded forward is not its real tokens' alone
+rank would wait for the others), a vision-language model, a model switched to cp_handler's attention already, a
+generation batch split across groups of ``num_generations``, the model's guard (on a copy); after it, what only the
+built trainer shows (FSDP set by the launcher, a model loaded from its name) and a model whose left-padded forward is
+not its real tokens' alone
 (:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16 (:data:`~.hf_trainer.OLDEST_TRL` and newer).
 """
 
@@ -43,6 +45,7 @@ import torch.distributed as dist
 
 from ..core.install_hint import extra_hint
 from .hf_fused_head import install_cp_fused_head, left_padding_positions
+from .hf_inputs import text_config
 from .hf_trainer import OLDEST_TRL
 from .hf_trainer_base import ContextParallelTrainerBase
 from .hf_vlm import is_vision_language
@@ -76,6 +79,10 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         if getattr(args, "use_liger_kernel", False):
             refused.append("use_liger_kernel=True (Liger replaces modules cp_handler routes)")
         model = arguments.get("model")
+        implementation = text_config(model)._attn_implementation if isinstance(model, torch.nn.Module) else "name"
+        if implementation in (None, ATTN_IMPLEMENTATION):  # a model loaded from its name: checked once loaded
+            refused.append(_ATTENTION_SET.format(implementation))
+        refused += _generation_batch_refusals(args, self.cp_config.context_parallel_size)
         refused += _model_refusals(bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)), model,
                                    arguments.get("peft_config") is not None)
         if self.cp_args.loss_normalization is not None:
@@ -99,10 +106,8 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
     def _prepare_registered(self, model) -> None:
         self._prepare_generation()
         implementation = self.own_attn_implementation
-        if implementation in (None, ATTN_IMPLEMENTATION):
-            raise ValueError(f"{type(self).__name__}: the model runs attn_implementation={implementation!r} already; "
-                             "pass it with its own attention (e.g. 'sdpa'): generation runs outside context "
-                             "parallelism with it")
+        if implementation in (None, ATTN_IMPLEMENTATION):  # a model TRL loaded from its name
+            self._refuse([_ATTENTION_SET.format(implementation)])
         plan = (self.cp_config, self.cp_groups.cp_group, self.cp_groups.hierarchical_cp_groups,
                 left_padding_positions(model, implementation))
         install_cp_fused_head(model, *plan, exact=self.exact_grads)
@@ -123,11 +128,6 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
             return
         set_seed(args.seed + self.cp_groups.dp_rank)
         args.generation_batch_size = args.per_device_train_batch_size * dp * args.steps_per_generation
-        if args.generation_batch_size % self.num_generations:
-            raise ValueError(f"{type(self).__name__}: generation_batch_size = per_device_train_batch_size "
-                             f"({args.per_device_train_batch_size}) x dp ({dp}) x steps_per_generation "
-                             f"({args.steps_per_generation}) = {args.generation_batch_size} is not a multiple of "
-                             f"num_generations ({self.num_generations}): the groups would be split")
 
     def _generate_single_turn(self, *args, **kwargs):
         """TRL's generation on the CP group's first rank, with the model's own attention; the completions, and the
@@ -184,6 +184,27 @@ def _in_memory(dataset) -> bool:
     if isinstance(dataset, dict):
         return any(_in_memory(d) for d in dataset.values())
     return hasattr(dataset, "cache_files") and not dataset.cache_files
+
+
+_ATTENTION_SET = ("a model whose attn_implementation is {!r} already (pass it with its own attention, e.g. 'sdpa': "
+                  "generation runs outside context parallelism with it)")
+
+
+def _generation_batch_refusals(args, cp: int) -> list[str]:
+    """GRPO / RLOO: the generation batch at the dp size (what :meth:`CPRLTrainerMixin._prepare_generation` sets)
+    must hold whole groups of ``num_generations`` (the world size from the launcher's environment: the groups are
+    not built yet)."""
+    if getattr(args, "generation_batch_size", None) is None or not getattr(args, "num_generations", None):
+        return []
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world % cp:
+        return []  # the world size's own refusal comes when the groups are built
+    batch = args.per_device_train_batch_size * (world // cp) * args.steps_per_generation
+    if batch % args.num_generations == 0:
+        return []
+    return [f"generation_batch_size = per_device_train_batch_size ({args.per_device_train_batch_size}) x dp "
+            f"({world // cp}) x steps_per_generation ({args.steps_per_generation}) = {batch}, not a multiple of "
+            f"num_generations ({args.num_generations}): the groups would be split"]
 
 
 def _model_refusals(sharded: bool, model, peft_config: bool = False) -> list[str]:

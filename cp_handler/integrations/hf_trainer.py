@@ -13,9 +13,10 @@ refusals, the loaders over dp) is :mod:`.hf_trainer_base`. What it does, by Trai
 
 * ``__init__``: the settings that would make the result wrong refused by name from the constructor's arguments,
   before the wrapped trainer's ``__init__`` acts on them (accelerate's own CP / SP, label smoothing,
-  ``compute_loss_func``, ``average_tokens_across_devices=False``, ``batch_rebalance``; after it, what only the built
-  trainer shows: a loss without ``num_items_in_batch``); the dp x cp groups (CP ranks adjacent), ``register(model)``
-  (the guard runs before step 1); the data loaders are split over the dp ranks only, so every rank of a CP group
+  ``compute_loss_func``, ``average_tokens_across_devices=False``, ``batch_rebalance``, a loss without
+  ``num_items_in_batch``), and the model's guard on a copy (:meth:`.hf_trainer_base.ContextParallelTrainerBase.
+  _check_model`); after it, what only the built trainer shows; the dp x cp groups (CP ranks adjacent),
+  ``register(model)``; the data loaders are split over the dp ranks only, so every rank of a CP group
   reads the same batch (the accelerator's ``prepare_data_loader``, replaced on this trainer's accelerator instance);
 * ``training_step`` / ``prediction_step``: each batch sharded by :func:`~.hf_batch.shard_batch` (a handler per
   batch; packed documents as thd) and run under it; the loss is normalised as the plain trainer would for the model
@@ -49,6 +50,7 @@ the mixin relies on is probed when a trainer is built (:func:`check_token_count`
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -96,6 +98,18 @@ def check_token_count(trainer) -> None:
                          "this transformers release normalises the loss otherwise: refused")
 
 
+_NO_COUNT = "a model whose forward takes no num_items_in_batch ({}: its loss would be each rank's own mean)"
+
+
+def _accepts_loss_kwargs(model: torch.nn.Module) -> bool:
+    """Whether Trainer will pass ``model`` the loss arguments (``num_items_in_batch``): transformers' own rule
+    (``Trainer.__init__``: the model's ``accepts_loss_kwargs``, else a ``**kwargs`` in its ``forward``), read before
+    the wrapped trainer is built; the built trainer's ``model_accepts_loss_kwargs`` is checked again after."""
+    if hasattr(model, "accepts_loss_kwargs"):
+        return bool(model.accepts_loss_kwargs)
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
+
+
 class ContextParallelMixin(ContextParallelTrainerBase):
     """Context parallelism for a ``transformers.Trainer`` subclass (module doc): ``class MyTrainer(
     ContextParallelMixin, Trainer)``, built with ``cp_args=ContextParallelArguments(...)``.
@@ -123,6 +137,9 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         check_model_loss(model, f"{type(self).__name__} takes the model's loss")  # the mixin passes the counts
         self.loss_normalization = self.cp_args.loss_normalization or plain
         self.model_accepts_loss_kwargs = self.loss_normalization == "global_token_count"  # Trainer counts then
+
+    def _check_model_copy(self, model) -> None:
+        check_model_loss(model, f"{type(self).__name__} takes the model's loss")
 
     def _check_releases(self) -> None:
         if self.loss_normalization == "global_token_count":
@@ -155,6 +172,9 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         if arguments.get("compute_loss_func") is not None:
             refused.append("compute_loss_func (it would receive this rank's shard of the labels, already shifted in "
                            "global order, and the shard's logits)")
+        model = arguments.get("model")
+        if isinstance(model, torch.nn.Module) and not is_vision_language(model) and not _accepts_loss_kwargs(model):
+            refused.append(_NO_COUNT.format(type(model).__name__))
         normalization = self.cp_args.loss_normalization
         if normalization is not None and normalization not in LOSS_NORMALIZATIONS:
             refused.append(f"ContextParallelArguments.loss_normalization={normalization!r} (one of "
@@ -165,8 +185,7 @@ class ContextParallelMixin(ContextParallelTrainerBase):
         refused = super()._refused_settings()
         if self.compute_loss_func is None and not self.model_accepts_loss_kwargs and \
                 not is_vision_language(self.accelerator.unwrap_model(self.model)):
-            refused.append(f"a model whose forward takes no num_items_in_batch ({type(self.model).__name__}: its loss "
-                           "would be each rank's own mean)")
+            refused.append(_NO_COUNT.format(type(self.model).__name__))
         return refused
 
     def _shard(self, inputs: dict):

@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch import nn
 
 from ..handlers.registry import get_cp_handler_cls
 from ..models.tiling import tile_mlps
@@ -22,7 +23,7 @@ from . import hf_exact_grads
 from .hf_causal import check_causal, check_decoder_only
 from .hf_dp import DataParallelView
 from .hf_inputs import text_config
-from .transformers import register
+from .transformers import check_architecture, register
 
 LOSS_NORMALIZATIONS = ("micro_batch_mean", "global_token_count")
 """How the token loss is normalised (``ContextParallelArguments.loss_normalization``): each micro-batch's mean (what the
@@ -123,6 +124,8 @@ class ContextParallelTrainerBase:
         get_cp_handler_cls(self.cp_config.backend, self.cp_config.cp_comm_type).check_available()
         arguments = inspect.signature(super().__init__).bind_partial(*args, **kwargs).arguments
         self._refuse(self._refused_arguments(arguments.get("args"), arguments))  # before the wrapped trainer acts
+        if isinstance(arguments.get("model"), nn.Module):
+            self._check_model(arguments["model"])
         self.cp_ready = False
         """Whether the groups, the registered model and the data loaders over dp are in place (what the wrapped
         trainer's ``__init__`` runs before them can wait for them: :meth:`_when_ready`)."""
@@ -147,6 +150,25 @@ class ContextParallelTrainerBase:
         self._check_releases()
         self.cp_ready = True
         self._when_ready()
+
+    def _check_model(self, model: nn.Module) -> None:
+        """The model's guard before the wrapped trainer's ``__init__`` (which would tokenise the dataset, build a
+        reference model or set up generation first): decoder-only, and the architecture on a copy built from its
+        config (:func:`~.transformers.check_architecture`: every check, forward probes included, for a model of at
+        most ``FULL_CHECK_PARAMETERS`` parameters; the static ones above, whose forward probes run on the model
+        itself once the trainer is built, as every check does again), then :meth:`_check_model_copy`. The model and
+        its config are not changed. A module that is not a transformers model is checked once the trainer is
+        built."""
+        check_decoder_only(model)
+        if getattr(type(model), "_from_config", None) is None or getattr(model, "config", None) is None:
+            return
+        built = check_architecture(model.config, type(model))
+        if built is not None:
+            self._check_model_copy(built)
+
+    def _check_model_copy(self, model: nn.Module) -> None:
+        """What a subclass checks before the wrapped trainer's ``__init__`` on the registered float32 copy of the
+        model (random weights; default: nothing)."""
 
     def _when_ready(self) -> None:
         """What runs once the trainer is ready for context parallelism (default: nothing)."""

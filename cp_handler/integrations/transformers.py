@@ -35,6 +35,7 @@ these probes rather than by a version number.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -122,12 +123,22 @@ FULL_CHECK_PARAMETERS = 100_000_000
 """Largest model :func:`check_architecture` instantiates on CPU to run every check (larger: static only)."""
 
 
-def check_architecture(config) -> None:
-    """The guard on a config alone, as ``cp-train --hf-config`` runs it before spawning: the model is
-    built on the ``meta`` device for the static checks (:func:`.hf_model.check_model`); when it has at
-    most :data:`FULL_CHECK_PARAMETERS` parameters it is also built on CPU and given to
-    :func:`register` (the cp=1 forward checks too) and :func:`.hf_model.check_causal` (every attention layer
-    causal), so the error is the one every rank would raise.
+def check_architecture(config, model_class=None) -> torch.nn.Module | None:
+    """The guard on a config alone, as ``cp-train --hf-config`` runs it before spawning and the trainers before the
+    wrapped trainer's ``__init__``: the model is built on the ``meta`` device for the static checks
+    (:func:`.hf_model.check_model`); when it has at most :data:`FULL_CHECK_PARAMETERS` parameters it is also built
+    on CPU in float32 and given to :func:`register` (the cp=1 forward checks too) and :func:`.hf_model.check_causal`
+    (every attention layer causal), so the error is the one every rank would raise. ``config`` is not changed (the
+    copies are built from a copy of it).
+
+    Args:
+        config: a ``PretrainedConfig``.
+        model_class: the class to build (a trainer's model's own: vision-language models included); default the
+            causal LM class of ``config`` (``AutoModelForCausalLM``: text models only, :func:`check_text_route`).
+
+    Returns:
+        The registered float32 copy on CPU (random weights; for further cp=1 probes), or ``None`` when the model is
+        larger than :data:`FULL_CHECK_PARAMETERS` (static checks only).
 
     Raises:
         ValueError: the guard's refusal.
@@ -135,15 +146,24 @@ def check_architecture(config) -> None:
     from transformers import AutoModelForCausalLM
 
     register()
+    if model_class is None:
+        def build(dtype=None):
+            return AutoModelForCausalLM.from_config(copy.deepcopy(config), **({"dtype": dtype} if dtype else {}))
+    else:
+        def build(dtype=None):
+            return model_class._from_config(copy.deepcopy(config), **({"dtype": dtype} if dtype else {}))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    check_text_route(model)
+        model = build()
+    if model_class is None:
+        check_text_route(model)
     prepare_model(model)  # weights on meta: static checks only
     check_causal(model)
-    if sum(p.numel() for p in model.parameters()) <= FULL_CHECK_PARAMETERS:
-        model = AutoModelForCausalLM.from_config(config)
-        register(model)
-        check_causal(model)
+    if sum(p.numel() for p in model.parameters()) > FULL_CHECK_PARAMETERS:
+        return None
+    model = build(torch.float32)
+    register(model)
+    check_causal(model)
+    return model
 
 
 @contextlib.contextmanager
