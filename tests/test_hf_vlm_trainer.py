@@ -166,14 +166,3 @@ def test_a_vlm_loss_that_ignores_the_token_count_is_refused_before_the_first_ste
                                          "num_items_in_batch is .* or a mean; CPTrainer takes the model's loss"):
         CPTrainer(model=model, args=args, train_dataset=[], data_collator=vlm_cases.collate,
                   cp_args=ContextParallelArguments())
-
-
-def test_a_config_with_use_cache_trains(tmp_path):
-    """Qwen3.5 with its config's default ``use_cache=True`` under ``CPTrainer`` (cp 1): its training forwards run
-    without a cache (it was refused at step 1); the parameters move."""
-    trainer = _cp1_trainer(tmp_path, "qwen3_5", vlm_cases.zoo_examples("qwen3_5", 2, 0))
-    model = trainer.model
-    model.config.use_cache = model.config.get_text_config().use_cache = True
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer.train()
-    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -274,7 +274,8 @@ def _model_pre_hook(model, args, kwargs, last: dict):
     forward takes extra keyword arguments, left in them: transformers passes them on through the decoder
     layers to the attention function (a recomputed layer gets them again). Under a handler a cache is refused by
     its type, whatever the argument's name (:mod:`.hf_cache`), as is ``use_cache=True``; without ``use_cache`` the
-    forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard). At cp > 1,
+    forward gets ``use_cache=False`` (the config's default would build a cache of this rank's shard; said once per
+    model, a warning of the ``cp_handler`` logger, when the config says ``use_cache=True``). At cp > 1,
     ``labels`` without ``shift_labels`` are refused (the model would shift its shard's labels), and so are labels
     given to a model whose own loss is not the token cross-entropy (:mod:`.hf_loss_probe`)."""
     handler = kwargs.pop("cp_handler", None)
@@ -296,8 +297,8 @@ def _model_pre_hook(model, args, kwargs, last: dict):
         kwargs["use_cache"] = False  # the config's default (use_cache=True) would build a cache of this rank's shard
         if getattr(text_config(model), "use_cache", False) and not model.__dict__.get("_cp_said_use_cache"):
             model._cp_said_use_cache = True
-            LOG.info("%s: its config says use_cache=True; its forwards under a handler run with use_cache=False "
-                     "(a cache would hold this rank's shard; training needs none)", type(model).__name__)
+            LOG.warning("%s: its config says use_cache=True; its forwards under a handler run with use_cache=False "
+                        "(a cache would hold this rank's shard; training needs none)", type(model).__name__)
     if model.__dict__.get("_cp_takes_kwargs"):
         kwargs["cp_handler"] = handler
     if torch.is_grad_enabled():
