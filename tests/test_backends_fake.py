@@ -31,6 +31,7 @@ from gpt_reference import CONFIG, GPT_GPU_TOLERANCE, assert_close_by_norm, loss_
 
 from cp_handler import AttentionShape, ContextParallelConfig, build_dp_cp_groups, get_cp_handler_cls
 from cp_handler.handlers import te_releases
+from cp_handler.handlers.agreement import RanksRefused
 from cp_handler.handlers.requirements import release
 from cp_handler.handlers.te_releases import thd_comm_types
 from cp_handler.models import GPTConfig, GPTModel
@@ -344,6 +345,13 @@ def _magi_errors(group, shape, version):
         magi_cls(cp_group=group, num_heads_q=4, num_heads_kv=2, head_dim=192)
     h = magi_cls(cp_group=group, **shape)
     local = h.dispatch(torch.randn(2, 16, 4, 16), 1)
+    # reused for a batch that is longer on rank 1 only: every rank raises the named error (dispatch agrees at every
+    # call; rank 0 would otherwise go on into MagiAttention's collectives alone)
+    with pytest.raises(RanksRefused, match=r"dispatch: the inputs of some ranks of the CP group were refused \(rank 1: "
+                                           r"ValueError: dispatch: a tensor of \(2, 24\) tokens \(dim 1\), but this "
+                                           r"handler dispatched \(2, 16\)"):
+        h.dispatch(torch.randn(2, 24 if dist.get_rank(group) == 1 else 16, 4, 16), 1)
+    assert h.dispatch(torch.randn(2, 16, 4, 16), 1).shape == local.shape  # the same batch's other tensors pass
     with pytest.raises(ValueError, match=r"q has dtype torch.float32; MagiAttention computes in float16 or bfloat16"):
         h.core_attn(torch.nn.Module(), local, local[..., :2, :], local[..., :2, :])
     with pytest.raises(ValueError, match=r"backend='magi': v head dim 8 differs from the q/k head dim 16 \(multi-head "

@@ -2,7 +2,8 @@
 unclear error now ends as a clear error on every rank, or an exact result.
 
 Cases: a tensor dispatched twice, a combine of a tensor never dispatched, a sequence of 0 tokens, a
-reused handler given another length by one rank (every rank raises: dispatch agrees at every call), hierarchical
+reused handler given another length by one rank (every rank raises: dispatch, combine and roll_tensor agree at
+every call; a shift that differs by rank too), hierarchical
 levels passed in the wrong order,
 ``softmax_scale = 0.0`` (it ran at ``D ** -0.5``: now refused, as PyTorch's causal kernels give NaN at 0;
 another explicit scale is exact against the single process), ``window_size = 8``,
@@ -56,6 +57,18 @@ def _dispatch_combine_worker(rank, world):
                                            r"ValueError: dispatch: a tensor of 24 tokens along dim 1, but this handler "
                                            r"dispatched sequences of 16 tokens"):
         reused.dispatch(torch.randn(1, 24 if rank == 1 else 16, 4), 1)
+    # combine and roll_tensor agree at every call too: a shard of another length on rank 1, a shift that differs by
+    # rank (each rank alone would combine or roll, then wait in the all-gather or the ring for a partner)
+    with pytest.raises(RanksRefused, match=r"combine: the inputs of some ranks of the CP group were refused \(rank 1: "
+                                           r"ValueError"):
+        reused.combine(torch.randn(1, 12 if rank == 1 else 8, 4), 1)
+    with pytest.raises(RanksRefused, match=r"roll_tensor: the inputs of some ranks of the CP group were refused "
+                                           r"\(rank 1: ValueError"):
+        reused.roll_tensor(torch.randn(1, 12 if rank == 1 else 8, 4), -1, 1)
+    with pytest.raises(RanksRefused, match=r"roll_tensor: the ranks of the CP group disagree on shifts \(rank 0: -1; "
+                                           r"rank 1: -2\)"):
+        reused.roll_tensor(local, -1 - rank, 1)
+    torch.testing.assert_close(reused.combine(local, 1), x, rtol=0, atol=0)  # after the refusals: the handler works
 
 
 def test_dispatch_and_combine_refuse_what_cannot_be_a_batch_or_a_shard():

@@ -84,9 +84,14 @@ class MagiLayout(TokenLayout):
     def _cu_seqlens(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         if self.handler.qkv_format == "thd":
             return self._thd_cu_seqlens()
+        self.batch_shape = self._batch_shape_of(tensor, seq_dim)
         batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
-        self.batch_shape = (batch, seq) if seq_dim == 1 else (seq, batch)
         return torch.arange(0, batch * seq + 1, seq, dtype=torch.int32)
+
+    @staticmethod
+    def _batch_shape_of(tensor: torch.Tensor, seq_dim: int) -> tuple[int, int]:
+        batch, seq = tensor.shape[1 - seq_dim], tensor.shape[seq_dim]
+        return (batch, seq) if seq_dim == 1 else (seq, batch)
 
     def _build_key(self, cu_seqlens: torch.Tensor, device) -> None:
         """The key, called with the arguments of the installed release (module doc)."""
@@ -117,15 +122,31 @@ class MagiLayout(TokenLayout):
 
     def dispatch(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Global tensor -> ``(1, T_local, ...)`` (seq at ``seq_dim``), MagiAttention's layout (padded).
-        Backward: this rank's tokens' gradient in the global layout, zero elsewhere."""
+        Backward: this rank's tokens' gradient in the global layout, zero elsewhere.
+
+        Every call agrees over the CP group (the key's batch at the first, the tensor's shape against it after): a
+        tensor of another batch on some rank (a handler reused) raises the same ``RanksRefused`` on every rank."""
         seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
         if self.handler.cp_size == 1:
             return tensor
-        if self.key is None:
-            cu_seqlens = self._cu_seqlens(tensor, seq_dim)
-            self.handler.agreement.agree("dispatch", {"tokens": int(cu_seqlens[-1]),
-                                                      "layout": f"cu_seqlens {cu_seqlens.tolist()}"}, tensor.device)
-            self._build_key(cu_seqlens, tensor.device)
+        first = self.key is None
+
+        def local_checks():
+            if first:
+                cu_seqlens = self._cu_seqlens(tensor, seq_dim)
+                return {"tokens": int(cu_seqlens[-1]), "layout": f"cu_seqlens {cu_seqlens.tolist()}"}
+            if self.handler.qkv_format == "thd":
+                got, want = tensor.shape[seq_dim], int(self._thd_cu_seqlens()[-1])
+            else:
+                got, want = self._batch_shape_of(tensor, seq_dim), self.batch_shape
+            if got != want:
+                raise ValueError(f"dispatch: a tensor of {got} tokens (dim {seq_dim}), but this handler dispatched "
+                                 f"{want}: from another batch (a handler is built per batch)")
+            return {"tokens": 0, "layout": f"the key's {want}"}
+
+        self.handler.agreement.checked("dispatch", tensor.device, ("tokens", "layout"), local_checks, every_call=True)
+        if first:
+            self._build_key(self._cu_seqlens(tensor, seq_dim), tensor.device)
         local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.handler.api, self.key, self.positions)
         return local.movedim(0, seq_dim) if self.handler.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
 
