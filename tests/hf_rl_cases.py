@@ -56,6 +56,8 @@ labels shifted inside each rank's shard as TRL's head would without the global `
 WORLD = {"grpo_dp2_bnpo": 4, "dpo_dp2_a2a": 4, "dpo_precompute_dp2": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp. TRL's losses at dp > 1 are its own (bnpo divides by each
 process's token count, DDP averages): the reference runs the same dp."""
+EVAL_UNCOMPARED = ("_runtime", "_samples_per_second", "_steps_per_second", "epoch")
+"""Suffixes of ``evaluate()``'s keys that time the run (the precompute cases compare the rest: losses, rewards)."""
 UNCOMPARED = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second",
               "total_flos", "epoch")
 """Logged keys that are times or counters of the run, not results."""
@@ -171,13 +173,13 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
     if case["trainer"] == "dpo":
         common["train_dataset"] = Dataset.from_list(preference_pairs(12 * dp))
         if case["args"].get("precompute_ref_log_probs"):  # TRL's cache of the log-probs: written by the main process
-            data = Path(out) / "pairs"  # beside a dataset on disk (an in-memory one's is in a per-process temp dir)
-            if dist.get_rank() == 0:
-                common["train_dataset"].save_to_disk(str(data))
-            dist.barrier()
-            from datasets import load_from_disk
-
-            common["train_dataset"] = load_from_disk(str(data))
+            # beside a dataset on disk (an in-memory one's is in a per-process temp dir); evaluation data too, whose
+            # log-probs TRL also precomputes in its __init__ (the mixin defers them with the training set's): one
+            # dataset at dp 1, a dict of two (evaluated one by one) at dp 2
+            evals = {"a": preference_pairs(4 * dp, seed=1), "b": preference_pairs(2 * dp, seed=3)}
+            common["eval_dataset"] = _on_disk(Path(out) / "eval_a", Dataset.from_list(evals["a"])) if dp == 1 else {
+                key: _on_disk(Path(out) / f"eval_{key}", Dataset.from_list(rows)) for key, rows in evals.items()}
+            common["train_dataset"] = _on_disk(Path(out) / "pairs", common["train_dataset"])
     else:
         common.update(train_dataset=Dataset.from_list(prompts(8 * dp)), reward_funcs=reward)
     import trl
@@ -197,9 +199,22 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
     trainer.train()
     logged = [{k: v for k, v in entry.items() if k not in UNCOMPARED} for entry in trainer.state.log_history
               if "loss" in entry]
+    if "eval_dataset" in common:
+        logged.append({k: v for k, v in trainer.evaluate().items() if not k.endswith(EVAL_UNCOMPARED)})
     if dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"logged": logged, "params": params}, Path(out) / "result.pt")
+
+
+def _on_disk(folder: Path, dataset):
+    """``dataset`` saved by rank 0 and loaded back on every rank (a dataset with cache files: TRL's precompute cache
+    then sits beside it, where every rank reads it)."""
+    from datasets import load_from_disk
+
+    if dist.get_rank() == 0:
+        dataset.save_to_disk(str(folder))
+    dist.barrier()
+    return load_from_disk(str(folder))
 
 
 def compare(got: dict, want: dict) -> str | None:

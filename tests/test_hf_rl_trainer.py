@@ -7,7 +7,8 @@ prompts and completions (tests/hf_rl_cases.py: scripted completions, a rule rewa
 grpo, dapo (sequence-level importance sampling, a2a), bnpo (dp 2 x cp 2) and dr_grpo (a hybrid: Qwen3-Next, its MoE
 load-balancing loss on) losses, two accumulation steps (the generation batch split into micro-batches, all_gather)
 and an MLA model (DeepSeek-V3), RLOO, DPO at cp 2 and dp 2 x cp 2 (a2a), each also with its reference log-probs
-precomputed (``precompute_ref_log_probs=True``: TRL computes them inside its ``__init__``). Generation runs
+precomputed (``precompute_ref_log_probs=True``: TRL computes them inside its ``__init__``, for the evaluation data
+too: one dataset at cp 2, a dict of two at dp 2 x cp 2, ``evaluate()`` compared). Generation runs
 on the first rank of each CP group only (the scripted ``generate`` raises elsewhere). The negative control (labels
 shifted inside each rank's shard) must fail the comparison. Settings the mixin does not implement are refused by name
 from the constructor's arguments, before TRL's ``__init__`` acts on them (vLLM, tools, a custom rollout).
