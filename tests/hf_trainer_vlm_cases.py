@@ -61,9 +61,12 @@ CASES = {
                                     "accumulate": 2, "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "qwen2_5_vl_text_positions": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2},
                                   "break": "positions"},
+    "qwen3_5_moe_router_padding": {"model": "qwen3_5_moe_router_loss", "data": "zoo", "accumulate": 2,
+                                   "cp": {"context_parallel_size": 2}, "break": "router_tokens"},
 }
 """Each case's reference is the same name run alone (``break``: a negative control, the language model given positions
-``0..S-1`` instead of the model's 3-D mRoPE positions, which place the image tokens on a 2-D grid)."""
+``0..S-1`` instead of the model's 3-D mRoPE positions, which place the image tokens on a 2-D grid, or Qwen3.5-MoE's
+router loss counting the shard's padding as tokens)."""
 WORLD = {"sft_qwen2_5_vl_dp2": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp."""
 LENGTHS = (24, 30, 26, 22)
@@ -171,25 +174,36 @@ def trl_rows(kind: str, count: int, seed: int, uniform: bool = False) -> list[di
 
 @contextlib.contextmanager
 def _broken(kind: str | None):
-    """The negative control (module's ``CASES``), undone after the block: the language model's pre-hook
-    (:mod:`cp_handler.integrations.hf_vlm`, registered when the trainer registers the model) called without the
-    model's ``position_ids``, so it dispatches ``0..S-1``; armed by setting the yielded dict's ``"on"`` once the
-    trainer is built (register's own probe, at cp 1, would refuse a model whose positions change nothing)."""
-    from cp_handler.integrations import hf_vlm
+    """The negative control (module's ``CASES``), undone after the block. ``"positions"``: the language model's
+    pre-hook (:mod:`cp_handler.integrations.hf_vlm`, registered when the trainer registers the model) called without
+    the model's ``position_ids``, so it dispatches ``0..S-1``; armed by setting the yielded dict's ``"on"`` once the
+    trainer is built (register's own probe, at cp 1, would refuse a model whose positions change nothing).
+    ``"router_tokens"``: the trainer's router-loss scope told every slot of the shard is a real token (the right
+    padding counted, the defect of issue 68)."""
+    from cp_handler.integrations import hf_trainer, hf_vlm
+    from cp_handler.integrations.hf_router_loss import RouterLossScope, router_loss_scope
 
     original, state = hf_vlm._language_model_pre_hook, {"on": False}
+    under = hf_trainer.ContextParallelMixin._under
+
+    def every_slot(self, sharded):
+        return router_loss_scope(RouterLossScope(self.cp_groups.cp_group, torch.ones_like(sharded.token_mask),
+                                                 self.router_loss_convention))
 
     def text_positions(lm, args, kwargs):
         if state["on"]:
             kwargs = {k: v for k, v in kwargs.items() if k != "position_ids"}
         return original(lm, args, kwargs)
 
-    if kind is not None:
+    if kind == "positions":
         hf_vlm._language_model_pre_hook = text_positions
+    elif kind == "router_tokens":
+        hf_trainer.ContextParallelMixin._under = every_slot
     try:
         yield state
     finally:
         hf_vlm._language_model_pre_hook = original
+        hf_trainer.ContextParallelMixin._under = under
 
 
 def run_case(name: str, out: str, cp_run: bool) -> None:

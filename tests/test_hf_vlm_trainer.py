@@ -6,8 +6,9 @@ batches (tests/hf_trainer_vlm_cases.py): Qwen2.5-VL (3-D mRoPE positions, ``acce
 with p2p, LLaVA under Trainer with all_gather, and Qwen2.5-VL under TRL's own vision path (a processor built offline,
 ``DataCollatorForVisionLanguageModeling``): conversational ``messages`` with a2a, prompt-completion (completion-only
 labels) with p2p, and dp 2 x cp 2; TRL's logged ``num_tokens``, entropy and token accuracy compared too. cp 2 in every
-case. The negative control (the language model given positions 0..S-1 instead of the model's mRoPE positions) must
-fail the same comparison. Then the refusals of this route, by name, before any step or at the first one.
+case. The negative controls (the language model given positions 0..S-1 instead of the model's mRoPE positions;
+Qwen3.5-MoE's router loss counting the shard's padding rows) must fail the same comparison. Then the refusals of
+this route, by name, before any step or at the first one.
 
 Tolerances (float32, tests/test_hf_trainer.py's, :func:`hf_trainer_cases.compare`): losses, gradient norms, TRL's
 logged figures and the eval loss rtol 1e-5; parameters after 3 SGD steps atol 1e-6 + rtol 1e-5; logits atol = rtol =
