@@ -101,6 +101,13 @@ def _refusals_worker(rank, world, out):
         ):
             with pytest.raises(ValueError, match="CPGRPOTrainer: refused under context parallelism: " + message):
                 trainer(**changes)
+        os.environ["ACCELERATE_USE_FSDP"] = "true"  # as `accelerate launch` with an FSDP config sets it
+        try:
+            with pytest.raises(ValueError, match=r"CPGRPOTrainer: refused under context parallelism: FSDP / DeepSpeed "
+                                                 r"\(sharded weights"):
+                trainer()
+        finally:
+            del os.environ["ACCELERATE_USE_FSDP"]
         with pytest.raises(AssertionError, match="GRPOTrainer.__init__ ran"):
             trainer()
     finally:

@@ -29,9 +29,10 @@ Refused by name before TRL's ``__init__`` runs (from the constructor's arguments
 demand a chat template for tools): vLLM (its server and colocate modes gather over every process), continuous
 batching, tools and environments (a tool run on every rank of a group could return different results), a custom
 ``rollout_func``, a PEFT model or ``peft_config``, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one
-rank would wait for the others), a vision-language model, a model switched to cp_handler's attention already, a
+rank would wait for the others; set by the arguments or by ``accelerate launch``'s environment), a vision-language
+model, a model switched to cp_handler's attention already, a
 generation batch split across groups of ``num_generations``, the model's guard (on a copy); after it, what only the
-built trainer shows (FSDP set by the launcher, a model loaded from its name) and a model whose left-padded forward is
+built trainer shows (a model loaded from its name) and a model whose left-padded forward is
 not its real tokens' alone
 (:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16 (:data:`~.hf_trainer.OLDEST_TRL` and newer).
 """
@@ -83,7 +84,10 @@ class ContextParallelRLMixin(ContextParallelTrainerBase):
         if implementation in (None, ATTN_IMPLEMENTATION):  # a model loaded from its name: checked once loaded
             refused.append(_ATTENTION_SET.format(implementation))
         refused += _generation_batch_refusals(args, self.cp_config.context_parallel_size)
-        refused += _model_refusals(bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)), model,
+        launcher = any(os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true"
+                       for name in ("FSDP", "DEEPSPEED"))  # what `accelerate launch` sets, read by accelerate's state
+        refused += _model_refusals(bool(getattr(args, "fsdp", None) or getattr(args, "deepspeed", None) or launcher),
+                                   model,
                                    arguments.get("peft_config") is not None)
         if self.cp_args.loss_normalization is not None:
             refused.append(f"ContextParallelArguments.loss_normalization={self.cp_args.loss_normalization!r} (the RL "
