@@ -202,18 +202,22 @@ def record(trainer, eval_dataset, out: str, cp_run: bool) -> None:
     # then fails upstream in accelerate's pad_across_processes (None entries among them): predictions are the logits
     # (a given ignore_keys replaces Trainer's default, which drops the model's cache)
     prediction = trainer.predict(eval_dataset, ignore_keys=["image_outputs", "cache", "past_key_values"])
-    if not cp_run or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
         torch.save({"losses": losses, "params": params, "eval_loss": evaluation["eval_loss"],
                     "predictions": torch.as_tensor(_logits(prediction.predictions))}, Path(out) / "result.pt")
 
 
 def run_all(module, out: Path) -> dict:
-    """Every case of ``module`` (this one, or tests/hf_trainer_vlm_cases.py: its ``CASES``, ``WORLD``, ``worker``): the
-    reference (one spawn of one process) and the CP runs (one spawn per world size); ``{name: (cp, reference)}``."""
+    """Every case of ``module`` (this one, or tests/hf_trainer_vlm_cases.py: its ``CASES``, ``WORLD``, ``worker``, and
+    ``REFERENCE_WORLD`` where the plain trainer runs on dp processes): the references (one spawn of one process, one
+    per other reference world) and the CP runs (one spawn per world size); ``{name: (cp, reference)}``."""
     from dist_utils import run_distributed
 
-    run_distributed(module.worker, 1, list(module.CASES), str(out / "reference"), False)
+    reference_world = getattr(module, "REFERENCE_WORLD", {})
+    for world in sorted({reference_world.get(name, 1) for name in module.CASES}):
+        names = [name for name in module.CASES if reference_world.get(name, 1) == world]
+        run_distributed(module.worker, world, names, str(out / "reference"), False)
     for world in sorted({module.WORLD.get(name, 2) for name in module.CASES}):
         names = [name for name in module.CASES if module.WORLD.get(name, 2) == world]
         run_distributed(module.worker, world, names, str(out / "cp"))

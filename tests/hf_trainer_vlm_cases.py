@@ -48,6 +48,10 @@ CASES = {
     # and equals the plain Trainer told the model takes the loss arguments (docs/huggingface.md)
     "qwen2_5_vl_accumulate": {"model": "qwen2_5_vl", "data": "zoo", "cp": {"context_parallel_size": 2,
                                                                           "cp_comm_type": "a2a"}, "accumulate": 2},
+    # at dp 2 x cp 2 the default (each micro-batch's mean) equals the plain Trainer on the 2 dp processes (DDP averages
+    # their micro-batch means: not one process's mean of the joined batch), REFERENCE_WORLD
+    "qwen2_5_vl_dp2_accumulate": {"model": "qwen2_5_vl", "data": "zoo", "accumulate": 2,
+                                  "cp": {"context_parallel_size": 2, "cp_comm_type": "a2a"}},
     "qwen2_5_vl_accumulate_global": {"model": "qwen2_5_vl", "data": "zoo", "accumulate": 2,
                                      "cp": {"context_parallel_size": 2, "loss_normalization": "global_token_count"},
                                      "reference_loss_kwargs": True},
@@ -67,8 +71,11 @@ CASES = {
 """Each case's reference is the same name run alone (``break``: a negative control, the language model given positions
 ``0..S-1`` instead of the model's 3-D mRoPE positions, which place the image tokens on a 2-D grid, or Qwen3.5-MoE's
 router loss counting the shard's padding as tokens)."""
-WORLD = {"sft_qwen2_5_vl_dp2": 4}
+WORLD = {"sft_qwen2_5_vl_dp2": 4, "qwen2_5_vl_dp2_accumulate": 4}
 """Ranks per case (default 2: cp 2 alone); dp = world / cp."""
+REFERENCE_WORLD = {"qwen2_5_vl_dp2_accumulate": 2}
+"""Cases whose reference is the plain trainer on dp processes (DDP, batch 2 each) instead of one process on the dp
+ranks' batches joined (default 1)."""
 LENGTHS = (24, 30, 26, 22)
 """Tokens per :func:`hf_vlm_zoo.batch` row before its row 1 loses 3 to padding: examples of 19 to 30 tokens."""
 WORDS = 240
@@ -215,8 +222,9 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
     transformers.logging.set_verbosity_error()
     case = CASES[name]
     dp = (dist.get_world_size() if cp_run else WORLD.get(name, 2)) // case["cp"]["context_parallel_size"]
-    batch = 2 if cp_run else 2 * dp  # the reference runs the dp ranks' batches as one
-    args = text_cases._arguments({**case, "padding_free": False}, out, batch=batch, cp_run=cp_run)
+    ranks = cp_run or REFERENCE_WORLD.get(name, 1) > 1
+    batch = 2 if ranks else 2 * dp  # a one-process reference runs the dp ranks' batches as one
+    args = text_cases._arguments({**case, "padding_free": False}, out, batch=batch, cp_run=ranks)
     common = dict(model=zoo.build(case["model"]).train(), args=args)
     if case.get("trainer") == "sft":
         from datasets import Dataset
@@ -252,7 +260,7 @@ def worker(rank: int, world: int, names: list[str], out: str, cp_run: bool = Tru
     import os
     from pathlib import Path
 
-    if cp_run:
+    if cp_run or world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     for name in names:
         (Path(out) / name).mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,9 @@ logged step, the final parameters (vision tower included), ``evaluate()``'s loss
 batches (tests/hf_trainer_vlm_cases.py): Qwen2.5-VL (3-D mRoPE positions, ``accepts_loss_kwargs=False``) under Trainer
 with p2p, LLaVA under Trainer with all_gather, and Qwen2.5-VL under TRL's own vision path (a processor built offline,
 ``DataCollatorForVisionLanguageModeling``): conversational ``messages`` with a2a, prompt-completion (completion-only
-labels) with p2p, and dp 2 x cp 2; TRL's logged ``num_tokens``, entropy and token accuracy compared too. cp 2 in every
+labels) with p2p, and dp 2 x cp 2; Qwen2.5-VL at dp 2 x cp 2 with accumulation under the default micro-batch mean
+against the plain Trainer on 2 DDP processes (``REFERENCE_WORLD``: its numbers, not one process's); TRL's logged
+``num_tokens``, entropy and token accuracy compared too. cp 2 in every
 case. The negative controls (the language model given positions 0..S-1 instead of the model's mRoPE positions;
 Qwen3.5-MoE's router loss counting the shard's padding rows) must fail the same comparison. Then the refusals of
 this route, by name, before any step or at the first one.
