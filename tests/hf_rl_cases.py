@@ -199,11 +199,11 @@ def run_case(name: str, out: str, cp_run: bool) -> None:
     trainer.train()
     logged = [{k: v for k, v in entry.items() if k not in UNCOMPARED} for entry in trainer.state.log_history
               if "loss" in entry]
-    if "eval_dataset" in common:
-        logged.append({k: v for k, v in trainer.evaluate().items() if not k.endswith(EVAL_UNCOMPARED)})
+    evaluated = {k: v for k, v in trainer.evaluate().items() if not k.endswith(EVAL_UNCOMPARED)} \
+        if "eval_dataset" in common else {}
     if dist.get_rank() == 0:
         params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
-        torch.save({"logged": logged, "params": params}, Path(out) / "result.pt")
+        torch.save({"logged": logged, "evaluated": evaluated, "params": params}, Path(out) / "result.pt")
 
 
 def _on_disk(folder: Path, dataset):
@@ -230,6 +230,11 @@ def compare(got: dict, want: dict) -> str | None:
     for name, param in want["params"].items():
         if not torch.allclose(got["params"][name], param, atol=1e-6, rtol=1e-5):
             return f"parameter {name} differs by {(got['params'][name] - param).abs().max().item():.2e}"
+    if sorted(got["evaluated"]) != sorted(want["evaluated"]):
+        return f"evaluate(): keys {sorted(got['evaluated'])} vs {sorted(want['evaluated'])}"
+    for key, value in want["evaluated"].items():
+        if not math.isclose(got["evaluated"][key], value, rel_tol=1e-5, abs_tol=1e-6):
+            return f"evaluate(): {key} {got['evaluated'][key]} vs {value}"
     return None
 
 
