@@ -129,11 +129,11 @@ class MagiLayout(TokenLayout):
         seq_dim = check_dim("seq_dim", seq_dim, tensor.dim())
         if self.handler.cp_size == 1:
             return tensor
-        first = self.key is None
+        first, built = self.key is None, {}
 
         def local_checks():
             if first:
-                cu_seqlens = self._cu_seqlens(tensor, seq_dim)
+                cu_seqlens = built["cu_seqlens"] = self._cu_seqlens(tensor, seq_dim)
                 return {"tokens": int(cu_seqlens[-1]), "layout": f"cu_seqlens {cu_seqlens.tolist()}"}
             if self.handler.qkv_format == "thd":
                 got, want = tensor.shape[seq_dim], int(self._thd_cu_seqlens()[-1])
@@ -146,7 +146,7 @@ class MagiLayout(TokenLayout):
 
         self.handler.agreement.checked("dispatch", tensor.device, ("tokens", "layout"), local_checks, every_call=True)
         if first:
-            self._build_key(self._cu_seqlens(tensor, seq_dim), tensor.device)
+            self._build_key(built["cu_seqlens"], tensor.device)
         local = _Dispatch.apply(self._to_tokens(tensor, seq_dim), self.handler.api, self.key, self.positions)
         return local.movedim(0, seq_dim) if self.handler.qkv_format == "thd" else local.unsqueeze(0).movedim(1, seq_dim)
 

@@ -30,10 +30,9 @@ demand a chat template for tools): vLLM (its server and colocate modes gather ov
 batching, tools and environments (a tool run on every rank of a group could return different results), a custom
 ``rollout_func``, a PEFT model or ``peft_config``, Liger kernels, FSDP / DeepSpeed (sharded weights: generation on one
 rank would wait for the others; set by the arguments or by ``accelerate launch``'s environment), a vision-language
-model, a model switched to cp_handler's attention already, a
-generation batch split across groups of ``num_generations``, the model's guard (on a copy); after it, what only the
-built trainer shows (a model loaded from its name) and a model whose left-padded forward is
-not its real tokens' alone
+model, a model switched to cp_handler's attention already, a generation batch split across groups of
+``num_generations``, the model's guard (on a copy); after it, what only the built trainer shows (a model loaded from
+its name) and a model whose left-padded forward is not its real tokens' alone
 (:func:`.hf_fused_head.left_padding_positions`). Tested with TRL 1.16 (:data:`~.hf_trainer.OLDEST_TRL` and newer).
 """
 
@@ -195,7 +194,7 @@ _ATTENTION_SET = ("a model whose attn_implementation is {!r} already (pass it wi
 
 
 def _generation_batch_refusals(args, cp: int) -> list[str]:
-    """GRPO / RLOO: the generation batch at the dp size (what :meth:`CPRLTrainerMixin._prepare_generation` sets)
+    """GRPO / RLOO: the generation batch at the dp size (what :meth:`ContextParallelRLMixin._prepare_generation` sets)
     must hold whole groups of ``num_generations`` (the world size from the launcher's environment: the groups are
     not built yet)."""
     if getattr(args, "generation_batch_size", None) is None or not getattr(args, "num_generations", None):
