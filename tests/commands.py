@@ -27,7 +27,7 @@ import tempfile
 import traceback
 from multiprocessing.connection import Client, Listener
 
-from cp_handler.runtime.launch import fresh_process
+from cp_handler.runtime.launch import freeze_inherited_objects, fresh_process
 
 PRELOAD = ("torch", "torch.distributed", "cp_handler.cli.train", "cp_handler.cli.generate", "cp_handler.training.run",
            "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers", "torch._dynamo")
@@ -40,6 +40,7 @@ def _run_child(module: str, argv: list[str], env: dict, cwd: str, umask: int, ou
     """In the forked child: become the command's process, run it, exit with its status (never returns)."""
     code = 1
     try:
+        freeze_inherited_objects()  # no garbage collection copies the server's heap
         os.setpgid(0, 0)  # the command and its ranks: one group, killed together on a timeout
         for fd, path in ((1, out), (2, err)):
             target = os.open(path, os.O_WRONLY | os.O_TRUNC)

@@ -16,6 +16,8 @@ rules in both.
 * order: the files that take longest (:data:`LONGEST_FIRST`) are collected first; ``make test`` runs
   ``--dist loadfile --no-loadscope-reorder``, so pytest-xdist hands them out first and a long file does not start
   last, leaving one worker alone at the end (xdist's own reorder sorts by test count, not time).
+* ranks: each worker starts its fork server at its start (:func:`dist_utils.start_fork_server`), with every module
+  the suite's ranks import, whichever test starts ranks first.
 * :data:`HANG_GUARD_S`: the one wall-clock limit a test may put on a subprocess or a collective, a hang guard
   only (a loaded 2-core machine ran the suite 2.7x slower than idle, and a 400 s limit failed a correct test);
   pytest's own per-test limit (pyproject.toml) is above it, so a hung subprocess is killed with its output.
@@ -62,3 +64,7 @@ def pytest_configure(config) -> None:
         import torch
 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker (not the controller, which runs no test)
+        import dist_utils
+
+        dist_utils.start_fork_server()  # before any test: its modules, whichever test starts ranks first

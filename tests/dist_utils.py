@@ -25,6 +25,7 @@ import datetime
 import faulthandler
 import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import tempfile
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_handler import destroy_process_groups
+from cp_handler.runtime.launch import freeze_inherited_objects
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
 RANK_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
@@ -52,8 +54,8 @@ PEER_GONE, PEER_GONE_DELAY_S = ("Connection closed by peer", "Connection reset b
 failure it sees and terminates the rest, and the peer's own error is the one that says what went wrong."""
 STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
 """Seconds after which (and every as many after) each rank prints every thread's Python stack (unset: never)."""
-PRELOAD = ["torch", "torch.distributed", "hypothesis", "transformers", "cp_handler", "conftest", "host_staging",
-           "dist_utils", *RANK_IMPORTS]
+PRELOAD = ["torch", "torch.distributed", "hypothesis", "transformers", "cp_handler", "cp_handler.testing.kit",
+           "conftest", "host_staging", "dist_utils", *RANK_IMPORTS]
 """Modules the fork server imports once (a module that fails to import there is skipped by multiprocessing and
 imported by the rank itself, as under ``spawn``)."""
 
@@ -72,6 +74,7 @@ def _backend(rank: int, world_size: int, device: str, stage_through_host: bool) 
 
 def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device: str, stage: bool,
             environ: dict[str, str]) -> None:
+    freeze_inherited_objects()  # forked from the server: no garbage collection copies its heap
     os.environ.clear()  # the launching process's environment, as a spawned rank would have it
     os.environ.update(environ)
     # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
@@ -143,11 +146,21 @@ CONNECT_FAILURES = ("connectFullMesh failed",)
 nothing else, is started once more; any other failure, assertions included, fails at once."""
 
 
+def start_fork_server() -> None:
+    """Start this process's fork server with :data:`PRELOAD` (idempotent). A process has one server, and the modules
+    it preloads are the list set when it starts: the suite starts it itself, before any test, so that a test that
+    starts ranks by another route first (the conformance kit, ``launch`` in this process: each sets its own, shorter
+    list) does not leave every later rank of this worker to import transformers, hypothesis and the rest again (one
+    of the two workers did, the kit's file running first: 2026-12-06's profile of the suite)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
 def run_distributed(fn, world_size: int, *args, device: str = "cpu", stage_through_host: bool = False) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; raise if any rank fails."""
     start_method = "spawn" if device == "cuda" else "forkserver"
     if start_method == "forkserver":
-        multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts: the first launch
+        start_fork_server()
     for attempt in range(2):
         try:
             with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from ..handlers.base import ContextParallelHandler
 from ..runtime.config import AUTO, CP_COMM_TYPES, QKV_FORMATS
-from ..runtime.launch import start_method
+from ..runtime.launch import freeze_inherited_objects, start_method
 from . import cases, checks
 from .report import NOT_COVERED, CaseResult, ConformanceReport
 
@@ -45,6 +45,7 @@ REFUSAL_CHECKS = ("disagreement", "bad_input")
 def _rank_main(rank, environ, world, init_file, handler_cls, plan, out_file, timeout_s, progress) -> None:
     from ..runtime.groups import build_dp_cp_groups, destroy_process_groups
 
+    freeze_inherited_objects()  # a forked rank: no collection copies the server's heap
     os.environ.clear()  # the caller's environment (a rank forked from the server would keep the server's)
     os.environ.update(environ)
     torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +29,14 @@ HOLDOUT_FRACTION = 0.05
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    """The standard library's ``.py`` files, sorted. The walk does not enter ``site-packages`` (the installed
+    packages, often inside the standard library's folder: 51,000 files under it here, where the library has 1,800;
+    0.04 s instead of 0.3 s)."""
+    files = []
+    for folder, subfolders, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subfolders[:] = [name for name in subfolders if name != "site-packages"]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(p for p in files if p.is_file())
 
 
 def collect_files(paths: list[str] | None) -> list[Path]:
