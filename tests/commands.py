@@ -7,7 +7,7 @@ the caller's working directory and umask, stdout and stderr captured, and its ex
 ``SystemExit``'s code, 1 with the traceback for an exception): what ``python -m cp_handler.cli.train ARGS`` gives,
 less the interpreter's start (about 1.9 of a 2-rank launch's 4.8 core-seconds on this project's 2-core VM,
 measured: python, torch and cp_handler imported). The command forks its ranks from a fork of itself made before
-any thread starts (a fresh process: ``cp_handler.runtime.launch.fresh_process``). Tests of the interpreter's own entry
+any thread starts (a fresh process: ``cp_handler.runtime.forking.fresh_process``). Tests of the interpreter's own entry
 point (``python -m``, torchrun) use :mod:`subprocess` (test_cli.py's ``cp_train_process``).
 
 A run that outlives ``timeout`` is killed with its process group (its ranks included) and raises
@@ -27,7 +27,7 @@ import tempfile
 import traceback
 from multiprocessing.connection import Client, Listener
 
-from cp_handler.runtime.launch import freeze_inherited_objects, fresh_process
+from cp_handler.runtime.forking import freeze_inherited_objects, fresh_process
 
 PRELOAD = ("torch", "torch.distributed", "cp_handler.cli.train", "cp_handler.cli.generate", "cp_handler.training.run",
            "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers", "torch._dynamo")

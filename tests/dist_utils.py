@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_handler import destroy_process_groups
-from cp_handler.runtime.launch import freeze_inherited_objects
+from cp_handler.runtime.forking import freeze_inherited_objects
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
 RANK_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",

@@ -1,9 +1,9 @@
-"""How cp_handler.runtime.launch starts ranks on a machine without CUDA: forked from a fork of a command that declared
-itself fresh (run as a command: ``main()`` without ``argv``) and started no thread since, made before torch elastic's
-threads start; else from the fork server. A rank
-forked from a process that computed (its OpenMP pool started) would inherit that pool broken and hang: a test that
-called ``cp-train``'s ``main(argv)`` in the pytest process once made every later in-process launch fork from it, and
-a rank hung (2026-12-05)."""
+"""How cp_handler.runtime.launch starts ranks on a machine without CUDA (cp_handler.runtime.forking): forked from a
+fork of a command that declared itself fresh (run as a command: ``main()`` without ``argv``) and started no thread
+since, made before torch elastic's threads start; else from the fork server. A rank forked from a process that
+computed (its OpenMP pool started) would inherit that pool broken and hang: a test that called ``cp-train``'s
+``main(argv)`` in the pytest process once made every later in-process launch fork from it, and a rank hung
+(2026-12-05)."""
 
 import os
 import threading
@@ -11,34 +11,34 @@ from pathlib import Path
 
 import pytest
 
-from cp_handler.runtime import launch
+from cp_handler.runtime import forking
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def not_fresh(monkeypatch):
-    monkeypatch.setattr(launch, "_fork_baseline", None)
-    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(forking, "_fork_baseline", None)
+    monkeypatch.setattr(forking.torch.cuda, "is_available", lambda: False)
 
 
 def test_only_a_fresh_process_without_new_threads_forks(not_fresh):
-    assert launch.start_method() == "forkserver"  # never declared fresh
-    launch.fresh_process()
-    assert launch.start_method() == "fork"
+    assert forking.start_method() == "forkserver"  # never declared fresh
+    forking.fresh_process()
+    assert forking.start_method() == "fork"
     release = threading.Event()
     thread = threading.Thread(target=release.wait)
     thread.start()
     try:
-        assert launch.start_method() == "forkserver"  # a thread started since
+        assert forking.start_method() == "forkserver"  # a thread started since
     finally:
         release.set()
         thread.join()
-    launch.fresh_process()  # (the ended thread's task may linger in /proc for a moment)
+    forking.fresh_process()  # (the ended thread's task may linger in /proc for a moment)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # a process forked from the fresh one (a rank) is not fresh
-        os.write(write, launch.start_method().encode())
+        os.write(write, forking.start_method().encode())
         os._exit(0)
     os.waitpid(pid, 0)
     assert os.read(read, 32) == b"forkserver"
@@ -50,19 +50,19 @@ def test_main_given_argv_does_not_declare_the_caller_fresh(not_fresh, monkeypatc
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setattr(train_cli, "run_training", lambda config: {"steps": [{"loss": 1.0}], "tokens_per_s_mean": 1.0})
     assert train_cli.main(["--steps", "1"]) == 0
-    assert launch.start_method() == "forkserver"
+    assert forking.start_method() == "forkserver"
 
 
 RANK_PARENT = """
 import os, sys
-from cp_handler.runtime import launch
+from cp_handler.runtime import forking, launch
 
 def rank():
     parent = os.getppid()
     return parent, len(os.listdir(f"/proc/{parent}/task"))
 
 if __name__ == "__main__":
-    launch.fresh_process()
+    forking.fresh_process()
     got = launch.launch(rank, 2)
     print(os.getpid(), *(got[r][i] for r in (0, 1) for i in (0, 1)))
 """

@@ -61,7 +61,7 @@ import torch
 
 from ..cli.flag_names import FlagParser, HelpFormatter
 from ..runtime.config import CP_COMM_TYPES
-from ..runtime.launch import fresh_process
+from ..runtime.forking import fresh_process
 from . import (
     auto,
     backtest,

@@ -21,7 +21,7 @@ from ..handlers.registry import load_plugins
 from ..inference.generate import check_hf_generation
 from ..inference.sampling import Sampling
 from ..runtime.config import CP_COMM_TYPES, AttentionShape, ContextParallelConfig
-from ..runtime.launch import fresh_process
+from ..runtime.forking import fresh_process
 from ..training.checkpoint import find_checkpoint, read_meta, verify_checkpoint
 from ..training.data import text_file_problem
 from ..training.tokens import ByteTokens, HFTokens, has_tokenizer, tokens_for

@@ -24,8 +24,9 @@ from ..handlers.registry import load_plugins
 from ..inference.generate import compare_generations, generate, reference_generate
 from ..inference.sampling import Sampling
 from ..models import GPTConfig, GPTModel
+from ..runtime.forking import RANK_IMPORTS
 from ..runtime.groups import build_dp_cp_groups
-from ..runtime.launch import RANK_IMPORTS, heartbeat, is_first_rank, launch, rank_session, under_torchrun
+from ..runtime.launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
 from ..training.checkpoint import read_meta
 from ..training.reference import hf_logits
 from ..training.steps import gpt_logits

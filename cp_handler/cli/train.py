@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..runtime.launch import fresh_process
+from ..runtime.forking import fresh_process
 from ..training.run import run_training
 from .args import parse
 from .common import write_output

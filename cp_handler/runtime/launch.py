@@ -9,20 +9,9 @@ job, and names that rank. Under torchrun the process groups' own timeout (the sa
 a collective that waits on a dead peer, and :func:`init_process_group_bounded` ends a rendezvous that
 does not complete (a peer that never comes, a port held by a program that never answers).
 
-Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from a fork of the command itself
-made before any thread starts (:func:`_fork_server_from_here`: that fork serves as multiprocessing's fork server)
-when the command declared itself fresh (:func:`fresh_process`: cp-train, cp-generate and cp-bench run as commands,
-which compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one)
-and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit broken), else
-from one server process that imported torch and the entry point's module once (``forkserver`` with those modules
-preloaded). Never from the launching process once torch elastic's agent runs: it starts threads before the ranks
-(its store's server, a keep-alive timer), and a rank forked beside them can inherit a lock one of them held (ranks so
-forked hung in ``init_process_group`` until ``--timeout``: three runs of one test session, 2026-12-06). ``spawn``
-re-imports torch in every rank: 4 ranks on 2 cores started in 17-21 s with it, about 9 s from the fork server; a
-fork of the command saves the server's start (about 1 core-second, 0.7 s of a 2-rank launch's 4.2 s, measured). Each
-rank is still a new process; the launching process's environment and the heartbeat folder are passed to every rank
-explicitly (:func:`_rank_entry`: a rank forked from the server would keep the server's). With CUDA the ranks are
-spawned (the start method GPU runs were made with).
+Start-up: on a machine without CUDA the ranks are forked, nothing imported again (:mod:`.forking`); with CUDA they
+are spawned (the start method GPU runs were made with). The launching process's environment and the heartbeat folder
+are passed to every rank explicitly (:func:`_rank_entry`: a rank forked from a server would keep the server's).
 
 Why our own watchdog and not ``torch.distributed.elastic.timer`` (``FileTimerServer`` / ``expires``): that kills each
 rank whose own timer expires, so every rank waiting in a collective on a stalled one expires too and the failure names
@@ -34,13 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import gc
 import importlib
 import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -54,6 +41,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .forking import _fork_server_from_here, freeze_inherited_objects, start_method
 from .groups import destroy_process_groups
 
 
@@ -272,93 +260,25 @@ def _rank_entry(environ: dict[str, str], heartbeat_dir: str, entrypoint, *args):
     # "[Gloo] Rank 0 is connected to 1 peer ranks") go to stderr
     sys.stdout.flush()
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    return entrypoint(*args)
+    return _cause_first(entrypoint, *args)
 
 
-def freeze_inherited_objects() -> None:
-    """In a process just forked from one that imported torch (a rank; a command forked from a server): move every
-    object it inherited to the garbage collector's permanent generation (``gc.freeze()``, O(1)), where no collection
-    visits it. A collection visits every tracked object and writes to its header, so in a fork it copies the whole
-    inherited heap page by page (copy-on-write): ``gc.collect()`` took 0.43 s in each rank forked from a server that
-    imported torch and transformers (363,000 objects), against 0.001 s after the freeze (2-core VM, 2026-12-06); a
-    4-rank run of one collective ended in 0.13 s instead of 1.0 s. The inherited objects (modules, classes,
-    functions) live as long as the process anyway; what the process creates after is collected as usual. The
-    pattern is the one Python's documentation gives for ``gc.freeze`` before a fork."""
-    gc.freeze()
+PEER_LOST_GRACE_S = 3.0
+"""Seconds a rank whose error says a peer is gone waits before it fails (:func:`_cause_first`)."""
 
 
-def _thread_count() -> int:
-    """The threads of this process (``/proc/self/task``; 0 where it cannot be read)."""
+def _cause_first(entrypoint, *args):
+    """``entrypoint(*args)``; a rank whose error is a lost peer (:data:`_PEER_LOST`) waits :data:`PEER_LOST_GRACE_S`
+    before it fails. The agent (torch elastic's, torchrun's) reports the ranks that have failed when it sees the first
+    one and stops the others: the rank whose error caused the rest must end first. A peer learns of it when that rank
+    closes its process group, before the rank has exited: without the wait a fast survivor was reported alone ("rank 0
+    failed": Connection closed by peer) and the cause, rank 1's error, was lost (tests/test_cli.py)."""
     try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
-
-
-_fork_baseline: tuple[int, int] | None = None
-"""``(pid, threads)`` of the process that declared itself fresh (:func:`fresh_process`); ``None``: never forks."""
-
-
-def fresh_process() -> None:
-    """Declare this process fresh: a command started as one (``cp-train``, ``cp-generate``, ``cp-bench`` run as
-    commands: their ``main`` called without ``argv``) that imported torch and computed nothing yet. :func:`launch`
-    may then fork the ranks from it (:func:`start_method`). Only this process: a process forked from it (a rank) is
-    not fresh, nor is a caller of ``main(argv)`` (a test, a script), which may have computed already."""
-    global _fork_baseline
-    _fork_baseline = (os.getpid(), _thread_count())
-
-
-def start_method() -> str:
-    """How :func:`launch` starts the ranks (module doc): ``"spawn"`` with CUDA; without it ``"fork"`` (from a fork of
-    this process, :func:`_fork_server_from_here`) for a command that declared itself fresh (:func:`fresh_process`) and
-    has started no thread since (a thread pool, OpenMP's included, would be inherited broken), else ``"forkserver"``."""
-    if torch.cuda.is_available():
-        return "spawn"
-    fresh = _fork_baseline is not None and _fork_baseline[0] == os.getpid() and \
-        0 < _thread_count() <= _fork_baseline[1]
-    return "fork" if fresh else "forkserver"
-
-
-RANK_IMPORTS = ("torch._dynamo",)
-"""What cp-train and cp-generate ranks import besides their entry point: torch._dynamo (160 of the test suite's 205
-ranks imported it, 1.4 s each on this project's loaded 2-core VM, timed 2026-12-05), imported once by the launching
-process or the fork server instead (:func:`launch`'s ``preload``)."""
-
-
-def _fork_server_from_here() -> bool:
-    """Start multiprocessing's fork server as a fork of this process (module doc: its modules imported, no thread
-    running), instead of a new interpreter that imports them again; ``True`` when it is (or one already serves this
-    process). ``False`` where this Python's fork server keeps state this is not written against (Python 3.14 adds an
-    authentication key): :func:`launch` then starts the usual one."""
-    from multiprocessing import connection, forkserver, resource_tracker
-
-    server = getattr(forkserver, "_forkserver", None)
-    fields = ("_lock", "_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
-    if server is None or hasattr(server, "_forkserver_authkey") or not all(hasattr(server, f) for f in fields):
-        return False
-    if server._forkserver_pid is not None:
-        return True
-    resource_tracker.ensure_running()
-    address = connection.arbitrary_address("AF_UNIX")
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(address)
-    os.chmod(address, 0o600)
-    listener.listen()
-    alive_r, alive_w = os.pipe()  # the server ends when this process (the only holder of alive_w) does
-    pid = os.fork()  # no lock held (the server's own lock stays free in the fork: a rank may start processes)
-    if pid == 0:  # the server: serves until alive_r reaches end of file, then exits
-        code = 1
-        try:
-            os.close(alive_w)
-            forkserver.main(listener.fileno(), alive_r, [])
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(alive_r)
-    listener.close()
-    with server._lock:
-        server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
-    return True
+        return entrypoint(*args)
+    except Exception as err:
+        if any(marker in f"{type(err).__name__}: {err}" for marker in _PEER_LOST):
+            time.sleep(PEER_LOST_GRACE_S)
+        raise
 
 
 def _preload(entrypoint_module: str, preload: tuple[str, ...]) -> list[str]:
@@ -378,7 +298,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
     """
     if under_torchrun():
         try:
-            return {rank_env().rank: entrypoint(*args)}
+            return {rank_env().rank: _cause_first(entrypoint, *args)}
         except RendezvousError as err:
             raise SystemExit(str(err)) from None
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # we report failures below

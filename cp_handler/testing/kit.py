@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from ..handlers.base import ContextParallelHandler
 from ..runtime.config import AUTO, CP_COMM_TYPES, QKV_FORMATS
-from ..runtime.launch import freeze_inherited_objects, start_method
+from ..runtime.forking import freeze_inherited_objects, start_method
 from . import cases, checks
 from .report import NOT_COVERED, CaseResult, ConformanceReport
 
@@ -220,7 +220,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
                      variants=list(variants), checks=list(checks), world_sizes=list(world_sizes))
     report = ConformanceReport(f"{handler_cls.__module__}.{handler_cls.__qualname__}",
                                not_checked=_not_checked(handler_cls, requested, asked))
-    method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.runtime.launch)
+    method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.runtime.forking)
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__,
                                                 handler_cls.__module__])

@@ -14,7 +14,8 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..handlers.registry import load_plugins
-from ..runtime.launch import RANK_IMPORTS, is_first_rank, launch, rank_session, under_torchrun
+from ..runtime.forking import RANK_IMPORTS
+from ..runtime.launch import is_first_rank, launch, rank_session, under_torchrun
 from .build import say
 from .checkpoint import SaveLock
 from .config import TrainConfig
