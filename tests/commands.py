@@ -30,7 +30,8 @@ from multiprocessing.connection import Client, Listener
 from cp_handler.runtime.forking import freeze_inherited_objects, fresh_process
 
 PRELOAD = ("torch", "torch.distributed", "cp_handler.cli.train", "cp_handler.cli.generate", "cp_handler.training.run",
-           "cp_handler.cli.generate_rank", "transformers", "cp_handler.integrations.transformers", "torch._dynamo")
+           "cp_handler.cli.generate_rank", "transformers", "transformers.modeling_utils",
+           "cp_handler.integrations.transformers", "torch._dynamo")
 """What the server imports once (everything a command imports before its ranks start)."""
 
 _server: tuple | None = None  # (process, connection) of this test worker's server

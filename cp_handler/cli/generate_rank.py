@@ -24,7 +24,7 @@ from ..handlers.registry import load_plugins
 from ..inference.generate import compare_generations, generate, reference_generate
 from ..inference.sampling import Sampling
 from ..models import GPTConfig, GPTModel
-from ..runtime.forking import RANK_IMPORTS
+from ..runtime.forking import HF_RANK_IMPORTS, RANK_IMPORTS
 from ..runtime.groups import build_dp_cp_groups
 from ..runtime.launch import heartbeat, is_first_rank, launch, rank_session, under_torchrun
 from ..training.checkpoint import read_meta
@@ -137,6 +137,6 @@ def run_generation(config: GenerateConfig) -> dict | None:
     if is_first_rank() and not under_torchrun():
         print(f"cp-generate: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,
               flush=True)
-    preload = RANK_IMPORTS + (("transformers", "cp_handler.integrations.transformers") if config.hf_model else ())
+    preload = RANK_IMPORTS + (HF_RANK_IMPORTS if config.hf_model else ())
     return launch(generate_rank, config.world_size, config, program="cp-generate", timeout=config.timeout,
                   preload=preload).get(0)

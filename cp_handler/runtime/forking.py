@@ -73,6 +73,10 @@ RANK_IMPORTS = ("torch._dynamo",)
 """What cp-train and cp-generate ranks import besides their entry point: torch._dynamo (160 of the test suite's 205
 ranks imported it, 1.4 s each on this project's loaded 2-core VM, timed 2026-12-05), imported once by the launching
 process or the fork server instead (:func:`launch`'s ``preload``)."""
+HF_RANK_IMPORTS = ("transformers", "transformers.modeling_utils", "cp_handler.integrations.transformers")
+"""What a Hugging Face model's ranks import besides :data:`RANK_IMPORTS`, imported once the same way:
+``transformers.modeling_utils`` (every model class's base; ``import transformers`` leaves it to the first model)
+took 2.5 s per rank on this project's idle 2-core VM (2026-12-06) and starts no thread."""
 
 
 def _fork_server_from_here() -> bool:

@@ -14,7 +14,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ..handlers.registry import load_plugins
-from ..runtime.forking import RANK_IMPORTS
+from ..runtime.forking import HF_RANK_IMPORTS, RANK_IMPORTS
 from ..runtime.launch import is_first_rank, launch, rank_session, under_torchrun
 from .build import say
 from .checkpoint import SaveLock
@@ -118,7 +118,7 @@ def run_training(config: TrainConfig, optimizer=None) -> dict | None:
     if is_first_rank() and not under_torchrun():
         print(f"cp-train: starting {config.world_size} rank{'s' * (config.world_size > 1)}", file=sys.stderr,
               flush=True)
-    preload = RANK_IMPORTS + (("transformers", "cp_handler.integrations.transformers") if config.hf_source else ())
+    preload = RANK_IMPORTS + (HF_RANK_IMPORTS if config.hf_source else ())
     try:
         metrics = launch(train_rank, config.world_size, config, optimizer, timeout=config.timeout,
                          preload=preload).get(0)
