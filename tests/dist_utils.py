@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 from cp_handler import destroy_process_groups
 from cp_handler.runtime.forking import freeze_inherited_objects
+from cp_handler.runtime.launch import lost_peer
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
 RANK_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
@@ -49,7 +50,7 @@ RANK_IMPORTS = ("torch._dynamo", "torch.distributed.tensor", "torch.distributed.
 torch._dynamo 343 s in 244 ranks, torch.distributed.tensor 276 s in 202, the Llama modules 200 s): imported once by
 the fork server instead. Not transformers' and TRL's trainers (123 s in 30 ranks): they load pyarrow, whose jemalloc
 starts a background thread, and a process with another thread is not one to fork from."""
-PEER_GONE, PEER_GONE_DELAY_S = ("Connection closed by peer", "Connection reset by peer"), 5.0
+PEER_GONE_DELAY_S = 5.0
 """A rank whose collective failed because a peer exited waits this long before failing: spawn reports the first
 failure it sees and terminates the rest, and the peer's own error is the one that says what went wrong."""
 STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
@@ -107,7 +108,7 @@ def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device:
 
 
 def _wait_if_a_peer_failed(err: Exception) -> None:
-    if any(text in str(err) for text in PEER_GONE):  # a consequence: the failing peer's report goes first
+    if lost_peer(err):  # a consequence: the failing peer's report goes first
         time.sleep(PEER_GONE_DELAY_S)
 
 

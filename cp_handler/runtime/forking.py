@@ -1,7 +1,7 @@
 """How ranks start without importing torch again: forked, from the launching command or from a preloaded server.
 
 Start-up: on a machine without CUDA the ranks are forked, nothing imported again: from a fork of the command itself
-made before any thread starts (:func:`_fork_server_from_here`: that fork serves as multiprocessing's fork server)
+made before any thread starts (:func:`fork_server_from_here`: that fork serves as multiprocessing's fork server)
 when the command declared itself fresh (:func:`fresh_process`: cp-train, cp-generate and cp-bench run as commands,
 which compute nothing before their ranks start; not a caller of their ``main(argv)``, nor a process forked from one)
 and has started no thread since (no thread pool, OpenMP's included, that a forked rank would inherit broken), else
@@ -60,7 +60,7 @@ def fresh_process() -> None:
 
 def start_method() -> str:
     """How :func:`launch` starts the ranks (module doc): ``"spawn"`` with CUDA; without it ``"fork"`` (from a fork of
-    this process, :func:`_fork_server_from_here`) for a command that declared itself fresh (:func:`fresh_process`) and
+    this process, :func:`fork_server_from_here`) for a command that declared itself fresh (:func:`fresh_process`) and
     has started no thread since (a thread pool, OpenMP's included, would be inherited broken), else ``"forkserver"``."""
     if torch.cuda.is_available():
         return "spawn"
@@ -79,7 +79,7 @@ HF_RANK_IMPORTS = ("transformers", "transformers.modeling_utils", "cp_handler.in
 took 2.5 s per rank on this project's idle 2-core VM (2026-12-06) and starts no thread."""
 
 
-def _fork_server_from_here() -> bool:
+def fork_server_from_here() -> bool:
     """Start multiprocessing's fork server as a fork of this process (module doc: its modules imported, no thread
     running), instead of a new interpreter that imports them again; ``True`` when it is (or one already serves this
     process). ``False`` where this Python's fork server keeps state this is not written against (Python 3.14 adds an

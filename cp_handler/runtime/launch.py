@@ -41,7 +41,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .forking import _fork_server_from_here, freeze_inherited_objects, start_method
+from .forking import fork_server_from_here, freeze_inherited_objects, start_method
 from .groups import destroy_process_groups
 
 
@@ -81,6 +81,12 @@ def _describe(failure) -> str:
 # What a rank raises when a peer died under it (gloo / NCCL / the store): a consequence, not the cause.
 _PEER_LOST = ("DistNetworkError", "DistBackendError", "DistStoreError", "remote worker", "Connection closed by peer",
               "Connection reset by peer")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is what a rank raises when a peer died under it (:data:`_PEER_LOST`): a consequence, not
+    the cause."""
+    return any(marker in f"{type(err).__name__}: {err}" for marker in _PEER_LOST)
 
 
 def root_failure(failures: dict) -> tuple:
@@ -276,7 +282,7 @@ def _cause_first(entrypoint, *args):
     try:
         return entrypoint(*args)
     except Exception as err:
-        if any(marker in f"{type(err).__name__}: {err}" for marker in _PEER_LOST):
+        if lost_peer(err):
             time.sleep(PEER_LOST_GRACE_S)
         raise
 
@@ -307,7 +313,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
         for module in preload:  # inherited by every rank: imported once instead of once per rank
             importlib.import_module(module)
         method = start_method()
-    if method == "fork" and _fork_server_from_here():
+    if method == "fork" and fork_server_from_here():
         method = "forkserver"  # served by a fork of this process made before any thread starts (module doc)
     elif method in ("fork", "forkserver"):
         method = "forkserver"
