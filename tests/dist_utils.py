@@ -24,8 +24,6 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import functools
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 import tempfile
@@ -39,6 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_handler import destroy_process_groups
+from cp_handler.runtime import forking
 from cp_handler.runtime.forking import freeze_inherited_objects
 from cp_handler.runtime.launch import lost_peer
 
@@ -55,10 +54,14 @@ PEER_GONE_DELAY_S = 5.0
 failure it sees and terminates the rest, and the peer's own error is the one that says what went wrong."""
 STACKS_ENV = "CP_HANDLER_TEST_STACKS_S"
 """Seconds after which (and every as many after) each rank prints every thread's Python stack (unset: never)."""
-PRELOAD = ["torch", "torch.distributed", "hypothesis", "transformers", "cp_handler", "cp_handler.testing.kit",
-           "conftest", "host_staging", "dist_utils", *RANK_IMPORTS]
+PRELOAD = ["torch", "torch.distributed", "hypothesis", "pytest", "transformers", "cp_handler", "cp_handler.testing.kit",
+           "cp_handler.training", "cp_handler.cli.args", "conftest", "host_staging", "dist_utils", "gpt_reference",
+           "torch._inductor.compile_fx", *RANK_IMPORTS]
 """Modules the fork server imports once (a module that fails to import there is skipped by multiprocessing and
-imported by the rank itself, as under ``spawn``)."""
+imported by the rank itself, as under ``spawn``). A rank imports its test module (its function's home) and what that
+imports: pytest, cp_handler.training and cp_handler.cli.args were the most of it, inductor's in the compiled tests
+(2026-12-06's profile). Nothing here starts a thread (the server forks: a rank would inherit a lock a thread held):
+``datasets`` does (pyarrow's, checked), so it and TRL are left to the ranks that train through them."""
 
 
 def _backend(rank: int, world_size: int, device: str, stage_through_host: bool) -> str:
@@ -153,8 +156,7 @@ def start_fork_server() -> None:
     starts ranks by another route first (the conformance kit, ``launch`` in this process: each sets its own, shorter
     list) does not leave every later rank of this worker to import transformers, hypothesis and the rest again (one
     of the two workers did, the kit's file running first: 2026-12-06's profile of the suite)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    forking.start_fork_server(PRELOAD)  # tests/ on the server's path: PRELOAD's helpers (conftest, dist_utils) too
 
 
 def run_distributed(fn, world_size: int, *args, device: str = "cpu", stage_through_host: bool = False) -> None:

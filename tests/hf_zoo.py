@@ -19,9 +19,12 @@ atol 1e-6 + rtol 1e-4 (float32; CP only reorders sums).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import computed_once
 
 from cp_handler import get_cp_handler_cls
 from cp_handler.integrations.transformers import cp_model_inputs, register
@@ -141,6 +144,14 @@ def reference(model, tokens):
                                             if p.grad is not None}
 
 
+def _reference_or_failure(model, tokens):
+    """:func:`reference`, or the ``not built: ...`` outcome when the unmodified model fails on its own."""
+    try:
+        return reference(model, tokens)
+    except Exception as err:  # noqa: BLE001 - the zoo records every failure as an outcome
+        return f"not built: {type(err).__name__}: {str(err)[:200]}"
+
+
 def cp_run(model, tokens, comm_type: str, group, model_inputs=cp_model_inputs):
     """The documented route at this rank: logits (combined), loss and gradients summed over ``group``."""
     model.zero_grad(set_to_none=True)
@@ -178,11 +189,13 @@ def run_case(config, group, model_inputs=cp_model_inputs) -> str:
     tokens = torch.randint(0, VOCAB, (1, SEQ_LEN), generator=torch.Generator().manual_seed(7))
     try:
         model = build(config)
-        want = reference(model, tokens)
     except Exception as err:  # noqa: BLE001 - the zoo records every failure as an outcome
         return f"not built: {type(err).__name__}: {str(err)[:200]}"
+    cp_model = copy.deepcopy(model)  # the same weights, copied before any forward; switched to cp_handler below
+    want = computed_once(_reference_or_failure, model, tokens)  # rank 0's, bitwise; every rank built the model
+    if isinstance(want, str):
+        return want
     try:
-        cp_model = build(config)  # the same weights (seed 0), switched to cp_handler below
         register(cp_model)
         for comm_type in ("p2p", "a2a"):
             problem = _compare(cp_run(cp_model, tokens, comm_type, group, model_inputs), want)
@@ -220,14 +233,14 @@ def run_generation_case(config, group) -> str:
     model = build(config)
     try:
         layers = text_config(model).num_hidden_layers
-        got = generate(CPCausalLM(build(config)).eval(), prompts, GENERATION_TOKENS, cp_group=group,
+        got = generate(CPCausalLM(copy.deepcopy(model)).eval(), prompts, GENERATION_TOKENS, cp_group=group,
                        num_layers=layers)
     except ValueError as err:
         return f"refused: {err}"
     except Exception as err:  # noqa: BLE001 - recorded as an outcome
         return f"error: {type(err).__name__}: {str(err)[:300]}"
-    want = reference_generate(model, prompts, GENERATION_TOKENS, follow=got.tokens,
-                              logits_of=lambda m, ids: hf_logits(m, ids))
+    want = computed_once(reference_generate, model, prompts, GENERATION_TOKENS, follow=got.tokens,
+                         logits_of=hf_logits)  # got.tokens: the same on every rank
     if got.tokens != want.tokens:
         return f"mismatch: tokens {got.tokens} != {want.tokens}"
     if got.prefills != 1:  # no tiny config has RoPE that depends on the length: a decode step was wasted

@@ -85,3 +85,37 @@ def test_ranks_are_forked_from_a_process_that_runs_no_thread(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     launcher, parent0, threads0, parent1, threads1 = map(int, done.stdout.split())
     assert parent0 == parent1 != launcher and threads0 == threads1 == 1, done.stdout
+
+
+SERVED_MODULES = """
+import multiprocessing, sys
+sys.path.insert(0, sys.argv[1])  # a folder this process added, as a script's own or a test suite's
+from cp_handler.runtime import forking
+
+if __name__ == "__main__":
+    forking.start_fork_server(["torch", "helper_of_the_script"])
+    child = multiprocessing.get_context("forkserver").Process(
+        target=exec, args=("import sys; print('helper_of_the_script' in sys.modules, 'torch' in sys.modules)",))
+    child.start()
+    child.join()
+"""
+
+
+def test_the_fork_server_preloads_modules_found_through_folders_the_process_added(tmp_path):
+    """Python 3.11's fork server ignores the import path it is handed: a preloaded module from a folder the process
+    added to ``sys.path`` was skipped silently, and every rank imported it again (the suite's own helpers did, in
+    every rank, until 2026-12-06). The child runs a builtin, so it imports nothing itself: what it has, the server had."""
+    import subprocess
+    import sys
+
+    from conftest import HANG_GUARD_S
+
+    folder = tmp_path / "scripts"
+    folder.mkdir()
+    (folder / "helper_of_the_script.py").write_text("")
+    script = tmp_path / "serve.py"
+    script.write_text(SERVED_MODULES)
+    done = subprocess.run([sys.executable, str(script), str(folder)], capture_output=True, text=True,
+                          timeout=HANG_GUARD_S, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr[-2000:]

@@ -69,6 +69,35 @@ def start_method() -> str:
     return "fork" if fresh else "forkserver"
 
 
+def start_fork_server(preload) -> None:
+    """Start multiprocessing's fork server, unless one already serves this process, with the modules ``preload``
+    (names) imported once, found on this process's import path. Python 3.11's server is handed that path
+    (``forkserver.main``'s ``sys_path``) and never applies it: a preloaded module found through a folder this process
+    added to ``sys.path`` (a script's own folder, a test suite's) failed to import in the server, silently (the
+    server skips an ``ImportError``), and every rank imported it again (each of the test suite's ranks imported its
+    helpers and, through them, torch's launcher: 2026-12-06's profile). The server gets the folders this process
+    added (outside the interpreter's prefixes: the standard library and site-packages are its own already) through
+    ``PYTHONPATH``, set for the moment it starts; the ranks it forks get their launcher's environment back (their
+    entry points restore it). A server already running keeps the modules it started with."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    import sys
+
+    multiprocessing.set_forkserver_preload(list(preload))
+    installed = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    added = [p for p in sys.path if isinstance(p, str) and p and os.path.isdir(p)  # not the interpreter's own
+             and not (os.path.realpath(p) + os.sep).startswith(installed)]
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(added)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 RANK_IMPORTS = ("torch._dynamo",)
 """What cp-train and cp-generate ranks import besides their entry point: torch._dynamo (160 of the test suite's 205
 ranks imported it, 1.4 s each on this project's loaded 2-core VM, timed 2026-12-05), imported once by the launching

@@ -25,7 +25,6 @@ import contextlib
 import datetime
 import importlib
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -41,7 +40,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .forking import fork_server_from_here, freeze_inherited_objects, start_method
+from .forking import fork_server_from_here, freeze_inherited_objects, start_fork_server, start_method
 from .groups import destroy_process_groups
 
 
@@ -317,7 +316,7 @@ def launch(entrypoint, nproc: int, *args, program: str = "cp-train", timeout: fl
         method = "forkserver"  # served by a fork of this process made before any thread starts (module doc)
     elif method in ("fork", "forkserver"):
         method = "forkserver"
-        multiprocessing.set_forkserver_preload(_preload(entrypoint.__module__, preload))  # read at the server's start
+        start_fork_server(_preload(entrypoint.__module__, preload))  # the first launch's modules: a server stays
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"{program}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, start_method=method,

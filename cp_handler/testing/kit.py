@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import torch.multiprocessing as mp
 
 from ..handlers.base import ContextParallelHandler
 from ..runtime.config import AUTO, CP_COMM_TYPES, QKV_FORMATS
-from ..runtime.forking import freeze_inherited_objects, start_method
+from ..runtime.forking import freeze_inherited_objects, start_fork_server, start_method
 from . import cases, checks
 from .report import NOT_COVERED, CaseResult, ConformanceReport
 
@@ -222,8 +221,7 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
                                not_checked=_not_checked(handler_cls, requested, asked))
     method = start_method()  # CPU: ranks forked from a server that imported torch once (cp_handler.runtime.forking)
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", __name__,
-                                                handler_cls.__module__])
+        start_fork_server(["torch", "torch.distributed", "torch._dynamo", __name__, handler_cls.__module__])
     for world in world_sizes:
         plan = _plan(world, run, formats, dtype_names, list(lengths), list(checks), list(variants))
         if not plan:
