@@ -104,7 +104,8 @@ if __name__ == "__main__":
 def test_the_fork_server_preloads_modules_found_through_folders_the_process_added(tmp_path):
     """Python 3.11's fork server ignores the import path it is handed: a preloaded module from a folder the process
     added to ``sys.path`` was skipped silently, and every rank imported it again (the suite's own helpers did, in
-    every rank, until 2026-12-06). The child runs a builtin, so it imports nothing itself: what it has, the server had."""
+    every rank, until 2026-12-06). The child runs a builtin, so it imports nothing itself: what it has, the server
+    had."""
     import subprocess
     import sys
 
