@@ -23,12 +23,14 @@ train:
 		--batch-size 4 --steps 120 --metrics-out runs/train_metrics.json --save $(TRAIN_CKPT)
 
 # Test files run on TEST_WORKERS workers (pytest-xdist, one file per worker at a time): the suite waits on rank
-# start-up and rendezvous as much as it computes (docs/testing.md).
+# start-up and rendezvous as much as it computes (docs/testing.md). Bytecode caching on for the suite (an environment
+# with PYTHONDONTWRITEBYTECODE set made each of its ~300 fresh interpreters compile cp_handler and the tests again;
+# Python's default; the caches go to __pycache__/, which git ignores).
 TEST_WORKERS ?= 2
 
 test:
 	$(SETUP) test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint:
 	$(SETUP) test
