@@ -38,7 +38,6 @@ import torch.multiprocessing as mp
 
 from cp_handler import destroy_process_groups
 from cp_handler.runtime import forking
-from cp_handler.runtime.forking import freeze_inherited_objects
 from cp_handler.runtime.launch import lost_peer
 
 TIMEOUT = datetime.timedelta(seconds=conftest.HANG_GUARD_S)
@@ -78,7 +77,7 @@ def _backend(rank: int, world_size: int, device: str, stage_through_host: bool) 
 
 def _worker(rank: int, fn, world_size: int, init_file: str, args: tuple, device: str, stage: bool,
             environ: dict[str, str]) -> None:
-    freeze_inherited_objects()  # forked from the server: no garbage collection copies its heap
+    forking.freeze_inherited_objects()  # forked from the server: no garbage collection copies its heap
     os.environ.clear()  # the launching process's environment, as a spawned rank would have it
     os.environ.update(environ)
     # A native crash (SIGABRT/SIGSEGV in gloo or ATen) prints every thread's C++ stack: it is how the
