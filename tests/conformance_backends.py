@@ -38,6 +38,10 @@ class BlockwiseRing(GatherSDPAHandler):
     def _tile_rows(self, start: int, stop: int) -> slice:
         return slice(start, stop)
 
+    def _keys_read(self, visible):
+        """The (query, key) pairs the kernel reads (all of them: a planted bug reads fewer)."""
+        return visible
+
     def _block(self, scores, v):
         """One key block: its softmax-weighted values and its log-sum-exp (the running maximum inside logsumexp)."""
         block_lse = torch.logsumexp(scores, -1).clamp(min=self.floor)
@@ -54,7 +58,7 @@ class BlockwiseRing(GatherSDPAHandler):
         keys = [self._slots(layout, r) for r in range(self.cp_size)]
         k_doc, k_pos, k_real = (torch.cat(parts) for parts in zip(*keys, strict=True))
         visible = (q_doc[:, None] == k_doc[None, :]) & k_real[None, :] & q_real[:, None]
-        visible &= call.mask.visible(q_pos[:, None], k_pos[None, :])
+        visible = self._keys_read(visible & call.mask.visible(q_pos[:, None], k_pos[None, :]))
         block = k.shape[2] // self.cp_size
         tiles = []
         for start in range(0, q.shape[2], self.tile):
@@ -157,6 +161,26 @@ class RefusesEverything(GatherSDPAHandler):
         return "nothing is supported yet"
 
 
+class CheckCallUnpacksMQA(GatherSDPAHandler):
+    """Its ``check_call`` unpacks the key and value heads of MQA with a bug: one KV head unbinds to one tensor, and
+    Python raises ``ValueError: not enough values to unpack`` (a crash, not a refusal: no ``raise`` of the backend)."""
+
+    def check_call(self, call):
+        if call.k.shape[-2] == 1:  # MQA: the one key head is checked against the value's
+            key, value = call.k.unbind(-2)
+        return super().check_call(call)
+
+
+class RefusesOnOneRank(GatherSDPAHandler):
+    """Its constructor refuses on the CP group's rank 0 only (a rule that reads a per-rank value): the other ranks go
+    on; the kit must fail the case by name, not fall out of step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if torch.distributed.get_rank(self.cp_group) == 0:
+            raise ValueError("this rank's memory is too small for the case")
+
+
 class UpcastOutput(GatherSDPAHandler):
     """Computes in float32 and returns float32 for bf16 / fp16 inputs."""
 
@@ -169,6 +193,16 @@ class TileOffByOne(BlockwiseRing):
 
     def _tile_rows(self, start, stop):
         return slice(start - 1, stop - 1) if start else slice(start, stop)
+
+
+class OneKeyTile(BlockwiseRing):
+    """Reads the first 512 keys of the gathered sequence only (a kernel whose key loop assumed one tile of 512): right
+    while a row holds 512 tokens or fewer (404 at cp 2 with the kit's former long rows), wrong past them."""
+
+    def _keys_read(self, visible):
+        visible = visible.clone()
+        visible[:, 512:] = False
+        return visible
 
 
 class MergeWithoutEmptyBlocks(BlockwiseRing):
@@ -302,11 +336,16 @@ class LocalRollWithoutHalo(LocalContextParallelHandler):
 
 PLANTED = {  # class: (what the kit must name in a failure, the kit's arguments that reach the bug quickly)
     GQATrueDivide: ("TypeError", dict(variants=["causal"], checks=["attention"])),
+    CheckCallUnpacksMQA: ("ValueError that no raise statement of the backend raised",
+                          dict(variants=["mqa"], checks=["attention"])),
+    RefusesOnOneRank: ("some ranks refused the case and others built or ran it",
+                       dict(variants=["causal"], checks=["attention"])),
     RefusesInsideAttend: ("inside the backend's attend", dict(variants=["causal"], checks=["attention"])),
     RefusesEverything: ("no causal attention case passed", dict(checks=["attention"], variants=["causal", "mha"])),
     UpcastOutput: ("dtype torch.float32, expected torch.bfloat16",
                    dict(dtypes=[torch.bfloat16], variants=["causal"], checks=["attention"])),
     TileOffByOne: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),
+    OneKeyTile: ("core_attn output: wrong", dict(formats=["bshd"], variants=["causal"], checks=["attention"])),
     MergeWithoutEmptyBlocks: ("core_attn output: wrong", dict(variants=["causal"], checks=["attention"])),
     SoftmaxWithoutMaximum: ("core_attn output: wrong", dict(variants=["large_logits"], checks=["attention"])),
     NaNAtPadding: ("inf or NaN at", dict(formats=["thd"], variants=["causal"], checks=["attention"])),
@@ -324,5 +363,16 @@ PLANTED = {  # class: (what the kit must name in a failure, the kit's arguments 
     LocalWithoutAgreement: ("ran without a refusal", dict(comm_types=["all_gather"], checks=["disagreement"])),
     LocalRollWithoutHalo: ("roll_tensor(shifts=-1)", dict(comm_types=["p2p"], checks=["roll"])),
 }
-"""Each planted bug: the words its failure must contain, and narrowing arguments for the test (the same bug fails the
-kit's defaults: tests/test_conformance.py runs a few so)."""
+"""Each planted bug: the words its failure must contain, and narrowing arguments for the test (cases the kit's defaults
+run too, so the same bug fails the defaults)."""
+CULPRITS = {  # class: (words every failure line names: the rank, the place, the method; words no line may name)
+    TileOffByOne: (("rank 0: core_attn output: wrong", "row 0 positions 64-100", "heads 0-3 of 4",
+                    "rank 0: core_attn dq", "rank 0: core_attn dk", "rank 0: core_attn dv",
+                    "rank 1: core_attn output: wrong"), ()),
+    EmbAtLocalPositions: (("rank 1: get_emb_on_this_cp_rank (rows at the local tokens' positions): wrong",
+                           "get_emb_on_this_cp_rank backward (the table's gradient)"), ("apply_rotary_pos_emb",)),
+    RotaryWrongWay: (("apply_rotary_pos_emb",), ("get_emb_on_this_cp_rank",)),
+}
+"""Where the failure points for some planted bugs (tests/test_conformance.py): the rank, the token positions and heads
+of a wrong tensor, every wrong tensor of a call listed, and the culprit method alone (a wrong rotary table is not
+blamed on ``apply_rotary_pos_emb``, nor the reverse)."""

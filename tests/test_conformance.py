@@ -13,7 +13,7 @@ from pathlib import Path
 import commands
 import pytest
 import torch
-from conformance_backends import PLANTED, BlockwiseRing, Contiguous, GQATrueDivide
+from conformance_backends import CULPRITS, PLANTED, BlockwiseRing, Contiguous, GQATrueDivide
 from conftest import HANG_GUARD_S
 
 from cp_handler import LocalContextParallelHandler, MagiAttnContextParallelHandler, TEContextParallelHandler
@@ -76,19 +76,24 @@ def test_transformer_engine_and_magiattention_pass_through_their_fakes():
 
 def test_the_local_handler_passes_every_case():
     """Every comm type, format, dtype, length, check and variant at cp 2; at cp 3 and 4 in float32 (cp 3: odd,
-    a2a+p2p left out by the kit's rule)."""
+    a2a+p2p left out by the kit's rule); the kit's largest size, cp 8, for the ring and the two-level pattern in
+    bfloat16 (a2a+p2p's only run in a dtype other than float32)."""
     reports = [check_handler(LocalContextParallelHandler, world_sizes=(2,), timeout_s=HANG_GUARD_S, progress=False),
                check_handler(LocalContextParallelHandler, world_sizes=(3, 4), dtypes=[torch.float32],
-                             timeout_s=HANG_GUARD_S, progress=False)]
+                             timeout_s=HANG_GUARD_S, progress=False),
+               check_handler(LocalContextParallelHandler, world_sizes=(8,), comm_types=["p2p", "a2a+p2p"],
+                             formats=["bshd", "thd"], dtypes=[torch.bfloat16], lengths=["short"], checks=["attention"],
+                             variants=["causal", "window"], timeout_s=HANG_GUARD_S, progress=False)]
     for report in reports:
         counts = report.counts()
         assert report.ok and counts["FAIL"] == counts["NOT RUN"] == counts["NOT-SUPPORTED"] == 0, report.table()
     # per comm type and format: the first dtype's short cases (3 layout checks, every variant, 2 refusal checks)
-    # and long cases (no refusal checks), then the short cases of each further dtype
+    # and long cases (no refusal checks), then each further dtype's short cases and its long causal attention
     checks, variants = len(CHECKS) - 3, len(VARIANTS)
-    per_format = lambda dtypes: (checks + variants + 2) + (checks + variants) * dtypes  # noqa: E731
+    per_format = lambda dtypes: (checks + variants + 2) + (checks + variants) * dtypes + (dtypes - 1)  # noqa: E731
     assert reports[0].counts()["PASS"] == 3 * 3 * per_format(3), reports[0].counts()  # no a2a+p2p at cp 2
     assert reports[1].counts()["PASS"] == (3 + 4) * 3 * per_format(1), reports[1].counts()  # cp 3: no a2a+p2p
+    assert reports[2].counts()["PASS"] == 2 * 2 * 2, reports[2].counts()
 
 
 @pytest.mark.parametrize("handler", list(PLANTED), ids=lambda c: c.__name__)
@@ -99,6 +104,10 @@ def test_a_planted_bug_fails_the_kit_and_its_failure_names_the_culprit(handler):
     assert not report.ok, report.table()
     assert words in _failures(report) or words in report.table(), report.table()
     assert report.counts()["NOT RUN"] == 0, report.table()  # a crash on every rank: the kit goes on
+    named, not_named = CULPRITS.get(handler, ((), ()))
+    failures = _failures(report)
+    assert all(word in failures for word in named), failures
+    assert not any(word in failures for word in not_named), failures
 
 
 def test_correct_backends_of_other_shapes_pass():

@@ -25,8 +25,9 @@ EPILOG = """statuses:
   PASS           the handler gave the reference's answer (forward and backward) within the dtype's tolerance
   FAIL           a wrong tensor (the report names the method, rank, tokens and heads), an error, a call that
                  should have been refused and ran, a refusal outside a refusal point or on some ranks only; also
-                 a comm type where every attention case was refused
-  NOT-SUPPORTED  refused by name (ValueError / NotImplementedError) on every rank at a refusal point: building
+                 a comm type where every causal attention case was refused
+  NOT-SUPPORTED  refused by name (ValueError / NotImplementedError from a raise statement of the backend, not
+                 one Python or torch raised from a bug) on every rank at a refusal point: building
                  the handler (check_config, cp_comm_types) or core_attn's pre-flight (unsupported_variant,
                  check_call), before the backend's attend ran
   NOT RUN        a rank died or hung before the case
@@ -69,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", nargs="+", choices=QKV_FORMATS, default=list(QKV_FORMATS),
                    help="qkv_format values (default: %(default)s)")
     p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
-                   help="input dtypes; long lengths and the refusal checks run in the first (default: float32 "
+                   help="input dtypes; the refusal checks run in the first, long lengths every check there and "
+                        "attention's first variant in the others (default: float32 "
                         "bfloat16 float16)")
     p.add_argument("--lengths", nargs="+", choices=LENGTHS, default=list(LENGTHS),
-                   help="length profiles: short (8 * cp tokens a row; thd documents 13, 0, 6, 21) and long (202 "
-                        "tokens a rank and row, odd zigzag chunks; thd several hundred a rank) (default: %(default)s)")
+                   help="length profiles: short (8 * cp tokens a row; thd documents 13, 0, 6, 21) and long (262 "
+                        "tokens a rank and row, rows past 512 tokens, odd zigzag chunks; thd several hundred a rank) "
+                        "(default: %(default)s)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="attention variants (default: all: %(default)s)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=None,

@@ -7,6 +7,11 @@ the same global inputs from one seed; :mod:`.checks` compares the handler with :
 
 from __future__ import annotations
 
+import linecache
+import os
+import re
+import sysconfig
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +20,26 @@ from ..core.masks import AttentionMask
 from ..runtime.config import AttentionShape, ContextParallelConfig
 
 REFUSALS = (ValueError, NotImplementedError)
-"""The errors a refusal may be (module doc of :mod:`.kit`): raised at a refusal point, on every rank."""
+"""The errors a refusal may be (module doc of :mod:`.kit`): raised at a refusal point, on every rank, by a ``raise``
+statement (:func:`is_refusal`)."""
+_NOT_THE_BACKEND = tuple(os.path.realpath(p) + os.sep for p in (os.path.dirname(torch.__file__),
+                                                                 sysconfig.get_paths()["stdlib"]))
+_RAISE = re.compile(r"raise\b")
+
+
+def is_refusal(err: BaseException) -> bool:
+    """Whether ``err`` is a refusal: a :data:`REFUSALS` error raised by a ``raise`` statement outside torch and
+    Python's standard library (the innermost frame of its traceback, read from the source). A ValueError that Python
+    raises from a bug (a tuple unpacking, ``int("x")``) or that torch raises from a wrong call is a crash, whatever
+    its type; so is one whose source the kit cannot read (code without a file)."""
+    if not isinstance(err, REFUSALS):
+        return False
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return False
+    frame = frames[-1]
+    line = (frame.line or linecache.getline(frame.filename, frame.lineno)).lstrip()
+    return bool(_RAISE.match(line)) and not os.path.realpath(frame.filename).startswith(_NOT_THE_BACKEND)
 SCALE = 0.3
 """The softmax scale of every attention case (not ``1 / sqrt(D)``: a backend that ignores the module's fails)."""
 
@@ -62,10 +86,13 @@ in the other variants, and dk carries q's x 60)."""
 LENGTHS = ("short", "long")
 """The length profiles (:meth:`Case.lengths`). ``short``: two rows of ``8 * cp`` tokens (bshd / sbhd; zigzag chunks
 of 4) or documents of 13, 0, 6 and 21 tokens (thd: uneven, one empty, one shorter than ``2 * cp``). ``long``: two
-rows of ``2 * cp * 101`` tokens (202 per rank and row: past every query / key tile the planners use, 64 and 128,
-with odd zigzag chunks of 101), or documents of ``200 * cp + 7``, 0, ``6 * cp + 5`` and ``100 * cp + 1`` tokens
-(several hundred per rank, every zigzag chunk of 3 or more: ``roll_tensor`` runs shifts up to 3 there)."""
-LONG_CHUNK = 101
+rows of ``2 * cp * 131`` tokens (262 per rank and row, odd zigzag chunks of 131), or documents of ``260 * cp + 7``,
+0, ``6 * cp + 5`` and ``100 * cp + 1`` tokens (several hundred per rank, every zigzag chunk of 3 or more:
+``roll_tensor`` runs shifts up to 3 there). Past the planners' tiles at every CP size: a rank's queries and a
+step's keys past 64 rows (the query tile), and a whole row or document past 512 keys (the masked kernel's key tile:
+524 and 527 tokens at cp 2, which an all-gather's or an all-to-all's attention sees whole; a ring step's keys are
+one rank's, 262 at cp 2)."""
+LONG_CHUNK = 131
 ROLL_SHIFTS = {"short": (-1, 1), "long": (-1, 1, -2, 2, -3, 3)}
 """``roll_tensor``'s shifts per length profile (short: a zigzag chunk of a thd document may hold one token)."""
 
@@ -90,7 +117,7 @@ class Case:
         """The documents: one per batch row (bshd / sbhd, two rows) or packed (thd); :data:`LENGTHS`."""
         w = self.world
         if self.qkv_format == "thd":
-            return [13, 0, 6, 21] if self.length == "short" else [200 * w + 7, 0, 6 * w + 5, 100 * w + 1]
+            return [13, 0, 6, 21] if self.length == "short" else [260 * w + 7, 0, 6 * w + 5, 100 * w + 1]
         return [8 * w] * 2 if self.length == "short" else [2 * w * LONG_CHUNK] * 2
 
     @property

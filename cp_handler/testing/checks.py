@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..handlers.agreement import RanksRefused
 from ..runtime.rope import rotary_freqs
 from . import reference
-from .cases import REFUSALS, ROLL_SHIFTS, SCALE, VARIANTS, Case, Variant, attn_module
+from .cases import REFUSALS, ROLL_SHIFTS, SCALE, VARIANTS, Case, Variant, attn_module, is_refusal
 from .compare import TokenMap, mismatch, tensor_rule
 
 
@@ -76,7 +76,7 @@ def check_layout(h, case: Case, group) -> list[str]:
     g = case.to_format(x).to(case.dtype).requires_grad_()
     local = h.dispatch(g, case.seq_dim)
     err = tensor_rule("dispatch", local, g)
-    if _any_rank(err is not None, group):  # a local verdict: every rank stops together (the rest communicates)
+    if any_rank(err is not None, group):  # a local verdict: every rank stops together (the rest communicates)
         return [err] if err else []
     tokens = token_map(h, case)
     held = [None] * dist.get_world_size(group)
@@ -124,7 +124,7 @@ def check_roll(h, case: Case, group) -> list[str]:
         rolled, total = h.roll_tensor(local, shifts=shift, dims=case.seq_dim)
         what = f"roll_tensor(shifts={shift})"
         err = tensor_rule(what, rolled, local, tuple(local.shape))
-        if _any_rank(err is not None, group):
+        if any_rank(err is not None, group):
             failures += [err] if err else []
             continue
         if err := mismatch(what, rolled, at_slots(tokens, want.detach()), tokens, case.dtype):
@@ -156,20 +156,20 @@ def check_rope(h, case: Case, group) -> list[str]:
     need = int(positions.max()) + 1 if total else 1
     rows = h.get_rotary_seq_len(local_x.shape[case.seq_dim])
     short = not isinstance(rows, int) or isinstance(rows, bool) or rows < need
-    if _any_rank(short, group):
+    if any_rank(short, group):
         return [] if not short else [f"get_rotary_seq_len({local_x.shape[case.seq_dim]}) = {rows!r}: the batch has "
                                      f"positions up to {need - 1}, so the table needs at least {need} rows"]
     seq_pos, seq_real = _along_seq(case, local_pos), _along_seq(case, tokens.real)
     mixed = tokens.ids.dim() == 2 and not torch.equal(local_pos * tokens.real, seq_pos.unsqueeze(1 - case.seq_dim)
                                                       .expand_as(local_pos) * tokens.real)
-    if _any_rank(mixed, group):
+    if any_rank(mixed, group):
         return [] if not mixed else ["dispatch: the batch rows' tokens of one local slot sit at different positions "
                                      f"({case.qkv_format})"]
     seq_tokens = TokenMap(torch.where(seq_real, seq_pos, -1), [rows], "table row")
     table = torch.randn(rows, 4, dtype=torch.float64, requires_grad=True)
     emb = h.get_emb_on_this_cp_rank(table)
     err = tensor_rule("get_emb_on_this_cp_rank", emb, table, (seq_pos.numel(), 4))
-    if _any_rank(err is not None, group):
+    if any_rank(err is not None, group):
         return [err] if err else []
     if err := mismatch("get_emb_on_this_cp_rank (rows at the local tokens' positions)", emb,
                        table.detach()[seq_pos], seq_tokens, torch.float64, unit="local rows"):
@@ -187,7 +187,7 @@ def check_rope(h, case: Case, group) -> list[str]:
     (want * w.double()).sum().backward()
     got = h.apply_rotary_pos_emb(local_x, freqs[seq_pos])
     err = tensor_rule("apply_rotary_pos_emb", got, local_x, tuple(local_x.shape))
-    if _any_rank(err is not None, group):
+    if any_rank(err is not None, group):
         return failures + ([err] if err else [])
     if err := mismatch("apply_rotary_pos_emb (given the reference's rows)", got, at_slots(tokens, want.detach()),
                        tokens, case.dtype, heads=True):
@@ -219,6 +219,14 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" + (f" ({where})" if where else "")
 
 
+def not_a_refusal(err: BaseException) -> str:
+    """Why an error raised at a refusal point is not a refusal (:func:`~.cases.is_refusal`), as a parenthesis."""
+    if not isinstance(err, REFUSALS):
+        return " (a refusal is a ValueError or NotImplementedError)"
+    return (f" (a {type(err).__name__} that no raise statement of the backend raised: Python or torch raised it from "
+            "a bug)")
+
+
 def _attend_once(h, module, local, attn_mask_type: str, first: bool):
     """``core_attn``, telling a refusal (a ValueError / NotImplementedError raised before the backend's ``attend``
     ran, at the first call: :class:`Refused`) from a crash (anything else: :class:`Crashed`)."""
@@ -229,14 +237,14 @@ def _attend_once(h, module, local, attn_mask_type: str, first: bool):
         return h.core_attn(module, *local, attn_mask_type=attn_mask_type)
     except Exception as err:
         own = _own_error(err)
-        if isinstance(own, REFUSALS) and not entered:
+        if is_refusal(own) and not entered:
             if first:
                 raise Refused(own) from err
             raise Crashed(f"core_attn refused a second call on the same handler after running the first: "
                           f"{error_text(own)}") from err
         where = "inside the backend's attend" if entered else "in the pre-flight, before attend"
-        why = "" if isinstance(own, REFUSALS) else " (a refusal is a ValueError or NotImplementedError)"
-        raise Crashed(f"core_attn raised {error_text(own)} {where}: a crash, not a refusal{why}") from err
+        raise Crashed(f"core_attn raised {error_text(own)} {where}: a crash, not a refusal"
+                      f"{'' if entered else not_a_refusal(own)}") from err
     finally:
         del h.attend
 
@@ -276,7 +284,7 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
         out = _attend_once(h, attn_module(variant, local_sinks), local, variant.attn_mask_type, first=call == 1)
         named = "core_attn" + (" (a second call on the same handler, other inputs)" if call == 2 else "")
         err = tensor_rule(f"{named} output", out, local[0], (*local[0].shape[:-1], dv))
-        if _any_rank(err is not None, group):  # every rank stops here together (its backward may communicate)
+        if any_rank(err is not None, group):  # every rank stops here together (its backward may communicate)
             return failures + [err] if err else failures
         out.backward(local_dout)
         for name, got, ref in (("output", out, want), *zip(("dq", "dk", "dv"), (t.grad for t in local),
@@ -294,12 +302,12 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
                                  ref_dsinks.reshape(1, -1), TokenMap(torch.zeros(1, dtype=torch.long), [1],
                                                                          "sinks"), case.dtype):
                 failures.append(err)
-        if _any_rank(bool(failures), group):  # the ranks go on to the second call together or not at all
+        if any_rank(bool(failures), group):  # the ranks go on to the second call together or not at all
             break
     return failures
 
 
-def _any_rank(flag: bool, group) -> bool:
+def any_rank(flag: bool, group) -> bool:
     """Whether ``flag`` holds on any rank (every rank gets the same answer: the ranks stay in step)."""
     t = torch.tensor([int(flag)])
     dist.all_reduce(t, group=group)

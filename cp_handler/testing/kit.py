@@ -37,6 +37,9 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEFAULT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_WORLD = 8
 """The largest CP size the kit runs (ranks on CPU)."""
+PLAIN_CAUSAL = ("causal", "mha", "mqa")
+"""The variants of plain causal attention (GQA 2:1, MHA, MQA): every comm type a backend declares runs one of them
+in some case, or the report fails (a backend that refuses everything does not pass)."""
 REFUSAL_CHECKS = ("disagreement", "bad_input")
 """Checks that expect a refusal: run once per comm type and format (short lengths, the first dtype)."""
 
@@ -93,20 +96,22 @@ def _agree(statuses) -> tuple[str, str]:
     else:
         lines = [f"rank {i}: {line}" for i, (s, d, _) in enumerate(statuses) if s != "PASS" for line in d]
     if "FAIL" not in kinds:
-        lines.insert(0, "some ranks refused the case and others ran it (a refusal is the same on every rank)")
+        lines.insert(0, "some ranks refused the case and others built or ran it (a refusal is the same on every rank)")
     return "FAIL", "\n".join(lines[:24] + ([f"(+{len(lines) - 24} more lines)"] if len(lines) > 24 else []))
 
 
 def _run_case(handler_cls, case, groups, check, variant_name) -> tuple[str, list[str], bool]:
     """``(status, detail lines, errored)`` of one case on this rank (errored: an exception other than a refusal)."""
     variant = cases.VARIANTS[variant_name or "causal"]
+    built = None
     try:
         handler = cases.build(handler_cls, case, groups, variant)
-    except cases.REFUSALS as err:
-        return "NOT-SUPPORTED", [f"{type(err).__name__}: {err}"], False
     except Exception as err:  # noqa: BLE001 - a crash while building is the case's failure
-        return "FAIL", [f"building the handler raised {checks.error_text(err)} (a refusal is a ValueError or "
-                        "NotImplementedError)"], True
+        built = ("NOT-SUPPORTED", [f"{type(err).__name__}: {err}"], False) if cases.is_refusal(err) else \
+            ("FAIL", [f"building the handler raised {checks.error_text(err)}: a crash, not a refusal"
+                      f"{checks.not_a_refusal(err)}"], True)
+    if checks.any_rank(built is not None, dist.group.WORLD):  # no rank goes on into the checks' collectives alone
+        return built or ("PASS", [], False)  # built here, not everywhere: :func:`_agree` fails it, naming the ranks
     try:
         if check in REFUSAL_CHECKS:
             failures = checks.expect_refusal(handler, case, disagree=check == "disagreement")
@@ -133,12 +138,13 @@ def _plan(world, comm_types, formats, dtypes, lengths, checks_, variants) -> lis
         for fmt in formats:
             for i, dt in enumerate(dtypes):
                 for length in lengths:
-                    if length == "long" and i > 0:
-                        continue
                     for check in checks_:
                         if check in REFUSAL_CHECKS and (i > 0 or length != lengths[0]):
                             continue
-                        for variant in (variants if check == "attention" else [None]):
+                        if length == "long" and i > 0 and check != "attention":
+                            continue
+                        later = length == "long" and i > 0  # a further dtype's long lengths: one variant
+                        for variant in (variants[:1] if later else variants) if check == "attention" else [None]:
                             plan.append((ct, fmt, dt, length, check, variant))
     return plan
 
@@ -164,9 +170,16 @@ def _not_checked(handler_cls, requested: dict, asked_comm_types) -> list[str]:
                               ("cp sizes", tuple(range(2, MAX_WORLD + 1)), "world_sizes")):
         if left := [str(v) for v in every if v not in requested[flag]]:
             lines.append(f"{name} {', '.join(left)}: not asked for ({flag} / --{flag.replace('_', '-')})")
+    if "roll" in requested["checks"] and "long" not in requested["lengths"]:
+        lines.append("roll_tensor shifts of 2 and 3 (both ways): they run at long lengths (a short thd document's "
+                     "zigzag chunk may hold one token)")
+    if "attention" in requested["checks"] and not set(PLAIN_CAUSAL) & set(requested["variants"]):
+        lines.append(f"that each comm type runs plain causal attention in some case: none of {', '.join(PLAIN_CAUSAL)} "
+                     "asked for (variants / --variants)")
     dtypes = requested["dtypes"]
     if len(dtypes) > 1 and "long" in requested["lengths"]:
-        lines.append(f"long lengths in {', '.join(dtypes[1:])}: they run in the first dtype only ({dtypes[0]})")
+        lines.append(f"long lengths in {', '.join(dtypes[1:])}: attention in its first variant only "
+                     f"({requested['variants'][0]}); every check and variant in the first dtype ({dtypes[0]})")
     if len(dtypes) > 1 and any(c in REFUSAL_CHECKS for c in requested["checks"]):
         lines.append(f"the refusal checks (disagreement, bad_input) in {', '.join(dtypes[1:])}: first dtype only")
     return lines + list(NOT_COVERED)
@@ -189,7 +202,8 @@ def check_handler(handler_cls, *, comm_types=None, formats=QKV_FORMATS, dtypes=D
             have the input's dtype; tolerances per dtype in :mod:`.compare`).
         variants: names in :data:`~.cases.VARIANTS` for the attention check.
         world_sizes: CP sizes from 2 to 8, one start of the ranks each. checks: names in :data:`CHECKS`.
-        lengths: names in :data:`~.cases.LENGTHS` (long lengths run in the first dtype).
+        lengths: names in :data:`~.cases.LENGTHS` (long lengths: every check in the first dtype, attention's
+            first variant in the others).
         timeout_s: the process group's timeout (a hang becomes a failure after it).
         progress: a line on stderr as each group of cases ends (comm type, format, dtype, length).
 
@@ -253,21 +267,21 @@ def _run_world(handler_cls, world, plan, timeout_s, progress, method) -> list[Ca
 
 
 def _nothing_passed(results: list[CaseResult], attention: bool) -> list[CaseResult]:
-    """A failure per comm type where causal attention ran and no case of it passed at any CP size, format or dtype
-    (without the attention check: where no case passed): a backend that refuses everything does not pass. A run
-    narrowed away from the causal variant leaves this contract item to the report's "not checked" list."""
+    """A failure per comm type where causal attention ran and no case of it passed at any CP size, format, dtype or
+    head layout (:data:`PLAIN_CAUSAL`; without the attention check: where no case passed): a backend that refuses
+    everything does not pass. A run narrowed away from those variants says so in the report's "not checked" list."""
     out = []
     for ct in dict.fromkeys(r.comm_type for r in results):
         mine = [r for r in results if r.comm_type == ct]
         if attention:
-            mine = [r for r in mine if r.check == "attention" and r.variant == "causal"]
+            mine = [r for r in mine if r.check == "attention" and r.variant in PLAIN_CAUSAL]
         if not mine or any(r.status in ("PASS", "FAIL", "NOT RUN") for r in mine):
             continue
         sizes = ", ".join(str(w) for w in dict.fromkeys(r.world for r in mine))
-        out.append(CaseResult(mine[0].world, ct, "-", "-", "-", "contract", "", "FAIL",
-                              f"no causal attention case passed at cp {sizes}: every one was refused (a backend "
-                              "runs causal attention in at least one CP size, format and dtype of each comm type it "
-                              "declares)" if attention else f"no case passed at cp {sizes}: every case was refused"))
+        why = (f"no causal attention case passed at cp {sizes}: every one was refused (a backend runs causal "
+               "attention in at least one CP size, format, dtype and head layout of each comm type it declares)"
+               if attention else f"no case passed at cp {sizes}: every case was refused")
+        out.append(CaseResult(mine[0].world, ct, "-", "-", "-", "contract", "", "FAIL", why))
     return out
 
 

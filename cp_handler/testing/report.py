@@ -3,8 +3,8 @@
 Statuses (:data:`STATUSES`): ``PASS``; ``FAIL`` (a wrong tensor, an error, a call that should have been refused
 and ran, a refusal outside a refusal point or on some ranks only); ``NOT-SUPPORTED`` (the handler refused the case
 at a refusal point, by name, on every rank: what it declares it does not run); ``NOT RUN`` (a rank died or hung
-before the case). A report passes (``ok``) when no case failed and at least one attention case passed for every
-comm type and CP size it ran: a backend that refuses everything does not pass.
+before the case). A report passes (``ok``) when no case failed and, for every comm type it ran, at least one causal
+attention case passed (at some CP size, format and dtype): a backend that refuses everything does not pass.
 """
 
 from __future__ import annotations
