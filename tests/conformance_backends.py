@@ -166,8 +166,8 @@ class CheckCallUnpacksMQA(GatherSDPAHandler):
     Python raises ``ValueError: not enough values to unpack`` (a crash, not a refusal: no ``raise`` of the backend)."""
 
     def check_call(self, call):
-        if call.k.shape[-2] == 1:  # MQA: the one key head is checked against the value's
-            key, value = call.k.unbind(-2)
+        if call.k.shape[1] == 1:  # MQA (k is (B, Hkv, S, D)): the one key head is checked against the value's
+            key, value = call.k.unbind(1)
         return super().check_call(call)
 
 
@@ -366,7 +366,7 @@ PLANTED = {  # class: (what the kit must name in a failure, the kit's arguments 
 """Each planted bug: the words its failure must contain, and narrowing arguments for the test (cases the kit's defaults
 run too, so the same bug fails the defaults)."""
 CULPRITS = {  # class: (words every failure line names: the rank, the place, the method; words no line may name)
-    TileOffByOne: (("rank 0: core_attn output: wrong", "row 0 positions 64-100", "heads 0-3 of 4",
+    TileOffByOne: (("rank 0: core_attn output: wrong", "row 0 positions 64-130", "heads 0-3 of 4",
                     "rank 0: core_attn dq", "rank 0: core_attn dk", "rank 0: core_attn dv",
                     "rank 1: core_attn output: wrong"), ()),
     EmbAtLocalPositions: (("rank 1: get_emb_on_this_cp_rank (rows at the local tokens' positions): wrong",

@@ -16,7 +16,8 @@ The methods and what is checked:
   local token's position (thd: inside its document), and the table's gradient; ``apply_rotary_pos_emb``: RoPE with
   the reference's rows at the local positions, and its gradient (each method alone: a failure names the culprit).
 * ``core_attn``: output (dtype, shape, device, values) and the gradients of q, k, v (and the sinks), twice on the
-  same handler with other inputs (a handler caching what it should recompute fails the second call).
+  same handler with other inputs (a handler caching what it should recompute fails the second call; the second
+  call's inputs and exact reference come from the first's: :func:`_second_call`).
 """
 
 from __future__ import annotations
@@ -250,32 +251,29 @@ def _attend_once(h, module, local, attn_mask_type: str, first: bool):
 
 
 _REFERENCES: dict = {}
-"""One rank's inputs and float64 references per (variant, dtype, document lengths, group size, call): every comm type
-and every format with the same documents (bshd and sbhd) compares with the same reference, computed once. The
-handler never holds these tensors (:func:`_dispatch_together` hands it a copy), so none can alter them."""
+"""One rank's inputs and float64 references per (variant, dtype, document lengths, group size): every comm type and
+every format with the same documents (bshd and sbhd) compares with the same reference, computed once. The handler
+never holds these tensors (:func:`_dispatch_together` hands it a copy), so none can alter them."""
 
 
 def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
     """``core_attn``'s output and the gradients of q, k, v (and the sinks) against the float64 reference, for two
     calls on the same handler with different inputs (the inputs and references of a case computed once per rank:
-    :data:`_REFERENCES`)."""
+    :data:`_REFERENCES`; the second call's from the first's: :func:`_second_call`)."""
     failures, tokens = [], None
     (heads, kv_heads), (d, dv) = variant.heads, variant.head_dims
     total = sum(case.lengths)
-    inputs = []  # both calls' inputs and references first: the shared reference's collective before any handler call
-    for call in (1, 2):
-        key = (variant, case.dtype, tuple(case.lengths), dist.get_world_size(group), call)
-        if key not in _REFERENCES:
-            torch.manual_seed(3 + call)
-            q = torch.randn(total, heads, d, dtype=torch.float64) * variant.q_scale
-            k = torch.randn(total, kv_heads, d, dtype=torch.float64)
-            v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
-            dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
-            rounded = [t.to(case.dtype).double() for t in (q, k, v)]
-            sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
-            _REFERENCES[key] = (rounded, dout, sinks,
-                                _shared_reference(rounded, dout, sinks, variant, case.lengths, group))
-        inputs.append(_REFERENCES[key])
+    key = (variant, case.dtype, tuple(case.lengths), dist.get_world_size(group))
+    if key not in _REFERENCES:  # the shared reference's collective before any handler call
+        torch.manual_seed(4)
+        q = torch.randn(total, heads, d, dtype=torch.float64) * variant.q_scale
+        k = torch.randn(total, kv_heads, d, dtype=torch.float64)
+        v = torch.randn(total, kv_heads, dv, dtype=torch.float64)
+        dout = torch.randn(total, heads, dv, dtype=torch.float64).to(case.dtype)
+        rounded = [t.to(case.dtype).double() for t in (q, k, v)]
+        sinks = torch.randn(heads, dtype=torch.float64).to(case.dtype) if variant.sinks else None
+        _REFERENCES[key] = (rounded, dout, sinks, _shared_reference(rounded, dout, sinks, variant, case.lengths, group))
+    inputs = [_REFERENCES[key], _second_call(*_REFERENCES[key])]
     for call, (rounded, dout, sinks, (want, ref_grads, ref_dsinks)) in enumerate(inputs, start=1):
         local = [t.requires_grad_() for t in _dispatch_together(h, case, [*rounded, dout])]
         local_dout = local.pop().detach()
@@ -305,6 +303,25 @@ def check_attention(h, case: Case, variant: Variant, group) -> list[str]:
         if any_rank(bool(failures), group):  # the ranks go on to the second call together or not at all
             break
     return failures
+
+
+def _second_call(rounded, dout, sinks, reference):
+    """The second call's inputs and exact reference from the first's: the query heads (and dout, the sinks) rolled by
+    one GQA group, the key / value heads by one, the values negated. Each query head still meets its own KV head,
+    the probabilities are the first call's rolled, so the reference is the first's rolled with the output, dq, dk
+    and dsinks negated (dv is not: it is the probabilities times dout); rolling and negating are exact in every
+    dtype. A handler that reuses anything of the first call (K / V, the probabilities, the log-sum-exp of a head)
+    gets a wrong output."""
+    (q, k, v), (want, (dq, dk, dv), dsinks) = rounded, reference
+    group_size = q.shape[1] // k.shape[1]
+
+    def rolled(t, by, sign=1):
+        return None if t is None else sign * torch.roll(t, by, dims=-1 if t.dim() == 1 else 1)
+
+    return ([rolled(q, group_size), rolled(k, 1), rolled(v, 1, -1)], rolled(dout, group_size),
+            rolled(sinks, group_size),
+            (rolled(want, group_size, -1), (rolled(dq, group_size, -1), rolled(dk, 1, -1), rolled(dv, 1)),
+             rolled(dsinks, group_size, -1)))
 
 
 def any_rank(flag: bool, group) -> bool:

@@ -11,6 +11,8 @@ restarted per document for packed sequences.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core.masks import AttentionMask
@@ -24,7 +26,8 @@ def positions(lengths: list[int]) -> torch.Tensor:
 
 def attention(q, k, v, mask: AttentionMask, scale: float, sinks, lengths: list[int]) -> torch.Tensor:
     """Packed ``q (T, H, D)``, ``k (T, Hkv, D)``, ``v (T, Hkv, Dv)`` -> ``(T, H, Dv)``, each document alone;
-    differentiable (call it on float64 leaves and backward for the reference gradients)."""
+    differentiable (call it on float64 leaves and backward for the reference gradients). A query row that sees no
+    key (and no sink) attends to nothing: zero."""
     heads, kv_heads = q.shape[1], k.shape[1]
     outs, start = [], 0
     for n in lengths:
@@ -32,17 +35,29 @@ def attention(q, k, v, mask: AttentionMask, scale: float, sinks, lengths: list[i
             continue
         qd, kd, vd = (t[start:start + n].transpose(0, 1) for t in (q, k, v))
         kd, vd = (t.repeat_interleave(heads // kv_heads, dim=0) for t in (kd, vd))
-        scores = qd @ kd.transpose(-1, -2) * scale
+        scores = (qd * scale) @ kd.transpose(-1, -2)
         if mask.softcap is not None:
             scores = mask.softcap * torch.tanh(scores / mask.softcap)
-        pos = torch.arange(n)
-        scores = scores.masked_fill(~mask.visible(pos[:, None], pos[None, :]), float("-inf"))
+        hidden, blind_rows = _hidden(mask, n)
+        scores = scores.masked_fill(hidden, float("-inf"))
         if sinks is not None:
-            scores = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], dim=-1)
-        probs = scores.softmax(-1)[..., :n].nan_to_num(0.0)  # a row that sees nothing attends to nothing
+            probs = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], dim=-1).softmax(-1)[..., :n]
+        else:
+            probs = scores.softmax(-1)
+            if blind_rows:  # softmax over no key: NaN -> zero
+                probs = probs.nan_to_num(0.0)
         outs.append((probs @ vd).transpose(0, 1))
         start += n
     return torch.cat(outs) if outs else q.new_zeros(0, heads, v.shape[-1])
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden(mask: AttentionMask, n: int) -> tuple[torch.Tensor, bool]:
+    """The ``(n, n)`` pairs a document of ``n`` tokens hides under ``mask``, and whether some query row sees no key
+    (kept across calls: the kit's references ask for a few masks and lengths many times)."""
+    pos = torch.arange(n)
+    hidden = ~mask.visible(pos[:, None], pos[None, :])
+    return hidden, bool(hidden.all(-1).any())
 
 
 def roll(x: torch.Tensor, shift: int, lengths: list[int]) -> torch.Tensor:
