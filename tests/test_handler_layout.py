@@ -68,6 +68,23 @@ def _check_rope(h, device):
     assert torch.equal(local, h.dispatch(apply_rotary(t, freqs, "bshd"), 1))
 
 
+def _check_layout_api(h, group, device):
+    """The layout's public API (docs/api.md "The token layout") against the dispatch of the tokens' own indices:
+    ``token_index`` (bshd and thd, padding slots = the real token count), ``padded_document_lengths``."""
+    layout = h.token_layout
+    assert torch.equal(layout.token_index(24 // h.cp_size, device), h.dispatch(torch.arange(24, device=device), 0))
+    assert layout.padded_document_lengths is None and layout.document_lengths is None
+    lengths = (5, 11, 1)
+    cu = torch.tensor([0, 5, 16, 17], dtype=torch.int32)
+    thd = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="thd", cu_seqlens=cu)
+    shifted = thd.dispatch(torch.arange(1, 18, device=device), 0)  # 0 at the padding the layout inserts
+    index = thd.token_layout.token_index(shifted.shape[0], device)
+    assert torch.equal(index, torch.where(shifted == 0, 17, shifted - 1))
+    step = 2 * h.cp_size if h.cp_size > 1 else 1  # no padding at cp 1 (outside the deterministic mode)
+    assert thd.token_layout.document_lengths == lengths
+    assert thd.token_layout.padded_document_lengths == tuple(-(-n // step) * step for n in lengths)
+
+
 def _layout_worker(rank, world, device="cpu"):
     group = new_cp_group() if world > 1 else None
     h = LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p", qkv_format="bshd")
@@ -78,6 +95,7 @@ def _layout_worker(rank, world, device="cpu"):
     for shift in sorted({-1, -3, 2, chunk, -chunk}):
         _check_roll(h, group, shift, device)
     _check_rope(h, device)
+    _check_layout_api(h, group, device)
     if world > 1:  # a failed call leaves a handler unusable on its rank: a new one per check
         with pytest.raises(ValueError, match=r"seq_len=10 is not divisible by 2 \* context_parallel_size"):
             LocalContextParallelHandler(cp_group=group, cp_comm_type="p2p").dispatch(torch.zeros(1, 10), seq_dim=1)

@@ -199,7 +199,7 @@ def measure(run: CaseRunner, group, times: list[float]) -> dict:
     inputs = sum(t.nbytes for t in (run.q, run.k, run.v, run.dout)) if run.active else 0
     pairs = _all(group, work.pairs)
     balance = max(pairs) / (sum(pairs) / len(pairs)) if sum(pairs) and run.case.impl != "single" else None
-    docs = run.handler.token_layout.thd_layout.num_docs if run.handler.qkv_format == "thd" else run.shape.batch
+    docs = len(run.handler.token_layout.document_lengths) if run.handler.qkv_format == "thd" else run.shape.batch
     return {
         **asdict(run.case), **asdict(run.shape), "num_docs": docs,
         "median_ms": 1e3 * statistics.median(times), "times_ms": [1e3 * t for t in times],

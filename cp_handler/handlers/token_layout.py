@@ -8,11 +8,14 @@ A handler holds one (``handler.token_layout``, built from its class's ``token_la
 dispatcher, a decode step) brings its own subclass of :class:`TokenLayout`.
 
 Beside the contract's six methods, the layout answers what code outside the handler needs to know about the batch
-(the public API, docs/backends.md "The token layout"; nothing reads the layout any other way):
+(the public API, docs/api.md "The token layout"; code outside ``cp_handler/handlers/`` reads a layout through it
+alone, which tests/test_channels.py holds):
 
 * :meth:`positions` -- the global position of every local slot;
 * :meth:`real_token_mask` -- which local slots hold tokens of the batch (not padding the layout adds);
-* :attr:`max_seqlen` and :attr:`document_lengths` -- the longest document, every document's length (thd);
+* :attr:`max_seqlen`, :attr:`document_lengths` and :attr:`padded_document_lengths` -- the longest document, every
+  document's length, and as the layout holds it with its padding (thd);
+* :meth:`token_index` -- the index of every local slot's token among the batch's real tokens;
 * :meth:`max_position` -- the largest position of a real token in the whole batch, the same on every rank (what
   RoPE that reads the sequence length needs), with :meth:`set_max_position` for a model that computes its own
   positions (a vision-language model's mRoPE).
@@ -95,6 +98,25 @@ class TokenLayout(ABC):
     def document_lengths(self) -> tuple[int, ...] | None:
         """thd: every document's length in tokens, in the batch's order (not padded); ``None`` otherwise."""
         return None
+
+    @property
+    def padded_document_lengths(self) -> tuple[int, ...] | None:
+        """thd: every document's length as the layout holds it over the group (its real tokens plus the padding the
+        layout adds, e.g. up to a multiple of ``2 * cp``), in the batch's order; ``None`` otherwise."""
+        return None
+
+    def token_index(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """int64 ``(S_local,)``: for each of the ``local_len`` local slots, the index of its token in the batch's
+        real tokens in order (thd: the documents packed without their padding; bshd/sbhd: its position in the
+        row), and the number of real tokens at the padding slots the layout adds.
+
+        Raises:
+            NotImplementedError: a layout holding documents that does not say (the base class).
+        """
+        if self.document_lengths is not None:
+            raise NotImplementedError(f"{type(self).__name__} does not say where its documents' tokens sit "
+                                      "(TokenLayout.token_index)")
+        return self.positions(local_len, device)
 
     def positions(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """int64 ``(S_local,)``: the global position of each of the ``local_len`` local slots (thd: restarting per

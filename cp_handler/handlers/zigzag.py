@@ -61,6 +61,18 @@ class ZigzagLayout(TokenLayout):
         """thd: every document's length (:attr:`TokenLayout.document_lengths`)."""
         return None if self.thd_layout is None else tuple(self.thd_layout.lengths)
 
+    @property
+    def padded_document_lengths(self) -> tuple[int, ...] | None:
+        """thd: every document padded to a multiple of ``2 * cp`` at cp > 1 (at cp 1 unpadded, but in the
+        deterministic mode: :func:`~cp_handler.core.layout.padded_length`); the base's
+        :attr:`~.token_layout.TokenLayout.padded_document_lengths`."""
+        return None if self.thd_layout is None else tuple(self.thd_layout.padded_lengths)
+
+    def token_index(self, local_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """The zigzag slots' tokens among the batch's real tokens (:meth:`TokenLayout.token_index`; ValueError: a
+        local length this batch does not have)."""
+        return self.layout(local_len).dispatch_index(self.cp_rank).to(device)
+
     def real_token_mask(self) -> torch.Tensor | None:
         """thd: this rank's slots that hold tokens of the documents (not their padding to ``2 * cp``); bshd/sbhd:
         ``None``, every slot (:meth:`TokenLayout.real_token_mask`)."""

@@ -108,14 +108,14 @@ def check_hf_generation(config) -> None:
 def _last_token_logits(handler: LocalContextParallelHandler, model, local: torch.Tensor) -> torch.Tensor:
     """``(B, V)`` float32 logits of every prompt's last token, on every rank: the forward of the local tokens
     computes logits only at the last tokens this rank holds (``output=LogitsAt(rows)``), which it fills in."""
-    layout = handler.token_layout.thd_layout
-    index = layout.dispatch_index(handler.cp_rank)
-    last = torch.tensor(layout.lengths).cumsum(0) - 1
+    layout = handler.token_layout
+    index = layout.token_index(local.shape[1])
+    last = torch.tensor(layout.document_lengths).cumsum(0) - 1
     held = [(i, int(rows[0])) for i, position in enumerate(last.tolist())
             if (rows := (index == position).nonzero().flatten()).numel()]
     rows = torch.tensor([row for _, row in held], dtype=torch.long, device=local.device)
     logits = model(local, cp_handler=handler, output=LogitsAt(rows))  # (1, len(held), V)
-    out = logits.new_zeros((layout.num_docs, logits.shape[-1]), dtype=torch.float32)
+    out = logits.new_zeros((len(layout.document_lengths), logits.shape[-1]), dtype=torch.float32)
     for j, (i, _) in enumerate(held):
         out[i] = logits[0, j].float()
     if handler.cp_size > 1:

@@ -1,16 +1,26 @@
 """The state of the Hugging Face forward running now, in the integration's one context variable.
 
 The handler reaches transformers' code as the forward's ``cp_handler`` keyword (:mod:`.hf_model` passes it on to
-the attention function through the layers' keyword arguments). What transformers calls *without* the forward's
-keyword arguments cannot be given it: the mask function (:mod:`.hf_mask`), the rotary modules (:mod:`.hf_rotary`),
-the mixer routes (:mod:`.hf_mixers`) and the load-balancing loss function (:mod:`.hf_router_loss`). They read
-:class:`ForwardState`, the one context variable of the integration: the forward's handler, what its layers
-recorded (:class:`ForwardRecord`), how its router loss is computed, and whether a fused LM head's call runs on the
-shards. The model's forward hook sets it for the forward (:mod:`.hf_model`, from the ``cp_handler`` keyword: the
-handler's one channel into a model, never read back from this state), :func:`forward_scope` the router loss and
-fused-head fields for a block (the trainers, the fused head) and the handler for a mixer probed alone
-(:func:`handler_context`), and in a layer recomputed in the backward the recompute hook of a module inside it.
-The bottom of the integration: it imports nothing of it."""
+the attention function through the layers' keyword arguments; the attention function reads the keyword, else the
+handler its mask holds, never this state). What transformers calls *without* the forward's keyword arguments cannot
+be given it; these read :class:`ForwardState`, the one context variable of the integration, and nothing else does:
+
+* the mask function (:mod:`.hf_mask`: transformers' mask creators call it with the model's own arguments; the
+  :class:`~.hf_mask.CPMask` it returns keeps the handler for the layers that drop the keyword);
+* the rotary modules' hooks (:mod:`.hf_rotary`) and the routed mixers' kernels (:mod:`.hf_mixers`);
+* the load-balancing loss function (:mod:`.hf_router_loss`), with the scope's router-loss fields;
+* a vision-language model's pre-hooks on the model and on its language model (:mod:`.hf_vlm`), which run inside
+  the forward the generic hook entered;
+* the recompute hook (:mod:`.hf_model`): in a layer recomputed in the backward, outside the model's forward, it
+  enters the state for a module inside it that reads it;
+* the fused LM head (:mod:`.hf_fused_head`), through ``fused_head_on_shard``.
+
+The state holds the forward's handler, what its layers recorded (:class:`ForwardRecord`), how its router loss is
+computed, and whether a fused LM head's call runs on the shards. The model's forward hook sets it for the forward
+(:mod:`.hf_model`, from the ``cp_handler`` keyword: the handler's one channel into a model, never read back from
+this state), :func:`forward_scope` the router loss and fused-head fields for a block (the trainers, the fused head)
+and the handler for a mixer probed alone (:func:`handler_context`). The bottom of the integration: it imports
+nothing of it."""
 
 from __future__ import annotations
 

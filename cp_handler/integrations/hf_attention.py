@@ -8,7 +8,8 @@ The handler comes with the call (:func:`call_handler`): the ``cp_handler`` keywo
 in the forward's keyword arguments and transformers passes on through the decoder layers to the attention
 function in the models that forward them (a recomputed layer gets them again); else the handler of the forward
 that built the layer's mask (:class:`~.hf_mask.CPMask`: a decoder layer that drops extra keyword arguments,
-StableLM's); else the active one (:mod:`.hf_active`).
+StableLM's). Nothing else: the attention function never reads the context variable of :mod:`.hf_active`, and a
+call with neither raises.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..handlers.base import ContextParallelHandler
-from .hf_active import active_handler, record_attention_call
+from .hf_active import record_attention_call
 from .hf_inputs import local_position_ids
 from .hf_mask import CPMask
 
@@ -104,9 +105,9 @@ def _from_spec(module, spec) -> tuple[str, str | None, int | None]:
 
 
 def call_handler(cp_handler, attention_mask) -> ContextParallelHandler | None:
-    """The handler of this attention call (module doc): the keyword, the mask's, the active one, or ``None``."""
+    """The handler of this attention call (module doc): the keyword, else the mask's, else ``None``."""
     mask_handler = attention_mask.forward_handler if isinstance(attention_mask, CPMask) else None
-    return cp_handler or mask_handler or active_handler()
+    return cp_handler or mask_handler
 
 
 def cp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
@@ -119,9 +120,9 @@ def cp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     ``cp_handler`` is the handler (:func:`call_handler`).
 
     Raises:
-        RuntimeError: no handler active. ValueError: an argument or a mask cp_handler does not
-            implement (see the module doc); q and k of different lengths (a decoding step with a cache);
-            a ``sliding_window`` argument that disagrees with the mask.
+        RuntimeError: no handler (neither the keyword nor the mask's). ValueError: an argument or a mask
+            cp_handler does not implement (see the module doc); q and k of different lengths (a decoding step with
+            a cache); a ``sliding_window`` argument that disagrees with the mask.
     """
     handler = call_handler(cp_handler, attention_mask)
     if handler is None:

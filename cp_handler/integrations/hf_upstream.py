@@ -1,12 +1,25 @@
-"""Every private name of transformers, TRL and accelerate the integration relies on, in one place.
+"""Every private name of transformers, TRL and accelerate the integration relies on, and every upstream name it
+replaces or rebinds, in one place.
 
 The trainers work through public hooks wherever one exists (Trainer's overridable methods ``compute_loss``,
 ``training_step``, ``prediction_step``, ``evaluation_loop``, ``get_cp_size``; accelerate's ``Accelerator`` as the
 trainer's attribute and its public ``prepare_data_loader``). What is left reaches a private name: a method TRL has
 no public hook for, an attribute a count lives in, a module global TRL calls directly. Each is listed here with
-what cp_handler does with it; :func:`missing` says which of them a release no longer has, and
+what cp_handler does with it (:data:`PRIVATE_NAMES`). Beside them, the public module globals of transformers that
+the integration replaces or rebinds (:data:`REPLACED_NAMES`): the load-balancing loss (routed for the process's
+life, the original itself outside a handler) and the hybrid mixers' kernels (rebound in a copy of one instance's
+forward; transformers' modules untouched). :func:`missing` says which of them a release no longer has, and
 tests/test_hf_upstream.py fails naming them (and fails too when a trainer overrides a private method that is not
 listed here).
+
+Where the adaptations live: :class:`~.hf_dp.DataParallelView` (one per trainer) holds those of the data-parallel
+view (the loaders, the metrics' gather, TRL's module-level gathers); two more are scoped by what they serve and
+not by the data-parallel view, so they stay beside it: SFT's token recount (``_total_train_tokens``, ``_metrics``:
+SFTTrainer's logged figure, :mod:`.hf_trainer`) and the deterministic mode's per-unit fused head
+(``_ChunkedLogProbFunction`` for a ``with`` block, :mod:`.hf_exact_grads`). The loaders are made over the dp ranks
+at accelerate's ``prepare_data_loader`` of the trainer's accelerator rather than in Trainer's
+``get_train_dataloader`` / ``get_eval_dataloader`` / ``get_test_dataloader``: every loader of Trainer and of TRL's
+trainers (GRPO's, DPO's reference pass) goes through it, where overriding the three getters would miss TRL's own.
 
 Checked against: :data:`CHECKED_AGAINST`.
 """
@@ -30,8 +43,10 @@ class PrivateName:
         owner: the dotted path of its class or module (``"trl.GRPOTrainer"``, ``"accelerate.data_loader"``).
         name: the private name.
         use: ``"overridden"`` (a method of the class cp_handler's trainers replace, calling it via ``super()``),
-            ``"called"``, ``"attribute"`` (an instance attribute read or written: the owner's source must set it), or
-            ``"module global"`` (a module-level name of the owner replaced for a block).
+            ``"called"``, ``"attribute"`` (an instance attribute read or written: the owner's source must set it),
+            ``"module global"`` (a module-level name of the owner replaced for a block), ``"routed"`` (a module-level
+            function replaced for the process's life by one that is the original outside a handler) or
+            ``"rebound"`` (a module-level name a copy of an instance's forward binds to a route).
         by: where and why (the cp_handler module).
     """
 
@@ -71,8 +86,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "hf_dp.prepare_data_loader_over_dp: a loader over the dp ranks kept as the accelerator's own"),
     PrivateName("accelerate.accelerator", "_is_accelerate_prepared", "attribute",
                 "hf_dp.prepare_data_loader_over_dp: a loader accelerate prepared already is kept"),
-    PrivateName("transformers.PreTrainedConfig", "_attn_implementation", "called",
-                "transformers.register: set on a config without set_attn_implementation"),
+    PrivateName("transformers.PreTrainedConfig", "_attn_implementation", "attribute",
+                "transformers.register: written on a config (its sub-configs' too) without set_attn_implementation"),
     *(PrivateName(f"trl.trainer.{module}", name, "module global",
                   "hf_dp.DataParallelView.scope: TRL calls accelerate's gather / gather_object directly; inside the "
                   "RL trainers' steps they keep one rank per CP group")
@@ -83,7 +98,23 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
 )
 """The private names (module doc)."""
 
+REPLACED_NAMES: tuple[PrivateName, ...] = (
+    *(PrivateName(f"transformers.models.{m}", "load_balancing_loss_func", "routed",
+                  "hf_router_loss.prepare_router_loss: the load-balancing loss from the whole batch's statistics under "
+                  "a handler (at register, in the model's modeling module and Mixtral's, which TRL's fused head calls)")
+      for m in ("mixtral.modeling_mixtral", "qwen3_moe.modeling_qwen3_moe")),
+    *(PrivateName(f"transformers.models.{m}", name, "rebound",
+                  "hf_mixers.instrument_model: a routed mixer's forward (and the helpers it calls) rebuilt with the "
+                  "kernel names bound to the handler's mixer methods, per instance; a kernel no longer reached so "
+                  "leaves the mixer unrouted, which the documents probe then refuses by name")
+      for m, names in (("qwen3_next.modeling_qwen3_next", ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")),
+                       ("bamba.modeling_bamba", ("causal_conv1d_fn", "mamba2_chunk_scan")),
+                       ("mamba.modeling_mamba", ("causal_conv1d_fn", "mamba_selective_scan")))
+      for name in names),
+)
+"""The public upstream names replaced or rebound (module doc); each model family named is one the tests run."""
 
-def missing(names: tuple[PrivateName, ...] = PRIVATE_NAMES) -> list[str]:
+
+def missing(names: tuple[PrivateName, ...] = PRIVATE_NAMES + REPLACED_NAMES) -> list[str]:
     """The listed names the installed releases do not have, each said with its use (empty: all present)."""
     return [f"{n.owner}.{n.name} ({n.use}; {n.by}), checked against {CHECKED_AGAINST}" for n in names if not n.found()]

@@ -94,14 +94,14 @@ def unit_lengths(handler, local_len: int) -> tuple[int, ...]:
     it hold ``parts / cp`` of them. The same global token sets at every CP degree.
 
     Args:
-        handler: the micro-batch's handler (the zigzag layout: ``handler.token_layout.cu_seqlens_padded`` for thd).
+        handler: the micro-batch's handler (thd: its layout's ``padded_document_lengths``).
         local_len: the rank's local tokens per batch row.
 
     Raises:
         ValueError: :func:`units_refusal`'s reason.
     """
     cp, fmt = handler.cp_size, handler.qkv_format
-    padded = handler.token_layout.cu_seqlens_padded.diff().tolist() if fmt == "thd" else [local_len * cp]
+    padded = list(handler.token_layout.padded_document_lengths) if fmt == "thd" else [local_len * cp]
     parts = unit_parts(sum(padded), fmt)
     if reason := units_refusal(sum(padded), cp, fmt) or (
             fmt == "thd" and any(length % parts for length in padded) and

@@ -35,7 +35,7 @@ def say(text: str) -> None:
 
 
 def checkpointing(config: TrainConfig, trained, optim, scheduler) -> tuple[int, object]:
-    """``(steps already done, checkpoint callback for train_steps)``: loads ``--resume`` into ``trained`` /
+    """``(steps already done, checkpoint callback for Trainer.after_step)``: loads ``--resume`` into ``trained`` /
     ``optim`` / the learning-rate ``scheduler`` (every rank), and saves after every ``--save-every`` steps
     and after the last one."""
     start = 0
