@@ -6,6 +6,7 @@ attribute), a backend's module that defines its own layout apart (cp-generate's 
 breaks it (negative controls)."""
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
@@ -26,17 +27,22 @@ def _text(node: ast.AST) -> str:
     return ast.unparse(node)
 
 
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
 def context_variables(source: str) -> int:
     """Calls of ``ContextVar(...)`` (``contextvars.ContextVar`` or the bare name)."""
     return sum(isinstance(n, ast.Call) and _text(n.func).split(".")[-1] == "ContextVar"
-               for n in ast.walk(ast.parse(source)))
+               for n in ast.walk(_parse(source)))
 
 
 def layout_reads(source: str) -> list[str]:
     """Reads of a token layout outside its public API: ``<x>.token_layout.<name>`` and ``<v>.<name>`` for a name
     ``v`` bound to ``<x>.token_layout`` in the module, with ``name`` not in :data:`LAYOUT_API`; every
     ``getattr`` / ``setattr`` / ``hasattr`` on one."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     is_layout = lambda node: isinstance(node, ast.Attribute) and node.attr == "token_layout"  # noqa: E731
     bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and is_layout(n.value)
              for t in n.targets if isinstance(t, ast.Name)}
@@ -56,7 +62,7 @@ def private_handler_writes(source: str) -> list[str]:
     annotated) and ``setattr(<...handler...>, "_name", ...)``, a handler being any expression whose text names one
     (``handler``, ``self.handler``, ``cp_handler``, ``sharded.handler``)."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
         for target in targets:
@@ -70,6 +76,7 @@ def private_handler_writes(source: str) -> list[str]:
     return found
 
 
+@functools.cache
 def _library(outside_handlers: bool) -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))
             if not (outside_handlers and HANDLERS in p.parents)}
@@ -83,7 +90,7 @@ def test_at_most_one_context_variable():
 def defines_a_layout(source: str) -> bool:
     """Whether the module defines a subclass of ``TokenLayout`` (a backend with its own placement of tokens)."""
     return any(isinstance(n, ast.ClassDef) and any(_text(b).endswith("TokenLayout") for b in n.bases)
-               for n in ast.walk(ast.parse(source)))
+               for n in ast.walk(_parse(source)))
 
 
 def test_layouts_are_read_through_their_public_api():

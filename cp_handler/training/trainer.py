@@ -69,6 +69,7 @@ class Trainer:
         self.config, self.device = config, device
         self.optimizer = optimizer or default_optimizer(config.lr)
         self.records: list[dict] = []
+        self.progress: StepProgress | None = None
 
     # --- build ---------------------------------------------------------------------------------------------------
 
@@ -91,6 +92,7 @@ class Trainer:
         if config.compile:
             say("the first step compiles every layer (torch.compile: up to a minute or two on CPU); later steps run "
                 "compiled")
+        self.start_progress()
         return self
 
     def _build_static(self) -> None:
@@ -295,8 +297,15 @@ class Trainer:
             heartbeat()
 
     def start_progress(self) -> None:
-        """The progress lines (rank 0, :class:`~.loop.StepProgress`)."""
+        """The progress lines (rank 0, :class:`~.loop.StepProgress`), from the end of :meth:`build` to
+        :meth:`finish`."""
         self.progress = StepProgress(self.config.steps, dist.get_rank() == 0, self.config.log_every, self.start)
+
+    def close_progress(self) -> None:
+        """The progress lines ended (at :meth:`finish`, or when a step raised; once)."""
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None
 
     # --- finish --------------------------------------------------------------------------------------------------
 
@@ -304,6 +313,7 @@ class Trainer:
         """Export (``--export-hf``), the eval-CP check (``--check-eval-cp``), peak memory over the ranks, and
         rank 0's metrics (``None`` on the other ranks) with the parity verdict (``--check-parity``)."""
         config = self.config
+        self.close_progress()
         export_hf(config, self.trained)
         eval_check = None
         if config.check_eval_cp:
@@ -334,10 +344,9 @@ class Trainer:
         """The whole run: :meth:`build`, then :meth:`step` and :meth:`after_step` for every step, then
         :meth:`finish`."""
         self.build()
-        self.start_progress()
         try:
             for step in self.steps():
                 self.after_step(step, self.step(step))
         finally:
-            self.progress.close()
+            self.close_progress()
         return self.finish()
