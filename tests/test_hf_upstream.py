@@ -39,12 +39,14 @@ def test_every_overridden_private_method_is_listed():
 
 
 def test_a_name_upstream_lacks_is_reported():
-    """Negative control: a method, an attribute and a module global that do not exist are each reported, with the
-    releases the list was checked against."""
+    """Negative control: a method, an attribute and a module global that do not exist, and a method whose
+    parameters changed, are each reported, with the releases the list was checked against."""
     fake = (PrivateName("trl.GRPOTrainer", "_no_such_method", "overridden", "x"),
             PrivateName("trl.trainer.sft_trainer", "_no_such_attribute", "attribute", "x"),
             PrivateName("trl.trainer.grpo_trainer", "no_such_global", "module global", "x"),
-            PrivateName("trl.NoSuchTrainer", "_compute_loss", "overridden", "x"))
+            PrivateName("trl.NoSuchTrainer", "_compute_loss", "overridden", "x"),
+            PrivateName("trl.DPOTrainer", "_compute_loss", "overridden", "x", ("self", "model", "batch")))
     reported = missing(fake)
-    assert len(reported) == 4 and all(CHECKED_AGAINST in line for line in reported), reported
+    assert len(reported) == 5 and all(CHECKED_AGAINST in line for line in reported), reported
+    assert "parameters now ('self', 'model', 'inputs', 'return_outputs')" in reported[-1], reported[-1]
     assert not missing(PRIVATE_NAMES[:1])

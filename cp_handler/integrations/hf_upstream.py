@@ -5,12 +5,12 @@ The trainers work through public hooks wherever one exists (Trainer's overridabl
 ``training_step``, ``prediction_step``, ``evaluation_loop``, ``get_cp_size``; accelerate's ``Accelerator`` as the
 trainer's attribute and its public ``prepare_data_loader``). What is left reaches a private name: a method TRL has
 no public hook for, an attribute a count lives in, a module global TRL calls directly. Each is listed here with
-what cp_handler does with it (:data:`PRIVATE_NAMES`). Beside them, the public module globals of transformers that
-the integration replaces or rebinds (:data:`REPLACED_NAMES`): the load-balancing loss (routed for the process's
-life, the original itself outside a handler) and the hybrid mixers' kernels (rebound in a copy of one instance's
-forward; transformers' modules untouched). :func:`missing` says which of them a release no longer has, and
-tests/test_hf_upstream.py fails naming them (and fails too when a trainer overrides a private method that is not
-listed here).
+what cp_handler does with it (:data:`PRIVATE_NAMES`; a method with its parameter names). Beside them, the public
+module globals of transformers that the integration replaces or rebinds (:data:`REPLACED_NAMES`): the
+load-balancing loss (routed for the process's life, the original itself outside a handler) and the hybrid mixers'
+kernels (rebound in a copy of one instance's forward; transformers' modules untouched). :func:`missing` says which
+of them a release no longer has or has changed (a method's parameters), and tests/test_hf_upstream.py fails naming
+them (and fails too when a trainer overrides a private method that is not listed here).
 
 Where the adaptations live: :class:`~.hf_dp.DataParallelView` (one per trainer) holds those of the data-parallel
 view (the loaders, the metrics' gather, TRL's module-level gathers); two more are scoped by what they serve and
@@ -48,37 +48,55 @@ class PrivateName:
             function replaced for the process's life by one that is the original outside a handler) or
             ``"rebound"`` (a module-level name a copy of an instance's forward binds to a route).
         by: where and why (the cp_handler module).
+        parameters: a method's parameter names in the releases checked (``None``: not a method); a release that
+            renames, adds or drops one is reported, as a missing name is.
     """
 
     owner: str
     name: str
     use: str
     by: str
+    parameters: tuple[str, ...] | None = None
 
-    def found(self) -> bool:
-        """Whether the installed release still has it (an attribute: its owner's source still names it)."""
+    def problem(self) -> str | None:
+        """What the installed release changed (``None``: nothing): the name gone (an attribute: its owner's source
+        no longer names it), or a method's parameters other than :attr:`parameters`."""
         module_name, _, attribute = self.owner.rpartition(".")
         try:
             owner = importlib.import_module(self.owner)
         except ImportError:
             owner = getattr(importlib.import_module(module_name), attribute, None)
         if owner is None:
-            return False
+            return "its owner is gone"
         if self.use == "attribute":
-            return f".{self.name}" in inspect.getsource(owner)
-        return hasattr(owner, self.name)
+            return None if f".{self.name}" in inspect.getsource(owner) else "no longer set"
+        if not hasattr(owner, self.name):
+            return "gone"
+        if self.parameters is not None:
+            now = tuple(inspect.signature(getattr(owner, self.name)).parameters)
+            if now != self.parameters:
+                return f"parameters now {now}, checked with {self.parameters}"
+        return None
 
 
 _RL = "hf_rl_trainer: the rollout and its loss on the CP shards, log-probs over the group"
+_TURN = ("self", "prompt_ids", "images", "multimodal_fields")
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
-    *(PrivateName(f"trl.{trainer}", name, "overridden", _RL) for trainer in ("GRPOTrainer", "RLOOTrainer")
-      for name in ("_generate_single_turn", "_generate_and_score_completions", "_compute_loss")),
-    PrivateName("trl.DPOTrainer", "_compute_loss", "overridden", _RL),
+    PrivateName("trl.GRPOTrainer", "_generate_single_turn", "overridden", _RL, (*_TURN, "num_generations",
+                                                                                "has_tool_images")),
+    PrivateName("trl.RLOOTrainer", "_generate_single_turn", "overridden", _RL, _TURN),
+    *(PrivateName(f"trl.{trainer}", name, "overridden", _RL, parameters)
+      for trainer in ("GRPOTrainer", "RLOOTrainer")
+      for name, parameters in (("_generate_and_score_completions", ("self", "inputs")),
+                               ("_compute_loss", ("self", "model", "inputs")))),
+    PrivateName("trl.DPOTrainer", "_compute_loss", "overridden", _RL, ("self", "model", "inputs", "return_outputs")),
     PrivateName("trl.DPOTrainer", "_precompute_ref_logps", "overridden",
-                "hf_rl_trainer: the reference log-probs precomputed over the dp ranks (TRL does it in __init__)"),
+                "hf_rl_trainer: the reference log-probs precomputed over the dp ranks (TRL does it in __init__)",
+                ("self", "dataset", "name", "batch_size")),
     PrivateName("transformers.Trainer", "_get_num_items_in_batch", "called",
-                "hf_trainer.check_token_count: the probe that Trainer counts a global batch's tokens as CP expects"),
+                "hf_trainer.check_token_count: the probe that Trainer counts a global batch's tokens as CP expects",
+                ("self", "batch_samples", "device")),
     PrivateName("trl.trainer.sft_trainer", "_total_train_tokens", "attribute",
                 "hf_trainer: SFTTrainer's logged token count recounted from the real tokens of every rank"),
     PrivateName("trl.trainer.sft_trainer", "_metrics", "attribute", "hf_trainer: the recounted num_tokens logged"),
@@ -117,4 +135,5 @@ REPLACED_NAMES: tuple[PrivateName, ...] = (
 
 def missing(names: tuple[PrivateName, ...] = PRIVATE_NAMES + REPLACED_NAMES) -> list[str]:
     """The listed names the installed releases do not have, each said with its use (empty: all present)."""
-    return [f"{n.owner}.{n.name} ({n.use}; {n.by}), checked against {CHECKED_AGAINST}" for n in names if not n.found()]
+    return [f"{n.owner}.{n.name}: {problem} ({n.use}; {n.by}), checked against {CHECKED_AGAINST}"
+            for n in names if (problem := n.problem())]
