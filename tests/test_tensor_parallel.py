@@ -408,3 +408,17 @@ def test_a_train_config_with_tp_refuses_what_it_does_not_implement():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with recompute=True: not implemented"):
         check_train_config(replace(config, recompute=True))
     check_train_config(replace(config, tensor_parallel_size=1, recompute=True))
+
+
+def test_backend_auto_is_local_under_tp_where_transformer_engine_runs(monkeypatch):
+    """``--backend auto`` picks Transformer Engine where it can run, but tensor parallelism runs on the local backend
+    only: with --tp-size above 1 ``auto`` is local (the two-node examples use the default backend)."""
+    from cp_handler import get_cp_handler_cls
+    from cp_handler.cli.args import parse, resolve_backend
+
+    monkeypatch.setattr(get_cp_handler_cls("transformer_engine", "p2p"), "check_available", classmethod(lambda c: None))
+    assert resolve_backend("auto") == "transformer_engine"  # the patch took: TE "can run here"
+    config, _ = parse(["--nproc", "4", "--tp-size", "2", "--steps", "1"])
+    assert config.cp.backend == "local" and config.tensor_parallel_size == 2
+    with pytest.raises(SystemExit, match="--tp-size 2 with --backend transformer_engine: tensor parallelism is tested"):
+        parse(["--nproc", "4", "--tp-size", "2", "--backend", "transformer_engine", "--steps", "1"])

@@ -20,6 +20,15 @@ from cp_handler.runtime.reductions import global_token_count
 def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+def _distinct_sinks(model):
+    """Attention sinks, zero at initialisation, set to a distinct logit per head (a head given another's sink, or
+    the whole vector on every TP rank, changes the output)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.copy_(torch.linspace(-1.5, 2.0, p.numel()))
+
+
 def _hf_worker(rank, world, model_type, comm_type, extra=None):
     """A Hugging Face model split by transformers' own plan (``base_model_tp_plan``) at tp 2 x cp 2 (x dp 2 on 8 ranks:
     one row per dp replica), its logits, loss and every gradient against the unmodified model on the whole batch in
@@ -37,6 +46,7 @@ def _hf_worker(rank, world, model_type, comm_type, extra=None):
     tokens = torch.randint(0, hf_zoo.VOCAB, (dp, 32), generator=torch.Generator().manual_seed(5))
     config = hf_zoo.tiny_config(model_type, extra)
     reference = hf_zoo.build(config)
+    _distinct_sinks(reference)
     whole = reference(tokens).logits
     F.cross_entropy(whole[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
     want = (whole.detach()[groups.dp_rank:groups.dp_rank + 1], F.cross_entropy(
@@ -44,6 +54,7 @@ def _hf_worker(rank, world, model_type, comm_type, extra=None):
             {n: p.grad for n, p in reference.named_parameters() if p.grad is not None})
     tokens = tokens[groups.dp_rank:groups.dp_rank + 1]
     model = hf_zoo.build(config)
+    _distinct_sinks(model)
     register(model)
     summed = apply_hf_tensor_parallel(model, built.meshes["attention"]["tp"])
     handler = get_cp_handler_cls("local", comm_type)(cp_group=groups.cp_group, cp_comm_type=comm_type)
@@ -63,15 +74,19 @@ def _hf_worker(rank, world, model_type, comm_type, extra=None):
     assert problem is None, f"{model_type} dp {dp} x tp 2 x cp 2 {comm_type} rank {rank}: {problem}"
 
 
-@pytest.mark.parametrize("model_type,comm_type,extra", [("llama", "p2p", None), ("qwen3", "a2a", None),
-                                                         ("gemma2", "p2p", {"sliding_window": 8}),
-                                                         ("deepseek_v3", "p2p", None)])
+@pytest.mark.parametrize("model_type,comm_type,extra", [
+    ("llama", "p2p", {"num_key_value_heads": 1}), ("qwen3", "a2a", None), ("gemma2", "p2p", {"sliding_window": 8}),
+    ("granite_swa", "a2a", {"sliding_window": 8}), ("deepseek_v3", "p2p", None)],
+    ids=["llama-mqa-p2p", "qwen3-a2a", "gemma2-window-p2p", "granite_swa-sinks-window-a2a", "deepseek_v3-mla-p2p"])
 def test_hf_model_by_transformers_plan_tp2_cp2_equals_one_process(model_type, comm_type, extra):
-    """Llama (GQA), Qwen3 (per-head q / k norms summed over TP), Gemma 2 (a sliding window of 8 on every other
-    layer, soft-capped scores), DeepSeek-V3 (multi-head latent attention: ``mla_kv_a_proj``, value heads narrower
-    than query / key heads; its MoE layer's experts whole on each TP rank) on the TP rank's heads. A release whose
-    plan for the model has styles cp_handler does not apply (transformers 5.23's DeepSeek-V3 plan shards its experts:
-    ``packed_colwise``, ``moe_tp_experts``) refuses it by name instead."""
+    """Llama with one key-value head (fewer than the TP ranks: replicated, Megatron-LM's rule; its GQA 4:2 split at
+    dp 2 x tp 2 x cp 2 below), Qwen3 (per-head q / k norms summed over TP), Gemma 2 (a sliding window of 8 on every
+    other layer, soft-capped scores), Granite-SWA (learnable sinks, one per head, split with the heads by the plan's
+    ``colwise`` parameter and ``local_params`` module, a distinct value each; a window of 8 on every other layer;
+    a2a splits the local heads again), DeepSeek-V3 (multi-head latent attention: ``mla_kv_a_proj``, value heads
+    narrower than query / key heads; its MoE layer's experts whole on each TP rank) on the TP rank's heads. A release
+    whose plan for the model has styles cp_handler does not apply (transformers 5.23's DeepSeek-V3 plan shards its
+    experts: ``packed_colwise``, ``moe_tp_experts``) refuses it by name instead."""
     import hf_zoo
 
     from cp_handler.integrations.hf_tensor_parallel import STYLES, hf_tp_plan
@@ -97,8 +112,17 @@ def test_hf_plans_cp_handler_does_not_apply_are_refused():
 
     with pytest.raises(ValueError, match=r"styles cp_handler does not apply: .*colwise_gather_output"):
         hf_tp_plan(hf_zoo.build("phi3"), 2)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=2 is not divisible"):
-        hf_tp_plan(hf_zoo.build("llama"), 4)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=3 is not divisible by it nor divides it"):
+        hf_tp_plan(hf_zoo.build(hf_zoo.tiny_config("llama", {"hidden_size": 48, "num_attention_heads": 6,
+                                                                  "num_key_value_heads": 3})), 2)
+    plan, summed = hf_tp_plan(hf_zoo.build("llama"), 4)  # 2 key-value heads over 4 ranks: replicated
+    assert type(plan["model.layers.0.self_attn.k_proj"]).__name__ == "ReplicatedKVHeads", plan
+    assert "model.layers.1.self_attn.v_proj.weight" in summed, summed
+    config = hf_zoo.tiny_config("granite_swa")
+    config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items() if v != "local_params"}
+    with pytest.raises(ValueError, match=r"splits the parameters \['layers.0.self_attn.sinks'\] \"colwise\" but "
+                                         r"does not run their module 'layers.0.self_attn' \"local_params\""):
+        hf_tp_plan(hf_zoo.build(config), 2)
 
 
 def test_the_trainers_refuse_tensor_parallelism_by_name(tmp_path):

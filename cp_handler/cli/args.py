@@ -52,10 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks to spawn (default: WORLD_SIZE under torchrun, else 1)")
     g.add_argument("--cp-size", type=int, default=None,
                    help="context_parallel_size: ranks one sequence is split over (default: all ranks); "
-                        "world = dp x cp, CP groups on adjacent ranks")
+                        "world = tp x cp x dp, CP groups on adjacent ranks (every tp-th rank with --tp-size)")
     g.add_argument("--tp-size", type=int, default=1,
                    help="tensor_model_parallel_size: ranks one layer's heads and MLP are split over (PyTorch's tensor "
-                        "parallelism; the reference GPT; default 1); world = tp x cp x dp, TP ranks adjacent "
+                        "parallelism; the reference GPT, or a Hugging Face model by transformers' plan; default 1); "
+                        "world = tp x cp x dp, TP ranks adjacent; --backend auto is local with it "
                         "(docs/parallel_layout.md)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp-size: Megatron-LM's sequence parallelism: norms and residuals on each TP rank's "
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "every rank; also the process groups' collective timeout")
     g = p.add_argument_group("context parallelism")
     g.add_argument("--backend", default="auto",
-                   help="handler backend: auto (transformer_engine where it is installed with CUDA, else local), "
+                   help="handler backend: auto (transformer_engine where it is installed with CUDA, else local; "
+                        "local with --tp-size above 1), "
                         "local, transformer_engine, magi, or any registered name")
     g.add_argument("--cp-comm-type", default=None,
                    help=f"one of {', '.join(CP_COMM_TYPES)}, auto (chosen per batch from --cp-comm-profile), or a "
@@ -234,7 +236,7 @@ def validate(args: argparse.Namespace) -> TrainConfig:
         context_parallel_size=cp_size,
         cp_comm_type=comm_type_arg(args.cp_comm_type),
         hierarchical_context_parallel_sizes=args.hierarchical_cp_sizes,
-        backend=resolve_backend(args.backend),
+        backend=resolve_backend(args.backend, tp),
         qkv_format=packing,
         num_layers=model.num_layers if model else hf_layers(args),
         cp_comm_profile=args.cp_comm_profile,
@@ -368,10 +370,13 @@ def dynamic_sizes(dynamic: DynamicCP, world: int) -> list[int]:
     return group_sizes(world, dynamic.min_cp_size, dynamic.max_cp_size)
 
 
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` -> ``"transformer_engine"`` if it can run here, else ``"local"``; others unchanged."""
+def resolve_backend(backend: str, tp: int = 1) -> str:
+    """``"auto"`` -> ``"transformer_engine"`` if it can run here and ``tp`` is 1 (tensor parallelism runs on the local
+    backend only: :func:`check_tp_flags`), else ``"local"``; others unchanged."""
     if backend != "auto":
         return backend
+    if tp > 1:
+        return "local"
     try:
         get_cp_handler_cls("transformer_engine", "p2p").check_available()
         return "transformer_engine"
