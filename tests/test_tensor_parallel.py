@@ -45,12 +45,12 @@ def _cu(rows: int) -> torch.Tensor:
 
 
 def _step(model, handler, tokens, count_group):
-    """The token-weighted loss share of this rank and its backward."""
+    """The token-weighted loss share of this rank and its backward; ``(loss, logits in global token order)``."""
     input_ids, labels, loss_mask = next_token_batch(handler, tokens)
-    loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
-    loss = loss / global_token_count(loss_mask, count_group)
+    logits = model(input_ids, cp_handler=handler)
+    loss = masked_token_loss_sum(logits, labels, loss_mask) / global_token_count(loss_mask, count_group)
     loss.backward()
-    return loss.detach()
+    return loss.detach(), handler.combine(logits.detach(), 1)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
     shape = AttentionShape(config.num_attention_heads, config.num_query_groups, config.kv_channels, config.v_head_dim)
     handler = build_cp_handler(cp_config, groups.cp_group, groups.hierarchical_cp_groups or None,
                                attn_shape=local_attention_shape(shape, tp), **batch)
-    loss = _step(model, handler, local, dp_cp)
+    loss, logits = _step(model, handler, local, dp_cp)
     grads = {name: _whole(p.grad) for name, p in model.named_parameters()}  # split weights: gathered over tp
     for name in summed:  # replicated key-value projections (Hkv < tp): each rank's share from its query heads
         dist.all_reduce(grads[name], group=built.groups["tp"])
@@ -98,19 +98,34 @@ def _worker(rank, world, tp, cp, comm_type, qkv_format, plan_name, config=CONFIG
         dist.all_reduce(g, group=dp_cp)
     whole_batch = {"qkv_format": "thd", "cu_seqlens": _cu(len(tokens))} if qkv_format == "thd" else {}
     alone = build_cp_handler(ContextParallelConfig(qkv_format=qkv_format), None, **whole_batch)
-    want_loss = _step(reference, alone, tokens.reshape(1, -1) if qkv_format == "thd" else tokens, None)
+    want_loss, want_logits = _step(reference, alone, tokens.reshape(1, -1) if qkv_format == "thd" else tokens, None)
     want = (want_loss, {name: p.grad for name, p in reference.named_parameters()})
+    mine = slice(groups.dp_rank * ROWS * (SEQ if qkv_format == "thd" else 1),
+                 (groups.dp_rank + 1) * ROWS * (SEQ if qkv_format == "thd" else 1))  # this dp replica's rows
+    want_logits = want_logits[:, mine] if qkv_format == "thd" else want_logits[mine]
+    label = f"tp {tp} x cp {cp} {comm_type} {qkv_format} rank {rank}"
     if plan_name == "forgets the reduction":
         with pytest.raises(AssertionError):
             assert_parity((loss, grads), want, "negative control")
+        with pytest.raises(AssertionError):
+            torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
         return
-    assert_parity((loss, grads), want, f"tp {tp} x cp {cp} {comm_type} {qkv_format} rank {rank}")
+    # logits: float32 sums reordered by the row-wise all-reduce and CP's merges, values O(1): 1e-5 absolute
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5, msg=lambda m: f"{label} logits: {m}")
+    assert_parity((loss, grads), want, label)
 
 
-@pytest.mark.parametrize("comm_type,qkv_format", [("p2p", "bshd"), ("all_gather", "thd"), ("a2a", "bshd"),
-                                                  ("p2p", "thd")])
-def test_tp2_cp2_equals_one_process(comm_type, qkv_format):
-    run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron")
+PADDED = GPTConfig(vocab_size=256, hidden_size=96, num_layers=2, num_attention_heads=6, num_query_groups=2,
+                   ffn_hidden_size=128)
+"""6 query and 2 key-value heads: a TP rank's 3 and 1, which a2a over 2 CP ranks pads (3 query heads to 4, the one
+key-value head replicated to 2: the uneven-head plan, ``a2a_head_plan(3, 1, 2)``)."""
+
+
+@pytest.mark.parametrize("comm_type,qkv_format,config", [("p2p", "bshd", CONFIG), ("all_gather", "thd", CONFIG),
+                                                         ("a2a", "bshd", PADDED), ("p2p", "thd", CONFIG)],
+                         ids=["p2p-bshd", "all_gather-thd", "a2a-bshd-padded-heads", "p2p-thd"])
+def test_tp2_cp2_equals_one_process(comm_type, qkv_format, config):
+    run_distributed(_worker, 4, 2, 2, comm_type, qkv_format, "megatron", config)
 
 
 @pytest.mark.parametrize("comm_type,qkv_format", [("p2p", "bshd"), ("a2a", "thd")])
@@ -149,8 +164,11 @@ def test_mla_head_dims_tp2_cp2_equals_one_process():
     run_distributed(_worker, 4, 2, 2, "a2a", "thd", "megatron", MLA)
 
 
-def test_dp2_tp2_cp2_equals_one_process():
-    run_distributed(_worker, 8, 2, 2, "p2p", "bshd", "megatron")
+@pytest.mark.parametrize("comm_type,qkv_format,config", [("p2p", "bshd", CONFIG), ("a2a", "thd", MLA)],
+                         ids=["gqa-p2p-bshd", "mla-a2a-thd"])
+def test_dp2_tp2_cp2_equals_one_process(comm_type, qkv_format, config):
+    """8 ranks: GQA 4:2, and multi-head latent attention's head dims (values 24, queries and keys 16)."""
+    run_distributed(_worker, 8, 2, 2, comm_type, qkv_format, "megatron", config)
 
 
 def test_a_plan_that_forgets_the_reduction_fails():
