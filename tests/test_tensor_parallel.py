@@ -1,4 +1,4 @@
-"""Tensor parallelism x context parallelism on one DeviceMesh (models/tensor_parallel.py): the reference GPT split
+"""Tensor parallelism x context parallelism on one DeviceMesh (training/tensor_parallel.py): the reference GPT split
 over tp ranks with PyTorch's ColwiseParallel / RowwiseParallel, the CP handler on the TP rank's heads, against one
 process on the same inputs: the loss and every parameter's whole gradient (a split weight's gradient gathered from
 its TP shards), at tp 2 x cp 2 (4 ranks) for p2p, all_gather and a2a, bshd and thd, and dp 2 x tp 2 x cp 2 (8 ranks).
@@ -200,52 +200,70 @@ def test_ordered_row_wise_style_refuses_what_it_does_not_order():
         ordered_rowwise_parallel()(output_layouts=Replicate(), use_local_output=False)
 
 
-def _count_worker(rank, world, comm_type):
-    """TP's all-reduces per layer (forward: the two row-wise outputs; backward: the input gradient of each of the
-    five column-wise projections, q, k, v, gate and up: PyTorch's TP does not fuse them as Megatron-LM's fused
-    QKV / gate-up linears do) and CP's collectives: the same calls as without TP, carrying the TP rank's heads."""
+def _count_worker(rank, world, comm_type, variant):
+    """TP's collectives per layer against Megatron-LM's formula (PyTorch's CommDebugMode counts them): each block's
+    input is a replicated DTensor, so the column-wise projections' input gradients (q, k, v; gate, up) add up as
+    partial sums before one reduction per block. Without sequence parallelism: 2 all-reduces per layer forward (the
+    row-wise outputs) and 2 backward (the blocks' input gradients); one key-value head replicated over TP
+    (``"mqa"``) adds none (its input gradient joins the block's). Sequence parallelism: per layer 2 all-gathers and 2
+    reduce-scatters each way (forward: gather before the block, reduce-scatter its output; backward: the reverse),
+    plus one all-gather each way (forward: the head's input; backward: the embedding output's gradient), no
+    all-reduce. CP's collectives: the same calls as without TP, carrying the TP rank's heads (fewer bytes)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from cp_handler.ops.collectives import count_comms
 
     built = ParallelLayout(world, tensor_model_parallel_size=2, context_parallel_size=2).build("cpu")
     groups = data_context_parallel_groups(built)
+    config = MQA if variant == "mqa" else CONFIG
     counts = {}
     for tp in (1, 2):
         torch.manual_seed(0)
-        model = GPTModel(CONFIG)
+        model = GPTModel(config)
         if tp == 2:
-            apply_tensor_parallel(model, built.meshes["attention"]["tp"])
-        config = ContextParallelConfig(context_parallel_size=2, cp_comm_type=comm_type)
-        handler = build_cp_handler(config, groups.cp_group, attn_shape=local_attention_shape(SHAPE, tp))
+            apply_tensor_parallel(model, built.meshes["attention"]["tp"],
+                                  gpt_tp_plan(model, tp, sequence_parallel=variant == "sequence parallel"))
+        cp_config = ContextParallelConfig(context_parallel_size=2, cp_comm_type=comm_type)
+        shape = AttentionShape(config.num_attention_heads, config.num_query_groups, config.kv_channels)
+        handler = build_cp_handler(cp_config, groups.cp_group, attn_shape=local_attention_shape(shape, tp))
         input_ids, labels, loss_mask = next_token_batch(handler, _tokens(1))
         with CommDebugMode() as tp_fwd, count_comms() as cp_fwd:
             loss = masked_token_loss_sum(model(input_ids, cp_handler=handler), labels, loss_mask)
         with CommDebugMode() as tp_bwd, count_comms() as cp_bwd:
             loss.backward()
-        reduces = [sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
-                   for mode in (tp_fwd, tp_bwd)]
-        counts[tp] = (reduces, dict(cp_fwd.ops), dict(cp_bwd.ops), cp_fwd.bytes_sent + cp_bwd.bytes_sent)
-    layers = CONFIG.num_layers
-    assert counts[1][0] == [0, 0], counts[1]
-    assert counts[2][0] == [2 * layers, 5 * layers], counts[2]
+        tp_ops = [{kind: sum(n for op, n in mode.get_comm_counts().items() if str(op).split(".")[-1] == name)
+                   for kind, name in (("all_reduce", "all_reduce"), ("all_gather", "all_gather_into_tensor"),
+                                      ("reduce_scatter", "reduce_scatter_tensor"))} for mode in (tp_fwd, tp_bwd)]
+        counts[tp] = (tp_ops, dict(cp_fwd.ops), dict(cp_bwd.ops), cp_fwd.bytes_sent + cp_bwd.bytes_sent)
+    layers = config.num_layers
+    none = {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0}
+    assert counts[1][0] == [none, none], counts[1]
+    if variant == "sequence parallel":
+        each_way = {"all_reduce": 0, "all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers}
+        assert counts[2][0] == [each_way, each_way], counts[2]
+    else:
+        assert counts[2][0] == [{**none, "all_reduce": 2 * layers}] * 2, counts[2]
     assert counts[2][1:3] == counts[1][1:3], (counts[1], counts[2])  # CP's pattern: the same calls
-    # on the TP rank's half of the heads: fewer bytes (about half for p2p; a2a pads the one local key-value head
-    # to the a2a size of 2, so its K / V bytes stay)
-    assert counts[2][3] < counts[1][3] * (0.51 if comm_type == "p2p" else 0.9), (counts[1][3], counts[2][3])
+    # on the TP rank's half of the query heads: about half the bytes for p2p (one key-value head of two; "mqa": the
+    # one key-value head on every TP rank, the same K / V bytes); a2a replicates the one local key-value head to the
+    # a2a size of 2, so its K / V bytes stay
+    bound = {"p2p": 0.51, "a2a": 0.9}[comm_type] if variant != "mqa" else 1.0
+    assert counts[2][3] <= counts[1][3] * bound, (counts[1][3], counts[2][3])
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
-def test_collectives_per_layer_follow_the_formula(comm_type):
-    run_distributed(_count_worker, 4, comm_type)
+@pytest.mark.parametrize("comm_type,variant", [("p2p", "megatron"), ("a2a", "megatron"),
+                                               ("p2p", "sequence parallel"), ("p2p", "mqa")])
+def test_collectives_per_layer_follow_the_formula(comm_type, variant):
+    run_distributed(_count_worker, 4, comm_type, variant)
 
 
 @pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1", "--cp-comm-type", "auto",
-                                         "--sequence-parallel"]], ids=["allreduce", "fsdp2-mqa-auto-sp"])
+                                         "--sequence-parallel", "--recompute"]], ids=["allreduce", "fsdp2-mqa-auto-sp"])
 def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
     degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP,
-    ``auto`` choosing the pattern on the local heads and sequence parallelism): every step against one process from
+    ``auto`` choosing the pattern on the local heads, sequence parallelism and every layer recomputed in the
+    backward): every step against one process from
     the same parameters (parity's float32 tolerance 1e-5)."""
     import json
 
@@ -259,6 +277,7 @@ def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     assert "world 4 = tp 2 x dp 1 x cp 2" in result.stderr and "parity passed" in result.stderr
     assert ("FSDP2 over the 2 dp x cp ranks" in result.stderr) == bool(extra)
     assert ("sequence parallel" in result.stderr) == bool(extra)
+    assert ("every layer recomputed" in result.stderr) == bool(extra)
     metrics = json.loads(out.read_text())
     assert metrics["tp_size"] == 2 and metrics["parity"]["passed"] and "eval_loss" in metrics["steps"][-1]
 
@@ -423,9 +442,9 @@ def test_a_train_config_with_tp_refuses_what_it_does_not_implement():
     cp = ContextParallelConfig(context_parallel_size=2)
     config = TrainConfig(world_size=4, cp=cp, eval_cp=cp, attn_shape=SHAPE, model=CONFIG, tensor_parallel_size=2)
     check_train_config(config)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with recompute=True: not implemented"):
-        check_train_config(replace(config, recompute=True))
-    check_train_config(replace(config, tensor_parallel_size=1, recompute=True))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with offload_activations=True: not implemented"):
+        check_train_config(replace(config, offload_activations=True))
+    check_train_config(replace(config, tensor_parallel_size=1, offload_activations=True))
 
 
 def test_backend_auto_is_local_under_tp_where_transformer_engine_runs(monkeypatch):

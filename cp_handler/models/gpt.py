@@ -106,7 +106,7 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor, cp_handler: ContextParallelHandler) -> torch.Tensor:
         b, s, _ = x.shape
-        # the heads this process computes: all of them, or a tensor-parallel rank's share (models/tensor_parallel.py)
+        # the heads this process computes: all of them, or a tensor-parallel rank's share (training/tensor_parallel.py)
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # (B, S, H, D)
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.v_proj(x).view(b, s, -1, self.v_head_dim)  # (B, S, Hkv, Dv)

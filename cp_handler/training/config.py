@@ -42,7 +42,7 @@ class TrainConfig:
     dynamic: DynamicCP | None = None
     expert_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    """Ranks one layer's heads and MLP are split over (:mod:`cp_handler.models.tensor_parallel`); ``attn_shape`` is
+    """Ranks one layer's heads and MLP are split over (:mod:`cp_handler.training.tensor_parallel`); ``attn_shape`` is
     then one TP rank's (``H / tp`` heads)."""
     sequence_parallel: bool = False
     """With ``tensor_parallel_size`` above 1: Megatron-LM's sequence parallelism for the reference GPT (norms and

@@ -89,7 +89,6 @@ def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
 TP_REFUSED = {
     "dynamic": "dynamic CP regroups every rank per step",
     "compile": "compiled layers with DTensor weights are not tested",
-    "recompute": "recomputed layers with DTensor weights are not tested",
     "offload_activations": "offloaded activations with DTensor weights are not tested",
     "mlp_chunk_tokens": "tiled MLPs with split weights are not tested",
     "export_hf": "save_pretrained of split weights is not built",
@@ -131,9 +130,20 @@ def _replicated_kv_heads():
             self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            from torch.distributed.tensor import DTensor, Partial
+
             head = device_mesh.get_local_rank() // (device_mesh.size() // self.num_kv_heads)
             start, width, group = head * self.head_dim, self.head_dim, device_mesh.get_group()
-            module.register_forward_pre_hook(lambda _, args: (sum_grad_over_group(args[0], group), *args[1:]))
+
+            def local_input(_, args):
+                x = args[0]
+                if isinstance(x, DTensor):  # the block's replicated input (gpt_tp_plan): its gradient a partial sum,
+                    x = x.to_local(grad_placements=[Partial()])  # added to the column-wise ones' before one reduction
+                else:
+                    x = sum_grad_over_group(x, group)
+                return (x, *args[1:])
+
+            module.register_forward_pre_hook(local_input)
             module.register_forward_hook(lambda _, args, out: out.narrow(-1, start, width))
             return module
 
@@ -162,12 +172,22 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
 
     config = model.config
     replicate = tp is not None and config.num_query_groups < tp
+    whole = Replicate()
+    # each block's input a replicated DTensor: the column-wise projections' input gradients (q, k, v; gate, up) stay
+    # partial sums and add up before one all-reduce per block (Megatron-LM's fused QKV / gate-up count), instead of one
+    # all-reduce per projection; with sequence parallelism one reduce-scatter (module doc)
+    dense = [i for i in range(len(model.layers)) if not isinstance(model.layers[i].mlp, MoEFeedForward)]
     plan = {}
+    for i in range(len(model.layers)):
+        plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(whole, None, None),
+                                                           desired_input_layouts=(whole, None, None))
+    for i in dense:
+        plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(whole,), desired_input_layouts=(whole,))
     if sequence_parallel:
         if config.num_moe_experts:
             raise ValueError(f"sequence parallelism with num_moe_experts={config.num_moe_experts}: not built (the "
                              "experts run whole on every TP rank's tokens); use tensor parallelism without it")
-        seq, whole = Shard(1), Replicate()
+        seq = Shard(1)
         plan["embed_tokens"] = PrepareModuleOutput(output_layouts=whole, desired_output_layouts=seq,
                                                    use_local_output=False)
         plan["norm"] = SequenceParallel()
@@ -176,10 +196,8 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
         for i in range(len(model.layers)):
             plan[f"layers.{i}.input_layernorm"] = plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
             plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
-                                                               desired_input_layouts=(whole, None, None),
-                                                               use_local_output=True)
-            plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,),
-                                                         use_local_output=True)
+                                                               desired_input_layouts=(whole, None, None))
+            plan[f"layers.{i}.mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,))
     for i in range(len(model.layers)):
         plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
         for name, width in (("k_proj", config.kv_channels), ("v_proj", config.v_head_dim)):
