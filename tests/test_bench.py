@@ -546,20 +546,34 @@ def test_cp_bench_takes_flags_only_spelled_in_full(capsys):
 
 
 def test_memory_tp_projection_follows_its_bytes():
-    """The TP x CP projection of ``--modes memory`` (Llama-3-70B, 70.55B parameters): each layout's tokens fit its
-    free bytes; one node of 8 x 80 GB holds no layout's training state (16 bytes per parameter over 8 ranks: 141 GB
-    or more per rank); on 4 nodes more CP and less TP holds a longer sequence (TP does not divide the checkpointed
-    layer inputs without sequence parallelism); a TP rank saves less per recomputed layer than a whole one."""
+    """The TP x CP projection of ``--modes memory`` (Llama-3-70B, 70.55B parameters; Llama-3-8B): each layout's tokens
+    fit its free bytes; one node of 8 x 80 GB holds no 70B layout's training state (16 bytes per parameter over 8
+    ranks: 141 GB or more per rank) and every 8B layout's; without sequence parallelism more CP and less TP holds a
+    longer sequence (TP does not divide the checkpointed layer inputs); sequence parallelism keeps fewer bytes per
+    token and holds more tokens per rank than the same layout without it; a TP rank saves less per recomputed layer
+    than a whole one. The bytes-per-token rule is checked on real ranks in tests/test_tensor_parallel.py."""
     from cp_handler.bench import memory
 
     assert memory.parameters(memory.LLAMA3_70B) == 70_553_706_496  # Llama-3-70B's count
-    measured = memory.measure_tp_layer(16, chunk=8)
-    saved = {r["tp"]: r["layer_bytes_per_token"] for r in measured if not r["recompute"]}
-    assert saved[1] > saved[2] > saved[4] > saved[8] > 0
-    rows = memory.project_tp(measured)
-    for row in rows:
-        assert row["tokens_per_rank"] * row["gpu_bytes_per_token"] <= 0.9 * 80e9
-    one_node = [r for r in rows if r["where"] == "one node of 8 GPUs"]
-    assert len(one_node) == 4 and all(r["sequence"] == 0 and r["state_gb"] > 72 for r in one_node)
-    four = [r["sequence"] for r in rows if r["where"] == "4 nodes of 8 GPUs"]  # tp 8, 4, 2, 1
-    assert four == sorted(four) and four[0] > 0
+    for name, shape in memory.TP_SHAPES.items():
+        measured = memory.measure_tp_layer(16, shape, chunk=8)
+        saved = {r["tp"]: r["layer_bytes_per_token"] for r in measured if not r["recompute"]}
+        assert saved[1] > saved[2] > saved[4] > saved[8] > 0
+        rows = memory.project_tp(measured, shape)
+        for row in rows:
+            assert row["tokens_per_rank"] * row["gpu_bytes_per_token"] <= 0.9 * 80e9
+        one_node = [r for r in rows if r["where"] == "one node of 8 GPUs"]
+        assert len(one_node) == 7  # tp 8, 4, 2 with and without sequence parallelism, tp 1
+        if name == "Llama-3-70B":
+            assert all(r["sequence"] == 0 and r["state_gb"] > 72 for r in one_node)
+        else:
+            assert all(r["sequence"] > 0 for r in one_node)
+        for where in memory.TP_LAYOUTS:
+            plain = [r["sequence"] for r in rows if r["where"] == where and not r["sequence_parallel"]]  # tp 8 .. 1
+            assert plain == sorted(plain), (name, where, plain)
+        by = {(r["where"], r["tp"], r["sequence_parallel"]): r for r in rows}
+        for (where, tp, sp), row in by.items():
+            if sp:
+                off = by[where, tp, False]
+                assert row["gpu_bytes_per_token"] < off["gpu_bytes_per_token"], (name, where, tp)
+                assert row["tokens_per_rank"] >= off["tokens_per_rank"], (name, where, tp)

@@ -258,12 +258,13 @@ def test_collectives_per_layer_follow_the_formula(comm_type, variant):
 
 
 @pytest.mark.parametrize("extra", [[], ["--fsdp", "--num-kv-heads", "1", "--cp-comm-type", "auto",
-                                         "--sequence-parallel", "--recompute"]], ids=["allreduce", "fsdp2-mqa-auto-sp"])
+                                         "--sequence-parallel", "--recompute", "--loss-chunk-tokens", "16"]],
+                         ids=["allreduce", "fsdp2-mqa-auto-sp"])
 def test_cp_train_tp_size_parity_every_step(tmp_path, extra):
     """cp-train --tp-size 2 --cp-size 2 at 4 ranks (thd packing, a2a, gradient clipping, evaluation at the training
     degree; and with FSDP2 over the dp x cp ranks of each TP position, one key-value head replicated over TP,
-    ``auto`` choosing the pattern on the local heads, sequence parallelism and every layer recomputed in the
-    backward): every step against one process from
+    ``auto`` choosing the pattern on the local heads, sequence parallelism, every layer recomputed in the backward
+    and the loss in checkpointed chunks of 16 tokens): every step against one process from
     the same parameters (parity's float32 tolerance 1e-5)."""
     import json
 
@@ -403,28 +404,40 @@ def test_cp_train_moe_under_tp_resumes_at_another_expert_layout(tmp_path):
 
 
 def _saved_worker(rank, world):
-    """What one TP rank saves for the backward is what the layer of its share (``bench.memory.tp_local_shape``)
-    saves alone plus one more copy of the MLP's input (each of PyTorch's column-wise gate and up projections keeps
-    its own): the TP projection of ``cp-bench --modes memory`` measures that layer and adds the copy; with
-    recomputation the same bytes."""
+    """What one TP rank saves for the backward is exactly what the layer of its share (``bench.memory.tp_local_shape``)
+    saves alone (its saved tensors' local shards counted), recomputation off and on. With sequence parallelism it
+    keeps ``1 / tp`` of the two norms' saved tensors and of each checkpointed layer's hidden-state input
+    (``bench.memory.tp_bytes_per_token``'s rule, which the TP projection of ``cp-bench --modes memory`` applies at
+    Llama-3 shapes): the rule's numbers, measured here on real ranks."""
     from cp_handler.bench import memory
 
     built = ParallelLayout(world, tensor_model_parallel_size=world).build("cpu")
-    shape = {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_query_groups": 2,
-             "ffn_hidden_size": 128, "vocab_size": 256}
+    shape = {"hidden_size": 64, "num_layers": 1, "num_attention_heads": 4, "num_query_groups": 2,
+             "ffn_hidden_size": 128, "vocab_size": 256}  # one layer: the projection's measurement
     ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    got, want = {}, {}
+    for sequence_parallel in (False, True):
+        for recompute in (False, True):
+            torch.manual_seed(0)
+            split = GPTModel(GPTConfig(**shape))
+            apply_tensor_parallel(split, built.meshes["attention"]["tp"],
+                                  gpt_tp_plan(split, world, sequence_parallel=sequence_parallel))
+            share = GPTModel(GPTConfig(**memory.tp_local_shape(shape, world)))
+            for model in (split, share):
+                if recompute:
+                    model.gradient_checkpointing_enable()
+            key = (sequence_parallel, recompute)
+            got[key], want[key] = memory.saved_bytes(split, ids, chunk=8), memory.saved_bytes(share, ids, chunk=8)
     for recompute in (False, True):
-        torch.manual_seed(0)
-        split = GPTModel(GPTConfig(**shape))
-        apply_tensor_parallel(split, built.meshes["attention"]["tp"])
-        share = GPTModel(GPTConfig(**memory.tp_local_shape(shape, world)))
-        for model in (split, share):
-            if recompute:
-                model.gradient_checkpointing_enable()
-        got, want = memory.saved_bytes(split, ids, chunk=8), memory.saved_bytes(share, ids, chunk=8)
-        copy = 0 if recompute else shape["hidden_size"] * 4  # float32 here
-        assert got == {**want, "layer_bytes_per_token": want["layer_bytes_per_token"] + copy,
-                       "mlp_bytes_per_token": want["mlp_bytes_per_token"] + copy}, (recompute, got, want)
+        assert got[False, recompute] == want[False, recompute], (recompute, got, want)
+    whole = [{"tp": world, "recompute": recompute, **got[False, recompute]} for recompute in (False, True)]
+    outside = got[False, False]["other_bytes_per_token"]
+    for layers in (1, 80):  # the rule's bytes per token (float32 here: 4 bytes a value) against the measured ones
+        measured = layers * (got[True, True]["other_bytes_per_token"] - outside) + \
+            got[True, False]["layer_bytes_per_token"] + outside
+        rule = memory.tp_bytes_per_token(whole, world, layers, shape["hidden_size"], True, 4)
+        assert rule == measured, (layers, rule, measured, got)
+    assert rule < memory.tp_bytes_per_token(whole, world, layers, shape["hidden_size"], False, 4)
 
 
 def test_a_tp_rank_saves_what_the_layer_of_its_share_saves():

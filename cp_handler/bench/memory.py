@@ -55,19 +55,26 @@ LLAMA3_70B = {"hidden_size": 8192, "num_layers": 80, "num_attention_heads": 64, 
 TP_LAYOUTS = {"one node of 8 GPUs": ((8, 1), (4, 2), (2, 4), (1, 8)),
               "4 nodes of 8 GPUs": ((8, 4), (4, 8), (2, 16), (1, 32))}
 """The ``(tp, cp)`` layouts the TP projection compares (TP inside a node, as Megatron-LM places it)."""
+TP_SHAPES = {"Llama-3-8B": LLAMA3_8B, "Llama-3-70B": LLAMA3_70B}
+"""The models the TP projection is made for."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank holds), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _storage(t: torch.Tensor) -> int:
     """The identity of ``t``'s storage while it lives (its ``StorageImpl``; fake tensors have no data pointer; a
     DTensor's: its local shard's)."""
-    t = t.to_local() if hasattr(t, "to_local") else t
-    return t.untyped_storage()._cdata
+    return _local(t).untyped_storage()._cdata
 
 
 @contextlib.contextmanager
 def _attributed(model: GPTModel, bins: dict):
-    """Saved tensors' bytes into ``bins[key]`` (``mlp`` while a layer's feed-forward runs, ``layer`` while the
-    rest of a transformer layer runs, else ``other``), once per storage, parameters excluded."""
+    """Saved tensors' bytes into ``bins[key]`` (``mlp`` while a layer's feed-forward runs, ``norm`` while one of its
+    two norms runs, ``layer`` while the rest of a transformer layer runs, else ``other``), once per storage (a
+    DTensor: its local shard), parameters excluded."""
     params = {_storage(p) for p in model.parameters()}
     seen, where = set(), ["other"]
 
@@ -75,10 +82,12 @@ def _attributed(model: GPTModel, bins: dict):
         ptr = _storage(t)
         if ptr not in params and ptr not in seen:
             seen.add(ptr)
-            bins[where[-1]] = bins.get(where[-1], 0) + t.untyped_storage().nbytes()
+            bins[where[-1]] = bins.get(where[-1], 0) + _local(t).untyped_storage().nbytes()  # a DTensor: its shard
         return t
 
-    handles = [h for layer in model.layers for module, name in ((layer, "layer"), (layer.mlp, "mlp")) for h in (
+    handles = [h for layer in model.layers for module, name in (
+        (layer, "layer"), (layer.mlp, "mlp"), (layer.input_layernorm, "norm"), (layer.post_attention_layernorm, "norm"))
+        for h in (
         module.register_forward_pre_hook(lambda *_, n=name: where.append(n)),
         module.register_forward_hook(lambda *_: where.pop() and None))]  # None: the output stays
     try:
@@ -91,7 +100,8 @@ def _attributed(model: GPTModel, bins: dict):
 
 def saved_bytes(model: GPTModel, tokens: torch.Tensor, handler=None, chunk: int | None = None) -> dict:
     """Bytes saved for the backward by one step of ``model`` on ``tokens (B, S_local)`` (module doc): per token
-    per layer, and per token outside the layers (embedding, output head, loss)."""
+    per layer (of which the MLP's and the two norms'), and per token outside the layers (embedding, output head,
+    loss)."""
     handler = handler or LocalContextParallelHandler()
     labels, mask = tokens.roll(-1, 1), torch.ones(tokens.shape, dtype=torch.float32)
     bins = {}
@@ -99,8 +109,10 @@ def saved_bytes(model: GPTModel, tokens: torch.Tensor, handler=None, chunk: int 
         loss = model(tokens, cp_handler=handler, output=TokenLoss(labels, mask, chunk))
     loss.backward()
     n, layers = tokens.numel(), len(model.layers)
-    return {"tokens": n, "layer_bytes_per_token": (bins.get("layer", 0) + bins.get("mlp", 0)) / n / layers,
-            "mlp_bytes_per_token": bins.get("mlp", 0) / n / layers, "other_bytes_per_token": bins.get("other", 0) / n}
+    inside = bins.get("layer", 0) + bins.get("mlp", 0) + bins.get("norm", 0)
+    return {"tokens": n, "layer_bytes_per_token": inside / n / layers, "mlp_bytes_per_token": bins.get("mlp", 0) / n /
+            layers, "norm_bytes_per_token": bins.get("norm", 0) / n / layers,
+            "other_bytes_per_token": bins.get("other", 0) / n}
 
 
 def one_layer(shape: dict, recompute: bool, mlp_chunk: int | None = None,
@@ -158,8 +170,10 @@ def tp_local_shape(shape: dict, tp: int) -> dict:
 
 def measure_tp_layer(tokens: int, shape: dict = LLAMA3_70B, tps=(1, 2, 4, 8), chunk: int = 16) -> list[dict]:
     """Saved bytes per TP rank of one layer of ``shape`` (bfloat16, fake tensors, chunked loss), recomputation off /
-    on, at each ``tp``: the layer one TP rank computes (:func:`tp_local_shape`; tests/test_bench.py checks it saves
-    what a rank of a split model saves)."""
+    on, at each ``tp``: the layer one TP rank computes (:func:`tp_local_shape`;
+    tests/test_tensor_parallel.py::test_a_tp_rank_saves_what_the_layer_of_its_share_saves checks on real ranks that a
+    split layer saves exactly that, and with sequence parallelism that less by the norms' share and the checkpointed
+    input's, :func:`project_tp`)."""
     mode = FakeTensorMode()
     with mode:
         ids = torch.randint(0, shape["vocab_size"], (1, tokens))
@@ -172,35 +186,49 @@ def measure_tp_layer(tokens: int, shape: dict = LLAMA3_70B, tps=(1, 2, 4, 8), ch
     return rows
 
 
+def tp_bytes_per_token(measured: list[dict], tp: int, num_layers: int, hidden_size: int,
+                       sequence_parallel: bool, dtype_bytes: int = 2) -> float:
+    """Bytes per token one TP rank keeps for the backward with recomputation on (:func:`measure_tp_layer`'s rows):
+    every checkpointed layer's kept inputs, one recomputed layer's saved bytes, the bytes outside the layers. With
+    sequence parallelism each TP rank keeps ``1 / tp`` of a checkpointed layer's hidden-state input (``hidden_size``
+    values of ``dtype_bytes``; the rotary table stays whole) and of the two norms' saved tensors; the rest of a layer
+    saves what it saves without it (the attention and the MLP run on the gathered tokens). The rule is checked on
+    real ranks (:func:`measure_tp_layer`'s test)."""
+    by = {(r["tp"], r["recompute"]): r for r in measured}
+    full, kept = by[tp, False], by[tp, True]
+    outside = full["other_bytes_per_token"]
+    kept_per_layer, layer = kept["other_bytes_per_token"] - outside, full["layer_bytes_per_token"]
+    if sequence_parallel:
+        kept_per_layer -= hidden_size * dtype_bytes * (1 - 1 / tp)
+        layer -= full["norm_bytes_per_token"] * (1 - 1 / tp)
+    return num_layers * kept_per_layer + layer + outside
+
+
 def project_tp(measured: list[dict], shape: dict = LLAMA3_70B, layouts: dict = TP_LAYOUTS) -> list[dict]:
     """The longest sequence a TP x CP layout holds on 80 GB GPUs (:data:`PROJECTION`'s assumptions; recomputation
-    and the chunked loss on; FSDP2 over the cp ranks of each TP position), from :func:`measure_tp_layer`'s bytes.
+    and the chunked loss on; FSDP2 over the cp ranks of each TP position), without and with sequence parallelism
+    (``tp`` above 1), from :func:`measure_tp_layer`'s bytes for ``shape``.
 
     Per rank: the split weights' state over ``tp x cp``, the replicated ones' (embedding, output head, norms) over
-    ``cp``; one layer's bf16 weights gathered; per token, what every checkpointed layer keeps (its input: the hidden
-    width whole on every TP rank, there is no sequence parallelism) plus one recomputed layer's saved bytes at the
-    rank's share of the heads (and the second copy of the MLP's input PyTorch's column-wise projections keep:
-    tests/test_tensor_parallel.py measures a split layer against its share), plus the embedding, head and loss.
-    Tokens per rank = free bytes / bytes per token; sequence = tokens per rank x cp (the TP ranks hold the same
-    tokens)."""
-    by = {(r["tp"], r["recompute"]): r for r in measured}
+    ``cp``; one layer's bf16 weights gathered and the next one prefetched; per token :func:`tp_bytes_per_token`;
+    the chunked loss's chunk. Tokens per rank = free bytes / bytes per token; sequence = tokens per rank x cp (the
+    TP ranks hold the same tokens)."""
     layers, h, vocab = shape["num_layers"], shape["hidden_size"], shape["vocab_size"]
     replicated = 2 * vocab * h + h + 2 * h * layers  # embedding, head, final norm, the layers' two norms
     split = parameters(shape) - replicated
     rows = []
     for where, pairs in layouts.items():
         for tp, cp in pairs:
-            full, kept = by[tp, False], by[tp, True]
-            layer, outside = full["layer_bytes_per_token"], full["other_bytes_per_token"]
-            layer += 2 * h if tp > 1 else 0  # the split MLP keeps a second bf16 copy of its input (the test's)
-            per_token = layers * (kept["other_bytes_per_token"] - outside) + layer + outside
-            state = PROJECTION["bytes_per_parameter"] * (split / tp + replicated) / cp
-            gathered = 2 * 2 * split / layers / tp  # one layer's bf16 weights, and the next one prefetched
-            loss = PROJECTION["chunk_tokens"] * vocab * (2 + 4 + 4)
-            free = PROJECTION["usable"] * PROJECTION["gpu_bytes"] - state - gathered - loss
-            tokens = int(free / per_token) if free > 0 else 0
-            rows.append({"where": where, "tp": tp, "cp": cp, "state_gb": state / 1e9, "gpu_bytes_per_token": per_token,
-                         "tokens_per_rank": tokens, "sequence": tokens * cp})
+            for sequence_parallel in (False, True) if tp > 1 else (False,):
+                per_token = tp_bytes_per_token(measured, tp, layers, h, sequence_parallel)
+                state = PROJECTION["bytes_per_parameter"] * (split / tp + replicated) / cp
+                gathered = 2 * 2 * split / layers / tp  # one layer's bf16 weights, and the next one prefetched
+                loss = PROJECTION["chunk_tokens"] * vocab * (2 + 4 + 4)
+                free = PROJECTION["usable"] * PROJECTION["gpu_bytes"] - state - gathered - loss
+                tokens = int(free / per_token) if free > 0 else 0
+                rows.append({"where": where, "tp": tp, "cp": cp, "sequence_parallel": sequence_parallel,
+                             "state_gb": state / 1e9, "gpu_bytes_per_token": per_token, "tokens_per_rank": tokens,
+                             "sequence": tokens * cp})
     return rows
 
 
@@ -291,8 +319,9 @@ def run(args) -> dict:
             measured = measure_layer(args.mem_layer_tokens)
         else:
             local.append(local_run(args, *case))
-    tp_measured = measure_tp_layer(args.mem_layer_tokens)
+    tp = {name: measure_tp_layer(args.mem_layer_tokens, shape) for name, shape in TP_SHAPES.items()}
     return {"llama_shape": LLAMA3_8B, "layer_tokens": args.mem_layer_tokens, "layer_tensors": "fake",
             "measured": measured, "local_model": args.mem_local_model, "local": add_state_vs_ideal(local),
             "assumptions": PROJECTION, "projection": project(measured),
-            "tp_shape": LLAMA3_70B, "tp_measured": tp_measured, "tp_projection": project_tp(tp_measured)}
+            "tp": {name: {"shape": TP_SHAPES[name], "measured": tp[name],
+                          "projection": project_tp(tp[name], TP_SHAPES[name])} for name in TP_SHAPES}}

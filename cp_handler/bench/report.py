@@ -264,19 +264,23 @@ def memory_tables(mem: dict) -> str:
                          f"{r['sequence']:,}",
                          f"{r['host_bytes_per_token']:,.0f}" if r["offload"] else "-"] for r in mem["projection"]])
     parts = [measured, local, projection]
-    if "tp_projection" in mem:
-        t = mem["tp_shape"]
-        parts.append(table(f"Saved for the backward per TP rank, one Llama-3-70B layer (hidden {t['hidden_size']}, "
+    for name, tp in mem.get("tp", {}).items():
+        t = tp["shape"]
+        parts.append(table(f"Saved for the backward per TP rank, one {name} layer (hidden {t['hidden_size']}, "
                            f"{t['num_attention_heads']}/{t['num_query_groups']} heads, FFN {t['ffn_hidden_size']}), "
                            "bfloat16, chunked loss, the layer one TP rank computes (fake tensors)",
-                           ["tp", "recompute", "layer bytes/token", "outside the layers bytes/token"],
+                           ["tp", "recompute", "layer bytes/token", "of which the norms",
+                            "outside the layers bytes/token"],
                            [[r["tp"], "on" if r["recompute"] else "off", f"{r['layer_bytes_per_token']:,.0f}",
-                             f"{r['other_bytes_per_token']:,.0f}"] for r in mem["tp_measured"]]))
-        parts.append(table(f"PROJECTION (not a run): Llama-3-70B, TP x CP on {a['gpu_bytes'] / 1e9:.0f} GB GPUs, "
+                             f"{r['norm_bytes_per_token']:,.0f}", f"{r['other_bytes_per_token']:,.0f}"]
+                            for r in tp["measured"]]))
+        parts.append(table(f"PROJECTION (not a run): {name}, TP x CP on {a['gpu_bytes'] / 1e9:.0f} GB GPUs, "
                            "recomputation and the chunked loss on, FSDP2 over the cp ranks, TP inside a node",
-                           ["GPUs", "tp", "cp", "state GB/rank", "GPU bytes/token", "tokens/rank", "sequence"],
-                           [[r["where"], r["tp"], r["cp"], f"{r['state_gb']:.1f}", f"{r['gpu_bytes_per_token']:,.0f}",
-                             f"{r['tokens_per_rank']:,}", f"{r['sequence']:,}"] for r in mem["tp_projection"]]))
+                           ["GPUs", "tp", "cp", "sequence parallel", "state GB/rank", "GPU bytes/token",
+                            "tokens/rank", "sequence"],
+                           [[r["where"], r["tp"], r["cp"], "on" if r["sequence_parallel"] else "off",
+                             f"{r['state_gb']:.1f}", f"{r['gpu_bytes_per_token']:,.0f}", f"{r['tokens_per_rank']:,}",
+                             f"{r['sequence']:,}"] for r in tp["projection"]]))
     return "\n\n".join(parts)
 
 

@@ -36,8 +36,12 @@ norms and the residual stream run on each TP rank's share of the CP rank's token
 dimension; uneven shares allowed), gathered over the TP group before the attention and the MLP and reduce-scattered
 after them (the row-wise projections' output) instead of all-reduced: the same bytes moved, and the activations of
 the norms, the residual stream and the embedding's output divided by tp. The attention and CP are unchanged: the
-gathered tokens are the CP rank's. The output head gathers the final norm's output (its loss is the same on every TP
-rank). The norms' gradients are partial sums over the TP group, made whole by the training step. The reference GPT's
+gathered tokens are the CP rank's. The last layer's output is gathered over the TP group, so the head (the final
+norm, the output projection and a chunked loss's token chunks) runs on the CP rank's tokens whole, its loss the same
+on every TP rank. The layers' norms' gradients are partial sums over the TP group, made whole by the training step.
+Collectives per layer: 2 all-gathers and 2 reduce-scatters in the forward and the same in the backward (each one's
+backward is the other), plus the last layer's gather (forward) and the embedding output's gradient gathered
+(backward): Megatron-LM's count. The reference GPT's
 dense layers only (MoE layers and Hugging Face models: not built, refused by name).
 
 The training step (:mod:`.trainer`): a split weight (a DTensor sharded over the TP group) holds this TP rank's rows or
@@ -190,9 +194,10 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
         seq = Shard(1)
         plan["embed_tokens"] = PrepareModuleOutput(output_layouts=whole, desired_output_layouts=seq,
                                                    use_local_output=False)
-        plan["norm"] = SequenceParallel()
-        plan["lm_head"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(whole,),
-                                             use_local_output=True)
+        # the last layer's output gathered over the TP group: the head (final norm, output projection, a chunked
+        # loss's token chunks) runs on the CP rank's tokens whole, as without sequence parallelism
+        plan[f"layers.{len(model.layers) - 1}"] = PrepareModuleOutput(output_layouts=seq, desired_output_layouts=whole,
+                                                                       use_local_output=True)
         for i in range(len(model.layers)):
             plan[f"layers.{i}.input_layernorm"] = plan[f"layers.{i}.post_attention_layernorm"] = SequenceParallel()
             plan[f"layers.{i}.self_attn"] = PrepareModuleInput(input_layouts=(seq, None, None),
