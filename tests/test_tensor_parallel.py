@@ -303,9 +303,10 @@ def test_cp_train_tp_rules_before_any_rank(flags, rule):
 
 
 def test_a_checkpoint_saved_at_tp2_resumes_at_another_tp(tmp_path):
-    """Saved at tp 2 x cp 2 (split weights: DTensors, through torch.distributed.checkpoint) and resumed at tp 1 x cp 2
-    and at tp 2 x cp 2: steps 3 and 4 have the losses of the uninterrupted run (float32: the same to 1e-6), and the
-    resumed steps pass --check-parity."""
+    """Saved at tp 2 x cp 2 (split weights: DTensors, through torch.distributed.checkpoint) and resumed at tp 1 x cp 4
+    (TP and CP changed together) and at tp 2 x cp 2 with FSDP2 (the weights sharded over dp x cp as well, on the 2-D
+    mesh): steps 3 and 4 have the losses of the uninterrupted run (float32: the same to 1e-6), and the resumed steps
+    pass --check-parity."""
     import json
 
     common = ["--steps", "4", "--seq-len", "64", "--hidden-size", "64", "--ffn-hidden-size", "128",
@@ -319,7 +320,7 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_another_tp(tmp_path):
 
     whole = run("--nproc", "4", "--tp-size", "2", "--cp-size", "2")
     run("--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--steps", "2", "--save", str(tmp_path / "ck"))
-    for layout in (["--nproc", "2", "--cp-size", "2"], ["--nproc", "4", "--tp-size", "2", "--cp-size", "2"]):
+    for layout in (["--nproc", "4", "--cp-size", "4"], ["--nproc", "4", "--tp-size", "2", "--cp-size", "2", "--fsdp"]):
         resumed = run(*layout, "--resume", str(tmp_path / "ck"), "--check-parity")
         assert resumed == pytest.approx(whole[2:], rel=1e-6), (layout, resumed, whole)
 

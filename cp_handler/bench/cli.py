@@ -38,6 +38,8 @@ Modes (``--modes``, default both):
   model's prediction and ``cp_comm_type="auto"``'s pick;
 * ``links`` (only when asked for): :mod:`.links`: every pattern's exposed communication on emulated links (a timing
   shim holds each collective to a bandwidth set against the ring step's compute), beside the cost model's;
+* ``tp`` (only when asked for): :mod:`.tensor_parallel`: ``cp-train`` at every TP x CP layout of ``--tp-world``
+  ranks, with and without sequence parallelism (tokens/s, peak RSS per rank);
 * ``backtest`` (only when asked for): :mod:`.backtest`: the cost model's named GPU profiles against published GPU
   results (:mod:`.published`), every pair of rows a comparison of winner and ratio; no device, under a second.
 
@@ -77,6 +79,7 @@ from . import (
     plan,
     plots,
     report,
+    tensor_parallel,
     whole,
 )
 from .attention import PASSES, run_attn
@@ -88,7 +91,7 @@ RUNS = {"attn": ("attention", run_attn), "e2e": ("e2e", e2e.run), "plan": ("plan
         "launches": ("launches", launches.run), "masks": ("masks", masks.run), "generate": ("generate", generation.run),
         "hybrid": ("hybrid", hybrid.run), "memory": ("memory", memory.run), "compile": ("compile", compiled.run),
         "calibrate": ("calibrate", auto.run_calibrate), "auto": ("auto", auto.run),
-        "backtest": ("backtest", backtest.run), "links": ("links", links.run)}
+        "backtest": ("backtest", backtest.run), "links": ("links", links.run), "tp": ("tp", tensor_parallel.run)}
 """mode -> (its key in results.json, its run), in the order the modes run."""
 
 
@@ -120,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "window and chunked attention vs full causal per rank; generate: prefill and decode with a "
                         "sharded KV cache; hybrid: one Gated DeltaNet layer; memory: saved activations (fake tensors "
                         "of the Llama-3-8B layer), training state and the 80 GB projection; calibrate: this machine's "
-                        "cost profile; auto: every pattern measured beside the cost model and auto's pick (default: "
-                        "attn e2e; only calibrate with --calibrate)")
+                        "cost profile; auto: every pattern measured beside the cost model and auto's pick; tp: "
+                        "cp-train at every TP x CP layout (default: attn e2e; only calibrate with --calibrate)")
     g.add_argument("--calibrate", action="store_true",
                    help="measure this machine's cost profile first (the calibrate mode; alone unless --modes is "
                         "given): <out-dir>/cost_profile.json, used by --modes auto in the same run")
@@ -130,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="attn: cuda runs one rank per GPU over NCCL; plan and masks: the device timed; launches: "
                         "the grid only (cuda: plan's CUDA grid, tens of minutes on a 2-core CPU; no GPU needed); "
-                        "e2e, generate, hybrid and memory run on CPU only. The defaults follow it (list below)")
+                        "e2e, generate, hybrid, memory and tp run on CPU only. The defaults follow it (list below)")
     g = p.add_argument_group("attention (--modes attn; --cp-sizes and --reps also e2e's)")
     g.add_argument("--cp-sizes", type=int, nargs="+", default=None, help=_default("CP sizes", "cp_sizes"))
     g.add_argument("--seq-lens", type=int, nargs="+", default=None,
@@ -204,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=_default("sequence of the DDP / FSDP runs here (4 ranks, cp 2)", "mem_seq_len"))
     g.add_argument("--mem-local-model", type=json.loads, default=memory.LOCAL_MODEL, metavar="JSON",
                    help="the reference GPT shape of the runs here (GPTConfig fields)")
+    g = p.add_argument_group("tensor parallelism (--modes tp: cp-train of e2e's reference GPT, CPU ranks)")
+    g.add_argument("--tp-world", type=int, default=4, help="ranks: every TP x CP layout of them")
+    g.add_argument("--tp-seq-len", type=int, default=None, help=_default("cp-train --seq-len", "tp_seq_len"))
+    g.add_argument("--tp-steps", type=int, default=None, help=_default("cp-train --steps", "tp_steps"))
     g = p.add_argument_group("compiled vs eager (--modes compile: the reference GPT of e2e, CPU ranks)")
     g.add_argument("--compile-seq-len", type=int, default=None,
                    help=_default("global sequence length in tokens", "compile_seq_len"))

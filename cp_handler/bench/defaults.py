@@ -62,6 +62,7 @@ DEFAULTS: dict[str, dict[str, dict[str, dict]]] = {
     "auto": {"cpu": _reps({"auto_grid": "quick"}, {"auto_grid": "full"})},
     "backtest": {"cpu": _same({})},
     "links": {"cpu": _reps({"links_seq_len": 4096}, {"links_seq_len": 8192})},
+    "tp": {"cpu": {"quick": {"tp_seq_len": 2048, "tp_steps": 4}, "full": {"tp_seq_len": 4096, "tp_steps": 6}}},
 }
 """mode -> device (``"cpu"``, ``"cuda"``; a mode without ``"cuda"`` runs on CPU only) -> ``"quick"`` / ``"full"``
 -> flag dest -> value. Only flags whose default is ``None`` in the parser appear here (and in :data:`COMMON`)."""
@@ -83,7 +84,7 @@ def defaults(mode: str, device: str = "cpu", quick: bool = False) -> dict:
 
 _READS = {"attn": {"comm_types", "cp_sizes"}, "e2e": {"cp_sizes"}, "plan": {"comm_types"},
           "launches": {"comm_types"}, "masks": set(), "generate": set(), "hybrid": set(), "memory": set(),
-          "compile": set(), "calibrate": set(), "auto": set(), "backtest": set(), "links": set()}
+          "compile": set(), "calibrate": set(), "auto": set(), "backtest": set(), "links": set(), "tp": set()}
 """The :data:`COMMON` flags each mode reads."""
 
 

@@ -181,10 +181,21 @@ def check_links(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     check_zigzag(p, "--links-cp-sizes", args.links_cp_sizes, "--links-seq-len", [args.links_seq_len])
 
 
+def check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """CPU ranks (cp-train's runs); a world of at least 2 ranks; each layout's own rules are cp-train's (checked per
+    run before its ranks start)."""
+    if args.device == "cuda":
+        p.error("--modes tp runs cp-train on CPU ranks: drop --device cuda")
+    if args.tp_world < 2:
+        p.error(f"--tp-world {args.tp_world}: tensor parallelism needs at least 2 ranks")
+    if args.tp_seq_len < 2 * args.tp_world:
+        p.error(f"--tp-seq-len {args.tp_seq_len}: at least 2 tokens per rank of --tp-world {args.tp_world} (2 x world)")
+
+
 RULES = {"attn": check_attn, "e2e": check_e2e, "plan": check_plan, "launches": check_launches, "masks": check_masks,
          "generate": check_generate, "hybrid": check_hybrid, "memory": check_memory, "compile": check_compile,
          "calibrate": check_calibrate, "auto": check_auto, "backtest": check_backtest,
-         "links": check_links}
+         "links": check_links, "tp": check_tp}
 """Each mode's rules, given the flags with that mode's defaults filled in (:func:`~.defaults.resolve`)."""
 
 TIMED_ON_DEVICE = ("attn", "plan", "masks")
