@@ -208,7 +208,8 @@ def _count_worker(rank, world, comm_type, variant):
     (``"mqa"``) adds none (its input gradient joins the block's). Sequence parallelism: per layer 2 all-gathers and 2
     reduce-scatters each way (forward: gather before the block, reduce-scatter its output; backward: the reverse),
     plus one all-gather each way (forward: the head's input; backward: the embedding output's gradient), no
-    all-reduce. CP's collectives: the same calls as without TP, carrying the TP rank's heads (fewer bytes)."""
+    all-reduce. CP's collectives: its pattern's formula (below), the same calls as without TP, carrying the TP rank's
+    heads (fewer bytes)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     from cp_handler.ops.collectives import count_comms
@@ -244,6 +245,14 @@ def _count_worker(rank, world, comm_type, variant):
     else:
         assert counts[2][0] == [{**none, "all_reduce": 2 * layers}] * 2, counts[2]
     assert counts[2][1:3] == counts[1][1:3], (counts[1], counts[2])  # CP's pattern: the same calls
+    # CP's own formula at cp 2, per layer: p2p one ring step forward (K / V to the next rank: one send, one recv) and
+    # two backward (K / V again and their gradients home); a2a two all-to-alls each way (q / k / v in, the output
+    # back; the gradients the same); plus the handler's agreement all-gathers (a few small ones per forward)
+    ring = {"p2p": ({"send": 1, "recv": 1}, {"send": 2, "recv": 2}),
+            "a2a": ({"all_to_all": 2}, {"all_to_all": 2})}[comm_type]
+    for ops, per_layer in zip(counts[2][1:3], ring, strict=True):
+        assert {op: n for op, n in ops.items() if op != "all_gather"} == \
+            {op: n * layers for op, n in per_layer.items()}, (comm_type, ops)
     # on the TP rank's half of the query heads: about half the bytes for p2p (one key-value head of two; "mqa": the
     # one key-value head on every TP rank, the same K / V bytes); a2a replicates the one local key-value head to the
     # a2a size of 2, so its K / V bytes stay

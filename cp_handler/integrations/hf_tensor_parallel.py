@@ -107,7 +107,11 @@ def hf_tp_plan(model: nn.Module, tp: int, ordered: bool = False) -> tuple[dict, 
                              f"{[f'{owner}.{p}' for p in params]} \"colwise\" but does not run their module "
                              f"{owner!r} \"local_params\"; refused")
         for param in params:
-            rows = parameters[f"{owner}.{param}"].shape[0]
+            shape = parameters[f"{owner}.{param}"].shape
+            if len(shape) > 2:  # transformers splits such a parameter on another dimension (ndim - 2)
+                raise ValueError(f"tensor_parallel_size={tp}: {owner}.{param} of shape {tuple(shape)} split "
+                                 "\"colwise\": only per-head vectors and matrices (split on dimension 0) are applied")
+            rows = shape[0]
             if rows % tp:
                 raise ValueError(f"tensor_parallel_size={tp}: {owner}.{param} has {rows} rows, not divisible by it; "
                                  "each TP rank holds an equal share")
