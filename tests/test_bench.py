@@ -577,3 +577,21 @@ def test_memory_tp_projection_follows_its_bytes():
                 off = by[where, tp, False]
                 assert row["gpu_bytes_per_token"] < off["gpu_bytes_per_token"], (name, where, tp)
                 assert row["tokens_per_rank"] >= off["tokens_per_rank"], (name, where, tp)
+
+
+def test_tp_mode_layouts_and_table():
+    """``--modes tp``: every TP x CP layout of the world whose tp divides the heads (sequence parallelism on and off
+    above tp 1), each run's flags cp-train's own rules accept, and its table from a result's rows."""
+    from cp_handler.bench import tensor_parallel
+    from cp_handler.bench.report import tp_table
+    from cp_handler.cli.args import parse
+
+    layouts = tensor_parallel.layouts(4)
+    assert layouts == [(1, 4, False), (2, 2, False), (2, 2, True), (4, 1, False), (4, 1, True)]
+    for tp, cp, sp in layouts:
+        config, _ = parse(tensor_parallel.command(4, tp, cp, sp, 256, 2))
+        assert (config.tensor_parallel_size, config.cp.context_parallel_size, config.sequence_parallel) == (tp, cp, sp)
+    rows = [{"tp": tp, "cp": cp, "sequence_parallel": sp, "seq_len": 256, "tokens_per_s": 100.0 * cp,
+             "peak_memory_bytes_per_rank": [2**20]} for tp, cp, sp in layouts]
+    text = tp_table({"model": tensor_parallel.MODEL, "world": 4, "rows": rows})
+    assert "| 2 | 2 | on | 256 | 200 | 0.50 | 1 |" in text, text

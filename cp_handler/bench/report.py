@@ -103,18 +103,14 @@ def e2e_tables(e2e: dict) -> str:
 
 def tp_table(tp: dict) -> str:
     """Tokens/s and peak RSS per rank of each TP x CP layout (one cp-train run each)."""
-    m = tp["model"]
-    lines = [f"{tp['world']} ranks on this machine's cores, gloo; the reference GPT (hidden {m['hidden_size']}, "
-             f"{m['num_layers']} layers, {m['num_attention_heads']}/{m['num_query_groups']} heads, FFN "
-             f"{m['ffn_hidden_size']}), p2p, one sequence per step, mean tokens/s after the first step", "",
-             "| tp | cp | sequence parallel | S | tokens/s | vs tp 1 | peak RSS MiB/rank (max) |",
-             "|---|---|---|---|---|---|---|"]
-    base = next((r["tokens_per_s"] for r in tp["rows"] if r["tp"] == 1), None)
-    for r in tp["rows"]:
-        lines.append(f"| {r['tp']} | {r['cp']} | {'on' if r['sequence_parallel'] else 'off'} | {r['seq_len']} "
-                     f"| {r['tokens_per_s']:.0f} | {_fmt(r['tokens_per_s'] / base if base else None, '.2f')} "
-                     f"| {max(r['peak_memory_bytes_per_rank']) / MIB:.0f} |")
-    return "\n".join(lines)
+    m, base = tp["model"], next((r["tokens_per_s"] for r in tp["rows"] if r["tp"] == 1), None)
+    rows = [[r["tp"], r["cp"], "on" if r["sequence_parallel"] else "off", r["seq_len"], f"{r['tokens_per_s']:.0f}",
+             _fmt(r["tokens_per_s"] / base if base else None, ".2f"),
+             f"{max(r['peak_memory_bytes_per_rank']) / MIB:.0f}"] for r in tp["rows"]]
+    return table(f"{tp['world']} ranks on this machine's cores, gloo; the reference GPT (hidden {m['hidden_size']}, "
+                 f"{m['num_layers']} layers, {m['num_attention_heads']}/{m['num_query_groups']} heads, FFN "
+                 f"{m['ffn_hidden_size']}), p2p, one sequence per step, mean tokens/s after the first step",
+                 ["tp", "cp", "sequence parallel", "S", "tokens/s", "vs tp 1", "peak RSS MiB/rank (max)"], rows)
 
 
 def markdown(results: dict) -> str:

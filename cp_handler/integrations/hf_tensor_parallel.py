@@ -31,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from ..runtime.reductions import sum_grad_over_group
+from ..runtime.reductions import replicated_kv_heads, sum_grad_over_group
 from .hf_inputs import text_config
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "mla_kv_a_proj", "local_params")
@@ -95,9 +95,7 @@ def hf_tp_plan(model: nn.Module, tp: int, ordered: bool = False) -> tuple[dict, 
             elif style == "local_params":
                 plan[prefix + name] = None  # filled below with this module's per-head parameters
             elif style == "colwise" and replicate and name.rsplit(".", 1)[-1] in ("k_proj", "v_proj"):
-                from ..training.tensor_parallel import _replicated_kv_heads
-
-                plan[prefix + name] = _replicated_kv_heads()(kv_heads, module.out_features // kv_heads)
+                plan[prefix + name] = replicated_kv_heads()(kv_heads, module.out_features // kv_heads)
                 summed += [f"{prefix}{name}.{p}" for p, _ in module.named_parameters()]
             else:
                 plan[prefix + name] = ColwiseParallel() if style == "colwise" else rowwise()

@@ -1,6 +1,7 @@
 """The sums over process groups a training loop makes around the loss (:mod:`cp_handler.models.loss`): the global
-count of loss tokens, gradients summed over ranks in one flat all-reduce, and a tensor-parallel row-wise linear's
-partial sums added in one order (the deterministic mode)."""
+count of loss tokens, gradients summed over ranks in one flat all-reduce, a tensor-parallel row-wise linear's
+partial sums added in one order (the deterministic mode), and a key or value projection replicated over the TP ranks
+(fewer key-value heads than TP ranks), whose input gradient is summed over the TP group."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ..ops.collectives import all_gather_single, all_to_all_single
 
@@ -145,6 +147,44 @@ def ordered_rowwise_parallel():
             return local if use_local_output else DTensor.from_local(local, device_mesh, (layout,), run_check=False)
 
     return OrderedRowwiseParallel
+
+
+@functools.cache
+def replicated_kv_heads():
+    """The ``ReplicatedKVHeads`` style (a ``ParallelStyle`` class, built on first use; the reference GPT's plan and
+    transformers' plans under TP use it, :mod:`cp_handler.training.tensor_parallel`)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class ReplicatedKVHeads(ParallelStyle):
+        """A key or value projection when ``Hkv < tp``: its weight stays whole (a plain tensor) on every TP rank, its
+        output keeps the one head of ``head_dim`` columns this rank's query heads use (rank ``r``: head
+        ``r // (tp / Hkv)``), and its input's gradient (each rank's from its own heads) is summed over the TP group,
+        as a column-wise input's: with the block's input a replicated DTensor, as a partial sum joining the
+        column-wise projections' before their one reduction."""
+
+        def __init__(self, num_kv_heads: int, head_dim: int):
+            super().__init__()
+            self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            from torch.distributed.tensor import DTensor, Partial
+
+            head = device_mesh.get_local_rank() // (device_mesh.size() // self.num_kv_heads)
+            start, width, group = head * self.head_dim, self.head_dim, device_mesh.get_group()
+
+            def local_input(_, args):
+                x = args[0]
+                if isinstance(x, DTensor):  # the block's replicated input (gpt_tp_plan): its gradient a partial sum,
+                    x = x.to_local(grad_placements=[Partial()])  # added to the column-wise ones' before one reduction
+                else:
+                    x = sum_grad_over_group(x, group)
+                return (x, *args[1:])
+
+            module.register_forward_pre_hook(local_input)
+            module.register_forward_hook(lambda _, args, out: out.narrow(-1, start, width))
+            return module
+
+    return ReplicatedKVHeads
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:

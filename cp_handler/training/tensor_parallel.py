@@ -14,9 +14,10 @@ same values; their gradients are the same on every TP rank): the choice of a sma
 vocabulary-parallel head would add a parallel cross-entropy.
 
 With fewer key-value heads than TP ranks (``Hkv < tp``, ``tp`` a multiple of ``Hkv``) the key and value projections
-are replicated as Megatron-LM does (:class:`ReplicatedKVHeads`): every TP rank holds them whole and keeps the one
-key-value head its query heads use (rank ``r``: head ``r // (tp / Hkv)``); their gradients, each rank's from its own
-query heads, are summed over the TP group by the training step (:func:`apply_tensor_parallel` names them).
+are replicated as Megatron-LM does (:func:`~cp_handler.runtime.reductions.replicated_kv_heads`): every TP rank holds
+them whole and keeps the one key-value head its query heads use (rank ``r``: head ``r // (tp / Hkv)``); their
+gradients, each rank's from its own query heads, are summed over the TP group by the training step
+(:func:`apply_tensor_parallel` names them).
 
 Context parallelism sees the TP rank's heads: the handler is built with the local attention shape
 (:func:`local_attention_shape`) and the model's attention reshapes by the local head count, so every CP pattern
@@ -53,8 +54,6 @@ the local tensors, as DDP does), the loss being normalised by the global token c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,7 +61,7 @@ from torch import nn
 from ..models.gpt import GPTConfig
 from ..models.moe import MoEFeedForward
 from ..runtime.config import AttentionShape
-from ..runtime.reductions import all_reduce_flat, ordered_rowwise_parallel, sum_grad_over_group
+from ..runtime.reductions import all_reduce_flat, ordered_rowwise_parallel, replicated_kv_heads
 
 
 def check_tensor_parallel(config: GPTConfig, tp: int) -> None:
@@ -120,47 +119,14 @@ def local_attention_shape(shape: AttentionShape, tp: int) -> AttentionShape:
     return AttentionShape(shape.num_heads // tp, max(1, shape.num_kv_heads // tp), shape.head_dim, shape.v_head_dim)
 
 
-@functools.cache
-def _replicated_kv_heads():
-    from torch.distributed.tensor.parallel import ParallelStyle
-
-    class ReplicatedKVHeads(ParallelStyle):
-        """A key or value projection when ``Hkv < tp`` (module doc): its weight stays whole (a plain tensor) on
-        every TP rank, its output keeps the one head of ``head_dim`` columns this rank's query heads use, and its
-        input's gradient (each rank's from its own heads) is summed over the TP group, as a column-wise input's."""
-
-        def __init__(self, num_kv_heads: int, head_dim: int):
-            super().__init__()
-            self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-
-        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-            from torch.distributed.tensor import DTensor, Partial
-
-            head = device_mesh.get_local_rank() // (device_mesh.size() // self.num_kv_heads)
-            start, width, group = head * self.head_dim, self.head_dim, device_mesh.get_group()
-
-            def local_input(_, args):
-                x = args[0]
-                if isinstance(x, DTensor):  # the block's replicated input (gpt_tp_plan): its gradient a partial sum,
-                    x = x.to_local(grad_placements=[Partial()])  # added to the column-wise ones' before one reduction
-                else:
-                    x = sum_grad_over_group(x, group)
-                return (x, *args[1:])
-
-            module.register_forward_pre_hook(local_input)
-            module.register_forward_hook(lambda _, args, out: out.narrow(-1, start, width))
-            return module
-
-    return ReplicatedKVHeads
-
-
 def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool = False,
                 ordered: bool = False) -> dict:
     """``{module path: ParallelStyle}`` for ``parallelize_module`` (module doc); ``tp`` above the key-value head
-    count replicates the key and value projections (:class:`ReplicatedKVHeads`). ``sequence_parallel``: Megatron-LM's
-    sequence parallelism (module doc, "Sequence parallelism"). ``ordered``: the row-wise projections add their
-    partial sums in TP-rank order (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`, with sequence
-    parallelism an ordered reduce-scatter; the deterministic mode).
+    count replicates the key and value projections (:func:`~cp_handler.runtime.reductions.replicated_kv_heads`).
+    ``sequence_parallel``: Megatron-LM's sequence parallelism (module doc, "Sequence parallelism"). ``ordered``: the
+    row-wise projections add their partial sums in TP-rank order
+    (:func:`~cp_handler.runtime.reductions.ordered_rowwise_parallel`, with sequence parallelism an ordered
+    reduce-scatter; the deterministic mode).
 
     Raises:
         ValueError: ``sequence_parallel`` with MoE layers (not built).
@@ -207,7 +173,7 @@ def gpt_tp_plan(model: nn.Module, tp: int | None = None, sequence_parallel: bool
         plan[f"layers.{i}.self_attn.q_proj"] = ColwiseParallel()
         for name, width in (("k_proj", config.kv_channels), ("v_proj", config.v_head_dim)):
             plan[f"layers.{i}.self_attn.{name}"] = \
-                _replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
+                replicated_kv_heads()(config.num_query_groups, width) if replicate else ColwiseParallel()
         out = dict(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else {}
         rowwise = ordered_rowwise_parallel() if ordered else RowwiseParallel
         plan[f"layers.{i}.self_attn.o_proj"] = rowwise(**out)
@@ -233,7 +199,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, plan: dict | None = None) -
     check_tensor_parallel(model.config, tp)
     plan = plan if plan is not None else gpt_tp_plan(model, tp)
     parallelize_module(model, tp_mesh, plan)
-    replicated = _replicated_kv_heads()
+    replicated = replicated_kv_heads()
     return [f"{path}.weight" for path, style in plan.items() if isinstance(style, replicated)]
 
 def _local(t: torch.Tensor) -> torch.Tensor:
