@@ -46,9 +46,10 @@ def load() -> None:
 load()
 
 
-LONGEST_FIRST = ("test_conformance.py", "test_deterministic_train.py", "test_deterministic.py", "test_cli.py",
+LONGEST_FIRST = ("test_conformance.py", "test_deterministic_train.py", "test_deterministic_tiles.py", "test_cli.py",
                  "test_cli_hf.py", "test_hf_trainer.py", "test_compile.py", "test_hf_zoo.py", "test_bench.py",
-                 "test_tensor_parallel.py", "test_examples.py", "test_hf_vlm.py", "test_hf_integration.py")
+                 "test_tensor_parallel.py", "test_examples.py", "test_hf_vlm.py", "test_hf_integration.py",
+                 "test_deterministic.py")
 """The test files that took longest, longest first (``pytest --durations``, 2026-12-06: 342 s down to 52 s on two
 loaded workers); every other file follows in collection order. Only the balance of the two workers depends on it."""
 
