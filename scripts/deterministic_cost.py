@@ -8,6 +8,9 @@ rank 0 of rounds that run every mode once after a warm-up:
   mode's handler (``a2a``), with the gradients reduced as without exact sums (autograd's float32 sums, one float32
   all-reduce of all gradients: DDP's sum) and as ``cp-train --deterministic`` reduces them
   (``runtime/exact_grads.py``: a GEMM per unit, fixed-point limbs, one int64 all-reduce).
+* ``--part step``: the same training forward + backward + reduction as ``cp-train`` runs it in each mode: by default
+  (the ring, ``p2p``; autograd's sums and one float32 all-reduce) and with ``--deterministic`` (``a2a`` in the mode;
+  the exact sums): the whole cost of turning the mode on, attention and gradients together.
 * ``--part fused-head``: what the Hugging Face trainers add in the mode (``integrations/hf_exact_grads.py``): TRL's
   fused LM head (``ChunkedLogProbFunction``: log-probabilities and entropies, forward + backward) on a rank's tokens
   of :data:`MODEL`'s width and vocabulary, in one call (as without exact sums) and in one call per unit with the weight
@@ -15,6 +18,7 @@ rank 0 of rounds that run every mode once after a warm-up:
 
     PYTHONPATH=. python scripts/deterministic_cost.py --seq-lens 4096 8192 --out runs/deterministic_cost.json
     PYTHONPATH=. python scripts/deterministic_cost.py --part gradients --seq-lens 2048 8192 --out runs/exact_grads.json
+    PYTHONPATH=. python scripts/deterministic_cost.py --part step --seq-lens 4096 8192 --out runs/step.json
     PYTHONPATH=. python scripts/deterministic_cost.py --part fused-head --seq-lens 2048 8192 --out runs/head.json
 
 Prints a table and writes JSON (docs/deterministic.md quotes both).
@@ -81,7 +85,10 @@ def _attention_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
     _medians({name: functools.partial(once, *mode) for name, mode in MODES.items()}, rounds, rank, out)
 
 
-def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
+def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str,
+                    step: bool = False) -> None:
+    """``--part gradients`` (the mode's handler; its gradients all-reduced in float32 and summed exactly), or with
+    ``step`` ``--part step``: the default mode's step (the default ring, float32 all-reduce) against the mode's."""
     from cp_handler import LocalContextParallelHandler
     from cp_handler.models import GPTConfig, GPTModel
     from cp_handler.runtime.exact_grads import ExactGradients, unit_lengths
@@ -91,12 +98,13 @@ def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(**MODEL))
     tokens = torch.randint(0, MODEL["vocab_size"], (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
-    handler = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="a2a", deterministic=True)
-    inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
+    mode = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="a2a", deterministic=True)
+    default = LocalContextParallelHandler(cp_group=dist.group.WORLD, cp_comm_type="p2p")
     sums = ExactGradients(model)
-    sums.units = unit_lengths(handler, inputs.shape[1])
+    sums.units = unit_lengths(mode, mode.dispatch(tokens[:, :-1], 1).shape[1])
 
-    def once(exact: bool) -> float:
+    def once(handler, exact: bool) -> float:
+        inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
         model.zero_grad(set_to_none=True)
         dist.barrier()
         began = time.perf_counter()
@@ -110,8 +118,9 @@ def _gradients_rank(rank: int, world: int, init: str, seq_len: int, rounds: int,
             dist.all_reduce(flat)
         return time.perf_counter() - began
 
-    _medians({"all-reduced": functools.partial(once, False), "exact": functools.partial(once, True)}, rounds, rank,
-             out)
+    modes = ({"default": (default, False), "deterministic": (mode, True)} if step else
+             {"all-reduced": (mode, False), "exact": (mode, True)})
+    _medians({name: functools.partial(once, *how) for name, how in modes.items()}, rounds, rank, out)
 
 
 def _fused_head_rank(rank: int, world: int, init: str, seq_len: int, rounds: int, out: str) -> None:
@@ -171,7 +180,9 @@ def _two_modes_table(base: str, other: str, rows: list[dict]) -> None:
 
 PARTS = {"attention": (_attention_rank, _attention_table),
          "gradients": (_gradients_rank, functools.partial(_two_modes_table, "all-reduced", "exact")),
-         "fused-head": (_fused_head_rank, functools.partial(_two_modes_table, "one call", "per unit"))}
+         "fused-head": (_fused_head_rank, functools.partial(_two_modes_table, "one call", "per unit")),
+         "step": (functools.partial(_gradients_rank, step=True), functools.partial(_two_modes_table, "default",
+                                                                                    "deterministic"))}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"seq_len": seq_len, "cp": 2, **json.load(f)})
     table(rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    extra = {"model": MODEL} if args.part in ("gradients", "fused-head") else {}
+    extra = {"model": MODEL} if args.part != "attention" else {}
     with open(args.out, "w") as f:
         json.dump({"command": " ".join(sys.argv), "torch": torch.__version__, **extra, "rows": rows}, f, indent=1)
 

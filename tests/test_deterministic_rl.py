@@ -12,7 +12,8 @@ model) against cp 1:
   the policy's log-probs and entropies in the loss), every logged figure (loss, gradient norm, KL, clip ratios, ...)
   and every parameter after the run;
 * RLOO: the same at cp 2;
-* DPO (a reference model other than the policy): every logged figure of the three steps (chosen and rejected
+* DPO (cp 2 and 4; a reference model other than the policy): the per-token log-probs of every row from each call of
+  the reference model and of the policy, every logged figure of the three steps (chosen and rejected
   log-probs, rewards, margins, accuracies, the loss, the gradient norm) and every parameter;
 * Trainer and TRL's SFTTrainer (its fused LM head, packed documents; cp 2): the gradient norm of every step and every
   parameter (the logged loss is each rank's share averaged by Trainer in float32: within an ulp, not compared
@@ -120,8 +121,21 @@ def _dpo(out: Path, world: int, mode: str, fields: dict | None) -> dict:
     trainer = CPDPOTrainer(model=str(path), ref_model=reference, args=args,
                            train_dataset=Dataset.from_list(cases.preference_pairs(12)),
                            processing_class=cases.tokenizer(), cp_args=_cp_args(world, mode))
+    scores, depth = [], [0]
+
+    def entered(module, args, kwargs):
+        depth[0] += 1
+
+    def left(module, args, kwargs, output):  # the outermost call's per-token log-probs of every row (under CP the
+        depth[0] -= 1                        # model's forward runs again inside, on the rank's shard)
+        if depth[0] == 0 and kwargs.get("fused_lm_head"):
+            scores.append([output.log_probs.detach().clone()])
+
+    for model in (trainer.accelerator.unwrap_model(trainer.model), reference):  # the policy's, the reference's
+        model.register_forward_pre_hook(entered, with_kwargs=True, prepend=True)
+        model.register_forward_hook(left, with_kwargs=True)
     trainer.train()
-    return _trained(trainer, [])
+    return _trained(trainer, scores)
 
 
 def _sft(out: Path, world: int, mode: str, fields: dict | None, collator: str = "pad") -> dict:
@@ -185,11 +199,11 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deterministic_rl")
     names = tuple(RUNS)
     run_distributed(_worker, 1, str(out), [(n, "exact", "gqa") for n in names] +
-                    [(n, "exact", "mha") for n in ("grpo", "sft")] + [("grpo", "exact", "six")])
+                    [(n, "exact", "mha") for n in ("grpo", "sft", "dpo")] + [("grpo", "exact", "six")])
     run_distributed(_worker, 2, str(out), [(n, "exact", "gqa") for n in names] +
                     [(n, "float_sums", "gqa") for n in names] + [(n, "default", "gqa") for n in ("grpo", "dpo")])
     run_distributed(_worker, 3, str(out), [("grpo", "exact", "six")])
-    run_distributed(_worker, 4, str(out), [(n, "exact", "mha") for n in ("grpo", "sft")])
+    run_distributed(_worker, 4, str(out), [(n, "exact", "mha") for n in ("grpo", "sft", "dpo")])
     return lambda name, world, mode="exact", shape="gqa": torch.load(
         out / f"{name}_cp{world}_{mode}_{shape}" / "result.pt")
 
@@ -232,10 +246,14 @@ def test_rloo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
     _check_bitwise(runs("rloo", 1), runs("rloo", 2))
 
 
-def test_dpo_runs_are_bitwise_the_same_at_cp_1_and_2(runs):
-    want, got = runs("dpo", 1), runs("dpo", 2)
+@pytest.mark.parametrize("world, shape", [(2, "gqa"), (4, "mha")])
+def test_dpo_runs_are_bitwise_the_same_at_every_degree(runs, world, shape):
+    """DPO at cp 2 and 4: the per-token log-probs of every row from each call of the reference model and of the
+    policy, every logged figure and every parameter."""
+    want, got = runs("dpo", 1, shape=shape), runs("dpo", world, shape=shape)
     assert want["logged"][0]["rewards/margins"] != 0.0  # the reference differs from the policy
     assert {"loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins"} <= set(want["logged"][0])
+    assert len(want["scores"]) >= 2 * STEPS, len(want["scores"])  # the reference's calls and the policy's
     _check_bitwise(want, got)
 
 
@@ -257,3 +275,4 @@ def test_controls_differ(runs):
     assert not all(torch.equal(x, y) for a, b in zip(default["scores"][:3], want["scores"][:3], strict=True)
                    for x, y in zip(a, b, strict=True) if x is not None), "the control cannot fail"
     assert runs("dpo", 2, "default")["logged"][0] != runs("dpo", 1)["logged"][0], "the control cannot fail"
+    assert not _same_scores(runs("dpo", 2, "default"), runs("dpo", 1)), "the control cannot fail"
