@@ -69,7 +69,7 @@ ROW_SEQ_LENS = (65536, 131072, 262144, 393216, 524288)
 PROFILE = ("import os; from cp_handler.bench.plan import PlanCase, PlanShape, profile_case; "
            "print(profile_case(PlanCase('p2p', 'thd', 4, 65536), PlanShape(), os.environ['GPU_CHECK_TRACE']))")
 PASS_ORDER = ("default", "fa4_kernels", "fa4_patterns", "fa4_plan", "memory", "compile", "cudnn_ragged",
-              "varlen_fp16", "profile_thd", "kernels", "patterns", "gpt", "masks", "opt_in", "plan")
+              "varlen_fp16", "profile_thd", "kernels", "patterns", "gpt", "masks", "opt_in", "deterministic", "plan")
 NEEDS_FA4 = ("fa4_kernels", "fa4_patterns", "fa4_plan")
 MIN_START_S = 30
 """A part does not start with less time left than this."""
@@ -129,6 +129,7 @@ def stages(scratch: Path) -> dict[str, list[tuple[str, list[str], dict]]]:
         "gpt": [("gpt", [*PYTEST, "tests/test_gpt_parity.py", "tests/test_gpu_backends.py"], {})],
         "masks": [("masks", [*PYTEST, "tests/test_masks.py"], {})],
         "mixers": [("mixers", [*PYTEST, "tests/test_hybrid.py"], {})],
+        "deterministic": [("deterministic_cuda", [*PYTEST, "tests/test_deterministic_gpu.py"], {})],  # opt-in path
     }
 
 

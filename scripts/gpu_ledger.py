@@ -59,6 +59,8 @@ COVERS: dict[str, tuple[str, ...]] = {
     "masks": (*_ATTN, *_HARNESS, "tests/test_masks.py"),
     "mixers": (*_ATTN, *_HARNESS, "tests/test_hybrid.py", "tests/mixer_reference.py"),
     "opt_in": _PATTERN_STAGE,
+    "deterministic": (*_ATTN, *_HARNESS, "cp_handler/models", "tests/deterministic_cases.py",
+                      "tests/test_deterministic_gpu.py"),
     "plan": _PLAN_STAGE,
 }
 """Per stage, the files and folders (relative to the repository root) whose change makes it pending again."""

@@ -42,23 +42,23 @@ def case_runs_heads(heads: int, kv_heads: int, cp: int) -> bool:
     return heads == kv_heads or kv_heads % cp == 0
 
 
-def results(handler, case, seq_len: int = S) -> list[torch.Tensor]:
+def results(handler, case, seq_len: int = S, device: str = "cpu") -> list[torch.Tensor]:
     """The global output and the gradients of q, k and v of one call of ``case`` (``CASES``' form) through
-    ``handler`` (combined over the group); with sinks, their gradient too (summed over the group: each rank's heads'
-    share)."""
+    ``handler`` (combined over the group) on ``device`` (the inputs drawn on the CPU); with sinks, their gradient too
+    (summed over the group: each rank's heads' share)."""
     name, heads, kv_heads, dtype, mask_type, window, fmt = case
     g = torch.Generator().manual_seed(0)
     shape, dim = (((sum(fmt),), 0) if isinstance(fmt, tuple) else ((seq_len, 1), 0) if fmt == "sbhd" else
                   ((1, seq_len), 1))
     dv = 24 if name.startswith("mla") else D
-    q = torch.randn(*shape, heads, D, generator=g).to(dtype)
-    dout = torch.randn(*shape, heads, dv, generator=g).to(dtype)
-    k = torch.randn(*shape, kv_heads, D, generator=g).to(dtype)
-    v = torch.randn(*shape, kv_heads, dv, generator=g).to(dtype)
+    q = torch.randn(*shape, heads, D, generator=g).to(device, dtype)
+    dout = torch.randn(*shape, heads, dv, generator=g).to(device, dtype)
+    k = torch.randn(*shape, kv_heads, D, generator=g).to(device, dtype)
+    v = torch.randn(*shape, kv_heads, dv, generator=g).to(device, dtype)
     module = torch.nn.Module()
     module.softmax_scale, module.window_size = 0.25, window
     for attr, value in VARIANTS.get(name, {}).items():
-        setattr(module, attr, torch.nn.Parameter(torch.full((heads,), value) + torch.arange(heads) / heads)
+        setattr(module, attr, torch.nn.Parameter((torch.full((heads,), value) + torch.arange(heads) / heads).to(device))
                 if attr == "sinks" else value)
     local = [handler.dispatch(t, dim).detach().requires_grad_() for t in (q, k, v)]
     out = handler.core_attn(module, *local, attn_mask_type=mask_type)
@@ -114,16 +114,17 @@ def case_handler(group, fmt="bshd", comm_type: str = "a2a", levels=None, determi
     return LocalContextParallelHandler(cp_group=group, cp_comm_type=comm_type, deterministic=deterministic, **kwargs)
 
 
-def gpt_outputs(handler, seq_len: int = S, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """The reference GPT's (8 heads, 2 layers, in ``dtype``) global logits of ``seq_len`` tokens and its per-token
-    losses, each computed on the rank's own tokens (its shard of the logits against its shard of the labels) and
-    combined into global order."""
+def gpt_outputs(handler, seq_len: int = S, dtype: torch.dtype = torch.float32, device: str = "cpu"
+                ) -> list[torch.Tensor]:
+    """The reference GPT's (8 heads, 2 layers, in ``dtype`` on ``device``) global logits of ``seq_len`` tokens and its
+    per-token losses, each computed on the rank's own tokens (its shard of the logits against its shard of the labels)
+    and combined into global order."""
     from cp_handler.models import GPTConfig, GPTModel
 
     torch.manual_seed(0)
     model = GPTModel(GPTConfig(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=8,
-                               num_query_groups=8, ffn_hidden_size=128)).to(dtype)
-    tokens = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
+                               num_query_groups=8, ffn_hidden_size=128)).to(device, dtype)
+    tokens = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(1)).to(device)
     inputs, labels = (handler.dispatch(t, 1) for t in (tokens[:, :-1], tokens[:, 1:]))
     with torch.no_grad():
         logits = model(inputs, cp_handler=handler)

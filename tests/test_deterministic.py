@@ -126,8 +126,33 @@ def _refusal_worker(rank, world):
 
 def test_what_the_mode_does_not_make_bitwise_is_refused_by_name():
     run_distributed(_refusal_worker, 4)
-    with pytest.raises(ValueError, match="pins the block kernel to 'cpu_flash'"):
-        LocalContextParallelHandler(cp_group=None, deterministic=True, attn_kernel="flash")
+    with pytest.raises(ValueError, match="pins the block kernel by device"):
+        LocalContextParallelHandler(cp_group=None, deterministic=True, attn_kernel="flash_gqa")
+
+
+def test_the_gpu_path_is_opt_in(monkeypatch):
+    """On CUDA the mode runs only with ``CP_HANDLER_DETERMINISTIC_CUDA=1`` and ``torch.use_deterministic_algorithms
+    (True)`` (not warn_only), and not through an all-to-all, each refusal naming what is missing; other devices
+    refused; the CPU runs it. (The GPU path itself: tests/test_deterministic_gpu.py, pending a GPU.)"""
+    from cp_handler.handlers.local import DETERMINISTIC_CUDA_ENV, deterministic_device_refusal
+
+    assert deterministic_device_refusal("cpu") is None
+    assert "runs on the CPU" in deterministic_device_refusal("mps")
+    monkeypatch.delenv(DETERMINISTIC_CUDA_ENV, raising=False)
+    assert f"set {DETERMINISTIC_CUDA_ENV}=1" in deterministic_device_refusal("cuda")
+    monkeypatch.setenv(DETERMINISTIC_CUDA_ENV, "1")
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert "needs torch.use_deterministic_algorithms(True)" in deterministic_device_refusal("cuda")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert "not warn_only" in deterministic_device_refusal("cuda")
+        torch.use_deterministic_algorithms(True)
+        assert deterministic_device_refusal("cuda") is None
+        assert deterministic_device_refusal("cuda", "p2p") is None
+        assert "use 'p2p' or 'all_gather'" in deterministic_device_refusal("cuda", "a2a+p2p")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_the_config_field_builds_the_mode_and_refuses_what_it_does_not_run():

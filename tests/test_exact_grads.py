@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from cp_handler import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
+from cp_handler.runtime import exact_grads
 from cp_handler.runtime.exact_grads import (
     ExactGradients,
     from_fixed,
@@ -137,6 +138,24 @@ def test_fixed_point_sums_are_the_same_bits_in_any_order_and_grouping(terms, see
     assert torch.equal(from_fixed(*grouped), whole)
     exact = x.double().sum(0)
     assert ((whole.double() - exact).abs() <= exact.abs() * 2.0**-23 + terms * 2.0**-56 + 1e-300).all()
+
+
+def test_the_compiled_sums_are_the_eager_integers():
+    """Large pieces are summed by a compiled kernel (``fixed_sums``, Inductor on the CPU): the same integers as the
+    eager operations on pieces of every magnitude the range allows (subnormals, tiny negatives whose floor crosses a
+    limb, values next to the range's edge), a length whose vectorised loop has a tail, and the same count of elements
+    out of range (NaN, infinities, the edge itself), whose limbs are not compared (they are refused)."""
+    g = torch.Generator().manual_seed(0)
+    n = exact_grads.COMPILE_MIN_ELEMENTS + 7
+    pieces = (torch.randn(3, n, generator=g) * 2.0 ** torch.randint(-40, 14, (3, n), generator=g)).clamp(-3e4, 3e4)
+    pieces[0, :6] = torch.tensor([-1.5e-8, 1e-30, -1e-30, -1e-45, 2.0**15 - 2.0**-8, -(2.0**15) + 2.0**-8])
+    assert pieces.dtype == torch.float32 and pieces.abs().max() < exact_grads.MAX_PIECE
+    got, want = exact_grads.fixed_sums(pieces), exact_grads._fixed_sums(pieces)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert exact_grads._compiled_fixed_sums.cache_info().currsize == 1  # the compiled path ran
+    bad = pieces.clone()
+    bad[1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), exact_grads.MAX_PIECE])
+    assert exact_grads.fixed_sums(bad)[2].item() == exact_grads._fixed_sums(bad)[2].item() == 4
 
 
 def test_out_of_range_pieces_are_refused_on_every_rank_after_the_sum():

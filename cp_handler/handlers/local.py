@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,16 @@ from .base import ContextParallelHandler
 from .preflight import AttnCall
 
 LOG = logging.getLogger("cp_handler.auto")
+DETERMINISTIC_KERNELS = {"cpu": "cpu_flash", "cuda": "flash"}
+"""The block kernel the deterministic mode pins, by device type: the CPU's flash kernel (tested), and on CUDA torch's
+FlashAttention-2 (``flash``), whose backward runs its deterministic algorithm under
+``torch.use_deterministic_algorithms(True)`` (opt-in: :data:`DETERMINISTIC_CUDA_ENV`)."""
+DETERMINISTIC_CUDA_ENV = "CP_HANDLER_DETERMINISTIC_CUDA"
+"""Set to ``1`` to run the deterministic mode on CUDA: its GPU path has not run on a GPU yet (docs/deterministic.md,
+"On a GPU"), so it is refused without it."""
 _LOGGED: set[tuple[str, int, str]] = set()
+_WARNED_DEVICES: set[str] = set()
+"""Device types the deterministic mode's untested path has warned about in this process."""
 """``"auto"``'s picks logged in this process: ``(comm type, cp, profile name)``."""
 
 
@@ -71,19 +81,21 @@ class LocalContextParallelHandler(ContextParallelHandler):
             zigzag chunks of whole tiles), the same bits in every pattern; ``a2a`` runs packed documents and sinks
             with one process's blockwise computation instead (each rank computes whole heads over the whole
             sequence); ``"auto"`` picks among the patterns that run a call.
-            The block kernel is pinned (``cpu_flash``; cp = 1 runs it too instead of
+            The block kernel is pinned (:data:`DETERMINISTIC_KERNELS`: ``cpu_flash``; cp = 1 runs it too instead of
             ``F.scaled_dot_product_attention``); thd documents padded to a multiple of 48 too (one padded length at
             cp 1, 2, 3, 4, 6 and 8: :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`). Refused by name:
             ``p2p``, ``all_gather`` and ``a2a+p2p`` with a full mask on padded documents or chunks that
             are not whole tiles; ``a2a`` (and a2a+p2p's all-to-all) over ranks that do not divide the key-value
             heads when they are fewer than the query heads (a key-value head's gradient would be summed over ranks
-            in the group's order); a device other than the CPU (not yet run on a GPU).
+            in the group's order); CUDA unless :data:`DETERMINISTIC_CUDA_ENV` is ``1`` and
+            ``torch.use_deterministic_algorithms(True)`` is on (:func:`deterministic_device_refusal`; not yet run on
+            a GPU); other devices.
         **kwargs: as :class:`~cp_handler.handlers.base.ContextParallelHandler`.
 
     Raises:
         ValueError: an unknown ``attn_kernel``; hierarchical groups missing, not two levels, sizes
             not multiplying to cp, or in the wrong order; a ``kv_cache`` with bshd/sbhd or of another group;
-            ``deterministic`` with another kernel than ``cpu_flash``;
+            ``deterministic`` with another kernel than the pinned ones;
             ``cp_comm_profile`` without ``"auto"``, unknown, or not covering the group (at the first call: its
             device or dtype).
     """
@@ -95,10 +107,11 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.deterministic = bool(deterministic)  # before the base builds the token layout (thd padding)
         super().__init__(**kwargs)
         if self.deterministic:
-            if attn_kernel not in (None, "cpu_flash"):
+            if attn_kernel not in (None, *DETERMINISTIC_KERNELS.values()):
                 raise ValueError(f"deterministic=True with attn_kernel={attn_kernel!r}: the mode pins the block "
-                                 "kernel to 'cpu_flash' (the one it is tested with)")
-            attn_kernel = "cpu_flash"
+                                 f"kernel by device ({DETERMINISTIC_KERNELS}; 'cpu_flash' is the one it is tested "
+                                 "with)")
+            attn_kernel = DETERMINISTIC_KERNELS["cpu"]
         if cp_comm_profile is not None and AUTO not in self.comm_types:
             raise ValueError(f"cp_comm_profile={cp_comm_profile!r} prices the patterns of cp_comm_type='auto'; "
                              f"cp_comm_type={self.cp_comm_type!r} has no 'auto' entry")
@@ -128,6 +141,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.attn_kernel = attn_kernel or AUTOMATIC
         # with the packed calls of this batch's plans; thd: a new block shape per document pair
         self.kernel_choice = KernelChoice(self.attn_kernel, varying_shapes=self.qkv_format == "thd")
+        self._device_choices = {"cpu": self.kernel_choice}
+        """The deterministic mode's kernel choice per device type (:data:`DETERMINISTIC_KERNELS`; built on first use,
+        sharing the packed-call cache)."""
         if self.cp_size > 1 and any(PATTERNS[t].hierarchical if t in PATTERNS else self.hierarchical_cp_groups
                                     for t in self.comm_types):
             self._check_levels()  # "auto" with levels given: checked like a2a+p2p's (it may pick it)
@@ -245,14 +261,30 @@ class LocalContextParallelHandler(ContextParallelHandler):
             refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
         return refusal
 
+    def _kernels(self, q: torch.Tensor) -> KernelChoice:
+        """The kernel choice of a call on ``q``'s device: the handler's, or in the deterministic mode the kernel it
+        pins for that device type (:data:`DETERMINISTIC_KERNELS`; on CUDA opt-in, warned once per process)."""
+        if not self.deterministic or q.device.type == "cpu":
+            return self.kernel_choice
+        choice = self._device_choices.get(q.device.type)
+        if choice is None:
+            if q.device.type not in _WARNED_DEVICES:
+                _WARNED_DEVICES.add(q.device.type)
+                LOG.warning("deterministic=True on %s (%s=1): a path no GPU has run yet; check its bits against cp 1 "
+                            "(docs/deterministic.md, 'On a GPU')", q.device.type, DETERMINISTIC_CUDA_ENV)
+            base = self.kernel_choice
+            choice = self._device_choices[q.device.type] = KernelChoice(
+                DETERMINISTIC_KERNELS[q.device.type], base.varying_shapes, base.packed_calls)
+        return choice
+
     def check_call(self, call: AttnCall) -> None:
         """A prefill that fills a KV cache attends causally (an encoder-style layer cannot generate); the deterministic
         mode's rules (the class doc's ``deterministic``)."""
         if self.deterministic:
             heads, kv_heads = call.q.shape[1], call.k.shape[1]
-            if call.q.device.type != "cpu":
-                raise ValueError(f"deterministic=True on {call.q.device.type}: the mode has run on the CPU only (its "
-                                 "GPU path is pending a GPU run)")
+            refusal = deterministic_device_refusal(call.q.device.type, call.comm_type if self.cp_size > 1 else None)
+            if refusal:
+                raise ValueError(refusal)
             refusal = self._deterministic_refusal(call.comm_type, heads, kv_heads, call.layout, call.mask, call.sinks)
             if refusal:
                 raise ValueError(refusal)
@@ -271,7 +303,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
         elif self.deterministic and (call.comm_type in ("all_gather", "p2p") if self.cp_size > 1 else
                                      canonical_applies(call.layout, mask, call.sinks,
                                                        tiled=call.comm_type in CANONICAL_COMM_TYPES)):
-            spec = AttnSpec(mask, call.scale, call.layout, self.kernel_choice.select(q, v.shape[-1]),
+            spec = AttnSpec(mask, call.scale, call.layout, self._kernels(q).select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None, sinks=call.sinks)
             out = canonical_attention(q, k, v, spec, ring=call.comm_type == "p2p")[0]
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
@@ -282,7 +314,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
                 entry = self._patterns[comm_type] = (pattern.attention, groups)
             attention, groups = entry
-            kernel = self.kernel_choice.select(q, v.shape[-1])
+            kernel = self._kernels(q).select(q, v.shape[-1])
             if not mask.plain:  # a forced masked kernel that cannot run this mask: refused before communicating
                 check_masked_override(mask, q, kernel, v.shape[-1])
             spec = AttnSpec(mask, call.scale, call.layout, kernel, self.kernel_choice.packed_calls, sinks=call.sinks,
@@ -297,6 +329,32 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
 HierarchicalContextParallelHandler = LocalContextParallelHandler
 """The name the local handler had when ``"a2a+p2p"`` was a class of its own; the same class."""
+
+
+def deterministic_device_refusal(device_type: str, comm_type: str | None = None) -> str | None:
+    """Why the deterministic mode refuses a call of ``comm_type`` on ``device_type`` (``None``: it runs it). The CPU
+    runs it (tested); CUDA only opted in (:data:`DETERMINISTIC_CUDA_ENV` ``=1``: no GPU has run the path yet), with
+    ``torch.use_deterministic_algorithms(True)`` on, not ``warn_only`` (torch's FlashAttention-2 backward adds dq in
+    an order of its blocks' scheduling otherwise: ``_flash_attention_backward`` passes the flag to ``mha_bwd``), and
+    not ``a2a`` / ``a2a+p2p`` (its forward splits the keys by an occupancy heuristic over batch x heads x query
+    blocks, ``set_params_splitkv``: the heads a rank computes change with cp under an all-to-all); any other
+    device."""
+    if device_type == "cpu":
+        return None
+    if device_type != "cuda":
+        return f"deterministic=True on {device_type}: the mode runs on the CPU (and, opted in, on CUDA)"
+    if os.environ.get(DETERMINISTIC_CUDA_ENV) != "1":
+        return (f"deterministic=True on cuda: the mode's GPU path has not run on a GPU yet (docs/deterministic.md, "
+                f"'On a GPU'); set {DETERMINISTIC_CUDA_ENV}=1 to run it (torch's FlashAttention-2 kernel with its "
+                "deterministic backward) and compare its bits with cp 1 yourself")
+    if not torch.are_deterministic_algorithms_enabled() or torch.is_deterministic_algorithms_warn_only_enabled():
+        return (f"deterministic=True on cuda ({DETERMINISTIC_CUDA_ENV}=1) needs torch.use_deterministic_algorithms("
+                "True) (not warn_only): FlashAttention-2's backward adds dq in a nondeterministic order otherwise")
+    if comm_type in ("a2a", "a2a+p2p"):
+        return (f"deterministic=True on cuda with cp_comm_type={comm_type!r}: FlashAttention-2's forward splits the "
+                "keys by the heads a call computes, which the all-to-all changes with the CP size; use 'p2p' or "
+                "'all_gather'")
+    return None
 
 
 def deterministic_heads_refusal(heads: int, kv_heads: int, cp_size: int) -> str | None:
