@@ -17,16 +17,15 @@ from hypothesis import strategies as st
 
 from cp_handler import LocalContextParallelHandler
 from cp_handler.models import GPTConfig, GPTModel
-from cp_handler.runtime import exact_grads
+from cp_handler.runtime import fixed_point
 from cp_handler.runtime.exact_grads import (
     ExactGradients,
-    from_fixed,
     is_scaled_norm,
-    to_fixed,
     uncovered,
     unit_lengths,
     units_refusal,
 )
+from cp_handler.runtime.fixed_point import from_fixed, to_fixed
 
 S = 384  # a multiple of 48: units of 8 tokens inside every zigzag chunk at cp 1, 2, 3, 4, 6 and 8
 
@@ -146,16 +145,16 @@ def test_the_compiled_sums_are_the_eager_integers():
     limb, values next to the range's edge), a length whose vectorised loop has a tail, and the same count of elements
     out of range (NaN, infinities, the edge itself), whose limbs are not compared (they are refused)."""
     g = torch.Generator().manual_seed(0)
-    n = exact_grads.COMPILE_MIN_ELEMENTS + 7
+    n = fixed_point.COMPILE_MIN_ELEMENTS + 7
     pieces = (torch.randn(3, n, generator=g) * 2.0 ** torch.randint(-40, 14, (3, n), generator=g)).clamp(-3e4, 3e4)
     pieces[0, :6] = torch.tensor([-1.5e-8, 1e-30, -1e-30, -1e-45, 2.0**15 - 2.0**-8, -(2.0**15) + 2.0**-8])
-    assert pieces.dtype == torch.float32 and pieces.abs().max() < exact_grads.MAX_PIECE
-    got, want = exact_grads.fixed_sums(pieces), exact_grads._fixed_sums(pieces)
+    assert pieces.dtype == torch.float32 and pieces.abs().max() < fixed_point.MAX_PIECE
+    got, want = fixed_point.fixed_sums(pieces), fixed_point._fixed_sums(pieces)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert exact_grads._compiled_fixed_sums.cache_info().currsize == 1  # the compiled path ran
+    assert fixed_point._compiled_fixed_sums.cache_info().currsize == 1  # the compiled path ran
     bad = pieces.clone()
-    bad[1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), exact_grads.MAX_PIECE])
-    assert exact_grads.fixed_sums(bad)[2].item() == exact_grads._fixed_sums(bad)[2].item() == 4
+    bad[1, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), fixed_point.MAX_PIECE])
+    assert fixed_point.fixed_sums(bad)[2].item() == fixed_point._fixed_sums(bad)[2].item() == 4
 
 
 def test_out_of_range_pieces_are_refused_on_every_rank_after_the_sum():

@@ -11,19 +11,19 @@ order no longer matters:
   one zigzag chunk at the degrees compared (:func:`unit_lengths`; thd documents are padded to multiples of 48 in the
   mode), so a unit is the same set of global tokens, and the same GEMM shape, at every degree. A bias's, an RMSNorm
   weight's (``dy * x_hat``) and an embedding row's (``dy``) pieces are single tokens.
-* **Exact sums.** Each piece's float32 value is put on a fixed-point grid of ``2**-FRACTION_BITS``
-  (:func:`to_fixed`: two int64 limbs of 32 bits below and the rest above, a deterministic rounding of the piece
-  alone) and the limbs are added as integers: associative, so the local sums, the micro-batches, the index-adds of
-  the embedding and the all-reduce over the dp x cp ranks (int64) give the same integers in any order. The total is
-  rounded once to float32 (:func:`from_fixed`).
+* **Exact sums.** Each piece's float32 value is put on a fixed-point grid of ``2**-56``
+  (:func:`~.fixed_point.to_fixed`: two int64 limbs of 32 bits below and the rest above, a deterministic rounding of
+  the piece alone) and the limbs are added as integers: associative, so the local sums, the micro-batches, the
+  index-adds of the embedding and the all-reduce over the dp x cp ranks (int64) give the same integers in any order.
+  The total is rounded once to float32 (:func:`~.fixed_point.from_fixed`).
 
 Accuracy: each piece is rounded down to ``2**-56`` (1.4e-17) absolute, the sum is exact, the result rounded once to
 float32: at least as close to the exact gradient as a float32 sum, whose error grows with the number of terms.
 Range: a piece must be finite with ``|x| < 2**15``, and an element may receive at most ``2**24`` pieces per step
 (a larger value is counted, and every rank raises after the all-reduce: no rank hangs). Cost: two int64 limbs per
 parameter element (16 bytes, beside the float32 gradient), one GEMM per unit instead of one per layer (the same
-flops), the pieces' conversion and sum (one fused pass per large piece on the CPU: :func:`fixed_sums`), one
-all-reduce of the limbs instead of DDP's float32 one.
+flops), the pieces' conversion and sum (one fused pass per large piece on the CPU:
+:func:`~.fixed_point.fixed_sums`), one all-reduce of the limbs instead of DDP's float32 one.
 
 Covered: ``nn.Linear``, ``nn.RMSNorm`` (with a weight), ``nn.Embedding`` (without ``max_norm``, gradient scaling by
 frequency or sparse gradients) and any normalisation that ends in ``weight * x_hat`` (:func:`is_scaled_norm`, by
@@ -44,58 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-FRACTION_BITS = 56
-"""Bits of the fixed-point grid below the unit: a piece is rounded down to a multiple of ``2**-56``."""
-LIMB_BITS = 32
-"""Bits of the lower limb: up to ``2**31`` lower limbs add without overflowing an int64."""
-MAX_PIECE = 2.0**15
-"""The largest magnitude a piece may have: with at most ``2**24`` pieces per element the upper limbs' sum stays below
-``2**63`` (``2**15 * 2**(56 - 32) * 2**24 = 2**63``)."""
-
-
-def to_fixed(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (float32 or float64, ``|x| < MAX_PIECE``) on the grid ``2**-FRACTION_BITS``: ``(hi, lo)`` int64 with
-    ``x ~= (hi * 2**32 + lo) * 2**-56``, ``0 <= lo < 2**32``, rounded down. A function of each element alone, and
-    every step exact for float32 ``x`` (``x * 2**56`` is exact in float64, its floor too, and the limbs are its
-    integer split), so any implementation of these operations (a compiled one: :func:`fixed_sums`) gives the same
-    integers."""
-    scaled = torch.floor(x.double() * 2.0**FRACTION_BITS)
-    hi = torch.floor(scaled * 2.0**-LIMB_BITS)
-    return hi.long(), (scaled - hi * 2.0**LIMB_BITS).long()
-
-
-def _fixed_sums(pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    hi, lo = to_fixed(pieces)
-    return hi.sum(0), lo.sum(0), (~(pieces.abs() < MAX_PIECE)).sum()
-
-
-COMPILE_MIN_ELEMENTS = 1 << 16
-"""Pieces of at least this many elements per call are summed by the compiled :func:`fixed_sums` on the CPU (one fused
-pass instead of about ten: 13 -> 1 ms for a 1M-element piece, one thread; compiled once per process, shapes dynamic);
-smaller ones eagerly (no compile for a small model)."""
-
-
-@functools.cache
-def _compiled_fixed_sums():
-    return torch.compile(_fixed_sums, dynamic=True)
-
-
-def fixed_sums(pieces: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``pieces (N, *row)`` on the fixed-point grid (:func:`to_fixed`), summed over ``N``: ``(hi, lo)`` int64 ``row``,
-    and the count of elements out of range (not finite or ``|x| >= MAX_PIECE``), an int64 0-d tensor. On the CPU,
-    pieces of :data:`COMPILE_MIN_ELEMENTS` or more go through ``torch.compile`` (Inductor); its integers are the eager
-    ones (every step exact; ``tests/test_exact_grads.py`` compares them)."""
-    if pieces.device.type == "cpu" and pieces.numel() >= COMPILE_MIN_ELEMENTS:
-        return _compiled_fixed_sums()(pieces)
-    return _fixed_sums(pieces)
-
-
-def from_fixed(hi: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The value of summed limbs ``(hi, lo)`` (``lo >= 0``, any size) in ``dtype``: the carry moved up first, so
-    equal sums give equal bits."""
-    carry = lo >> LIMB_BITS
-    hi, lo = hi + carry, lo - (carry << LIMB_BITS)
-    return (hi.double() * 2.0 ** (LIMB_BITS - FRACTION_BITS) + lo.double() * 2.0**-FRACTION_BITS).to(dtype)
+from .fixed_point import MAX_PIECE, fixed_sums, from_fixed, to_fixed
 
 
 def unit_parts(seq_len: int, qkv_format: str) -> int:
