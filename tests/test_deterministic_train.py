@@ -51,7 +51,8 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
     bitwise, the loss summed over the whole sequence in one order) and each step's gradient norm (the parameter
     gradients summed exactly, ``runtime/exact_grads``: the same bits at every degree, so every step starts from the
     same parameters), bshd and thd packs; bshd through the KV all-gather, the ring (p2p) and auto on canonical tiles
-    at cp 2 and a2a+p2p (2 x 2) at cp 4 (256 tokens); thd packs through p2p on canonical tiles at cp 1 and 2.
+    at cp 2 and a2a+p2p (2 x 2) at cp 4 (256 tokens); thd packs through p2p on canonical tiles at cp 1 and 2; bf16
+    (``--dtype bfloat16``) at cp 1 and 2.
     Negative control: the default mode at cp 4 differs from cp 1 in at least one step (measured at steps 1-3), so
     the comparison can fail. (Before the mode pinned one thread per CPU rank, thd's third gradient norm at cp 1, run
     on 2 threads, differed from cp 2's and 4's: the CPU flash kernel at head dim 8, measured 2026-12-06.)"""
@@ -71,6 +72,8 @@ def test_cp_train_deterministic_losses_are_bitwise_the_same_at_every_cp_degree(t
                    norms=True) == want
     # packed documents on canonical tiles (a 48th of each document): p2p at cp 2 against one process on p2p
     flags = ("--deterministic", "--packing", "thd", "--cp-comm-type", "p2p")
+    assert _losses(tmp_path, 2, *flags, norms=True) == _losses(tmp_path, 1, *flags, norms=True)
+    flags = ("--deterministic", "--dtype", "bfloat16")  # bf16 parameters and activations (the exact sums take them)
     assert _losses(tmp_path, 2, *flags, norms=True) == _losses(tmp_path, 1, *flags, norms=True)
     default = _losses(tmp_path, 4)
     want = _losses(tmp_path, 1, "--deterministic")
