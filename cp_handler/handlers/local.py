@@ -33,9 +33,9 @@ DETERMINISTIC_CUDA_ENV = "CP_HANDLER_DETERMINISTIC_CUDA"
 """Set to ``1`` to run the deterministic mode on CUDA: its GPU path has not run on a GPU yet (docs/deterministic.md,
 "On a GPU"), so it is refused without it."""
 _LOGGED: set[tuple[str, int, str]] = set()
+"""``"auto"``'s picks logged in this process: ``(comm type, cp, profile name)``."""
 _WARNED_DEVICES: set[str] = set()
 """Device types the deterministic mode's untested path has warned about in this process."""
-"""``"auto"``'s picks logged in this process: ``(comm type, cp, profile name)``."""
 
 
 class LocalContextParallelHandler(ContextParallelHandler):
