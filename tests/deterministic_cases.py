@@ -74,27 +74,39 @@ def results(handler, case, seq_len: int = S, device: str = "cpu") -> list[torch.
 
 @contextlib.contextmanager
 def captured_lse():
-    """Within it, every call of the canonical tiles (``canonical_attention``, what ``p2p`` and ``all_gather`` run in
-    the mode) appends its forward's log-sum-exp (float32, the token dim last) to the list it yields."""
+    """Within it, every attention call a handler makes (the canonical tiles' ``canonical_attention``, what ``p2p`` and
+    ``all_gather`` run in the mode, and each pattern's blockwise ``attention``; ``a2a`` and ``a2a+p2p`` asked for
+    theirs) appends its forward's log-sum-exp (float32 ``(B, H, S_local)``, the token dim last, in the rank's
+    sequence layout) to the list it yields. Handlers built inside it see the wrapped patterns."""
+    import dataclasses
+
     import cp_handler.handlers.local as local
+    from cp_handler.ops.patterns import PATTERNS
 
-    seen, real = [], local.canonical_attention
+    seen, real, patterns = [], local.canonical_attention, dict(PATTERNS)
 
-    def captured(*args, **kwargs):
-        out, lse = real(*args, **kwargs)
-        seen.append(lse.detach())
-        return out, lse
+    def recorded(attention, lse_arg: bool):
+        def wrapped(*args, **kwargs):
+            out, lse = attention(*args, **kwargs, **({"return_lse": True} if lse_arg else {}))
+            seen.append(lse.detach())
+            return out, lse
+        return wrapped
 
-    local.canonical_attention = captured
+    local.canonical_attention = recorded(real, False)
+    for name, pattern in patterns.items():
+        PATTERNS[name] = dataclasses.replace(pattern, attention=recorded(pattern.attention, pattern.splits_heads))
     try:
         yield seen
     finally:
         local.canonical_attention = real
+        PATTERNS.update(patterns)
 
 
-def results_with_lse(handler, case, seq_len: int = S) -> list[torch.Tensor]:
-    """:func:`results` of a call on canonical tiles, then its log-sum-exp combined into global order."""
+def results_with_lse(make_handler, case, seq_len: int = S) -> list[torch.Tensor]:
+    """:func:`results` of one call through the handler ``make_handler()`` builds (inside :func:`captured_lse`, so its
+    pattern is the wrapped one), then the call's log-sum-exp combined into global order."""
     with captured_lse() as seen:
+        handler = make_handler()
         got = results(handler, case, seq_len)
     lse, = seen  # one forward call
     return [*got, handler.combine(lse, lse.dim() - 1)]
@@ -130,3 +142,11 @@ def gpt_outputs(handler, seq_len: int = S, dtype: torch.dtype = torch.float32, d
         logits = model(inputs, cp_handler=handler)
         losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
     return [handler.combine(logits, 1), handler.combine(losses, 1)]
+
+
+def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str, lse: bool = False) -> None:
+    """``torch.equal`` of each result (:data:`RESULTS` in order; with ``lse``, :func:`results_with_lse`'s, the
+    log-sum-exp last), the first difference named with ``what`` and its largest magnitude."""
+    names = (*RESULTS[:len(got) - 1], "lse") if lse else RESULTS[:len(got)]
+    for name, a, b in zip(names, got, want, strict=True):
+        assert torch.equal(a, b), f"{what} {name}: max difference {(a.float() - b.float()).abs().max().item():.3e}"

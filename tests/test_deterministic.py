@@ -11,9 +11,22 @@ divide (fewer than the query heads), another kernel.
 Tolerances: none (bitwise).
 """
 
+from functools import partial
+
 import pytest
 import torch
-from deterministic_cases import CASES, RESULTS, VARIANTS, D, S, case_handler, case_runs_heads, gpt_outputs, results
+from deterministic_cases import (
+    CASES,
+    VARIANTS,
+    D,
+    S,
+    assert_equal,
+    case_handler,
+    case_runs_heads,
+    gpt_outputs,
+    results,
+    results_with_lse,
+)
 from dist_utils import computed_once, fails_fast, new_cp_group, run_distributed
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -28,11 +41,6 @@ def _case_runs(name: str, cp: int) -> bool:
 
 def _handler(group, comm_type="a2a", deterministic=True):
     return LocalContextParallelHandler(cp_group=group, cp_comm_type=comm_type, deterministic=deterministic)
-
-
-def _assert_equal(got, want, what: str) -> None:
-    for name, a, b in zip(RESULTS, got, want, strict=False):
-        assert torch.equal(a, b), f"{what} {name}: max difference {(a.float() - b.float()).abs().max().item():.3e}"
 
 
 def _thd_heads(world: int) -> tuple[int, int]:
@@ -50,8 +58,9 @@ def _worker(rank, world):
             assert not torch.equal(computed_once(results, _handler(None), case)[0], plain), case[0]
         if not _case_runs(case[0], world):
             continue
-        want = computed_once(results, case_handler(None, case[-1]), case)  # one process (rank 0's, sent to all)
-        _assert_equal(results(case_handler(group, case[-1]), case), want, f"{case[0]} cp {world}")
+        want = computed_once(results_with_lse, partial(case_handler, None, case[-1]), case)  # one process (rank 0's)
+        assert_equal(results_with_lse(partial(case_handler, group, case[-1]), case), want, f"{case[0]} cp {world}",
+                     lse=True)
     # the reference GPT (8 heads; one per rank at cp 8) in fp32 and bf16: its logits and per-token losses
     for dtype in (torch.float32, torch.bfloat16):
         want = computed_once(gpt_outputs, _handler(None), S, dtype)
@@ -68,7 +77,7 @@ def _worker(rank, world):
         case = ("bshd", *heads, torch.bfloat16 if gqa else torch.float32, "causal", None, "bshd")
         seq_len = 2 * world * chunk
         want = computed_once(results, _handler(None), case, seq_len)
-        _assert_equal(results(_handler(group), case, seq_len), want, f"S {seq_len} {heads} cp {world}")
+        assert_equal(results(_handler(group), case, seq_len), want, f"S {seq_len} {heads} cp {world}")
 
     bshd()
 
@@ -80,7 +89,7 @@ def _worker(rank, world):
     def thd(lengths):
         case = ("thd", *_thd_heads(world), torch.float32, "causal", None, tuple(lengths))
         want = computed_once(results, case_handler(None, case[-1]), case)
-        _assert_equal(results(case_handler(group, case[-1]), case), want, f"{lengths} cp {world}")
+        assert_equal(results(case_handler(group, case[-1]), case), want, f"{lengths} cp {world}")
 
     thd()
     if world == 2:  # the negative control: the default ring on the same inputs is not bitwise one process's

@@ -12,9 +12,11 @@ default all-gather and ring differ at cp 2. Refused by name: lengths whose zigza
 Tolerances: none (bitwise).
 """
 
+import functools
+
 import pytest
 import torch
-from deterministic_cases import RESULTS, D, case_handler, case_runs_heads, gpt_outputs, results, results_with_lse
+from deterministic_cases import D, assert_equal, case_handler, case_runs_heads, gpt_outputs, results, results_with_lse
 from dist_utils import computed_once, fails_fast, new_cp_group, run_distributed
 from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
@@ -42,40 +44,32 @@ THD_CASES = [  # packed documents on tiles (a 48th of each padded document per t
 ]
 
 
-def _assert_equal(got, want, what: str, lse: bool = False) -> None:
-    names = (*RESULTS[:len(got) - 1], "lse") if lse else RESULTS[:len(got)]
-    for name, a, b in zip(names, got, want, strict=True):
-        assert torch.equal(a, b), f"{what} {name}: max difference {(a.float() - b.float()).abs().max().item():.3e}"
-
-
 def _tiled_handlers(world: int, heads: int, kv_heads: int, group, levels, fmt="bshd"):
-    """``(name, handler)`` of every pattern in the mode that runs these heads at ``world`` in ``fmt``: all_gather and
-    p2p; auto (bshd, at cp 2 and 4: what the CPU's cost profile prices); a2a (not thd: it runs packed documents with
-    its blockwise plan, other bits, the same at every degree) and a2a+p2p (2 ranks in the all-to-all, the rest in the
-    ring) where the all-to-all's ranks divide the key-value heads."""
-    handlers = [(name, case_handler(group, fmt, name)) for name in ("all_gather", "p2p")]
+    """``(name, handler factory)`` of every pattern in the mode that runs these heads at ``world`` in ``fmt``:
+    all_gather and p2p; auto (bshd, at cp 2 and 4: what the CPU's cost profile prices); a2a (not thd: it runs packed
+    documents with its blockwise plan, other bits, the same at every degree) and a2a+p2p (2 ranks in the all-to-all,
+    the rest in the ring) where the all-to-all's ranks divide the key-value heads."""
+    names = ["all_gather", "p2p"]
     if world in (2, 4) and fmt == "bshd":  # the CPU's cost profile covers groups of 2 and 4
-        handlers.append(("auto", case_handler(group, fmt, "auto")))
+        names.append("auto")
     if case_runs_heads(heads, kv_heads, world) and not isinstance(fmt, tuple):
-        handlers.append(("a2a", case_handler(group, fmt)))
+        names.append("a2a")
     if levels is not None and case_runs_heads(heads, kv_heads, 2):
-        handlers.append(("a2a+p2p", case_handler(group, fmt, "a2a+p2p", levels)))
-    return handlers
+        names.append("a2a+p2p")
+    return [(name, functools.partial(case_handler, group, fmt, name, levels if name == "a2a+p2p" else None))
+            for name in names]
 
 
 def _check(case, seq_len, group, levels, world) -> None:
     """``case`` (``AG_CASES``' form with its format last) through every pattern of :func:`_tiled_handlers` against
-    one process's canonical tiles (and their log-sum-exp where the pattern runs the tiles' own forward)."""
+    one process's canonical tiles: output, gradients and the forward's log-sum-exp."""
     name, heads, kv_heads, dtype, *_, fmt = case
-    want = computed_once(results_with_lse, case_handler(None, fmt, "all_gather"), case, seq_len)
+    want = computed_once(results_with_lse, functools.partial(case_handler, None, fmt, "all_gather"), case, seq_len)
     for pattern, handler in _tiled_handlers(world, heads, kv_heads, group, levels, fmt):
         if (pattern == "auto" and dtype != torch.float32) or (pattern == "a2a" and name.startswith("sinks")):
             continue  # a2a runs sinks with its blockwise plan (other bits, the same at every degree)
         what = f"{name} {pattern} cp {world} {fmt if isinstance(fmt, str) else 'thd'} S {seq_len}"
-        if pattern in ("all_gather", "p2p"):  # the tiles' forward itself: its log-sum-exp too
-            _assert_equal(results_with_lse(handler, case, seq_len), want, what, lse=True)
-        else:
-            _assert_equal(results(handler, case, seq_len), want[:-1], what)
+        assert_equal(results_with_lse(handler, case, seq_len), want, what, lse=True)
 
 
 def _canonical_worker(rank, world):
@@ -110,7 +104,7 @@ def _canonical_worker(rank, world):
         for pattern, handler in _tiled_handlers(world, 8, 8, group, levels):
             if pattern == "auto" and dtype != torch.float32:
                 continue
-            for name, a, b in zip(("logits", "losses"), gpt_outputs(handler, seq_len, dtype), want, strict=True):
+            for name, a, b in zip(("logits", "losses"), gpt_outputs(handler(), seq_len, dtype), want, strict=True):
                 assert torch.equal(a, b), f"GPT {dtype} {name} {pattern} cp {world}: {(a - b).abs().max().item():.3e}"
     if world == 2:  # the negative controls: the default all-gather and ring on the same inputs are not cp 1's bits
         case = (*AG_CASES[0], "bshd")
@@ -136,6 +130,6 @@ def _canonical_worker(rank, world):
 def test_every_pattern_is_bitwise_the_same_at_every_cp_degree(world):
     """Every pattern on canonical tiles at cp 2, 3, 4, 6 and 8 (the module doc's cases: bshd, sbhd, thd packs, the
     GPT in fp32 and bf16; ``auto`` at cp 2 and 4 in fp32; ``a2a+p2p`` as 2 x cp / 2 at cp 4, 6 and 8): output, dq,
-    dk, dv (dsinks) and the log-sum-exp of the all-gather and the ring ``torch.equal`` to one process's canonical
-    tiles; the controls and refusals."""
+    dk, dv (dsinks) and the forward's log-sum-exp ``torch.equal`` to one process's canonical tiles; the controls and
+    refusals."""
     run_distributed(_canonical_worker, world)
