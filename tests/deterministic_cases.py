@@ -26,8 +26,13 @@ CASES = [  # (name, query heads, key-value heads, dtype, attn_mask_type, window,
     ("sinks-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
     ("mla-fp32", 8, 8, torch.float32, "causal", None, "bshd"),
     ("sbhd-fp32", 8, 8, torch.float32, "causal", None, "sbhd"),
+    ("thd-chunks-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
+    ("thd-softcap-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
+    ("thd-sinks-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
+    ("thd-mla-fp32", 8, 8, torch.float32, "causal", None, (100, 37, 1, 180, 66)),
+    ("thd-window-fp32", 8, 8, torch.float32, "causal", (37, 0), (100, 37, 1, 180, 66)),
 ]
-"""``qkv_format``: a tuple is a thd pack of those document lengths."""
+"""``qkv_format``: a tuple is a thd pack of those document lengths; a ``thd-`` case is its variant on a pack."""
 VARIANTS = {"chunks-fp32": {"attention_chunk_size": 48}, "softcap-fp32": {"softcap": 2.0},
             "sinks-fp32": {"sinks": 0.5}}
 """Attributes of the attention module per case (Llama 4's chunks, Gemma 2's soft-cap, gpt-oss's sinks: a learnable
@@ -50,14 +55,15 @@ def results(handler, case, seq_len: int = S, device: str = "cpu") -> list[torch.
     g = torch.Generator().manual_seed(0)
     shape, dim = (((sum(fmt),), 0) if isinstance(fmt, tuple) else ((seq_len, 1), 0) if fmt == "sbhd" else
                   ((1, seq_len), 1))
-    dv = 24 if name.startswith("mla") else D
+    variant = name.removeprefix("thd-")
+    dv = 24 if variant.startswith("mla") else D
     q = torch.randn(*shape, heads, D, generator=g).to(device, dtype)
     dout = torch.randn(*shape, heads, dv, generator=g).to(device, dtype)
     k = torch.randn(*shape, kv_heads, D, generator=g).to(device, dtype)
     v = torch.randn(*shape, kv_heads, dv, generator=g).to(device, dtype)
     module = torch.nn.Module()
     module.softmax_scale, module.window_size = 0.25, window
-    for attr, value in VARIANTS.get(name, {}).items():
+    for attr, value in VARIANTS.get(variant, {}).items():
         setattr(module, attr, torch.nn.Parameter((torch.full((heads,), value) + torch.arange(heads) / heads).to(device))
                 if attr == "sinks" else value)
     local = [handler.dispatch(t, dim).detach().requires_grad_() for t in (q, k, v)]
