@@ -102,11 +102,11 @@ def _worker(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
 def test_attention_is_bitwise_the_same_at_every_cp_degree(world):
-    """``a2a`` in the mode: every case of ``CASES`` the heads allow, output, dq, dk, dv (and dsinks) ``torch.equal`` to
-    cp 1; hypothesis over bshd lengths (``2 x cp x 1..40`` tokens, fp32 MHA and bf16 GQA) and over packed documents
-    (zero-length, tiny and long documents, any split; every document padded to a multiple of 48 at every degree,
-    :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`); the reference GPT's logits and per-token losses in fp32
-    and bf16; at cp 2 the default ring differs (the control)."""
+    """``a2a`` in the mode: every case of ``CASES`` the heads allow, output, log-sum-exp, dq, dk, dv (and dsinks)
+    ``torch.equal`` to cp 1; hypothesis over bshd lengths (``2 x cp x 1..40`` tokens, fp32 MHA and bf16 GQA) and over
+    packed documents (zero-length, tiny and long documents, any split; every document padded to a multiple of 48 at
+    every degree, :data:`~cp_handler.core.layout.DETERMINISTIC_MULTIPLE`); the reference GPT's logits and per-token
+    losses in fp32 and bf16; at cp 2 the default ring differs (the control)."""
     run_distributed(_worker, world)
 
 
