@@ -261,11 +261,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
             refusal = refusal or deterministic_heads_refusal(heads, kv_heads, self.cp_size // ring)
         return refusal
 
-    def _kernels(self, q: torch.Tensor) -> KernelChoice:
-        """The kernel choice of a call on ``q``'s device: the handler's, or in the deterministic mode the kernel it
-        pins for that device type (:data:`DETERMINISTIC_KERNELS`; on CUDA opt-in, warned once per process)."""
-        if not self.deterministic or q.device.type == "cpu":
-            return self.kernel_choice
+    def _device_kernels(self, q: torch.Tensor) -> KernelChoice:
+        """The deterministic mode's kernel choice for ``q``'s device type off the CPU: the kernel it pins there
+        (:data:`DETERMINISTIC_KERNELS`; on CUDA opt-in, warned once per process)."""
         choice = self._device_choices.get(q.device.type)
         if choice is None:
             if q.device.type not in _WARNED_DEVICES:
@@ -296,6 +294,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
 
     def attend(self, call: AttnCall) -> torch.Tensor:
         q, k, v, mask = call.q, call.k, call.v, call.mask
+        kernels = self.kernel_choice if not self.deterministic or q.device.type == "cpu" else self._device_kernels(q)
         if self.cp_size == 1 and self.qkv_format != "thd" and self.attn_kernel == AUTOMATIC and mask.plain \
                 and call.sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=mask.causal, scale=call.scale,
@@ -303,7 +302,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
         elif self.deterministic and (call.comm_type in ("all_gather", "p2p") if self.cp_size > 1 else
                                      canonical_applies(call.layout, mask, call.sinks,
                                                        tiled=call.comm_type in CANONICAL_COMM_TYPES)):
-            spec = AttnSpec(mask, call.scale, call.layout, self._kernels(q).select(q, v.shape[-1]),
+            spec = AttnSpec(mask, call.scale, call.layout, kernels.select(q, v.shape[-1]),
                             group=self.cp_group if self.cp_size > 1 else None, sinks=call.sinks)
             out = canonical_attention(q, k, v, spec, ring=call.comm_type == "p2p")[0]
         else:  # cp=1 with packed documents, a variant or a forced kernel runs the ring alone: blockwise
@@ -314,7 +313,7 @@ class LocalContextParallelHandler(ContextParallelHandler):
                 groups = pattern.spec_groups(self.cp_group, self.hierarchical_cp_groups) if self.cp_size > 1 else {}
                 entry = self._patterns[comm_type] = (pattern.attention, groups)
             attention, groups = entry
-            kernel = self._kernels(q).select(q, v.shape[-1])
+            kernel = kernels.select(q, v.shape[-1])
             if not mask.plain:  # a forced masked kernel that cannot run this mask: refused before communicating
                 check_masked_override(mask, q, kernel, v.shape[-1])
             spec = AttnSpec(mask, call.scale, call.layout, kernel, self.kernel_choice.packed_calls, sinks=call.sinks,
