@@ -141,9 +141,9 @@ class LocalContextParallelHandler(ContextParallelHandler):
         self.attn_kernel = attn_kernel or AUTOMATIC
         # with the packed calls of this batch's plans; thd: a new block shape per document pair
         self.kernel_choice = KernelChoice(self.attn_kernel, varying_shapes=self.qkv_format == "thd")
-        self._device_choices = {"cpu": self.kernel_choice}
-        """The deterministic mode's kernel choice per device type (:data:`DETERMINISTIC_KERNELS`; built on first use,
-        sharing the packed-call cache)."""
+        self._device_choices: dict[str, KernelChoice] = {}
+        """The deterministic mode's kernel choice per device type off the CPU (:data:`DETERMINISTIC_KERNELS`; built on
+        first use, sharing the packed-call cache)."""
         if self.cp_size > 1 and any(PATTERNS[t].hierarchical if t in PATTERNS else self.hierarchical_cp_groups
                                     for t in self.comm_types):
             self._check_levels()  # "auto" with levels given: checked like a2a+p2p's (it may pick it)
