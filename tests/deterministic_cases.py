@@ -150,9 +150,15 @@ def gpt_outputs(handler, seq_len: int = S, dtype: torch.dtype = torch.float32, d
     return [handler.combine(logits, 1), handler.combine(losses, 1)]
 
 
-def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str, lse: bool = False) -> None:
-    """``torch.equal`` of each result (:data:`RESULTS` in order; with ``lse``, :func:`results_with_lse`'s, the
-    log-sum-exp last), the first difference named with ``what`` and its largest magnitude."""
-    names = (*RESULTS[:len(got) - 1], "lse") if lse else RESULTS[:len(got)]
+GPT_OUTPUTS = ("logits", "losses")
+"""What :func:`gpt_outputs` returns, in order."""
+
+
+def assert_equal(got: list[torch.Tensor], want: list[torch.Tensor], what: str, lse: bool = False,
+                 names: tuple[str, ...] = RESULTS) -> None:
+    """``torch.equal`` of each result (``names`` in order: :data:`RESULTS`, or :data:`GPT_OUTPUTS`; with ``lse``,
+    :func:`results_with_lse`'s, the log-sum-exp last), the first difference named with ``what`` and its largest
+    magnitude."""
+    names = (*names[:len(got) - 1], "lse") if lse else names[:len(got)]
     for name, a, b in zip(names, got, want, strict=True):
         assert torch.equal(a, b), f"{what} {name}: max difference {(a.float() - b.float()).abs().max().item():.3e}"

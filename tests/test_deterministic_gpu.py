@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from deterministic_cases import case_handler, gpt_outputs, results
+from deterministic_cases import GPT_OUTPUTS, assert_equal, case_handler, gpt_outputs, results
 from dist_utils import new_cp_group, run_distributed
 
 from cp_handler.handlers.local import DETERMINISTIC_CUDA_ENV
@@ -30,16 +30,14 @@ def _worker(rank, world):
         for comm_type in ("p2p", "all_gather"):
             want = results(case_handler(None, "bshd", comm_type), case, seq_len, "cuda")  # cp 1 on this rank's GPU
             got = results(case_handler(group, "bshd", comm_type), case, seq_len, "cuda")
-            for name, a, b in zip(("output", "dq", "dk", "dv"), got, want, strict=True):
-                assert torch.equal(a, b), f"{case[0]} {comm_type} cp {world} {name}: {(a - b).abs().max().item():.3e}"
+            assert_equal(got, want, f"{case[0]} {comm_type} cp {world}")
     q = torch.zeros(1, seq_len // world, 8, 16, device="cuda", dtype=torch.bfloat16)
     module = torch.nn.Module()
     with pytest.raises(ValueError, match="use 'p2p' or 'all_gather'"):
         case_handler(group, "bshd", "a2a").core_attn(module, q, q, q, attn_mask_type="causal")
     want = gpt_outputs(case_handler(None, "bshd", "p2p"), seq_len, torch.bfloat16, "cuda")
     got = gpt_outputs(case_handler(group, "bshd", "p2p"), seq_len, torch.bfloat16, "cuda")
-    for name, a, b in zip(("logits", "losses"), got, want, strict=True):
-        assert torch.equal(a, b), f"GPT {name} cp {world}: {(a - b).abs().max().item():.3e}"
+    assert_equal(got, want, f"GPT cp {world}", names=GPT_OUTPUTS)
 
 
 def test_the_mode_is_bitwise_the_same_at_cp_1_and_2_on_cuda():
